@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all demo clean lint
+.PHONY: setup test test-all demo clean proto
 
 setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model
 	@command -v redis-server >/dev/null || { \
@@ -15,14 +15,10 @@ setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model
 
 $(VENV)/.stamp-torch:
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	@# Torch first, so nothing later can pull a multi-GB CUDA build on a CPU machine.
-	if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
-	  $(PIP) install -q "torch==$(TORCH_VERSION)"; \
-	else \
-	  $(PIP) install -q "torch==$(TORCH_VERSION)" --find-links /opt/wheels || \
-	  $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
-	fi
+	@# On a CPU machine this resolves to the CPU wheel that lies on disk (pip's find-links);
+	@# a CUDA machine gets the CUDA build of the same release from PyPI.
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
 	touch $@
 
 $(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
@@ -44,6 +40,10 @@ test-all: setup
 
 demo: setup
 	$(PY) -m router.demo
+
+# Regenerate the gRPC/protobuf stubs (tests/test_proto.py fails when they are stale).
+proto: $(VENV)/.stamp-deps
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/kvmesh/v1/kvmesh.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,398 @@
+"""`kvmesh plan`: how much KV cache a model needs and how many sequences fit beside its weights.
+
+Torch-free. Every byte figure comes from `kvstore.layout.KVLayout`, the same object the
+allocator sizes its pool with, so the plan is what the pool will take.
+
+- KV budget = gpu_memory × gpu_memory_utilization − weights (like vLLM, minus the activation
+  reserve vLLM profiles at start-up, so real capacity is a little lower). Clamped at 0.
+- Weights = parameter count (see `kvstore.presets`) × bytes per weight (int4 = 0.5), every
+  tensor at `--weights-dtype`; quantization scales of the weights are not counted.
+- `--kv-cache-dtype auto` stores KV in the compute dtype: fp32/bf16 weights compute in their
+  own dtype, fp16/int8/int4 weights in fp16.
+- Paged figures hold whole blocks. `max_sequences` = whole blocks in the budget // blocks per
+  sequence of `--context` tokens. Headline figures assume full attention in every layer;
+  `sliding_window` shows the per-sequence cap a windowed model allows.
+- `--lengths` is the workload for the waste report: `a,b,c` (token counts ≤ --context),
+  `uniform:N` (N lengths ceil(context·i/N), i = 1…N — the default is uniform:64), or
+  `zipf:N[:S]` (rank-size: round(context / i^S), i = 1…N, S defaults to 1). Contiguous
+  allocation reserves --context tokens per sequence; paged allocation whole blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.layout import KV_CACHE_DTYPES, KVLayout, resolve_kv_cache_dtype
+from kvstore.presets import PRESETS, ModelShape, PlanError, load_model_shape
+
+__all__ = ["PlanError", "PlanConfig", "Plan", "ModelShape", "PRESETS", "load_model_shape",
+           "parse_lengths", "make_plan", "render_table", "add_arguments", "main"]
+
+GIB = 1 << 30
+WEIGHTS_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+PER_DTYPES = ("fp16", "fp8", "int8", "int4")
+DEFAULT_LENGTHS = "uniform:64"
+MAX_LENGTHS = 100_000
+_WEIGHT_HALF_BYTES = {"fp32": 8, "fp16": 4, "bf16": 4, "int8": 2, "int4": 1}
+_COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "fp16", "int4": "fp16"}
+_LENGTHS_ACCEPTED = ("accepted: comma-separated positive token counts <= --context, "
+                     "'uniform:N' or 'zipf:N[:S]'")
+
+
+def _positive_int(flag: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(flag, value, "must be a positive integer")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    """What to plan for. Field names match the CLI flags (`gpu_memory_gib` is --gpu-memory)."""
+
+    context: int = 4096
+    batch: int = 1
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    gpu_memory_gib: float | None = None
+    weights_dtype: str = "fp16"
+    gpu_memory_utilization: float = 0.9
+    lengths: str | tuple[int, ...] = DEFAULT_LENGTHS
+
+    def __post_init__(self) -> None:
+        _positive_int("--context", self.context)
+        _positive_int("--batch", self.batch)
+        _positive_int("--block-size", self.block_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise PlanError("--kv-cache-dtype", self.kv_cache_dtype,
+                            f"accepted: {', '.join(KV_CACHE_DTYPES)}")
+        if self.weights_dtype not in WEIGHTS_DTYPES:
+            raise PlanError("--weights-dtype", self.weights_dtype,
+                            f"accepted: {', '.join(WEIGHTS_DTYPES)}")
+        gpu = self.gpu_memory_gib
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, (int, float))
+                                or not math.isfinite(gpu) or gpu <= 0):
+            raise PlanError("--gpu-memory", gpu, "must be a positive number of GiB")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise PlanError("--gpu-memory-utilization", util, "must be in (0, 1]")
+        parse_lengths(self.lengths, self.context)
+
+
+def parse_lengths(spec: str | Sequence[int], context: int) -> tuple[int, ...]:
+    """The sequence lengths of a `--lengths` spec (see the module docstring); deterministic."""
+    if not isinstance(spec, str):
+        values = tuple(spec)
+        if not values or len(values) > MAX_LENGTHS or any(
+                isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= context
+                for n in values):
+            raise PlanError("--lengths", spec, _LENGTHS_ACCEPTED)
+        return values
+    kind, _, rest = spec.strip().partition(":")
+    try:
+        if kind in ("uniform", "zipf"):
+            parts = rest.split(":")
+            count = int(parts[0])
+            exponent = float(parts[1]) if kind == "zipf" and len(parts) == 2 else 1.0
+            if not 0 < count <= MAX_LENGTHS or len(parts) > (2 if kind == "zipf" else 1) \
+                    or not 0 < exponent < math.inf:
+                raise ValueError(spec)
+            if kind == "uniform":
+                return tuple(-(-context * i // count) for i in range(1, count + 1))
+            return tuple(max(1, round(context / i ** exponent)) for i in range(1, count + 1))
+        return parse_lengths([int(part) for part in spec.split(",")], context)
+    except ValueError:
+        raise PlanError("--lengths", spec, _LENGTHS_ACCEPTED) from None
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionVariant:
+    """The same model with `num_key_value_heads` kv heads: MHA (= heads), its GQA, MQA (1)."""
+
+    name: str
+    num_key_value_heads: int
+    bytes_per_token: int
+    bytes_per_sequence: int
+    max_sequences: int | None
+    is_model: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeRow:
+    """The model's KV in one storage dtype; quantized rows include scale (+zero) bytes."""
+
+    kv_cache_dtype: str
+    bytes_per_token: int
+    bytes_per_sequence: int
+    max_sequences: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowPlan:
+    """Per-sequence KV with the window cap: window tokens + 1 block (the window straddles one)."""
+
+    window: int
+    blocks_per_sequence_capped: int
+    bytes_per_sequence_capped: int
+    bytes_per_sequence_uncapped: int
+    max_sequences_capped: int | None
+    max_sequences_uncapped: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WastePlan:
+    """Unused-but-allocated token slots for a length distribution, paged vs contiguous."""
+
+    lengths: str
+    num_lengths: int
+    mean_length: float
+    max_length: int
+    paged_waste_fraction: float
+    contiguous_waste_fraction: float
+    paged_sequences_admitted: int | None  # sequences drawn in proportion to the lengths
+    contiguous_sequences_admitted: int | None  # each reserves max_length tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything `kvmesh plan` reports. Byte counts are exact integers."""
+
+    model: ModelShape
+    config: PlanConfig
+    kv_cache_dtype: str  # resolved, never "auto"
+    num_params: int
+    weights_bytes: int
+    bytes_per_token: int
+    bytes_per_block: int
+    blocks_per_sequence: int
+    bytes_per_sequence: int
+    bytes_total: int
+    usable_bytes: int | None  # gpu_memory × utilization; None without --gpu-memory
+    kv_budget_bytes: int | None
+    num_blocks: int | None  # whole blocks in the KV budget
+    max_sequences: int | None
+    fits: bool | None  # batch sequences of context tokens fit in the budget; None: unknown
+    attention_variants: tuple[AttentionVariant, ...]
+    sliding_window: SlidingWindowPlan | None
+    waste: WastePlan
+    per_dtype: tuple[DtypeRow, ...]
+    warnings: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _max_sequences(layout: KVLayout, tokens: int, budget: int | None) -> int | None:
+    return None if budget is None else layout.num_blocks_in(budget) // layout.blocks_for(tokens)
+
+
+def _waste(layout: KVLayout, cfg: PlanConfig, budget: int | None) -> WastePlan:
+    lengths = parse_lengths(cfg.lengths, cfg.context)
+    used = sum(lengths)
+    blocks = sum(layout.blocks_for(n) for n in lengths)
+    paged_slots, contiguous_slots = blocks * layout.block_size, len(lengths) * cfg.context
+    paged_admitted = contiguous_admitted = None
+    if budget is not None:
+        paged_admitted = layout.num_blocks_in(budget) * len(lengths) // blocks
+        contiguous_admitted = budget // layout.bytes_per_sequence(cfg.context, paged=False)
+    spec = cfg.lengths if isinstance(cfg.lengths, str) else ",".join(map(str, cfg.lengths))
+    return WastePlan(spec, len(lengths), used / len(lengths), cfg.context,
+                     (paged_slots - used) / paged_slots,
+                     (contiguous_slots - used) / contiguous_slots,
+                     paged_admitted, contiguous_admitted)
+
+
+def make_plan(shape: ModelShape, *, context: int = 4096, batch: int = 1,
+              kv_cache_dtype: str = "auto", block_size: int = 16,
+              gpu_memory_gib: float | None = None, weights_dtype: str = "fp16",
+              gpu_memory_utilization: float = 0.9,
+              lengths: str | Sequence[int] | None = None) -> Plan:
+    """Plan the KV cache of `shape`. Raises PlanError (naming the flag) on bad input."""
+    if lengths is None:
+        lengths = DEFAULT_LENGTHS
+    cfg = PlanConfig(context, batch, kv_cache_dtype, block_size, gpu_memory_gib, weights_dtype,
+                     gpu_memory_utilization, lengths if isinstance(lengths, str) else tuple(lengths))
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, _COMPUTE_DTYPE[cfg.weights_dtype])
+    warnings: list[str] = []
+
+    def layout_for(dtype: str, kv_heads: int = shape.num_key_value_heads) -> KVLayout:
+        return KVLayout(shape.num_hidden_layers, kv_heads, shape.head_dim, cfg.block_size, dtype)
+
+    try:
+        layout = layout_for(kv_dtype)
+    except ValueError as exc:
+        raise PlanError("--kv-cache-dtype", cfg.kv_cache_dtype, str(exc)) from None
+    num_params = shape.num_params
+    weights_bytes = -(-num_params * _WEIGHT_HALF_BYTES[cfg.weights_dtype] // 2)
+    usable = budget = None
+    if cfg.gpu_memory_gib is not None:
+        usable = round(cfg.gpu_memory_gib * GIB * cfg.gpu_memory_utilization)
+        budget = max(0, usable - weights_bytes)
+        if weights_bytes > usable:
+            warnings.append(f"weights ({_fmt_bytes(weights_bytes)}) exceed usable GPU memory "
+                            f"({_fmt_bytes(usable)}): no room for any KV cache")
+    max_pos = shape.max_position_embeddings
+    if max_pos is not None and cfg.context > max_pos:
+        warnings.append(f"--context {cfg.context} exceeds the model's max_position_embeddings "
+                        f"{max_pos}")
+    max_sequences = _max_sequences(layout, cfg.context, budget)
+
+    variants = []
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    for name, n in (("mha", heads), ("gqa", kv_heads), ("mqa", 1)):
+        if name == "gqa" and not 1 < n < heads:
+            continue
+        var = layout_for(kv_dtype, n)
+        variants.append(AttentionVariant(name, n, var.bytes_per_token,
+                                         var.bytes_per_sequence(cfg.context),
+                                         _max_sequences(var, cfg.context, budget), n == kv_heads))
+
+    per_dtype = []
+    for dtype in PER_DTYPES:
+        try:
+            var = layout_for(dtype)
+        except ValueError as exc:
+            warnings.append(f"{dtype} KV left out of per_dtype: {exc}")
+            continue
+        per_dtype.append(DtypeRow(dtype, var.bytes_per_token, var.bytes_per_sequence(cfg.context),
+                                  _max_sequences(var, cfg.context, budget)))
+
+    window = None
+    if shape.sliding_window is not None:
+        capped = min(layout.blocks_for(cfg.context), layout.blocks_for(shape.sliding_window) + 1)
+        capped_bytes = capped * layout.bytes_per_block
+        window = SlidingWindowPlan(
+            shape.sliding_window, capped, capped_bytes, layout.bytes_per_sequence(cfg.context),
+            None if budget is None else layout.num_blocks_in(budget) // capped, max_sequences)
+
+    return Plan(
+        model=shape, config=cfg, kv_cache_dtype=kv_dtype, num_params=num_params,
+        weights_bytes=weights_bytes, bytes_per_token=layout.bytes_per_token,
+        bytes_per_block=layout.bytes_per_block,
+        blocks_per_sequence=layout.blocks_for(cfg.context),
+        bytes_per_sequence=layout.bytes_per_sequence(cfg.context),
+        bytes_total=layout.bytes_for_batch(cfg.context, cfg.batch),
+        usable_bytes=usable, kv_budget_bytes=budget,
+        num_blocks=None if budget is None else layout.num_blocks_in(budget),
+        max_sequences=max_sequences,
+        fits=None if max_sequences is None else cfg.batch <= max_sequences,
+        attention_variants=tuple(variants), sliding_window=window,
+        waste=_waste(layout, cfg, budget), per_dtype=tuple(per_dtype), warnings=tuple(warnings))
+
+
+def _fmt_bytes(num: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(num) >= size:
+            return f"{num / size:.2f} {unit}"
+    return f"{num:.0f} B"
+
+
+def _fmt_opt(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in (headers, *rows)) for i in range(len(headers))]
+    fmt = "  " + "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return [fmt.format(*headers).rstrip(), *(fmt.format(*row).rstrip() for row in rows)]
+
+
+def render_table(plan: Plan) -> str:
+    """The human report: aligned sections with GiB/MiB/KiB units."""
+    m, c = plan.model, plan.config
+    kind = ("MHA" if m.num_key_value_heads == m.num_attention_heads else
+            "MQA" if m.num_key_value_heads == 1 else "GQA")
+    out = [f"kvmesh plan: {m.name} - {m.num_hidden_layers} layers, {m.num_attention_heads} heads,"
+           f" {m.num_key_value_heads} kv heads ({kind}), head_dim {m.head_dim}",
+           f"  {plan.num_params / 1e9:.2f} B params, weights {c.weights_dtype}, "
+           f"kv_cache_dtype {plan.kv_cache_dtype}, block_size {c.block_size}", ""]
+    out += _table(("KV cache", ""), [
+        ("bytes per token", _fmt_bytes(plan.bytes_per_token)),
+        (f"bytes per block ({c.block_size} tokens)", _fmt_bytes(plan.bytes_per_block)),
+        (f"blocks per sequence ({c.context} tokens)", f"{plan.blocks_per_sequence:,}"),
+        ("bytes per sequence", _fmt_bytes(plan.bytes_per_sequence)),
+        (f"bytes total (batch {c.batch})", _fmt_bytes(plan.bytes_total)),
+        ("weights", _fmt_bytes(plan.weights_bytes))])
+    out.append("")
+    if plan.usable_bytes is None or plan.kv_budget_bytes is None:
+        out.append("  no --gpu-memory given: max_sequences and fit not computed")
+    else:
+        out += _table((f"GPU {c.gpu_memory_gib:g} GiB x {c.gpu_memory_utilization:g}", ""), [
+            ("usable", _fmt_bytes(plan.usable_bytes)),
+            ("KV budget (usable - weights)", _fmt_bytes(plan.kv_budget_bytes)),
+            ("blocks in budget", _fmt_opt(plan.num_blocks)),
+            (f"max sequences of {c.context} tokens", _fmt_opt(plan.max_sequences))])
+        if plan.fits:
+            out.append(f"  FITS: batch {c.batch} needs {_fmt_bytes(plan.bytes_total)} of KV, "
+                       f"{_fmt_bytes(plan.kv_budget_bytes)} available")
+        else:
+            out.append(f"  DOES NOT FIT: needs {_fmt_bytes(plan.bytes_total)} of KV, "
+                       f"{_fmt_bytes(plan.kv_budget_bytes)} available "
+                       f"(batch {c.batch}, at most {plan.max_sequences} sequences fit)")
+    out.append("")
+    out += _table(("attention", "kv heads", "per token", "per sequence", "max seqs"), [
+        (v.name + (" (model)" if v.is_model else ""), str(v.num_key_value_heads),
+         _fmt_bytes(v.bytes_per_token), _fmt_bytes(v.bytes_per_sequence),
+         _fmt_opt(v.max_sequences)) for v in plan.attention_variants])
+    out.append("")
+    out += _table(("kv dtype", "per token", "per sequence", "max seqs"), [
+        (d.kv_cache_dtype, _fmt_bytes(d.bytes_per_token), _fmt_bytes(d.bytes_per_sequence),
+         _fmt_opt(d.max_sequences)) for d in plan.per_dtype])
+    if plan.sliding_window is not None:
+        w = plan.sliding_window
+        out.append("")
+        out += _table((f"sliding window {w.window}", "per sequence", "max seqs"), [
+            ("uncapped", _fmt_bytes(w.bytes_per_sequence_uncapped),
+             _fmt_opt(w.max_sequences_uncapped)),
+            (f"capped ({w.blocks_per_sequence_capped} blocks)",
+             _fmt_bytes(w.bytes_per_sequence_capped), _fmt_opt(w.max_sequences_capped))])
+    ws = plan.waste
+    out.append("")
+    out.append(f"  lengths {ws.lengths}: {ws.num_lengths} sequences, mean {ws.mean_length:.1f},"
+               f" max {ws.max_length} tokens")
+    out += _table(("allocation", "waste", "sequences admitted"), [
+        (f"paged (block {c.block_size})", f"{ws.paged_waste_fraction:.1%}",
+         _fmt_opt(ws.paged_sequences_admitted)),
+        (f"contiguous ({ws.max_length} tokens)", f"{ws.contiguous_waste_fraction:.1%}",
+         _fmt_opt(ws.contiguous_sequences_admitted))])
+    out += [f"warning: {text}" for text in plan.warnings]
+    return "\n".join(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvmesh plan`."""
+    parser.add_argument("--model", required=True,
+                        help=f"a preset ({', '.join(PRESETS)}), a local HF model dir, "
+                             "or a config.json path")
+    parser.add_argument("--context", type=int, default=4096, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="concurrent sequences")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV storage dtype; auto = the compute dtype of the weights")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--gpu-memory", type=float, default=None, dest="gpu_memory",
+                        help="GPU memory in GiB (enables max_sequences and fits)")
+    parser.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="fp16")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory kvmesh may use, like vLLM")
+    parser.add_argument("--lengths", default=None,
+                        help=f"workload for the waste report: a,b,c | uniform:N | zipf:N[:S] "
+                             f"(default {DEFAULT_LENGTHS})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `kvmesh plan`: 0 with a plan printed (fitting or not), 2 on bad input."""
+    try:
+        plan = make_plan(load_model_shape(args.model), context=args.context, batch=args.batch,
+                         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                         gpu_memory_gib=args.gpu_memory, weights_dtype=args.weights_dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         lengths=args.lengths)
+    except PlanError as exc:
+        print(f"kvmesh plan: {exc}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.json else render_table(plan))
+    return 0

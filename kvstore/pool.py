@@ -1,0 +1,386 @@
+"""The block allocator: block ids, ref counts, an LRU free queue and the hash→block map.
+
+The design of vLLM v1 (0.10) `BlockPool`, without tensors (this module imports no torch):
+
+- Every block is either in use (`ref_cnt > 0`, owned by the requests that allocated or
+  touched it) or in the free queue (`ref_cnt == 0`). A free block may still hold a cached
+  hash: its KV content stays valid and reusable until `allocate` hands the block out again.
+- The free queue is an intrusive doubly linked list: O(1) `popleft` (allocate takes the
+  least recently freed block), `append` (free) and removal from the middle (`touch` of a
+  cached free block that a new request reuses).
+- Freed blocks are appended in the order the caller gives them. A finished sequence's
+  blocks should be given tail first (`free_sequence` does that), so a prefix's tail
+  blocks are evicted before its head blocks, which more requests share.
+- With `enable_prefix_caching=False` the hash map is a null object that stores nothing:
+  `cache_full_blocks` caches nothing and `find_longest_prefix` finds nothing.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, NewType
+
+from kvstore.errors import OutOfBlocks
+from kvstore.keys import BlockHash
+
+BlockId = NewType("BlockId", int)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """`block_id` now caches the block keyed `block_hash`, whose parent is `parent_hash`."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    block_id: BlockId
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """`block_id` no longer caches `block_hash` (evicted by an allocation)."""
+
+    block_hash: BlockHash
+    block_id: BlockId
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every cached hash was dropped (`reset_prefix_cache`)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+EvictCallback = Callable[[BlockId, BlockHash], None]
+
+
+class PoolStats(NamedTuple):
+    """Counters since the pool was built. `queries`: `find_longest_prefix` calls; `hits`:
+    calls that found at least one block; `*_blocks`: hashes asked for / blocks found;
+    `evictions`: cached hashes dropped by `allocate` (not by `reset_prefix_cache`)."""
+
+    queries: int
+    hits: int
+    query_blocks: int
+    hit_blocks: int
+    evictions: int
+
+
+class BlockInfo(NamedTuple):
+    """A snapshot of one block's metadata (for tests and integrity checks of callers)."""
+
+    block_id: BlockId
+    ref_cnt: int
+    block_hash: BlockHash | None
+
+
+class _Block:
+    """Metadata of one block; `prev`/`next` link it into the free queue while free."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = BlockId(block_id)
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+class _FreeQueue:
+    """Intrusive doubly linked list of free blocks between two sentinels; head = LRU."""
+
+    def __init__(self, blocks: Sequence[_Block]) -> None:
+        self._head, self._tail = _Block(-1), _Block(-1)  # sentinels: no None checks at ends
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, block: _Block) -> None:
+        last = self._tail.prev
+        assert last is not None and block.prev is None and block.next is None, \
+            f"block {block.block_id} is already in the free queue"
+        block.prev, block.next = last, self._tail
+        last.next = self._tail.prev = block
+        self._len += 1
+
+    def remove(self, block: _Block) -> None:
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def popleft(self) -> _Block:
+        first = self._head.next
+        assert first is not None and first is not self._tail, "free queue is empty"
+        self.remove(first)
+        return first
+
+    def walk(self, forward: bool, limit: int) -> list[_Block]:
+        """At most `limit` blocks from the head following `next` (or from the tail, `prev`)."""
+        out: list[_Block] = []
+        end = self._tail if forward else self._head
+        node = self._head.next if forward else self._tail.prev
+        while node is not end and len(out) < limit:
+            assert node is not None, "broken free-queue link (None before the sentinel)"
+            out.append(node)
+            node = node.next if forward else node.prev
+        return out
+
+
+class _HashIndex:
+    """hash → id of the block that caches it (read `map`, write through `add`)."""
+
+    def __init__(self) -> None:
+        self.map: dict[BlockHash, BlockId] = {}
+
+    def add(self, block_hash: BlockHash, block_id: BlockId) -> bool:
+        """Map `block_hash` to `block_id` unless it already maps somewhere; True if added."""
+        if block_hash in self.map:
+            return False
+        self.map[block_hash] = block_id
+        return True
+
+
+class _NullHashIndex(_HashIndex):
+    """Prefix caching off: nothing is ever added, so nothing is ever found or evicted."""
+
+    def add(self, block_hash: BlockHash, block_id: BlockId) -> bool:
+        return False
+
+
+class BlockPool:
+    """Ref-counted blocks `0..num_blocks-1` with an LRU free queue and a prefix cache.
+
+    Ownership: `allocate` returns blocks at ref_cnt 1, owned by the caller; `touch` adds
+    one reference per block for a request reusing cached blocks; `free` drops one. A block
+    id is safe to read/write while the caller holds a reference. Only free blocks are ever
+    evicted, and only by `allocate` (least recently freed first) or `reset_prefix_cache`.
+    `on_evict(block_id, block_hash)` runs before `allocate` drops a cached hash, while the
+    block still holds that content (the host tier offloads it there); if it raises, the
+    pool is unchanged. Events are recorded only with `enable_kv_cache_events` (drain them
+    with `take_events`, or the list grows).
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 on_evict: EvictCallback | None = None,
+                 enable_kv_cache_events: bool = True) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free = _FreeQueue(self._blocks)
+        self._index: _HashIndex = _HashIndex() if enable_prefix_caching else _NullHashIndex()
+        self._on_evict = on_evict
+        self._record_events = enable_kv_cache_events
+        self._events: list[KVEvent] = []
+        self._queries = self._hits = self._query_blocks = self._hit_blocks = self._evictions = 0
+
+    def allocate(self, n: int) -> list[BlockId]:
+        """Take `n` blocks from the head of the free queue (least recently freed first).
+
+        Cached hashes of the taken blocks are evicted (`on_evict`, then a `BlockRemoved`
+        event). The blocks come back at ref_cnt 1, owned by the caller. Raises `OutOfBlocks`
+        (pool unchanged) when fewer than `n` blocks are free.
+        """
+        if n < 0:
+            raise ValueError(f"n={n} must be >= 0")
+        if n > len(self._free):
+            raise OutOfBlocks(n, len(self._free))
+        if self._on_evict is not None:
+            for block in self._free.walk(forward=True, limit=n):
+                if block.block_hash is not None:
+                    self._on_evict(block.block_id, block.block_hash)
+        taken = [self._free.popleft() for _ in range(n)]
+        for block in taken:
+            if block.block_hash is not None:
+                self._drop_hash(block)
+            block.ref_cnt = 1
+        return [block.block_id for block in taken]
+
+    def free(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop one reference per listed block; blocks reaching 0 join the free queue tail
+        IN THE ORDER GIVEN (first listed = evicted first). Give a finished sequence's blocks
+        tail first, or use `free_sequence`. Over-freeing raises ValueError, pool unchanged.
+        """
+        blocks = self._lookup(block_ids)
+        for block_id, count in Counter(b.block_id for b in blocks).items():
+            ref_cnt = self._blocks[block_id].ref_cnt
+            if count > ref_cnt:
+                raise ValueError(f"freeing block {block_id} {count} time(s) but its ref_cnt "
+                                 f"is {ref_cnt} (double free?)")
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free.append(block)
+
+    def free_sequence(self, block_ids: Sequence[BlockId]) -> None:
+        """Free a sequence's blocks given in sequence order: its tail is evicted first."""
+        self.free(list(reversed(block_ids)))
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        """Add one reference per listed block (a new request reusing cached blocks).
+
+        A free block leaves the free queue, so it can no longer be evicted. Touching a free
+        block that caches nothing is an error (its content is gone): ValueError, unchanged.
+        """
+        blocks = self._lookup(block_ids)
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is None:
+                raise ValueError(f"touching free block {block.block_id}, which caches nothing")
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
+                          parent_hash: BlockHash | None = None) -> None:
+        """Register `block_hashes[i]` → `block_ids[i]` for FULL blocks the caller holds.
+
+        `block_ids` may be longer than `block_hashes` (a trailing partial block is simply
+        not cached). A block already caching that hash is left alone; a hash already cached
+        by ANOTHER block keeps its block, and this one stays uncached. Each newly cached
+        block records `BlockStored` whose parent is the previous hash in the list
+        (`parent_hash` for the first). A no-op with prefix caching off.
+        """
+        if len(block_hashes) > len(block_ids):
+            raise ValueError(f"{len(block_hashes)} hashes for {len(block_ids)} blocks")
+        blocks = self._lookup(block_ids[:len(block_hashes)])
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.ref_cnt == 0:
+                raise ValueError(f"caching free block {block.block_id}: hold a reference")
+            if block.block_hash is not None and block.block_hash != block_hash:
+                raise ValueError(f"block {block.block_id} already caches another hash")
+        parent = parent_hash
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is None and self._index.add(block_hash, block.block_id):
+                block.block_hash = block_hash
+                self._record(BlockStored(block_hash, parent, block.block_id))
+            parent = block_hash
+
+    def find_longest_prefix(self, block_hashes: Sequence[BlockHash]) -> list[BlockId]:
+        """Blocks caching the longest run of leading `block_hashes`.
+
+        Ref counts are NOT changed: `touch` the blocks you use before the next `allocate`,
+        which may evict them. Mutates only the query/hit counters of `stats()`.
+        """
+        found: list[BlockId] = []
+        for block_hash in block_hashes:
+            block_id = self._index.map.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        self._queries += 1
+        self._hits += bool(found)
+        self._query_blocks += len(block_hashes)
+        self._hit_blocks += len(found)
+        return found
+
+    def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
+        """The block caching `block_hash`, if any (it may be free: touch it to keep it)."""
+        return self._index.map.get(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash if no block is in use (True); otherwise do nothing (False).
+
+        The free queue order is kept. Records `AllBlocksCleared`.
+        """
+        if self.num_used_blocks:
+            return False
+        for block in self._blocks:
+            block.block_hash = None
+        self._index.map.clear()
+        self._record(AllBlocksCleared())
+        return True
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks `allocate` can take now, including cached ones nobody references."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index.map)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref_cnt > 0."""
+        return len(self._blocks) - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (0.0 … 1.0)."""
+        return self.num_used_blocks / len(self._blocks)
+
+    def ref_cnt(self, block_id: BlockId) -> int:
+        return self._lookup([block_id])[0].ref_cnt
+
+    def block_info(self, block_id: BlockId) -> BlockInfo:
+        block = self._lookup([block_id])[0]
+        return BlockInfo(block.block_id, block.ref_cnt, block.block_hash)
+
+    def free_block_ids(self) -> list[BlockId]:
+        """The free queue, head first: the order in which `allocate` would take blocks."""
+        return [b.block_id for b in self._free.walk(forward=True, limit=len(self._blocks))]
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self._queries, self._hits, self._query_blocks, self._hit_blocks,
+                         self._evictions)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first; clears the list."""
+        events, self._events = self._events, []
+        return events
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError describing the first broken invariant, if any."""
+        n = len(self._blocks)
+        forward = self._free.walk(forward=True, limit=n + 1)  # n + 1: a cycle shows
+        backward = self._free.walk(forward=False, limit=n + 1)
+        assert len(forward) <= n, "free queue has a cycle (forward walk)"
+        assert len(forward) == len(self._free), \
+            f"free queue length {len(self._free)} != {len(forward)} linked blocks"
+        assert forward == backward[::-1], "free queue forward and backward walks disagree"
+        free_ids = {b.block_id for b in forward}
+        assert len(free_ids) == len(forward), "a block appears twice in the free queue"
+        for block in self._blocks:
+            is_free = block.block_id in free_ids
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            assert (block.ref_cnt == 0) == is_free, f"block {block.block_id} has ref_cnt " \
+                f"{block.ref_cnt} but is {'' if is_free else 'not '}in the free queue"
+            assert is_free or block.prev is None and block.next is None, \
+                f"used block {block.block_id} still has free-queue links"
+        used = sum(b.ref_cnt > 0 for b in self._blocks)
+        assert len(forward) + used == n, f"{len(forward)} free + {used} used != {n} blocks"
+        for block_hash, block_id in self._index.map.items():
+            assert self._blocks[block_id].block_hash == block_hash, \
+                f"hash map sends {block_hash:032x} to block {block_id}, which caches another"
+        cached = sum(b.block_hash is not None for b in self._blocks)
+        assert cached == len(self._index.map), \
+            f"{cached} blocks carry a hash but the hash map has {len(self._index.map)}"
+
+    def _lookup(self, block_ids: Sequence[BlockId]) -> list[_Block]:
+        n = len(self._blocks)
+        for block_id in block_ids:
+            if not 0 <= block_id < n:
+                raise ValueError(f"block id {block_id} is outside [0, {n})")
+        return [self._blocks[block_id] for block_id in block_ids]
+
+    def _drop_hash(self, block: _Block) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self._index.map[block_hash]
+        block.block_hash = None
+        self._evictions += 1
+        self._record(BlockRemoved(block_hash, block.block_id))
+
+    def _record(self, event: KVEvent) -> None:
+        if self._record_events:
+            self._events.append(event)

@@ -1,0 +1,290 @@
+"""BlockPool scenarios that pin exact block ids and eviction order (vLLM v1 style)."""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import KVStoreError, OutOfBlocks
+from kvstore.keys import BlockHash, HashSalt, block_hashes
+from kvstore.pool import (AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored,
+                          PoolStats)
+
+BS = 4
+SALT = HashSalt("test-model", "test-tok", "fp16", BS).digest()
+PROMPT_A = list(range(1, 15))                 # 14 tokens: 3 full blocks + 2 tokens
+PROMPT_B = PROMPT_A[:12] + [90, 91, 92, 93]   # A's 3 full blocks + 1 full block of its own
+
+
+def ids(*xs: int) -> list[BlockId]:
+    return [BlockId(x) for x in xs]
+
+
+def test_fresh_pool() -> None:
+    pool = BlockPool(10)
+    assert (pool.num_blocks, pool.num_free_blocks, pool.num_used_blocks) == (10, 10, 0)
+    assert pool.num_cached_blocks == 0 and pool.usage == 0.0
+    assert pool.free_block_ids() == list(range(10))
+    assert pool.allocate(0) == []
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.usage == pytest.approx(0.3)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, True])
+def test_num_blocks_validated(num_blocks: int) -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(num_blocks)
+
+
+def test_shared_prefix_then_eviction_order() -> None:
+    pool = BlockPool(10)
+    h_a = block_hashes(PROMPT_A, BS, SALT)
+    h_b = block_hashes(PROMPT_B, BS, SALT)
+    assert len(h_a) == 3 and h_b[:3] == h_a and len(h_b) == 4
+
+    # request A: 4 blocks, the first 3 full
+    blocks_a = pool.allocate(4)
+    assert blocks_a == [0, 1, 2, 3]
+    pool.cache_full_blocks(blocks_a, h_a)
+    assert pool.take_events() == [BlockStored(h_a[0], None, BlockId(0)),
+                                  BlockStored(h_a[1], h_a[0], BlockId(1)),
+                                  BlockStored(h_a[2], h_a[1], BlockId(2))]
+
+    # request B: reuses A's 3 cached blocks, allocates 1 more
+    prefix = pool.find_longest_prefix(h_b)
+    assert prefix == [0, 1, 2]
+    pool.touch(prefix)
+    blocks_b = prefix + pool.allocate(1)
+    assert blocks_b == [0, 1, 2, 4]
+    assert [pool.ref_cnt(BlockId(b)) for b in range(5)] == [2, 2, 2, 1, 1]
+    pool.cache_full_blocks(blocks_b, h_b)
+    assert pool.take_events() == [BlockStored(h_b[3], h_a[2], BlockId(4))]
+    assert pool.num_cached_blocks == 4
+    pool.check_integrity()
+
+    # A finishes: only its private tail block 3 becomes free
+    pool.free_sequence(blocks_a)
+    assert pool.free_block_ids() == [5, 6, 7, 8, 9, 3]
+    # B finishes: tail first
+    pool.free_sequence(blocks_b)
+    assert pool.free_block_ids() == [5, 6, 7, 8, 9, 3, 4, 2, 1, 0]
+    assert pool.num_cached_blocks == 4 and pool.num_used_blocks == 0
+    pool.check_integrity()
+
+    # C takes 8: never-cached blocks first, then the tail of the shared prefix
+    assert pool.allocate(8) == [5, 6, 7, 8, 9, 3, 4, 2]
+    assert pool.take_events() == [BlockRemoved(h_b[3], BlockId(4)),
+                                  BlockRemoved(h_a[2], BlockId(2))]
+    assert pool.free_block_ids() == [1, 0]
+    assert pool.find_longest_prefix(h_b) == [0, 1]
+    assert pool.stats() == PoolStats(queries=2, hits=2, query_blocks=8, hit_blocks=5,
+                                     evictions=2)
+
+    # D reuses the 2 surviving blocks: the free queue empties from the middle out
+    pool.touch(ids(0, 1))
+    assert pool.free_block_ids() == [] and pool.usage == 1.0
+    pool.check_integrity()
+
+
+def test_out_of_blocks_changes_nothing() -> None:
+    pool = BlockPool(6)
+    blocks = pool.allocate(3)
+    pool.cache_full_blocks(blocks, block_hashes(list(range(12)), BS, SALT))
+    pool.free_sequence(blocks)
+    pool.take_events()
+    before = (pool.free_block_ids(), [pool.block_info(BlockId(b)) for b in range(6)])
+    with pytest.raises(OutOfBlocks, match="requested 7 blocks but only 6 are free") as err:
+        pool.allocate(7)
+    assert issubclass(OutOfBlocks, KVStoreError)
+    assert (err.value.num_requested, err.value.num_free) == (7, 6)
+    assert pickle.loads(pickle.dumps(err.value)).num_free == 6
+    assert (pool.free_block_ids(), [pool.block_info(BlockId(b)) for b in range(6)]) == before
+    assert pool.take_events() == [] and pool.stats().evictions == 0
+    pool.check_integrity()
+
+
+def test_free_order_is_the_order_given() -> None:
+    pool = BlockPool(4)
+    pool.allocate(4)
+    pool.free(ids(2, 0, 3, 1))
+    assert pool.free_block_ids() == [2, 0, 3, 1]
+    assert pool.allocate(2) == [2, 0]
+
+
+def test_over_free_is_rejected_and_changes_nothing() -> None:
+    pool = BlockPool(4)
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="block 1 2 time"):
+        pool.free(ids(0, 1, 1))
+    assert pool.free_block_ids() == [2, 3]
+    pool.free(ids(1))
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(ids(1))
+    with pytest.raises(ValueError, match="outside"):
+        pool.free(ids(4))
+    pool.check_integrity()
+
+
+def test_touch_removes_from_middle_of_free_queue() -> None:
+    pool = BlockPool(5)
+    blocks = pool.allocate(5)
+    pool.cache_full_blocks(blocks, block_hashes(list(range(20)), BS, SALT))
+    pool.free(blocks)
+    pool.touch(ids(2, 2))
+    assert pool.free_block_ids() == [0, 1, 3, 4]
+    assert pool.block_info(BlockId(2)).ref_cnt == 2
+    pool.free(ids(2))
+    assert pool.free_block_ids() == [0, 1, 3, 4]
+    pool.free(ids(2))
+    assert pool.free_block_ids() == [0, 1, 3, 4, 2]
+    pool.check_integrity()
+
+
+def test_touch_of_free_uncached_block_is_rejected() -> None:
+    pool = BlockPool(3)
+    with pytest.raises(ValueError, match="caches nothing"):
+        pool.touch(ids(1))
+    assert pool.free_block_ids() == [0, 1, 2]
+
+
+def test_duplicate_content_keeps_first_block() -> None:
+    pool = BlockPool(4)
+    h = block_hashes(list(range(8)), BS, SALT)
+    first, second = pool.allocate(2), pool.allocate(2)
+    pool.cache_full_blocks(first, h)
+    pool.take_events()
+    pool.cache_full_blocks(second, h)  # the same content computed twice
+    assert pool.take_events() == []
+    assert [pool.get_cached_block(x) for x in h] == first
+    assert pool.block_info(second[0]).block_hash is None
+    pool.cache_full_blocks(first, h)   # re-caching the same hash on the same block: no-op
+    assert pool.take_events() == [] and pool.num_cached_blocks == 2
+    pool.check_integrity()
+
+
+def test_cache_full_blocks_arguments() -> None:
+    pool = BlockPool(4)
+    h = block_hashes(list(range(12)), BS, SALT)
+    blocks = pool.allocate(3)
+    with pytest.raises(ValueError, match="3 hashes for 2 blocks"):
+        pool.cache_full_blocks(blocks[:2], h)
+    # a partial last block: more blocks than hashes; the chain continues from parent_hash
+    pool.cache_full_blocks(blocks[1:], h[1:2], parent_hash=h[0])
+    assert pool.take_events() == [BlockStored(h[1], h[0], blocks[1])]
+    with pytest.raises(ValueError, match="another hash"):
+        pool.cache_full_blocks(blocks[1:2], h[2:3])
+    with pytest.raises(ValueError, match="hold a reference"):
+        pool.cache_full_blocks(ids(3), h[:1])
+
+
+def test_prefix_caching_off() -> None:
+    pool = BlockPool(4, enable_prefix_caching=False)
+    h = block_hashes(list(range(16)), BS, SALT)
+    blocks = pool.allocate(4)
+    pool.cache_full_blocks(blocks, h)
+    assert pool.num_cached_blocks == 0 and pool.get_cached_block(h[0]) is None
+    assert all(pool.block_info(b).block_hash is None for b in blocks)
+    pool.free_sequence(blocks)
+    assert pool.find_longest_prefix(h) == []
+    assert pool.allocate(4) == [3, 2, 1, 0]
+    assert pool.take_events() == [] and pool.stats().evictions == 0
+    pool.check_integrity()
+
+
+def test_reset_prefix_cache() -> None:
+    pool = BlockPool(4)
+    h = block_hashes(list(range(12)), BS, SALT)
+    blocks = pool.allocate(3)
+    pool.cache_full_blocks(blocks, h)
+    pool.take_events()
+    assert pool.reset_prefix_cache() is False  # blocks in use
+    assert pool.num_cached_blocks == 3 and pool.take_events() == []
+    pool.free_sequence(blocks)
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.num_cached_blocks == 0 and pool.find_longest_prefix(h) == []
+    assert pool.free_block_ids() == [3, 2, 1, 0]  # order kept
+    assert pool.allocate(4) == [3, 2, 1, 0] and pool.take_events() == []
+    pool.check_integrity()
+
+
+def test_on_evict_runs_before_the_hash_is_dropped() -> None:
+    calls: list[tuple[BlockId, BlockHash, BlockId | None]] = []
+    pool: BlockPool
+
+    def on_evict(block_id: BlockId, block_hash: BlockHash) -> None:
+        calls.append((block_id, block_hash, pool.get_cached_block(block_hash)))
+
+    pool = BlockPool(4, on_evict=on_evict)
+    h = block_hashes(list(range(12)), BS, SALT)
+    blocks = pool.allocate(3)
+    pool.cache_full_blocks(blocks, h)
+    pool.free_sequence(blocks)           # free queue: 3, 2, 1, 0
+    assert pool.allocate(3) == [3, 2, 1]
+    assert calls == [(BlockId(2), h[2], BlockId(2)), (BlockId(1), h[1], BlockId(1))]
+    assert pool.get_cached_block(h[0]) == 0 and pool.get_cached_block(h[1]) is None
+
+
+def test_on_evict_failure_leaves_pool_unchanged() -> None:
+    def on_evict(block_id: BlockId, block_hash: BlockHash) -> None:
+        raise RuntimeError("host tier full")
+
+    pool = BlockPool(2, on_evict=on_evict)
+    blocks = pool.allocate(2)
+    pool.cache_full_blocks(blocks, block_hashes(list(range(8)), BS, SALT))
+    pool.free(blocks)
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    assert pool.free_block_ids() == [0, 1] and pool.num_cached_blocks == 2
+    pool.check_integrity()
+
+
+def test_counters() -> None:
+    pool = BlockPool(4)
+    h = block_hashes(list(range(16)), BS, SALT)
+    blocks = pool.allocate(2)
+    pool.cache_full_blocks(blocks, h[:2])
+    assert pool.find_longest_prefix(h) == [0, 1]
+    assert pool.find_longest_prefix(h[2:]) == []  # does not start with a cached hash
+    assert pool.find_longest_prefix([]) == []
+    assert pool.stats() == PoolStats(queries=3, hits=1, query_blocks=6, hit_blocks=2,
+                                     evictions=0)
+    assert [pool.block_info(b).ref_cnt for b in blocks] == [1, 1]  # queries don't touch
+
+
+def test_events_can_be_disabled() -> None:
+    pool = BlockPool(2, enable_kv_cache_events=False)
+    blocks = pool.allocate(2)
+    pool.cache_full_blocks(blocks, block_hashes(list(range(8)), BS, SALT))
+    pool.free(blocks)
+    pool.allocate(2)
+    assert pool.take_events() == [] and pool.stats().evictions == 2
+
+
+def test_check_integrity_catches_corruption() -> None:
+    pool = BlockPool(4)
+    pool.allocate(1)
+    pool._blocks[0].ref_cnt = 0  # a leaked block: neither used nor free
+    with pytest.raises(AssertionError, match="not in the free queue"):
+        pool.check_integrity()
+    pool = BlockPool(4)
+    pool._blocks[2].next = pool._blocks[1]  # a broken forward link
+    with pytest.raises(AssertionError, match="free queue"):
+        pool.check_integrity()
+    pool = BlockPool(4)
+    blocks = pool.allocate(1)
+    pool.cache_full_blocks(blocks, block_hashes(list(range(4)), BS, SALT))
+    pool._blocks[0].block_hash = BlockHash(5)
+    with pytest.raises(AssertionError, match="hash map"):
+        pool.check_integrity()
+
+
+def test_pool_and_keys_are_torch_free() -> None:
+    code = ("import sys, kvstore.pool, kvstore.keys, kvstore.errors; "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                   check=True, timeout=30)

@@ -1,0 +1,188 @@
+"""BlockPool against a small list/dict model of the same pool (hypothesis state machine).
+
+The model keeps the free queue as a Python list (head = next to allocate), ref counts and
+block hashes as dicts. After every step: `check_integrity()` holds, the pool's state,
+events and counters equal the model's, and no referenced block lost its cached hash.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore.errors import OutOfBlocks
+from kvstore.keys import BlockHash, block_hashes
+from kvstore.pool import (AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored,
+                          KVEvent, PoolStats)
+
+NUM_BLOCKS = 8
+BS = 2
+SALT = b"statemachine"
+# a 2-letter alphabet and 2-token blocks: only 4 distinct first blocks, so prefixes collide
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)
+
+
+@dataclass
+class Model:
+    free: list[BlockId] = field(default_factory=lambda: [BlockId(i) for i in range(NUM_BLOCKS)])
+    ref: dict[BlockId, int] = field(default_factory=lambda: {BlockId(i): 0
+                                                             for i in range(NUM_BLOCKS)})
+    hash_of: dict[BlockId, BlockHash] = field(default_factory=dict)
+    block_of: dict[BlockHash, BlockId] = field(default_factory=dict)
+    events: list[KVEvent] = field(default_factory=list)
+    evicted: list[tuple[BlockId, BlockHash]] = field(default_factory=list)
+    stats: PoolStats = PoolStats(0, 0, 0, 0, 0)
+
+    def allocate(self, n: int) -> list[BlockId] | None:
+        if n > len(self.free):
+            return None
+        taken, self.free = self.free[:n], self.free[n:]
+        for b in taken:
+            if b in self.hash_of:
+                h = self.hash_of.pop(b)
+                del self.block_of[h]
+                self.evicted.append((b, h))
+                self.events.append(BlockRemoved(h, b))
+                self.stats = self.stats._replace(evictions=self.stats.evictions + 1)
+            self.ref[b] = 1
+        return taken
+
+    def free_sequence(self, blocks: list[BlockId]) -> None:
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free.append(b)
+
+    def touch(self, blocks: list[BlockId]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+
+    def find(self, hashes: list[BlockHash]) -> list[BlockId]:
+        found: list[BlockId] = []
+        for h in hashes:
+            if h not in self.block_of:
+                break
+            found.append(self.block_of[h])
+        q, hits, qb, hb, ev = self.stats
+        self.stats = PoolStats(q + 1, hits + bool(found), qb + len(hashes), hb + len(found), ev)
+        return found
+
+    def cache(self, blocks: list[BlockId], hashes: list[BlockHash]) -> None:
+        parent = None
+        for b, h in zip(blocks, hashes):
+            if b not in self.hash_of and h not in self.block_of:
+                self.hash_of[b] = h
+                self.block_of[h] = b
+                self.events.append(BlockStored(h, parent, b))
+            parent = h
+
+    def reset(self) -> bool:
+        if any(self.ref.values()):
+            return False
+        self.hash_of.clear()
+        self.block_of.clear()
+        self.events.append(AllBlocksCleared())
+        return True
+
+
+@dataclass
+class Seq:
+    blocks: list[BlockId]
+    hashes: list[BlockHash]
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Model()
+        self.evicted: list[tuple[BlockId, BlockHash]] = []
+        self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda b, h: self.evicted.append((b, h)))
+        self.seqs: list[Seq] = []
+        self.pinned: dict[BlockId, BlockHash] = {}
+
+    @rule(tokens=TOKENS)
+    def new_request(self, tokens: list[int]) -> None:
+        """find → touch the hit prefix → allocate the rest (undo the touch if out of blocks)."""
+        hashes = block_hashes(tokens, BS, SALT)
+        prefix = self.pool.find_longest_prefix(hashes)
+        assert prefix == self.model.find(hashes)
+        self.pool.touch(prefix)
+        self.model.touch(prefix)
+        need = -(-len(tokens) // BS) - len(prefix)
+        expected = self.model.allocate(need)
+        if expected is None:
+            with pytest.raises(OutOfBlocks):
+                self.pool.allocate(need)
+            self.pool.free_sequence(prefix)
+            self.model.free_sequence(prefix)
+            return
+        assert self.pool.allocate(need) == expected  # exact ids, in the model's LRU order
+        self.seqs.append(Seq(prefix + expected, hashes))
+
+    @rule(n=st.integers(0, NUM_BLOCKS + 1))
+    def allocate(self, n: int) -> None:
+        expected = self.model.allocate(n)
+        if expected is None:
+            with pytest.raises(OutOfBlocks):
+                self.pool.allocate(n)
+            return
+        assert self.pool.allocate(n) == expected
+        self.seqs.append(Seq(expected, []))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def cache(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        num = data.draw(st.integers(0, len(seq.hashes)))  # the blocks filled so far
+        self.pool.cache_full_blocks(seq.blocks, seq.hashes[:num])
+        self.model.cache(seq.blocks, seq.hashes[:num])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        seq = self.seqs.pop(data.draw(st.integers(0, len(self.seqs) - 1)))
+        self.pool.free_sequence(seq.blocks)
+        self.model.free_sequence(seq.blocks)
+
+    @rule(tokens=TOKENS)
+    def find(self, tokens: list[int]) -> None:
+        hashes = block_hashes(tokens, BS, SALT)
+        assert self.pool.find_longest_prefix(hashes) == self.model.find(hashes)
+
+    @rule()
+    def reset(self) -> None:
+        assert self.pool.reset_prefix_cache() == self.model.reset()
+
+    @invariant()
+    def matches_model(self) -> None:
+        self.pool.check_integrity()
+        m = self.model
+        assert self.pool.free_block_ids() == m.free
+        for b in range(NUM_BLOCKS):
+            info = self.pool.block_info(BlockId(b))
+            assert (info.ref_cnt, info.block_hash) == (m.ref[BlockId(b)], m.hash_of.get(BlockId(b)))
+        assert self.pool.num_cached_blocks == len(m.block_of)
+        assert self.pool.num_free_blocks == len(m.free)
+        assert self.pool.stats() == m.stats
+        assert self.pool.take_events() == m.events
+        m.events.clear()
+        assert self.evicted == m.evicted
+
+    @invariant()
+    def referenced_blocks_keep_their_hash(self) -> None:
+        for b, h in self.pinned.items():
+            if self.pool.block_info(b).ref_cnt > 0:
+                assert self.pool.get_cached_block(h) == b, f"in-use block {b} lost its hash"
+        self.pinned = {BlockId(b): h for b, h in self.model.hash_of.items()
+                       if self.model.ref[BlockId(b)] > 0}
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestPoolMachine = PoolMachine.TestCase

@@ -1,0 +1,90 @@
+"""Greedy tokens of the engine equal HF transformers, on every cache path (DESIGN.md)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.worker.oracle import assert_greedy_match, hf_greedy, hf_logits_fn
+from worker.engine import Engine, EngineConfig
+from worker.sampling import SamplingParams
+
+SYSTEM = "You are a concise assistant. Answer in one or two sentences."
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three primary colors.",
+    "How many legs does a spider have?",
+    "What does a KV cache store in a transformer?",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    engine = Engine(EngineConfig(model=str(smollm2_dir)))
+    prompts = [engine.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                           {"role": "user", "content": q}]) for q in QUESTIONS]
+    eos = list(engine.model_config.eos_token_ids)
+    expected = [hf_greedy(hf, p, NEW_TOKENS, eos) for p in prompts]
+    return hf, prompts, expected
+
+
+def _check(engine: Engine, hf, prompts, expected, outs) -> None:
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_match(o.token_ids, e, p, engine.logits, hf_logits_fn(hf))
+    assert engine.pool.num_used_blocks == 0, "blocks still referenced after every request finished"
+    engine.pool.check_integrity()
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize("mode", ["one_at_a_time", "batch", "batch_no_prefix_cache", "preemption"])
+def test_smollm2_matches_hf(smol, smollm2_dir, mode):
+    hf, prompts, expected = smol
+    cfg = dict(model=str(smollm2_dir), check_integrity=True)
+    if mode == "batch_no_prefix_cache":
+        cfg["enable_prefix_caching"] = False
+    if mode == "preemption":
+        cfg["num_blocks"] = 12
+    engine = Engine(EngineConfig(**cfg))
+    if mode == "one_at_a_time":
+        outs = [engine.generate(p, GREEDY)[0] for p in prompts]
+        # The shared system prompt is served from the prefix cache after the first request.
+        assert all(o.num_cached_tokens > 0 for o in outs[1:])
+        assert outs[0].num_cached_tokens == 0
+    else:
+        outs = engine.generate(prompts, GREEDY)
+    if mode == "preemption":
+        assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    if mode == "batch_no_prefix_cache":
+        assert all(o.num_cached_tokens == 0 for o in outs)
+    _check(engine, hf, prompts, expected, outs)
+
+
+TINY_KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "llama3-rope", "mistral-swa", "qwen2-bias"]
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_tiny_models_match_hf(tiny_model_dir, kind):
+    path = tiny_model_dir(kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(kind)
+    vocab = hf.config.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(20)]     # a shared prefix longer than a block
+    prompts = [shared + [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 24, []) for p in prompts]
+    for cfg in (dict(), dict(num_blocks=24, max_num_batched_tokens=32), dict(enable_prefix_caching=False)):
+        engine = Engine(EngineConfig(model=str(path), block_size=4, check_integrity=True, **cfg))
+        outs = engine.generate(prompts, params)
+        _check(engine, hf, prompts, expected, outs)
+        single = [engine.generate(p, params)[0] for p in prompts]
+        _check(engine, hf, prompts, expected, single)

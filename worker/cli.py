@@ -1,0 +1,120 @@
+"""CLI front of the worker: engine flags shared by every command, and `kvmesh generate`."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from kvstore.layout import KV_CACHE_DTYPES
+
+
+class CLIError(Exception):
+    """One line for the user, naming the flag; the command exits 2."""
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2", help="'smollm2' (the default, shipped in a wheel), an HF model dir, or a .gguf file")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV pool size (GiB)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the GiB figure)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch)
+    from worker.engine import EngineConfig
+    try:
+        return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                            num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len)
+    except ValueError as e:
+        raise CLIError(flagify(str(e))) from None
+
+
+def flagify(message: str) -> str:
+    """'max_tokens=0 must be …' → '--max-tokens: max_tokens=0 must be …' (the flag a user typed)."""
+    m = re.match(r"\s*([a-z_]+)\b", message)
+    return f"--{m.group(1).replace('_', '-')}: {message}" if m else message
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from worker.sampling import SamplingParams
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, stop=tuple(args.stop),
+                              ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise CLIError(flagify(str(e))) from None
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_arguments(p)
+    add_engine_arguments(p)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from worker.engine import Engine, InvalidRequest
+    from worker.loader import ModelLoadError
+
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_text()
+        except OSError as e:
+            raise CLIError(f"--prompt-file: cannot read {args.prompt_file}: {e.strerror}") from None
+    else:
+        prompt = args.prompt
+    if not prompt:
+        raise CLIError("--prompt: the prompt is empty")
+    params = sampling_params_from_args(args)
+    cfg = engine_config_from_args(args)
+    try:
+        engine = Engine(cfg)
+    except ModelLoadError as e:
+        raise CLIError(f"--model: {e}") from None
+    try:
+        ids = engine.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else engine.encode(prompt)
+        if args.json:
+            out = engine.generate(ids, params)[0]
+            print(json.dumps({"token_ids": list(out.token_ids), "text": out.text, "finish_reason": out.finish_reason,
+                              "num_cached_tokens": out.num_cached_tokens, "prompt_tokens": out.prompt_tokens,
+                              "completion_tokens": out.completion_tokens}))
+            return 0
+        for out in engine.stream(ids, params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    except InvalidRequest as e:
+        raise CLIError(f"--prompt: {e}") from None

@@ -1,0 +1,294 @@
+"""The engine of one worker: `step()` is the whole loop — schedule → run → postprocess.
+
+`Engine` is synchronous and single-threaded; the gRPC server drives it from one thread.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from kvstore.keys import HashSalt
+from kvstore.layout import KVLayout, resolve_kv_cache_dtype
+from kvstore.pool import BlockPool
+from kvstore.tensors import KVTensors
+from worker.kernels.reference import AttnMetadata
+from worker.loader import load_tokenizer, load_weights, resolve_model_dir
+from worker.model import LlamaModel
+from worker.request import (EngineError, FinishReason, InvalidRequest, QueueFull, Request,
+                            RequestOutput, RequestStatus)
+from worker.sampling import Sampler, SamplingParams, check_stop_token, find_stop, make_generator
+from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "auto"                   # auto: fp32 on CPU, bf16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_gib: float = 1.0      # KV pool size, unless num_blocks is given
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None      # default: the model's max_position_embeddings
+    max_queue_len: int = 4096
+    check_integrity: bool = False         # run the pool's integrity check after every step
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype={self.dtype!r}; accepted: auto, fp32, fp16, bf16")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r}; accepted: auto, cpu, cuda[:N]")
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks={self.num_blocks} must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be > 1")
+        if self.max_queue_len <= 0:
+            raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
+
+
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.model_dir = resolve_model_dir(cfg.model)
+        loaded = load_weights(self.model_dir, dtype=_DTYPES[dtype_name], device=self.device)
+        self.model_config = loaded.config
+        self.model = LlamaModel(loaded.config, loaded.weights)
+        self.tokenizer = load_tokenizer(self.model_dir) if _has_tokenizer(self.model_dir) else None
+        mc = loaded.config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
+                               resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype_name))
+        num_blocks = cfg.num_blocks or self.layout.num_blocks_in(int(cfg.kv_cache_memory_gib * 2**30))
+        self.kv = KVTensors(self.layout, num_blocks, self.device)
+        self.kv_caches = list(zip(self.kv.k_caches, self.kv.v_caches))
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
+                              enable_kv_cache_events=False)
+        self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
+                             block_size=cfg.block_size).digest()
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                            cfg.enable_chunked_prefill), self.pool, self.salt)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer: send token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing."""
+        ids = self.encode(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequest(f"request_id {request_id!r} is already running")
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; this model takes at most "
+                                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        max_total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.layout.blocks_for(max_total) > self.pool.num_blocks:
+            raise InvalidRequest(f"prompt + max_tokens needs {self.layout.blocks_for(max_total)} KV blocks; "
+                                 f"the pool has {self.pool.num_blocks}")
+        if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
+        req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, FinishReason.ABORT)
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        sample_reqs, logits = self._run(batch)
+        self.scheduler.update_computed(batch)
+        outputs: list[RequestOutput] = []
+        if sample_reqs:
+            tokens = self.sampler(logits, [r.params for r in sample_reqs],
+                                  [r.history for r in sample_reqs], [r.generator for r in sample_reqs])
+            for req, token in zip(sample_reqs, tokens.tolist()):
+                req.append_token(token)
+                req.update_block_hashes(self.cfg.block_size, self.salt)
+                reason = self._postprocess(req, token)
+                if reason is not None:
+                    self.scheduler.finish(req, reason)
+                    del self.requests[req.request_id]
+                outputs.append(self._output(req))
+        if self.cfg.check_integrity:
+            self.check_integrity()
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_reqs: list[Request] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            if start + n == req.num_tokens:
+                logits_indices.append(len(ids) - 1)
+                sample_reqs.append(req)
+        meta = AttnMetadata.build(batch.num_new_tokens, seq_lens, [r.block_ids for r in batch.requests],
+                                  self.cfg.block_size, self.device)
+        dev = self.device
+        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                    self.kv_caches, meta, torch.tensor(logits_indices, device=dev))
+        return sample_reqs, logits
+
+    def _postprocess(self, req: Request, token: int) -> FinishReason | None:
+        """Detokenize and apply stop conditions; returns why the request ends, if it does."""
+        reason = check_stop_token(token, len(req.output_token_ids), req.params, self.eos_token_ids)
+        if reason is None and req.num_tokens >= req.max_total_tokens:
+            reason = "length"
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            if req.params.stop:
+                at = find_stop(text, req.sent_text, req.params.stop)
+                if at is not None:
+                    stop_len = next(len(s) for s in req.params.stop if text.startswith(s, at))
+                    text = text[:at + stop_len] if req.params.include_stop_str_in_output else text[:at]
+                    reason = "stop"
+            req.output_text = text
+        return FinishReason(reason) if reason is not None else None
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.status is RequestStatus.FINISHED
+        text = req.output_text
+        # Hold back a trailing partial UTF-8 character until the next token completes it.
+        visible = len(text) if finished or not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
+        new_tokens = tuple(req.output_token_ids[req.sent_tokens:])
+        new_text = text[req.sent_text:visible]
+        req.sent_tokens = len(req.output_token_ids)
+        req.sent_text = max(req.sent_text, visible)
+        return RequestOutput(
+            request_id=req.request_id, token_ids=tuple(req.output_token_ids), new_token_ids=new_tokens,
+            text=text[:visible], new_text=new_text, finished=finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
+            num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    # -- conveniences ---------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion as one continuous batch; outputs in prompt order."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(plist)
+        if len(params_list) != len(plist):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(plist)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(plist, params_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield one output per new token of this request while stepping the whole engine."""
+        rid = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """fp32 logits [T, vocab] of every position of `token_ids` (teacher forcing).
+
+        Runs as one prefill in blocks borrowed from the pool and freed before returning;
+        raises OutOfBlocks when the pool cannot lend them now.
+        """
+        n = len(token_ids)
+        blocks = self.pool.allocate(self.layout.blocks_for(n))
+        try:
+            meta = AttnMetadata.build([n], [n], [blocks], self.cfg.block_size, self.device)
+            return self.model.forward(torch.tensor(list(token_ids), device=self.device),
+                                      torch.arange(n, device=self.device), self.kv_caches, meta)
+        finally:
+            self.pool.free_sequence(blocks)
+
+    def stats(self) -> EngineStats:
+        s = self.pool.stats()
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_free_blocks,
+                           self.pool.num_used_blocks, self.pool.num_blocks, s.query_blocks, s.hit_blocks,
+                           self.scheduler.num_preemptions)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held: dict[int, int] = {}
+        for req in self.scheduler.running:
+            for b in req.block_ids:
+                held[b] = held.get(b, 0) + 1
+        for b in range(self.pool.num_blocks):
+            assert self.pool.ref_cnt(b) == held.get(b, 0), f"block {b}: ref_cnt {self.pool.ref_cnt(b)} != {held.get(b, 0)} held"
+
+
+def _has_tokenizer(model_dir: Any) -> bool:
+    return any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+__all__ = ["Engine", "EngineConfig", "EngineError", "EngineStats", "InvalidRequest", "QueueFull",
+           "RequestOutput", "SamplingParams"]

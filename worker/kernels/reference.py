@@ -1,0 +1,256 @@
+"""Paged attention in plain torch: the CPU kernels and the oracle for every GPU twin.
+
+Cache layout (see `kvstore.tensors`): `k_cache`, `v_cache` are `[num_blocks, block_size,
+num_kv_heads, head_dim]`; token slot `slot = block_id * block_size + offset`.
+
+Semantics of `paged_attention`: sequence i has `q_len` new tokens and `L = seq_lens[i]`
+cached tokens (the new ones already written by `write_kv`). New token j sits at absolute
+position `p = L - q_len + j` and attends to every cached position `t <= p`, and with a
+sliding window `W` only to those with `p - t < W` (HF Mistral semantics). Query head h
+reads kv head `h // (Hq // Hkv)` (MHA, GQA and MQA alike).
+
+Kernels gather whole blocks and mask the slots they must not read, so those slots may hold
+any FINITE value (a NaN there would still reach the output through `0 * NaN`); the pool in
+`kvstore.tensors` is zero-filled for that reason.
+
+The kernels take Python lists from `AttnMetadata` for every shape decision, so they never
+call `.item()` / `.tolist()` (no host sync on a GPU, no per-token Python).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AttnMetadata:
+    """Where this step's tokens go in the paged cache and what each one may attend to.
+
+    Build it once per step with `AttnMetadata.build`; every layer reuses it.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token
+    query_start_loc: torch.Tensor  # [B+1] int64; seq i's new tokens are rows qsl[i]:qsl[i+1]
+    seq_lens: torch.Tensor  # [B] int64 tokens in the cache for seq i AFTER this step's write
+    block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens_list) != len(self.seq_lens_list):
+            raise ValueError(f"query_lens_list has {len(self.query_lens_list)} entries, "
+                             f"seq_lens_list {len(self.seq_lens_list)}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_list)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_list, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence brings exactly one new token."""
+        return all(q == 1 for q in self.query_lens_list)
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: str | torch.device = "cpu") -> AttnMetadata:
+        """Metadata for one step; new tokens of seq i sit at positions `seq_len - q_len .. seq_len - 1`.
+
+        `block_tables[i]` must cover those positions (`ceil(seq_len / block_size)` ids at least).
+        """
+        num_seqs = len(query_lens)
+        if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
+            raise ValueError(f"query_lens, seq_lens, block_tables have {num_seqs}, {len(seq_lens)}, "
+                             f"{len(block_tables)} entries; they must match")
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        for i, (q, n, row) in enumerate(zip(query_lens, seq_lens, block_tables)):
+            if not 1 <= q <= n:
+                raise ValueError(f"seq {i}: query_len={q}, seq_len={n}; need 1 <= query_len <= seq_len")
+            if len(row) * block_size < n:
+                raise ValueError(f"seq {i}: {len(row)} blocks of {block_size} cannot hold seq_len={n}")
+        max_blocks = max((len(row) for row in block_tables), default=0) or 1
+        bt = torch.tensor([list(row) + [0] * (max_blocks - len(row)) for row in block_tables],  # [B, max_blocks]
+                          dtype=torch.int64).view(num_seqs, max_blocks)
+        qsl = torch.tensor(_cumsum([0] + list(query_lens)), dtype=torch.int64)  # [B+1]
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)  # [B]
+        if all(q == 1 for q in query_lens):  # decode: one token per sequence, plain Python is cheaper
+            slots = torch.tensor([row[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                                  for n, row in zip(seq_lens, block_tables)], dtype=torch.int64)  # [B]
+        else:
+            q_lens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
+            seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)  # [T]
+            positions = (torch.arange(sum(query_lens)) - qsl[seq_of_token]  # [T] absolute positions
+                         + (s_lens - q_lens)[seq_of_token])
+            block_ids = bt[seq_of_token, positions // block_size]  # [T]
+            slots = block_ids * block_size + positions % block_size  # [T]
+        dev = torch.device(device)
+        return cls(slot_mapping=slots.to(dev), query_start_loc=qsl.to(dev), seq_lens=s_lens.to(dev),
+                   block_tables=bt.to(dev), query_lens_list=list(query_lens),
+                   seq_lens_list=list(seq_lens))
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V rows at their slots (in place)."""
+    assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
+    assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [N*bs, Hkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)  # [N*bs, Hkv, D]
+    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor | list[int],
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq_len` cached tokens of one sequence, densely: `(k, v)` each `[L, Hkv, D]`."""
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_blocks = -(-seq_len // block_size)
+    row = torch.as_tensor(block_table_row, dtype=torch.int64, device=k_cache.device)[:num_blocks]
+    assert row.numel() == num_blocks, f"block table has {row.numel()} ids; {num_blocks} needed"
+    k = k_cache.index_select(0, row).view(-1, num_kv_heads, head_dim)[:seq_len]  # [L, Hkv, D]
+    v = v_cache.index_select(0, row).view(-1, num_kv_heads, head_dim)[:seq_len]  # [L, Hkv, D]
+    return k, v
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttnMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of this step's queries over the paged cache: `[T, Hq, D] -> [T, Hq, D]`.
+
+    Decode sequences (q_len == 1) run as one batched SDPA; each prefill sequence (q_len > 1)
+    runs its own SDPA with a causal-with-offset mask. Caches in another dtype than `query`
+    are upcast after the gather.
+    """
+    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert num_tokens == meta.num_tokens, (num_tokens, meta.query_lens_list)
+    assert sliding_window is None or sliding_window > 0, sliding_window
+    if meta.is_decode:
+        return _decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                       meta.seq_lens_list, scale, sliding_window)
+    out = torch.empty_like(query)  # [T, Hq, D]
+    decode_seqs = [i for i, q in enumerate(meta.query_lens_list) if q == 1]
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if q_len > 1:
+            out[start:start + q_len] = _prefill_one(
+                query[start:start + q_len], k_cache, v_cache, meta.block_tables[i], seq_len,
+                scale, sliding_window)
+        start += q_len
+    if decode_seqs:
+        qsl = _cumsum([0] + meta.query_lens_list)
+        rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.int64, device=query.device)
+        seqs = torch.tensor(decode_seqs, dtype=torch.int64, device=query.device)
+        res = _decode(query.index_select(0, rows), k_cache, v_cache,  # [b, Hq, D]
+                      meta.block_tables.index_select(0, seqs), meta.seq_lens.index_select(0, seqs),
+                      [meta.seq_lens_list[i] for i in decode_seqs], scale, sliding_window)
+        out.index_copy_(0, rows, res)
+    return out
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_list: list[int],
+            scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One new token per sequence, all sequences in one SDPA: `[B, Hq, D] -> [B, Hq, D]`."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    max_len = max(seq_lens_list)
+    windowed = sliding_window is not None and max_len > sliding_window
+    if windowed:
+        assert sliding_window is not None
+        # only the blocks that overlap [L - W, L) of each sequence
+        first = [max(0, n - sliding_window) // block_size for n in seq_lens_list]
+        num_blocks = max((n - 1) // block_size - f + 1 for n, f in zip(seq_lens_list, first))
+        first_t = (seq_lens - sliding_window).clamp_(min=0) // block_size  # [B]
+        cols = first_t[:, None] + torch.arange(num_blocks, device=query.device)  # [B, nb]
+        pos = (cols[:, :, None] * block_size  # [B, nb*bs] absolute position of each key
+               + torch.arange(block_size, device=query.device)).view(num_seqs, -1)
+        # columns past a row's end read block 0 (masked below: their positions are >= L)
+        blocks = block_tables.gather(1, cols.clamp_(max=block_tables.shape[1] - 1))  # [B, nb]
+        num_keys = num_blocks * block_size
+    else:
+        num_blocks = -(-max_len // block_size)
+        blocks = block_tables if num_blocks == block_tables.shape[1] else block_tables[:, :num_blocks]
+        num_keys = max_len
+    flat = blocks.reshape(-1)  # [B*nb]
+    k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, nb*bs, Hkv, D]
+    v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, nb*bs, Hkv, D]
+    if num_keys < k.shape[1]:
+        k, v = k[:, :num_keys], v[:, :num_keys]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    if windowed:
+        lens = seq_lens[:, None]  # [B, 1]
+        mask = (pos < lens) & (pos >= lens - sliding_window)  # [B, S]
+    elif any(n != max_len for n in seq_lens_list):
+        mask = torch.arange(num_keys, device=query.device) < seq_lens[:, None]  # [B, S]
+    else:
+        mask = None  # every sequence uses all S keys
+    # fold the query heads of one kv head into the query-length dim: GQA without repeating K/V
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else mask[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_q_heads, head_dim)  # [B, Hq, D]
+
+
+def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table_row: torch.Tensor, seq_len: int, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """One sequence's q_len new tokens over its first `seq_len` cached tokens: `[q, Hq, D]`."""
+    q_len, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    first_pos = seq_len - q_len  # absolute position of the first new token
+    start = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+    first_block = start // block_size
+    num_blocks = -(-seq_len // block_size) - first_block
+    blocks = block_table_row[first_block:first_block + num_blocks]  # [nb]
+    offset = start - first_block * block_size
+    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[offset:offset + seq_len - start]
+    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[offset:offset + seq_len - start]
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, S, D]
+    q = query.transpose(0, 1)[None]  # [1, Hq, q, D]
+    window_cuts = sliding_window is not None and seq_len > sliding_window
+    if q_len == seq_len and not window_cuts:  # plain causal: a fresh prompt
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=num_q_heads != num_kv_heads)
+    else:
+        p = torch.arange(first_pos, seq_len, device=query.device)[:, None]  # [q, 1]
+        t = torch.arange(start, seq_len, device=query.device)[None, :]  # [1, S]
+        mask = t <= p  # [q, S]
+        if sliding_window is not None:
+            mask &= (p - t) < sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=num_q_heads != num_kv_heads)
+    return out[0].transpose(0, 1)  # [q, Hq, D]

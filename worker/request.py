@@ -1,0 +1,107 @@
+"""One request's state inside a worker, and what the engine hands back for it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.keys import BlockHash, extend_block_hashes
+from kvstore.pool import BlockId
+from worker.sampling import SamplingHistory, SamplingParams
+
+
+class EngineError(Exception):
+    """Base of the errors a caller of the engine must handle."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is bad (empty prompt, too long, bad token ids); nothing was queued."""
+
+
+class QueueFull(EngineError):
+    """The waiting queue is at its limit; try later (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """Mutable per-request state, owned by the scheduler.
+
+    `block_ids` hold one reference each (taken by allocate or touch) until the request is
+    preempted or finished; `block_hashes` cover every full block of `all_token_ids`.
+    `num_computed_tokens` counts the tokens whose K/V are in the cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int
+    generator: torch.Generator | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[BlockId] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1      # set at first admission: prompt tokens found in the cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    history: SamplingHistory | None = None
+    output_text: str = ""
+    sent_tokens: int = 0             # how many output tokens / chars were already reported
+    sent_text: int = 0
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.history = SamplingHistory(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def update_block_hashes(self, block_size: int, salt: bytes) -> None:
+        self.block_hashes = extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, salt)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        assert self.history is not None
+        self.history.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A snapshot of one request after an engine step; `new_*` are the deltas since the last one."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    text: str
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    num_cached_tokens: int

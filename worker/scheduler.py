@@ -1,0 +1,168 @@
+"""Continuous batching over the block pool (the vLLM v1 unified token view).
+
+Every request has `num_tokens` (prompt + output) and `num_computed_tokens` (K/V in the
+cache). A step schedules, per request, the next `num_tokens - num_computed_tokens` tokens
+under a token budget: a whole or chunked prefill, or one decode token. Running requests go
+first; when blocks run out the most recently admitted running request is preempted (its
+blocks freed, recomputed later — its own full blocks usually still sit in the prefix cache).
+Waiting requests are admitted while budget, sequence slots and blocks allow, after a
+prefix-cache lookup that sets `num_cached_tokens`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.errors import OutOfBlocks
+from kvstore.pool import BlockPool
+from worker.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+
+class ScheduledBatch(NamedTuple):
+    requests: list[Request]
+    num_new_tokens: list[int]
+    preempted: list[Request]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, salt: bytes) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.salt = salt
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queues ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.update_block_hashes(self.cfg.block_size, self.salt)
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Remove `req` from the queues and drop its block references (tail blocks first)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._release_blocks(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: list[Request] = []
+        counts: list[int] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow_or_preempt(req, n, preempted):
+                break  # req itself was preempted: every later running request was too
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+            i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.cfg.max_num_seqs):
+            req = self.waiting[0]
+            n = self._admit(req, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(scheduled, counts, preempted)
+
+    def update_computed(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: advance computed counts and publish newly full blocks."""
+        bs = self.cfg.block_size
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            before = req.num_computed_tokens // bs
+            req.num_computed_tokens += n
+            after = req.num_computed_tokens // bs
+            if after > before:
+                self.pool.cache_full_blocks(req.block_ids[before:after], req.block_hashes[before:after],
+                                            parent_hash=req.block_hashes[before - 1] if before else None)
+
+    # -- internals ------------------------------------------------------------------------
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        total = -(-(req.num_computed_tokens + n) // self.cfg.block_size)
+        return max(0, total - len(req.block_ids))
+
+    def _grow_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        need = self._blocks_needed(req, n)
+        while True:
+            try:
+                req.block_ids.extend(self.pool.allocate(need))
+                return True
+            except OutOfBlocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    return False
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_blocks(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _release_blocks(self, req: Request) -> None:
+        if req.block_ids:
+            self.pool.free_sequence(req.block_ids)
+        req.block_ids = []
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Take blocks for the waiting head; returns tokens scheduled (0: it does not fit now)."""
+        bs = self.cfg.block_size
+        # Keep at least the last token uncached: its logits are needed to sample.
+        max_cached_blocks = (req.num_tokens - 1) // bs
+        cached = self.pool.find_longest_prefix(req.block_hashes[:max_cached_blocks])
+        num_computed = len(cached) * bs
+        remaining = req.num_tokens - num_computed
+        n = min(remaining, budget)
+        if n < remaining and not self.cfg.enable_chunked_prefill:
+            return 0
+        need = -(-(num_computed + n) // bs) - len(cached)
+        # Touching a cached block at ref 0 takes it off the free queue, so count those too.
+        reused_free = sum(1 for b in cached if self.pool.ref_cnt(b) == 0)
+        if need + reused_free > self.pool.num_free_blocks:
+            return 0
+        self.pool.touch(cached)
+        req.block_ids = list(cached) + self.pool.allocate(need)
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
+        return n
