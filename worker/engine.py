@@ -193,7 +193,8 @@ class Engine:
                                   self.cfg.block_size, self.device)
         dev = self.device
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                    self.kv_caches, meta, torch.tensor(logits_indices, device=dev))
+                                    self.kv_caches, meta,
+                                    torch.tensor(logits_indices, dtype=torch.long, device=dev))
         return sample_reqs, logits
 
     def _postprocess(self, req: Request, token: int) -> FinishReason | None:
@@ -282,8 +283,10 @@ class Engine:
         for req in self.scheduler.running:
             for b in req.block_ids:
                 held[b] = held.get(b, 0) + 1
-        for b in range(self.pool.num_blocks):
-            assert self.pool.ref_cnt(b) == held.get(b, 0), f"block {b}: ref_cnt {self.pool.ref_cnt(b)} != {held.get(b, 0)} held"
+        for b, n in held.items():
+            assert self.pool.ref_cnt(b) == n, f"block {b}: ref_cnt {self.pool.ref_cnt(b)} but {n} requests hold it"
+        assert self.pool.num_used_blocks == len(held), (
+            f"{self.pool.num_used_blocks} blocks referenced, {len(held)} held by running requests")
 
 
 def _has_tokenizer(model_dir: Any) -> bool:

@@ -20,11 +20,14 @@ def hf_logits_fn(hf_model) -> LogitsFn:
     return fn
 
 
-def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> list[int]:
+def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+              ignore_eos: bool = False) -> list[int]:
+    """HF `generate` greedy continuation; with ignore_eos it always runs max_new_tokens."""
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(eos_ids) or None,
-                                pad_token_id=(list(eos_ids) or [0])[0])
+                                max_new_tokens=max_new_tokens, do_sample=False,
+                                min_new_tokens=max_new_tokens if ignore_eos else None,
+                                eos_token_id=list(eos_ids) or None, pad_token_id=(list(eos_ids) or [0])[0])
     return out[0, len(prompt):].tolist()
 
 

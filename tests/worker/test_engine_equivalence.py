@@ -81,8 +81,9 @@ def test_tiny_models_match_hf(tiny_model_dir, kind):
     shared = [rng.randrange(vocab) for _ in range(20)]     # a shared prefix longer than a block
     prompts = [shared + [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = [hf_greedy(hf, p, 24, []) for p in prompts]
-    for cfg in (dict(), dict(num_blocks=24, max_num_batched_tokens=32), dict(enable_prefix_caching=False)):
+    expected = [hf_greedy(hf, p, 24, [], ignore_eos=True) for p in prompts]
+    for cfg in (dict(num_blocks=256), dict(num_blocks=24, max_num_batched_tokens=32),
+                dict(num_blocks=256, enable_prefix_caching=False)):
         engine = Engine(EngineConfig(model=str(path), block_size=4, check_integrity=True, **cfg))
         outs = engine.generate(prompts, params)
         _check(engine, hf, prompts, expected, outs)
