@@ -24,15 +24,15 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
-import safetensors
-import safetensors.torch
-import torch
 from tqdm import tqdm
 
 from worker.config import ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
+# torch and safetensors are imported where weights are read or converted, so the router can
+# resolve a model dir and load its tokenizer without torch (DESIGN.md).
 
 __all__ = [
     "MODEL_ALIASES", "GgufPackage", "LoadedWeights", "ModelLoadError", "cache_root",
@@ -107,7 +107,7 @@ def resolve_model_dir(name_or_path: str, *, progress: bool = True) -> Path:
 
 
 def load_weights(
-    model_dir: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> LoadedWeights:
     """Read config.json (+ generation_config.json) and every safetensors shard of an HF dir.
 
@@ -115,6 +115,11 @@ def load_weights(
     `ModelLoadError` for a missing or invalid config, unsupported architecture, unreadable
     safetensors, or missing/mis-shaped tensors.
     """
+    import safetensors
+    import safetensors.torch
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / "config.json", required=True)
     generation = _read_json(model_dir / "generation_config.json", required=False)
@@ -298,6 +303,8 @@ def _transformers_progress(enabled: bool) -> Iterator[None]:
 
 def _write_converted(gguf: Path, out: Path, *, progress: bool) -> None:
     """Dequantize `gguf` with transformers and write a plain fp32 HF dir into `out`."""
+    import safetensors.torch
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = tqdm(total=4, desc=f"kvmesh: converting {gguf.name}", unit="step",
@@ -344,6 +351,7 @@ def _write_converted(gguf: Path, out: Path, *, progress: bool) -> None:
 
 def _verify_converted(gguf_model: Any, gguf_tokenizer: Any, out: Path) -> None:
     """The written dir must load in plain transformers and give bit-identical logits."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     reloaded_tokenizer = load_tokenizer(out)

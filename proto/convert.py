@@ -1,0 +1,170 @@
+"""The protobuf edge: GenerateRequest bytes → a validated `GenerateInput` dataclass, and back.
+
+Shared by the router and the worker servers so both reject the same bad input the same way
+(`BadRequest` → gRPC INVALID_ARGUMENT). torch-free.
+
+Parsing is strict where protobuf is lenient: a message naming more than one member of the
+`input` oneof (protobuf would silently keep the last), unknown fields, and invalid UTF-8
+are all errors, not guesses.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError
+
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from worker.params import SamplingParams, SamplingParamsError
+
+_INPUT_FIELDS = {2: "text", 3: "token_ids", 4: "chat"}
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT}
+FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+# SamplingParams fields carried by the proto; unset `optional` fields keep the dataclass default.
+_SCALAR_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """Exactly one of text / token_ids / chat is set."""
+
+    request_id: str
+    text: str | None
+    token_ids: tuple[int, ...] | None
+    chat: tuple[ChatMessage, ...] | None
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What the strict deserializer hands the handler: the message, or why it is unusable."""
+
+    message: pb.GenerateRequest | None
+    error: str | None
+
+
+def parse_generate_request(raw: bytes) -> ParsedRequest:
+    """gRPC request_deserializer for Generate: never raises (gRPC would answer INTERNAL)."""
+    try:
+        msg = pb.GenerateRequest.FromString(raw)
+    except DecodeError as e:
+        return ParsedRequest(None, f"malformed request: {e}")
+    present = _top_level_fields(raw) & set(_INPUT_FIELDS)
+    if len(present) > 1:
+        names = " and ".join(_INPUT_FIELDS[n] for n in sorted(present))
+        return ParsedRequest(None, f"input: set exactly one of text, token_ids, chat (got {names})")
+    unknown = _unknown_field_numbers(msg)
+    if unknown:
+        return ParsedRequest(None, f"unknown fields {sorted(unknown)} in GenerateRequest")
+    return ParsedRequest(msg, None)
+
+
+def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) -> GenerateInput:
+    """Validate a parsed GenerateRequest; raises BadRequest naming the field."""
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise BadRequest("input: set one of text, token_ids, chat")
+    text = token_ids = chat = None
+    if kind == "text":
+        if not msg.text:
+            raise BadRequest("text: the prompt is empty")
+        text = msg.text
+    elif kind == "token_ids":
+        if not msg.token_ids.ids:
+            raise BadRequest("token_ids: the prompt is empty")
+        token_ids = tuple(msg.token_ids.ids)
+    else:
+        if not msg.chat.messages:
+            raise BadRequest("chat: no messages")
+        chat = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
+        for m in chat:
+            if m.role not in ("system", "user", "assistant"):
+                raise BadRequest(f"chat.role: {m.role!r}; accepted: system, user, assistant")
+    return GenerateInput(msg.request_id, text, token_ids, chat,
+                         to_sampling_params(msg.sampling, default_max_tokens), msg.priority)
+
+
+def to_sampling_params(sp: pb.SamplingParams, default_max_tokens: int = 256) -> SamplingParams:
+    kwargs: dict[str, object] = {"max_tokens": default_max_tokens}
+    for name in _SCALAR_SAMPLING:
+        if sp.HasField(name):
+            value = getattr(sp, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise BadRequest(f"sampling.{name}: must be finite, got {value}")
+            kwargs[name] = value
+    if sp.stop:
+        kwargs["stop"] = tuple(sp.stop)
+    if sp.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(sp.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except SamplingParamsError as e:
+        raise BadRequest(f"sampling.{e}") from None
+
+
+def from_sampling_params(p: SamplingParams) -> pb.SamplingParams:
+    sp = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids))
+    for name in _SCALAR_SAMPLING:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(sp, name, value)
+    return sp
+
+
+def _unknown_field_numbers(msg: object) -> set[int]:
+    """Field numbers this build of the contract does not know, in msg and nested messages."""
+    numbers = {f.field_number for f in unknown_fields.UnknownFieldSet(msg)}  # type: ignore[arg-type]
+    for fd, value in msg.ListFields():  # type: ignore[attr-defined]
+        if fd.message_type is None:
+            continue
+        for item in (value if fd.is_repeated else [value]):
+            numbers |= _unknown_field_numbers(item)
+    return numbers
+
+
+def _top_level_fields(raw: bytes) -> set[int]:
+    """Field numbers present at the top level of a serialized message (wire-format walk)."""
+    seen: set[int] = set()
+    i, n = 0, len(raw)
+    while i < n:
+        key, i = _varint(raw, i)
+        number, wire = key >> 3, key & 7
+        seen.add(number)
+        if wire == 0:
+            _, i = _varint(raw, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length, i = _varint(raw, i)
+            i += length
+        elif wire == 5:
+            i += 4
+        else:  # groups are not used by this contract; FromString already accepted the bytes
+            break
+    return seen
+
+
+def _varint(raw: bytes, i: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = raw[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, i
+        shift += 7
