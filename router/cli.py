@@ -27,7 +27,29 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     bench.register(bsub)
 
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_plan, _generate, _bench)
+def _worker(sub: argparse._SubParsersAction) -> None:
+    from worker import server as wserver
+    p = sub.add_parser("worker", help="serve one engine over gRPC (kvmesh.v1.Worker) until SIGTERM")
+    wserver.add_worker_arguments(p)
+    p.set_defaults(run=wserver.run_worker)
+
+
+def _router(sub: argparse._SubParsersAction) -> None:
+    from router import server
+    p = sub.add_parser("router", help="serve the router: gRPC + OpenAI HTTP in front of workers")
+    server.add_router_arguments(p)
+    p.set_defaults(run=server.run_router)
+
+
+def _client(sub: argparse._SubParsersAction) -> None:
+    from router import client
+    p = sub.add_parser("client", help="gRPC client of a router or worker")
+    client.add_client_arguments(p)
+    p.set_defaults(run=client.run_client)
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_plan, _generate, _bench, _worker,
+                                                                      _router, _client)
 
 
 def build_parser() -> argparse.ArgumentParser:

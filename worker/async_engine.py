@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.engine import Engine, Prompt
-from worker.request import RequestOutput
+from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
 
 
@@ -41,19 +41,27 @@ class AsyncEngine:
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        await self.call(lambda: self._add(prompt, params, request_id, priority, stream))
+        finished = False
         try:
+            await self.call(lambda: self._add(prompt, params, request_id, priority, stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 yield item
                 if item.finished:
+                    finished = True
                     return
+        except (InvalidRequest, QueueFull):
+            finished = True          # nothing was queued
+            raise
         finally:
-            # Cancelled, deadline passed, or the consumer stopped early: free the blocks.
-            if request_id in self._streams:
-                self.submit(lambda: self._abort(request_id))
+            if not finished:
+                # Cancelled, deadline passed, or the consumer stopped early. Commands run in
+                # order on the engine thread, so this abort lands after the add even when the
+                # caller was cancelled while the add was still queued: the blocks are freed.
+                self.submit(lambda: self._abort(request_id, stream))
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))
@@ -90,12 +98,13 @@ class AsyncEngine:
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
              stream: _Stream) -> None:
         if request_id in self._streams:
-            from worker.request import InvalidRequest
             raise InvalidRequest(f"request_id {request_id!r} is already running")
         self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
         self._streams[request_id] = stream
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, stream: _Stream | None = None) -> bool:
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return False             # that request already ended; the id may be reused now
         out = self.engine.abort(request_id)
         self._deliver([out] if out is not None else [])
         return out is not None

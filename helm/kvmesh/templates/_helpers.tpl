@@ -1,0 +1,174 @@
+{{/* Names ------------------------------------------------------------------------------- */}}
+
+{{- define "kvmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-kvmesh, or just <release> when the release name already contains "kvmesh". */}}
+{{- define "kvmesh.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The StatefulSet name is also the prefix of the worker pod names: <this>-<ordinal>. */}}
+{{- define "kvmesh.worker.name" -}}
+{{- printf "%s-worker" (include "kvmesh.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvmesh.worker.headless" -}}
+{{- printf "%s-worker-headless" (include "kvmesh.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvmesh.router.name" -}}
+{{- printf "%s-router" (include "kvmesh.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvmesh.redis.name" -}}
+{{- printf "%s-redis" (include "kvmesh.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvmesh.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvmesh.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Labels ------------------------------------------------------------------------------ */}}
+
+{{- define "kvmesh.labels" -}}
+helm.sh/chart: {{ include "kvmesh.chart" . }}
+app.kubernetes.io/name: {{ include "kvmesh.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvmesh
+{{- end }}
+
+{{/* Selector labels of one component: include "kvmesh.selectorLabels" (list . "worker") */}}
+{{- define "kvmesh.selectorLabels" -}}
+{{- $ctx := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvmesh.name" $ctx }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* Addresses --------------------------------------------------------------------------- */}}
+
+{{- define "kvmesh.svcSuffix" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/* DNS name of worker <i>: <sts>-<i>.<headless>.<ns>.svc.<domain> (no port). */}}
+{{- define "kvmesh.worker.host" -}}
+{{- $ctx := index . 0 -}}
+{{- printf "%s-%d.%s.%s" (include "kvmesh.worker.name" $ctx) (int (index . 1)) (include "kvmesh.worker.headless" $ctx) (include "kvmesh.svcSuffix" $ctx) }}
+{{- end }}
+
+{{- define "kvmesh.router.host" -}}
+{{- printf "%s.%s" (include "kvmesh.router.name" .) (include "kvmesh.svcSuffix" .) }}
+{{- end }}
+
+{{/* Env var that holds the Redis password, referenced as $(…) in the URL. */}}
+{{- define "kvmesh.redis.passwordEnv" -}}KVMESH_REDIS_PASSWORD{{- end }}
+
+{{/* Secret name and key of the Redis password, or "" when Redis has no password. */}}
+{{- define "kvmesh.redis.secretName" -}}
+{{- if .Values.redis.enabled }}
+{{- if .Values.redis.auth.enabled }}{{ .Values.redis.auth.existingSecret }}{{ end }}
+{{- else }}
+{{- .Values.redis.external.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.redis.secretKey" -}}
+{{- if .Values.redis.enabled }}{{ .Values.redis.auth.existingSecretPasswordKey }}
+{{- else }}{{ .Values.redis.external.existingSecretPasswordKey }}{{ end }}
+{{- end }}
+
+{{/*
+--redis-url. A password is never rendered: it is read from the Secret into an env var and
+Kubernetes expands $(KVMESH_REDIS_PASSWORD) in the container args at start.
+*/}}
+{{- define "kvmesh.redis.url" -}}
+{{- $auth := "" }}
+{{- if include "kvmesh.redis.secretName" . }}
+{{- $auth = printf ":$(%s)@" (include "kvmesh.redis.passwordEnv" .) }}
+{{- end }}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s%s.%s:%d/%d" $auth (include "kvmesh.redis.name" .) (include "kvmesh.svcSuffix" .) (int .Values.redis.port) (int .Values.redis.db) }}
+{{- else }}
+{{- regexReplaceAll "^(rediss?://)" .Values.redis.external.url (printf "${1}%s" $auth) }}
+{{- end }}
+{{- end }}
+
+{{/* Env entry with the Redis password, when there is one. */}}
+{{- define "kvmesh.redis.passwordEnvVar" -}}
+{{- $secret := include "kvmesh.redis.secretName" . }}
+{{- if $secret }}
+- name: {{ include "kvmesh.redis.passwordEnv" . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ include "kvmesh.redis.secretKey" . }}
+{{- end }}
+{{- end }}
+
+{{/* Images ------------------------------------------------------------------------------ */}}
+
+{{- define "kvmesh.image.worker" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.workerTag) }}
+{{- end }}
+
+{{- define "kvmesh.image.router" -}}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.image.routerTag) }}
+{{- end }}
+
+{{/* Volumes shared by router and worker pods ---------------------------------------------- */}}
+
+{{- define "kvmesh.modelVolume" -}}
+- name: models
+{{- if eq .Values.modelCache.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim }}
+    readOnly: {{ .Values.modelCache.readOnly }}
+{{- else if eq .Values.modelCache.type "hostPath" }}
+  hostPath:
+    path: {{ .Values.modelCache.hostPath }}
+    type: {{ .Values.modelCache.hostPathType }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .Values.cache.sizeLimit }}
+- name: tmp
+  emptyDir: {}
+{{- end }}
+
+{{- define "kvmesh.modelVolumeMounts" -}}
+- name: models
+  mountPath: {{ .Values.modelCache.mountPath }}
+  readOnly: {{ .Values.modelCache.readOnly }}
+- name: cache
+  mountPath: {{ .Values.cache.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{- define "kvmesh.configChecksum" -}}
+checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
+{{- end }}

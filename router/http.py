@@ -1,0 +1,325 @@
+"""OpenAI-compatible HTTP on the router's event loop: /v1/completions, /v1/chat/completions,
+/v1/models, /health.
+
+A request body becomes the same `GenerateRequest` → `GenerateInput` → `RouterServer.prepare`
+→ `RouterServer.generate` path as gRPC; only the JSON shapes differ. Every field OpenAI
+documents for these endpoints is accepted; fields that would change the output in ways
+kvmesh cannot honour (n > 1, logprobs, echo, tools, …) are 400s, unknown fields are 400s.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from proto.convert import FINISH_REASON_NAMES, BadRequest, to_generate_input
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.server import NoWorkerAvailable, RouterServer, UpstreamError
+
+Json = dict[str, Any]
+
+_SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+_COMMON = {"model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
+           "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+_CHAT_FIELDS = _COMMON | {
+    "messages", "audio", "function_call", "functions", "max_completion_tokens", "metadata", "modalities",
+    "parallel_tool_calls", "prediction", "prompt_cache_key", "reasoning_effort", "response_format",
+    "safety_identifier", "service_tier", "store", "tool_choice", "tools", "top_logprobs", "verbosity",
+    "web_search_options"}
+# Documented fields kvmesh cannot honour: accepted only with a value that changes nothing.
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v in (None, 1), "best_of": lambda v: v in (None, 1), "echo": lambda v: v in (None, False),
+    "logprobs": lambda v: v in (None, False), "top_logprobs": lambda v: v is None, "suffix": lambda v: not v,
+    "logit_bias": lambda v: not v, "tools": lambda v: not v, "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"}, "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]), "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+}
+_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+           "NOT_FOUND": 404}
+
+
+class HttpError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> Json:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class HttpFrontend:
+    """The aiohttp app of one RouterServer; started and stopped by it."""
+
+    def __init__(self, router: RouterServer) -> None:
+        self.router = router
+        self.created = int(time.time())
+        app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=[_errors])
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions),
+                        web.get("/v1/models", self.models), web.get("/health", self.health)])
+        # A client that disconnects cancels its handler, which cancels the upstream call.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+
+    async def start(self, host: str, port: int) -> int:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    @property
+    def model_name(self) -> str:
+        return self.router.cfg.model
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.router.serving
+        return web.json_response({"status": "serving" if ok else "not serving"}, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvmesh"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, _COMPLETION_FIELDS)
+        msg = pb.GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            msg.text = prompt
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            _set(lambda: msg.token_ids.ids.extend(prompt), "prompt")
+        elif isinstance(prompt, list) and not prompt:
+            raise HttpError(400, "prompt: the prompt is empty", "prompt")
+        else:
+            raise HttpError(400, "prompt: must be a string or a list of token ids (one prompt)", "prompt")
+        return await self._serve(request, body, msg, chat=False, default_max_tokens=16)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request, _CHAT_FIELDS)
+        msg = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "messages: must be a non-empty list", "messages")
+        msg.chat.messages.extend(_chat_message(m, i) for i, m in enumerate(messages))
+        if body.get("max_completion_tokens") is not None:
+            body["max_tokens"] = body["max_completion_tokens"]
+        info = self.router.model_info
+        return await self._serve(request, body, msg, chat=True,
+                                 default_max_tokens=info.max_model_len if info is not None else 16)
+
+    # -- the shared path ------------------------------------------------------------------
+    async def _body(self, request: web.Request, allowed: set[str]) -> Json:
+        length = request.content_length
+        if length is not None and length > self.router.cfg.max_message_bytes:
+            raise HttpError(413, f"request body of {length} bytes exceeds {self.router.cfg.max_message_bytes}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(413, f"request body exceeds {self.router.cfg.max_message_bytes} bytes") from None
+        try:
+            body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        except UnicodeDecodeError as e:
+            raise HttpError(400, f"request body is not valid UTF-8: {e}") from None
+        except ValueError as e:
+            raise HttpError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "request body must be a JSON object")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise HttpError(400, f"unknown fields: {', '.join(unknown)}", unknown[0])
+        for name, ok in _UNSUPPORTED.items():
+            if name in body and not ok(body[name]):
+                raise HttpError(400, f"{name}={body[name]!r} is not supported by kvmesh", name, "unsupported")
+        model = body.get("model")
+        info = self.router.model_info
+        if model is not None and model not in (self.model_name, info.model if info else None):
+            raise HttpError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        if not isinstance(body.get("stream", False), bool) and body.get("stream") is not None:
+            raise HttpError(400, "stream: must be a boolean", "stream")
+        return body
+
+    async def _serve(self, request: web.Request, body: Json, msg: pb.GenerateRequest, *, chat: bool,
+                     default_max_tokens: int) -> web.StreamResponse:
+        _sampling(body, msg.sampling)
+        stream_options = body.get("stream_options") or {}
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage", "include_obfuscation"}:
+            raise HttpError(400, "stream_options: accepted keys are include_usage", "stream_options")
+        try:
+            prepared = self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
+        except BadRequest as e:
+            raise _bad_request(str(e)) from None
+        head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": body.get("model") or self.model_name}
+        async with contextlib.aclosing(self.router.generate(prepared, None)) as upstream:
+            first = await _first(upstream)
+            if body.get("stream"):
+                return await self._stream(request, head, chat, first, upstream,
+                                          bool(stream_options.get("include_usage")))
+            text, last = first.text, first
+            async for r in upstream:
+                text, last = text + r.text, r
+        choice: Json = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
+        choice |= {"message": {"role": "assistant", "content": text, "refusal": None}} if chat else {"text": text}
+        return web.json_response(head | {"choices": [choice], "usage": _usage(last),
+                                         "kvmesh": {"worker_id": last.worker_id}})
+
+    async def _stream(self, request: web.Request, head: Json, chat: bool, first: pb.GenerateResponse,
+                      upstream: AsyncIterator[pb.GenerateResponse], include_usage: bool) -> web.StreamResponse:
+        head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
+        extra: Json = {"usage": None} if include_usage else {}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(choices: list[Json], **more: Any) -> None:
+            data = head | {"choices": choices} | extra | more
+            await resp.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
+
+        if chat:
+            await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
+        last: pb.GenerateResponse | None = None
+        try:
+            r: pb.GenerateResponse | None = first
+            while r is not None:
+                last = r
+                if r.text:
+                    await send([{"index": 0, "logprobs": None, "finish_reason": None}
+                                | ({"delta": {"content": r.text}} if chat else {"text": r.text})])
+                r = await anext(upstream, None)  # type: ignore[arg-type]
+        except (BadRequest, NoWorkerAvailable, UpstreamError) as e:
+            await resp.write(f"data: {json.dumps(_http_error(e).body())}\n\n".encode())
+        else:
+            assert last is not None and last.finished, "a worker stream ends with a finished response"
+            tail = {"kvmesh": {"worker_id": last.worker_id}}
+            await send([{"index": 0, "logprobs": None, "finish_reason": _finish(last)}
+                        | ({"delta": {}} if chat else {"text": ""})], **tail)
+            if include_usage:
+                await send([], **(tail | {"usage": _usage(last)}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except (HttpError, BadRequest, NoWorkerAvailable, UpstreamError) as e:
+        err = _http_error(e)
+        return web.json_response(err.body(), status=err.status)
+
+
+def _http_error(e: Exception) -> HttpError:
+    if isinstance(e, HttpError):
+        return e
+    if isinstance(e, BadRequest):
+        return _bad_request(str(e))
+    if isinstance(e, NoWorkerAvailable):
+        return HttpError(503, str(e), code="no_worker", kind="service_unavailable")
+    assert isinstance(e, UpstreamError)
+    status = _STATUS.get(e.code.name, 500)
+    return HttpError(status, e.details, code=e.code.name.lower(),
+                     kind="invalid_request_error" if status < 500 else "server_error")
+
+
+def _bad_request(message: str) -> HttpError:
+    m = re.match(r"(?:sampling\.)?([a-z_]+)", message)
+    param = {"text": "prompt", "token_ids": "prompt", "input": "prompt", "chat": "messages"}.get(
+        m.group(1), m.group(1)) if m else None
+    return HttpError(400, message, param)
+
+
+async def _first(upstream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """The first response, before any header is sent, so early errors get a real status."""
+    first = await anext(upstream, None)  # type: ignore[arg-type]
+    if first is None:
+        raise UpstreamError(grpc.StatusCode.UNAVAILABLE, "the worker closed the stream without a response")
+    return first
+
+
+def _sampling(body: Json, sp: pb.SamplingParams) -> None:
+    for name in _SAMPLING_NUMBERS:
+        value = body.get(name)
+        if value is not None:
+            if not _is_real(value):
+                raise HttpError(400, f"{name}: must be a number, got {value!r}", name)
+            setattr(sp, name, value)
+    for name in ("max_tokens", "seed"):
+        value = body.get(name)
+        if value is not None:
+            if not _is_int(value):
+                raise HttpError(400, f"{name}: must be an integer, got {value!r}", name)
+            _set(lambda: setattr(sp, name, value), name)
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise HttpError(400, "stop: must be a non-empty string or a list of them", "stop")
+        sp.stop.extend(stops)
+
+
+def _chat_message(m: object, i: int) -> pb.ChatMessage:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise HttpError(400, f"{param}: must be an object with a role", param)
+    extra = {k for k, v in m.items() if k not in ("role", "content", "name") and v not in (None, [])}
+    if extra:
+        raise HttpError(400, f"{param}: unsupported fields {sorted(extra)}", param)
+    role = "system" if m["role"] == "developer" else m["role"]
+    if role not in ("system", "user", "assistant"):
+        raise HttpError(400, f"{param}.role: {m['role']!r}; accepted: system, developer, user, assistant", param)
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise HttpError(400, f"{param}.content: only text parts are supported", param)
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise HttpError(400, f"{param}.content: must be a string or a list of text parts", param)
+    return pb.ChatMessage(role=role, content=content)
+
+
+def _usage(last: pb.GenerateResponse) -> Json:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
+
+
+def _finish(last: pb.GenerateResponse) -> str | None:
+    return FINISH_REASON_NAMES.get(last.finish_reason) if last.finished else None
+
+
+def _set(fn: Callable[[], object], param: str) -> None:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:  # out of the int32 / int64 range of the contract
+        raise HttpError(400, f"{param}: {e}", param) from None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")

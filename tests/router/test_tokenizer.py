@@ -1,0 +1,100 @@
+"""RouterTokenizer (tokenizers + jinja2, no torch) against transformers' AutoTokenizer — the oracle."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.tokenizer import RouterTokenizer, TokenizerError
+
+TEXTS = [
+    "Hello world", " leading space", "trailing space ", "The capital of France is",
+    "héllo wörld — 日本語のテキスト 🎉🚀 naïve café", "tabs\tand\nnew\n\nlines  double  spaces",
+    "<|im_start|>user\nspecial tokens in text<|im_end|>", "print('x')\n    return {'a': 1}", "ÅΩ∑€", "a" * 300,
+]
+CHATS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "Traduis: « où est la gare ? » 🚉"},
+     {"role": "assistant", "content": "Where is the station?"},
+     {"role": "user", "content": "日本語で?"}],
+    [{"role": "user", "content": "  spaces and\nnewlines\n"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir: Path) -> RouterTokenizer:
+    return RouterTokenizer.from_model_dir(smollm2_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_equals_transformers(tok: RouterTokenizer, hf: Any, text: str) -> None:
+    assert tok.encode(text) == hf.encode(text)
+    assert tok.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_equals_transformers(tok: RouterTokenizer, hf: Any, text: str) -> None:
+    ids = hf.encode(text)
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_equals_engine_path(tok: RouterTokenizer, hf: Any, messages: list[dict[str, str]]) -> None:
+    # What worker.engine.Engine.apply_chat_template does, with the same transformers tokenizer.
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.render_chat(messages) == text
+    assert tok.apply_chat_template(messages) == hf.encode(text, add_special_tokens=False)
+
+
+def test_special_tokens_and_template_loaded(tok: RouterTokenizer, hf: Any) -> None:
+    assert tok.special_tokens["bos_token"] == hf.bos_token
+    assert tok.special_tokens["eos_token"] == hf.eos_token
+    assert tok.chat_template == hf.chat_template
+    assert tok.token_id(hf.eos_token) == hf.eos_token_id
+
+
+def test_add_bos_token_config_follows_transformers(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Whatever transformers does with `add_bos_token` in tokenizer_config, the router does too."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, tmp_path / name)
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True}))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = RouterTokenizer.from_model_dir(tmp_path)
+    for text in TEXTS[:4]:
+        assert tok.encode(text) == hf.encode(text)
+
+
+def test_template_raise_exception_and_missing_files(tok: RouterTokenizer, tmp_path: Path) -> None:
+    strict = RouterTokenizer(tok._tokenizer, "{{ raise_exception('roles must alternate') }}", tok.special_tokens)
+    with pytest.raises(TokenizerError, match="roles must alternate"):
+        strict.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(TokenizerError, match="no chat template"):
+        RouterTokenizer(tok._tokenizer, None, {}).apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        RouterTokenizer.from_model_dir(tmp_path)
+
+
+def test_router_modules_import_without_torch() -> None:
+    code = ("import sys\n"
+            "import router.tokenizer, router.policy, router.server, router.http, router.client, router.cli\n"
+            "import router.cli as c; c.build_parser()\n"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=60)

@@ -1,0 +1,129 @@
+"""Engine behaviour beyond HF equivalence: bad input, abort, streaming, stops, seeds, chunking."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from worker.engine import Engine, EngineConfig
+from worker.request import InvalidRequest, QueueFull
+from worker.sampling import SamplingParams, SamplingParamsError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=128,
+                               check_integrity=True, max_model_len=64))
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    return Engine(EngineConfig(model=str(smollm2_dir), check_integrity=True))
+
+
+def test_bad_requests_raise_and_engine_keeps_serving(tiny):
+    good = [5, 6, 7, 8, 9]
+    expected = tiny.generate(good, GREEDY)[0].token_ids
+    bad = {
+        "empty": ([], GREEDY),
+        "out of vocab": ([1, 2, 10_000], GREEDY),
+        "negative id": ([-1, 2], GREEDY),
+        "too long": (list(range(1, 65)), GREEDY),
+    }
+    # A long request is running while the bad ones arrive; it must be unaffected.
+    rid = tiny.add_request([3] * 10, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    tiny.step()
+    for name, (prompt, params) in bad.items():
+        with pytest.raises(InvalidRequest):
+            tiny.add_request(prompt, params)
+    outs = {}
+    while tiny.has_unfinished():
+        for o in tiny.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs[rid].completion_tokens == 20
+    assert tiny.generate(good, GREEDY)[0].token_ids == expected
+    assert tiny.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5),
+                                    dict(temperature=math.nan), dict(top_p=0.0), dict(top_p=1.5)])
+def test_bad_sampling_params(kwargs):
+    with pytest.raises(SamplingParamsError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_queue_full(tiny_model_dir):
+    e = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=64, max_queue_len=2))
+    e.add_request([1, 2, 3], GREEDY)
+    e.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(QueueFull):
+        e.add_request([1, 2, 3], GREEDY)
+    while e.has_unfinished():   # the queued ones drain, then the engine takes more
+        e.step()
+    assert e.generate([4, 5], GREEDY)[0].completion_tokens == 8
+
+
+def test_request_larger_than_the_pool_is_rejected(tiny_model_dir):
+    e = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=8))
+    with pytest.raises(InvalidRequest, match="blocks"):
+        e.add_request([1] * 20, SamplingParams(max_tokens=20))
+    assert e.generate([1] * 4, GREEDY)[0].completion_tokens == 8
+
+
+def test_abort_frees_blocks(tiny):
+    rid = tiny.add_request([9] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    tiny.step()
+    tiny.step()
+    assert tiny.pool.num_used_blocks > 0
+    out = tiny.abort(rid)
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert tiny.pool.num_used_blocks == 0 and not tiny.has_unfinished()
+    assert tiny.abort(rid) is None
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny_model_dir):
+    path = str(tiny_model_dir("llama-gqa"))
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(40 + i)] for i in range(4)]
+    whole = Engine(EngineConfig(model=path, block_size=4, num_blocks=256)).generate(prompts, GREEDY)
+    chunked_engine = Engine(EngineConfig(model=path, block_size=4, num_blocks=256, max_num_batched_tokens=7,
+                                         check_integrity=True))
+    chunked = chunked_engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=1234, ignore_eos=True)
+    a = tiny.generate([4, 5, 6], p)[0].token_ids
+    b = tiny.generate([[4, 5, 6], [7, 8, 9, 10]], [p, SamplingParams(max_tokens=5, temperature=0.8)])[0].token_ids
+    assert a == b
+
+
+def test_streaming_deltas_add_up_and_stop_strings(smol):
+    prompt = smol.apply_chat_template([{"role": "user", "content": "Write a short story about a cat who learns to fly."}])
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    final = smol.generate(prompt, params)[0]
+    text, ids = "", []
+    for out in smol.stream(prompt, params):
+        text += out.new_text
+        ids += out.new_token_ids
+    assert text == final.text and tuple(ids) == final.token_ids
+    # A stop string cuts the text before it and ends the request with "stop".
+    word = final.text.split()[4]
+    stopped = smol.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=(word,)))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == final.text[:final.text.index(word)]
+    assert smol.pool.num_used_blocks == 0
+
+
+def test_prefix_cache_hit_counts(smol):
+    system = [{"role": "system", "content": "You are kvmesh's test assistant. " * 8}]
+    a = smol.apply_chat_template(system + [{"role": "user", "content": "Hi"}])
+    b = smol.apply_chat_template(system + [{"role": "user", "content": "Hello there"}])
+    first = smol.generate(a, GREEDY)[0]
+    second = smol.generate(b, GREEDY)[0]
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert second.num_cached_tokens == (common // 16) * 16 > 0
+    assert first.prompt_tokens == len(a)
