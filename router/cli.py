@@ -48,8 +48,15 @@ def _client(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=client.run_client)
 
 
+def _serve(sub: argparse._SubParsersAction) -> None:
+    from router import launch
+    p = sub.add_parser("serve", help="run redis, N workers and a router as local processes (the embedded default)")
+    launch.add_serve_arguments(p)
+    p.set_defaults(run=launch.run_serve_args)
+
+
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_plan, _generate, _bench, _worker,
-                                                                      _router, _client)
+                                                                      _router, _client, _serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ kvmesh cannot honour (n > 1, logprobs, echo, tools, …) are 400s, unknown field
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -66,7 +67,8 @@ class HttpFrontend:
     def __init__(self, router: RouterServer) -> None:
         self.router = router
         self.created = int(time.time())
-        app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=[_errors])
+        self._active: set[asyncio.Task[Any]] = set()
+        app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=[self._track, _errors])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health)])
@@ -75,16 +77,31 @@ class HttpFrontend:
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        await web.TCPSite(self._runner, host, port).start()
+        return int(self._runner.addresses[0][1])
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float | None) -> None:
+        """Let requests in flight finish for `grace` s (None: wait), cancel the rest, close."""
+        if self._active:
+            _, pending = await asyncio.wait(set(self._active), timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         await self._runner.cleanup()
+
+    @web.middleware
+    async def _track(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._active.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self._active.discard(task)
 
     @property
     def model_name(self) -> str:
-        return self.router.cfg.model
+        return self.router.cfg.served_model_name or self.router.cfg.model
 
     # -- endpoints ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -149,7 +166,7 @@ class HttpFrontend:
                 raise HttpError(400, f"{name}={body[name]!r} is not supported by kvmesh", name, "unsupported")
         model = body.get("model")
         info = self.router.model_info
-        if model is not None and model not in (self.model_name, info.model if info else None):
+        if model is not None and model not in (self.model_name, self.router.cfg.model, info.model if info else None):
             raise HttpError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
         if not isinstance(body.get("stream", False), bool) and body.get("stream") is not None:
             raise HttpError(400, "stream: must be a boolean", "stream")
@@ -162,7 +179,7 @@ class HttpFrontend:
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage", "include_obfuscation"}:
             raise HttpError(400, "stream_options: accepted keys are include_usage", "stream_options")
         try:
-            prepared = self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
+            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
         except BadRequest as e:
             raise _bad_request(str(e)) from None
         head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",
@@ -172,9 +189,11 @@ class HttpFrontend:
             if body.get("stream"):
                 return await self._stream(request, head, chat, first, upstream,
                                           bool(stream_options.get("include_usage")))
-            text, last = first.text, first
+            pieces, last = [first.text], first
             async for r in upstream:
-                text, last = text + r.text, r
+                pieces.append(r.text)
+                last = r
+        text = "".join(pieces)
         choice: Json = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
         choice |= {"message": {"role": "assistant", "content": text, "refusal": None}} if chat else {"text": text}
         return web.json_response(head | {"choices": [choice], "usage": _usage(last),

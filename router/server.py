@@ -48,6 +48,7 @@ class RouterConfig:
     grpc_port: int = 0
     http_port: int | None = 0
     model: str = "smollm2"
+    served_model_name: str | None = None    # the HTTP model id; None: `model`
     request_timeout_s: float = 600.0        # upstream deadline when the client sets none
     max_message_bytes: int = 4 * 2**20      # gRPC receive limit and HTTP body limit
     health_interval_s: float = 1.0          # how often workers are probed
@@ -75,7 +76,12 @@ class RouterError(Exception):
 
 
 class RouterStartError(RouterError):
-    """The router cannot serve: workers disagree on the model / block hashing, or no tokenizer."""
+    """The router cannot serve: workers disagree on the model / block hashing (`field` is
+    "worker_addresses"), or the model has no usable tokenizer (`field` is "model")."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NoWorkerAvailable(RouterError):
@@ -141,7 +147,7 @@ class RouterServer:
             try:
                 self._tokenizer = RouterTokenizer.from_model_dir(resolve_model_dir(self.cfg.model, progress=False))
             except (ModelLoadError, TokenizerError) as e:
-                raise RouterStartError(f"model {self.cfg.model!r}: {e}") from None
+                raise RouterStartError(f"model {self.cfg.model!r}: {e}", "model") from None
         opts = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
                 ("grpc.max_send_message_length", self.cfg.max_message_bytes)]
         self._server = grpc.aio.server(options=opts)
@@ -161,7 +167,7 @@ class RouterServer:
             self.set_workers(self.cfg.worker_addresses, probe=False)
             errors = await self._probe_all()
             if errors:
-                raise RouterStartError("; ".join(errors))
+                raise RouterStartError("; ".join(errors), "worker_addresses")
         except BaseException:
             await self.stop(0)
             raise
@@ -183,10 +189,8 @@ class RouterServer:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
-        if self._http is not None:
-            await self._http.stop()  # type: ignore[attr-defined]
-        if self._server is not None:
-            await self._server.stop(grace)
+        await asyncio.gather(self._http.stop(grace) if self._http is not None else asyncio.sleep(0),  # type: ignore[attr-defined]
+                             self._server.stop(grace) if self._server is not None else asyncio.sleep(0))
         for w in self._workers.values():
             await w.channel.close()
         self._workers.clear()
@@ -224,18 +228,18 @@ class RouterServer:
         return [w.info for w in self._workers.values() if w.info is not None]
 
     # -- the request path (gRPC and HTTP alike) --------------------------------------------
-    def prepare(self, inp: GenerateInput) -> Prepared:
-        """Tokenize and validate; raises BadRequest, or NoWorkerAvailable before any worker
-        has told the router its model."""
-        info = self._model_info
-        if info is None or self._tokenizer is None:
+    async def prepare(self, inp: GenerateInput) -> Prepared:
+        """Tokenize (in a thread: a 4 MiB prompt takes seconds) and validate; raises
+        BadRequest, or NoWorkerAvailable before any worker has told the router its model."""
+        info, tok = self._model_info, self._tokenizer
+        if info is None or tok is None:
             raise NoWorkerAvailable("no worker is ready")
         try:
             if inp.text is not None:
-                ids = self._tokenizer.encode(inp.text)
+                ids = await asyncio.to_thread(tok.encode, inp.text)
             elif inp.chat is not None:
-                ids = self._tokenizer.apply_chat_template([{"role": m.role, "content": m.content}
-                                                           for m in inp.chat])
+                messages = [{"role": m.role, "content": m.content} for m in inp.chat]
+                ids = await asyncio.to_thread(tok.apply_chat_template, messages)
             else:
                 ids = list(inp.token_ids or ())
                 bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
@@ -325,7 +329,7 @@ class RouterServer:
         if parsed.message is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.error or "malformed request")
         try:
-            prepared = self.prepare(to_generate_input(parsed.message))  # type: ignore[arg-type]
+            prepared = await self.prepare(to_generate_input(parsed.message))  # type: ignore[arg-type]
             async with contextlib.aclosing(self.generate(prepared, context.time_remaining())) as stream:
                 async for response in stream:
                     yield response
@@ -434,6 +438,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="serve no HTTP")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker (repeatable)")
     p.add_argument("--model", default="smollm2", help="the workers' model (for the tokenizer): alias or HF dir")
+    p.add_argument("--served-model-name", default=None, help="model id on the HTTP API (default: --model)")
     p.add_argument("--redis-url", default=None, help="metadata Redis (block index)")
     p.add_argument("--cluster-name", default="kvmesh")
 
@@ -446,6 +451,7 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         cfg = RouterConfig(worker_addresses=tuple(args.worker), host=args.host, grpc_port=args.grpc_port,
                            http_port=None if args.no_http else args.http_port, model=args.model,
+                           served_model_name=args.served_model_name,
                            redis_url=args.redis_url, cluster_name=args.cluster_name)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker")) from None
@@ -464,7 +470,7 @@ async def _serve_until_signal(cfg: RouterConfig) -> int:
         try:
             grpc_port, http_port = await server.start()
         except RouterStartError as e:
-            raise CLIError(f"--worker: {e}" if "worker" in str(e) else f"--model: {e}") from None
+            raise CLIError(f"--{'model' if e.field == 'model' else 'worker'}: {e}") from None
         except (RuntimeError, OSError) as e:
             raise CLIError(f"--grpc-port/--http-port: cannot bind on {cfg.host}: {e}") from None
         http = f"http on {cfg.host}:{http_port}" if http_port is not None else "http off"

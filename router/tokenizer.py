@@ -73,7 +73,9 @@ class RouterTokenizer:
         return self._tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of `text`. Releases the GIL while it runs (`encode_batch` does, `encode`
+        does not), so callers may run it in a thread beside an event loop."""
+        return list(self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -1,4 +1,4 @@
-"""`kvmesh bench engine|prefix|memory` — each measures kvmesh against a baseline in the same run.
+"""`kvmesh bench engine|prefix|memory|accuracy` — each measures kvmesh against a baseline in the same run.
 
 Benchmarks are not tests: they print a table and write JSON (`--json PATH`). `--quick`
 keeps each under a minute on a 2-core CPU.
@@ -19,7 +19,8 @@ from typing import Any
 def register(sub: argparse._SubParsersAction) -> None:
     for name, fn, help_ in (("engine", bench_engine, "kvmesh vs HF transformers generate, batch 1 and 16"),
                             ("prefix", bench_prefix, "TTFT with a cached 1,024-token prefix vs cold"),
-                            ("memory", bench_memory, "paged vs contiguous KV waste and capacity")):
+                            ("memory", bench_memory, "paged vs contiguous KV waste and capacity"),
+                            ("accuracy", bench_accuracy, "perplexity and greedy agreement per KV dtype vs fp32")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--json", type=Path, default=None, help="write the results here")
         p.add_argument("--quick", action="store_true", help="a small run (under a minute)")
@@ -199,8 +200,138 @@ def bench_memory(args: argparse.Namespace) -> dict[str, Any]:
     mean_blocks = statistics.mean(-(-n // block_size) for n in final_lens)
     paged_max = int(budget_tokens // (mean_blocks * block_size))
     contiguous_max = budget_tokens // max_len
+    budget_bytes = engine.pool.num_blocks * engine.layout.bytes_per_block
     return {"paged_waste_frac": paged_waste, "contiguous_waste_frac": contiguous_waste,
             "paged_max_seqs": paged_max, "contiguous_max_seqs": contiguous_max,
             "capacity_gain": paged_max / contiguous_max,
+            "per_dtype": capacity_per_dtype(engine.layout, budget_bytes, mean_blocks),
             "config": {"block_size": block_size, "requests": n_req, "contiguous_max_len": max_len,
-                       "mean_final_len": mean_len, "budget_tokens": budget_tokens}}
+                       "mean_final_len": mean_len, "budget_tokens": budget_tokens,
+                       "budget_bytes": budget_bytes, "kv_cache_dtype": engine.layout.kv_cache_dtype}}
+
+
+def capacity_per_dtype(layout: Any, budget_bytes: int, mean_blocks: float) -> dict[str, dict[str, Any]]:
+    """Sequences of `mean_blocks` blocks each admitted in `budget_bytes` for every KV dtype.
+
+    Same model shape and block size as `layout` (a `KVLayout`); quantized dtypes pay their
+    scale (and zero-point) bytes, so int8 admits a little under 2x fp16 and int4 under 4x.
+    """
+    import dataclasses
+
+    from kvstore.layout import KV_CACHE_DTYPES
+    out: dict[str, dict[str, Any]] = {}
+    for dtype in (d for d in KV_CACHE_DTYPES if d != "auto"):
+        lay = dataclasses.replace(layout, kv_cache_dtype=dtype)
+        blocks = lay.num_blocks_in(budget_bytes)
+        out[dtype] = {"bytes_per_token": lay.bytes_per_token, "num_blocks": blocks,
+                      "max_seqs": int(blocks // mean_blocks)}
+    fp16 = out["fp16"]["max_seqs"]
+    for row in out.values():
+        row["capacity_vs_fp16"] = row["max_seqs"] / fp16 if fp16 else None
+    return out
+
+
+# -- accuracy -------------------------------------------------------------------------------
+ACCURACY_BASELINE = "fp32"
+
+
+def accuracy_configs(window_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+    """(name, EngineConfig overrides) of every configuration the accuracy bench scores.
+
+    The first is the baseline every other is compared with. `window_tokens` is the length of
+    the perplexity window, for configurations whose budget is a fraction of the text (token
+    eviction: append e.g. `("h2o-50", {"kv_eviction": "h2o", "kv_budget": window_tokens // 2})`).
+    """
+    return [(d, {"kv_cache_dtype": d}) for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4")]
+
+
+def accuracy_text() -> tuple[str, str]:
+    """A real English text shipped with every CPython: the interpreter's LICENSE.txt (its source)."""
+    import sysconfig
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if not path.exists():  # some distributions drop it: then the Python docs' topic texts (pydoc)
+        import pydoc_data
+        path = Path(pydoc_data.__file__).parent / "topics.py"
+    return path.read_text(encoding="utf-8"), str(path)
+
+
+def _encode_text(engine: Any, text: str) -> list[int]:
+    if engine.tokenizer is not None:
+        return list(engine.tokenizer.encode(text, add_special_tokens=False))
+    if engine.model_config.vocab_size < 256:  # a tokenizer-less test model: byte-level ids
+        raise ValueError(f"model {engine.cfg.model} has no tokenizer and a vocab under 256")
+    return list(text.encode("utf-8"))
+
+
+def perplexity(engine: Any, ids: list[int]) -> float:
+    """exp(mean next-token NLL) of `ids` under teacher forcing through the engine's KV cache."""
+    import torch
+    import torch.nn.functional as F
+    logits = engine.logits(ids)  # [T, vocab] fp32
+    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
+    return float(torch.exp(nll))
+
+
+def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    """Per KV configuration: perplexity on a real text, greedy agreement and bytes per token."""
+    import gc
+
+    from worker.engine import Engine, EngineConfig
+    from worker.sampling import SamplingParams
+
+    text, source = accuracy_text()
+    window = 512 if args.quick else 2048
+    gen_len = 64 if args.quick else 256
+    prompt_len, num_prompts = 64, 4
+    block_size = 16
+    num_blocks = -(-window // block_size) + num_prompts * -(-(prompt_len + gen_len) // block_size) + 8
+    base = dict(model=args.model, dtype="fp32", block_size=block_size, num_blocks=num_blocks)
+    greedy = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    results: dict[str, Any] = {}
+    ref: dict[str, Any] = {}
+    for name, overrides in accuracy_configs(window):
+        engine = Engine(EngineConfig(**(base | overrides)))
+        ids = _encode_text(engine, text)
+        if len(ids) < window + 1:
+            raise ValueError(f"{source} has {len(ids)} tokens; the window needs {window + 1}")
+        ppl_ids = ids[:window]
+        # prompts: evenly spaced spans of the text
+        step = (len(ids) - prompt_len) // num_prompts
+        prompts = [ids[i * step:i * step + prompt_len] for i in range(num_prompts)]
+        ppl = perplexity(engine, ppl_ids)
+        outs = [list(o.token_ids) for o in engine.generate(prompts, greedy)]
+        if not ref:  # the baseline: its own continuations, teacher-forced argmax of each
+            ref = {"ppl": ppl, "outs": outs}
+        # teacher-forced: this cache's argmax on the baseline's continuation, position by position
+        forced = [engine.logits(p + o)[len(p) - 1:-1].argmax(-1).tolist() for p, o in zip(prompts, ref["outs"])]
+        if "forced" not in ref:
+            ref["forced"] = forced
+        same = sum(a == b for r, o in zip(ref["outs"], outs) for a, b in zip(r, o))
+        total = sum(len(r) for r in ref["outs"])
+        first_div = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r))
+                     for r, o in zip(ref["outs"], outs)]
+        forced_same = sum(a == b for r, f in zip(ref["forced"], forced) for a, b in zip(r, f))
+        results[name] = {"ppl": ppl, "ppl_delta_frac": ppl / ref["ppl"] - 1,
+                         "token_agreement": same / total,
+                         "teacher_forced_agreement": forced_same / total,
+                         "mean_first_divergence": statistics.mean(first_div),
+                         "bytes_per_token": engine.layout.bytes_per_token,
+                         "kv_cache_dtype": engine.layout.kv_cache_dtype}
+        del engine
+        gc.collect()
+    return {**results, "notes": {
+        "baseline": f"'{ACCURACY_BASELINE}': fp32 model with an fp32 KV cache; every config runs the fp32 model",
+        "text": f"{source} ({len(text)} characters)",
+        "ppl": f"exp(mean next-token NLL) over the first {window} tokens of the text, teacher-forced "
+               "(one prefill through the paged KV cache; K/V are written, quantized if so, then read)",
+        "ppl_delta_frac": "ppl / baseline ppl - 1",
+        "token_agreement": f"{num_prompts} prompts of {prompt_len} text tokens (evenly spaced spans), "
+                           f"{gen_len} greedy tokens each; fraction of generated positions whose token "
+                           "equals the baseline's at the same position (pooled over prompts; a divergence "
+                           "usually makes the rest differ too)",
+        "teacher_forced_agreement": "fraction of positions where this config's argmax equals the "
+                                    "baseline's when both are fed the baseline's continuation",
+        "mean_first_divergence": "mean index of the first generated token that differs (gen length if none)",
+        "bytes_per_token": "KVLayout.bytes_per_token: all layers, K and V, values plus scales/zero points"},
+        "config": {"model": args.model, "window_tokens": window, "generated_tokens": gen_len,
+                   "prompts": num_prompts, "prompt_tokens": prompt_len, "block_size": block_size}}

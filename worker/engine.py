@@ -83,10 +83,13 @@ class Engine:
         self.model = LlamaModel(loaded.config, loaded.weights)
         self.tokenizer = load_tokenizer(self.model_dir) if _has_tokenizer(self.model_dir) else None
         mc = loaded.config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
                                resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype_name))
         num_blocks = cfg.num_blocks or self.layout.num_blocks_in(int(cfg.kv_cache_memory_gib * 2**30))
+        # One sequence of max_model_len tokens must fit in the pool (vLLM checks the same):
+        # a smaller pool lowers max_model_len rather than admitting requests it cannot finish.
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                                 num_blocks * cfg.block_size)
         self.kv = KVTensors(self.layout, num_blocks, self.device)
         self.kv_caches = list(zip(self.kv.k_caches, self.kv.v_caches))
         self.pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
@@ -131,9 +134,6 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; this model takes at most "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         max_total = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.layout.blocks_for(max_total) > self.pool.num_blocks:
-            raise InvalidRequest(f"prompt + max_tokens needs {self.layout.blocks_for(max_total)} KV blocks; "
-                                 f"the pool has {self.pool.num_blocks}")
         if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority)

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
@@ -31,6 +32,7 @@ from worker.config import ModelConfig, ModelLoadError
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+_TRANSFORMERS_IMPORT_LOCK = threading.Lock()
 # torch and safetensors are imported where weights are read or converted, so the router can
 # resolve a model dir and load its tokenizer without torch (DESIGN.md).
 
@@ -142,10 +144,14 @@ def load_weights(
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The fast HF tokenizer saved in `model_dir` (with its chat template, if it has one)."""
-    from transformers import AutoTokenizer
+    # transformers' lazy imports race when two threads import at once (two engines loading
+    # in one process): serialise the first import and the load.
+    with _TRANSFORMERS_IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        with _TRANSFORMERS_IMPORT_LOCK:
+            return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from e
 

@@ -31,7 +31,8 @@ ALL_VALUES: Doc = {
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
                "terminationGracePeriodSeconds": 40},
-    "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5},
+    "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
+               "servedModelName": "llama-3-8b-instruct"},
 }
 # Values the CLI cannot take yet: each must be rendered the day its flag appears.
 GATED = {("engine", "kvOffloadGib"): "--kv-offload-gib (KV offload issue)",

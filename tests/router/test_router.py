@@ -92,7 +92,7 @@ def start_cluster(model_dir: Path, num_workers: int, http: bool) -> Cluster:
     for w in cluster.workers:
         lt.run(w.wait_ready(60))
     cfg = RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=str(model_dir),
-                       http_port=0 if http else None, health_interval_s=0.2)
+                       served_model_name="smollm2", http_port=0 if http else None, health_interval_s=0.2)
 
     async def start() -> tuple[RouterServer, int, int | None]:
         router = RouterServer(cfg)
@@ -332,13 +332,22 @@ def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel
     req = pb.GenerateRequest(text=LONG_PREFIX + "Where is Lyon?", sampling=greedy(4))
     owner = summary(run_generate(router_channel, req))[2].worker_id
     i = int(owner.rsplit("-", 1)[1])
+    # A second router that does not probe on its own: its first request after the kill must
+    # take the retry path (UNAVAILABLE before any token → once more on the other worker).
+    blind_cfg = RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=str(cluster.model_dir),
+                             http_port=None, health_interval_s=3600)
+    blind = RouterServer(blind_cfg, tokenizer=cluster.router._tokenizer)
+    blind_port, _ = cluster.lt.run(blind.start())
     try:
+        assert len(blind.live_workers()) == 2
         cluster.lt.run(cluster.workers[i].stop(1))
-        # Right away (the router has not noticed yet: retried on the other) and after it noticed.
-        for _ in range(3):
-            last = summary(run_generate(router_channel, req))[2]
-            assert last.worker_id == f"worker-{1 - i}"
+        with grpc.insecure_channel(f"127.0.0.1:{blind_port}") as ch:
+            assert summary(run_generate(ch, req))[2].worker_id == f"worker-{1 - i}"
+        assert [w.worker_id for w in blind.live_workers()] == [f"worker-{1 - i}"]
+        for _ in range(3):  # the main router: before and after its probes notice
+            assert summary(run_generate(router_channel, req))[2].worker_id == f"worker-{1 - i}"
     finally:
+        cluster.lt.run(blind.stop(0))
         cluster.start_worker(i)
     assert summary(run_generate(router_channel, req))[2].worker_id == owner
 

@@ -66,11 +66,13 @@ def test_queue_full(tiny_model_dir):
     assert e.generate([4, 5], GREEDY)[0].completion_tokens == 8
 
 
-def test_request_larger_than_the_pool_is_rejected(tiny_model_dir):
+def test_small_pool_caps_max_model_len(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=8))
-    with pytest.raises(InvalidRequest, match="blocks"):
-        e.add_request([1] * 20, SamplingParams(max_tokens=20))
-    assert e.generate([1] * 4, GREEDY)[0].completion_tokens == 8
+    assert e.max_model_len == 32                      # what 8 blocks of 4 tokens can hold
+    with pytest.raises(InvalidRequest, match="max_model_len"):
+        e.add_request([1] * 40, SamplingParams(max_tokens=20))
+    out = e.generate([1] * 20, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert (out.completion_tokens, out.finish_reason) == (12, "length")
 
 
 def test_abort_frees_blocks(tiny):

@@ -9,6 +9,11 @@ position `p = L - q_len + j` and attends to every cached position `t <= p`, and 
 sliding window `W` only to those with `p - t < W` (HF Mistral semantics). Query head h
 reads kv head `h // (Hq // Hkv)` (MHA, GQA and MQA alike).
 
+A quantized cache (`kvstore.quant.QuantizedKV`: slot bytes plus a codec) goes where a
+tensor cache goes: `write_kv` quantizes the new rows into their slots, and attention gathers
+the slots of only the blocks it reads and dequantizes those to the query dtype before SDPA
+(never the whole cache). Plain tensor caches take exactly the path they took before.
+
 Kernels gather whole blocks and mask the slots they must not read, so those slots may hold
 any FINITE value (a NaN there would still reach the output through `0 * NaN`); the pool in
 `kvstore.tensors` is zero-filled for that reason.
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvstore.quant import KVCache, QuantizedKV
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -103,10 +110,20 @@ class AttnMetadata:
                    seq_lens_list=list(seq_lens))
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V rows at their slots (in place)."""
+    """Store this step's K/V rows `[T, Hkv, D]` at their slots (in place; quantized if the cache is)."""
     assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
+    if isinstance(k_cache, QuantizedKV):
+        assert isinstance(v_cache, QuantizedKV) and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+        assert key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
+        assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
+        num_kv_heads, slot_bytes = k_cache.slots.shape[2], k_cache.slots.shape[3]
+        k_cache.slots.view(-1, num_kv_heads, slot_bytes).index_copy_(  # [N*bs, Hkv, slot_bytes]
+            0, slot_mapping, k_cache.codec.quantize(key))
+        v_cache.slots.view(-1, num_kv_heads, slot_bytes).index_copy_(
+            0, slot_mapping, v_cache.codec.quantize(value))
+        return
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
     assert key.shape[1:] == k_cache.shape[2:], (key.shape, k_cache.shape)
     assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
@@ -117,28 +134,47 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor | list[int],
-              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `seq_len` cached tokens of one sequence, densely: `(k, v)` each `[L, Hkv, D]`."""
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+def gather_kv(k_cache: KVCache, v_cache: KVCache, block_table_row: torch.Tensor | list[int],
+              seq_len: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq_len` cached tokens of one sequence, densely: `(k, v)` each `[L, Hkv, D]`.
+
+    A plain cache keeps its dtype unless `dtype` is given; a quantized one is dequantized to
+    `dtype` (fp32 when None).
+    """
+    assert len(k_cache.shape) == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    k_store, v_store = _storage(k_cache), _storage(v_cache)
+    block_size, num_kv_heads, width = k_store.shape[1:]
     num_blocks = -(-seq_len // block_size)
-    row = torch.as_tensor(block_table_row, dtype=torch.int64, device=k_cache.device)[:num_blocks]
+    row = torch.as_tensor(block_table_row, dtype=torch.int64, device=k_store.device)[:num_blocks]
     assert row.numel() == num_blocks, f"block table has {row.numel()} ids; {num_blocks} needed"
-    k = k_cache.index_select(0, row).view(-1, num_kv_heads, head_dim)[:seq_len]  # [L, Hkv, D]
-    v = v_cache.index_select(0, row).view(-1, num_kv_heads, head_dim)[:seq_len]  # [L, Hkv, D]
-    return k, v
+    k = k_store.index_select(0, row).view(-1, num_kv_heads, width)[:seq_len]  # [L, Hkv, D | slot_bytes]
+    v = v_store.index_select(0, row).view(-1, num_kv_heads, width)[:seq_len]
+    if dtype is None:
+        dtype = torch.float32 if isinstance(k_cache, QuantizedKV) else k.dtype
+    return _load(k, k_cache, dtype), _load(v, v_cache, dtype)  # [L, Hkv, D]
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _storage(cache: KVCache) -> torch.Tensor:
+    """The tensor a kernel index_selects blocks from: the cache itself, or its slot bytes."""
+    return cache.slots if isinstance(cache, QuantizedKV) else cache
+
+
+def _load(gathered: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> torch.Tensor:
+    """Rows gathered from `_storage(cache)` as values in `dtype` (dequantized if quantized)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.codec.dequantize(gathered, dtype)
+    return gathered if gathered.dtype == dtype else gathered.to(dtype)
+
+
+def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                     meta: AttnMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of this step's queries over the paged cache: `[T, Hq, D] -> [T, Hq, D]`.
 
     Decode sequences (q_len == 1) run as one batched SDPA; each prefill sequence (q_len > 1)
     runs its own SDPA with a causal-with-offset mask. Caches in another dtype than `query`
-    are upcast after the gather.
+    are upcast after the gather; quantized caches are dequantized to `query.dtype` there.
     """
-    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert query.dim() == 3 and len(k_cache.shape) == 4 and k_cache.shape == v_cache.shape
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     assert k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
@@ -176,7 +212,7 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _decode(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_list: list[int],
             scale: float, sliding_window: int | None) -> torch.Tensor:
     """One new token per sequence, all sequences in one SDPA: `[B, Hq, D] -> [B, Hq, D]`."""
@@ -202,13 +238,14 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         blocks = block_tables if num_blocks == block_tables.shape[1] else block_tables[:, :num_blocks]
         num_keys = max_len
     flat = blocks.reshape(-1)  # [B*nb]
-    k = k_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, nb*bs, Hkv, D]
-    v = v_cache.index_select(0, flat).view(num_seqs, -1, num_kv_heads, head_dim)  # [B, nb*bs, Hkv, D]
+    k_store, v_store = _storage(k_cache), _storage(v_cache)
+    width = k_store.shape[3]  # head_dim, or slot bytes when quantized
+    k = k_store.index_select(0, flat).view(num_seqs, -1, num_kv_heads, width)  # [B, nb*bs, Hkv, D]
+    v = v_store.index_select(0, flat).view(num_seqs, -1, num_kv_heads, width)  # [B, nb*bs, Hkv, D]
     if num_keys < k.shape[1]:
         k, v = k[:, :num_keys], v[:, :num_keys]
+    k, v = _load(k, k_cache, query.dtype), _load(v, v_cache, query.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
-    if k.dtype != query.dtype:
-        k, v = k.to(query.dtype), v.to(query.dtype)
     if windowed:
         lens = seq_lens[:, None]  # [B, 1]
         mask = (pos < lens) & (pos >= lens - sliding_window)  # [B, S]
@@ -223,7 +260,7 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.reshape(num_seqs, num_q_heads, head_dim)  # [B, Hq, D]
 
 
-def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _prefill_one(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                  block_table_row: torch.Tensor, seq_len: int, scale: float,
                  sliding_window: int | None) -> torch.Tensor:
     """One sequence's q_len new tokens over its first `seq_len` cached tokens: `[q, Hq, D]`."""
@@ -235,10 +272,11 @@ def _prefill_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_blocks = -(-seq_len // block_size) - first_block
     blocks = block_table_row[first_block:first_block + num_blocks]  # [nb]
     offset = start - first_block * block_size
-    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[offset:offset + seq_len - start]
-    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[offset:offset + seq_len - start]
-    if k.dtype != query.dtype:
-        k, v = k.to(query.dtype), v.to(query.dtype)
+    k_store, v_store = _storage(k_cache), _storage(v_cache)
+    width = k_store.shape[3]  # head_dim, or slot bytes when quantized
+    k = k_store.index_select(0, blocks).view(-1, num_kv_heads, width)[offset:offset + seq_len - start]
+    v = v_store.index_select(0, blocks).view(-1, num_kv_heads, width)[offset:offset + seq_len - start]
+    k, v = _load(k, k_cache, query.dtype), _load(v, v_cache, query.dtype)  # [S, Hkv, D]
     k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, S, D]
     q = query.transpose(0, 1)[None]  # [1, Hq, q, D]
     window_cuts = sliding_window is not None and seq_len > sliding_window

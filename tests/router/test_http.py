@@ -1,0 +1,197 @@
+"""The router's OpenAI-compatible HTTP, driven by the official `openai` client and by raw HTTP.
+
+One real worker (SmolLM2) behind a real router on 127.0.0.1:0; the oracle for every HTTP
+generation is the same request over the router's gRPC.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from tests.router.test_router import (LONG_PREFIX, Cluster, greedy, run_generate, start_cluster, stop_cluster,
+                                      summary, used_blocks, wait_until)
+
+PROMPT = "The best thing about living near the sea is"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où se trouve Zürich ? 🏔"}]
+
+
+@pytest.fixture(scope="module")
+def web(smollm2_dir: Path) -> Iterator[Cluster]:
+    c = start_cluster(smollm2_dir, 1, http=True)
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+@pytest.fixture(scope="module")
+def client(web: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{web.http_port}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def grpc_text(web: Cluster, req: pb.GenerateRequest) -> tuple[str, pb.GenerateResponse]:
+    with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+        _, text, last = summary(run_generate(ch, req))
+    return text, last
+
+
+def test_completions_equals_grpc(web: Cluster, client: openai.OpenAI) -> None:
+    want, last = grpc_text(web, pb.GenerateRequest(text=PROMPT, sampling=greedy(10)))
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "smollm2"
+    assert r.choices[0].text == want and r.choices[0].index == 0 and r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.prompt_tokens == last.prompt_tokens
+    assert r.usage.completion_tokens == 10 and r.usage.total_tokens == last.prompt_tokens + 10
+    assert r.model_extra is not None and r.model_extra["kvmesh"]["worker_id"] == "worker-0"
+    # The same prompt as token ids, and OpenAI's default max_tokens (16).
+    ids = web.engines[0].encode(PROMPT)
+    r2 = client.completions.create(model="smollm2", prompt=ids, temperature=0)
+    assert r2.choices[0].text.startswith(want) and r2.usage is not None and r2.usage.completion_tokens == 16
+
+
+def test_chat_equals_grpc(web: Cluster, client: openai.OpenAI) -> None:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    want, last = grpc_text(web, pb.GenerateRequest(chat=chat, sampling=greedy(12)))
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_completion_tokens=12,  # type: ignore[arg-type]
+                                       temperature=0, user="someone", seed=3)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want
+    assert r.usage is not None and r.usage.prompt_tokens == last.prompt_tokens
+
+
+def test_streams_with_usage(web: Cluster, client: openai.OpenAI) -> None:
+    want = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+    chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+    want_chat = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=12,  # type: ignore[arg-type]
+                                               temperature=0).choices[0].message.content
+    chunks = list(client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=12,  # type: ignore[arg-type]
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    # Without include_usage: no usage chunk.
+    plain = list(client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=3,  # type: ignore[arg-type]
+                                                temperature=0, stream=True))
+    assert all(c.choices and c.usage is None for c in plain)
+
+
+def test_cached_tokens_on_repeated_prefix(client: openai.OpenAI) -> None:
+    usages = [client.completions.create(model="smollm2", prompt=LONG_PREFIX + q, max_tokens=2, temperature=0).usage
+              for q in ("Where is Porto?", "Where is Gdansk?")]
+    assert usages[1] is not None and usages[1].prompt_tokens_details is not None
+    assert usages[1].prompt_tokens_details.cached_tokens >= 64  # four blocks of 16
+
+
+def test_models_and_health(web: Cluster, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{web.http_port}/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def post(port: int, path: str, body: bytes) -> tuple[int, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _j(**kw: Any) -> bytes:
+    return json.dumps({"model": "smollm2"} | kw).encode()
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+BAD: dict[str, tuple[str, bytes, int]] = {
+    "invalid json": (COMPLETIONS, b'{"prompt": "hi",', 400),
+    "not an object": (COMPLETIONS, b'["hi"]', 400),
+    "invalid utf-8": (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400),
+    "NaN literal": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400),
+    "empty prompt": (COMPLETIONS, _j(prompt=""), 400),
+    "empty token list": (COMPLETIONS, _j(prompt=[]), 400),
+    "no prompt": (COMPLETIONS, _j(), 400),
+    "token id outside vocab": (COMPLETIONS, _j(prompt=[1, 10**6]), 400),
+    "prompt over max_model_len": (COMPLETIONS, _j(prompt=[42] * 9000), 400),
+    "max_tokens 0": (COMPLETIONS, _j(prompt="hi", max_tokens=0), 400),
+    "max_tokens string": (COMPLETIONS, _j(prompt="hi", max_tokens="5"), 400),
+    "max_tokens over int32": (COMPLETIONS, _j(prompt="hi", max_tokens=2**40), 400),
+    "negative temperature": (COMPLETIONS, _j(prompt="hi", temperature=-0.5), 400),
+    "top_p 0": (COMPLETIONS, _j(prompt="hi", top_p=0), 400),
+    "presence_penalty 3": (COMPLETIONS, _j(prompt="hi", presence_penalty=3), 400),
+    "n 2": (COMPLETIONS, _j(prompt="hi", n=2), 400),
+    "echo": (COMPLETIONS, _j(prompt="hi", echo=True), 400),
+    "logprobs": (COMPLETIONS, _j(prompt="hi", logprobs=2), 400),
+    "unknown field": (COMPLETIONS, _j(prompt="hi", frobnicate=1), 400),
+    "stream not bool": (COMPLETIONS, _j(prompt="hi", stream="yes"), 400),
+    "empty stop string": (COMPLETIONS, _j(prompt="hi", stop=[""]), 400),
+    "unknown model": (COMPLETIONS, json.dumps({"model": "gpt-9", "prompt": "hi"}).encode(), 404),
+    "no messages": (CHAT, _j(messages=[]), 400),
+    "bad role": (CHAT, _j(messages=[{"role": "wizard", "content": "hi"}]), 400),
+    "tools": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}]), 400),
+    "chat unknown field": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], prompt="x"), 400),
+    "image part": (CHAT, _j(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400),
+    "worker rejects": (COMPLETIONS, _j(prompt="hi", max_tokens=10**6), 400),
+    "over 4 MiB": (COMPLETIONS, _j(prompt="x" * (5 * 2**20)), 413),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_openai_error_and_server_keeps_serving(web: Cluster, case: str) -> None:
+    path, body, status = BAD[case]
+    got, payload = post(web.http_port or 0, path, body)
+    assert got == status, payload
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    ok, answer = post(web.http_port or 0, COMPLETIONS, _j(prompt="Hi", max_tokens=2, temperature=0))
+    assert ok == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_client_disconnect_mid_stream_cancels_upstream(web: Cluster) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", web.http_port, timeout=30)
+    body = _j(prompt="Count to a thousand:", max_tokens=1000, temperature=0, stream=True)
+    conn.request("POST", COMPLETIONS, body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
+    assert resp.readline().startswith(b"data: ")
+    assert used_blocks(web.worker_addresses[0]) > 0
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    assert wait_until(lambda: used_blocks(web.worker_addresses[0]) == 0), "the worker still runs the request"
+
+
+def test_no_worker_is_503(web: Cluster) -> None:
+    from router.server import RouterConfig, RouterServer
+    cfg = RouterConfig(worker_addresses=("127.0.0.1:1",), model=str(web.model_dir), served_model_name="smollm2",
+                       http_port=0)
+    router = RouterServer(cfg, tokenizer=web.router._tokenizer)
+    _, port = web.lt.run(router.start())
+    try:
+        assert port is not None
+        status, payload = post(port, COMPLETIONS, _j(prompt="hi"))
+        assert status == 503 and payload["error"]["message"]
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert err.value.code == 503
+    finally:
+        web.lt.run(router.stop(0))
