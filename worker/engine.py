@@ -130,6 +130,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; this model takes at most "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")

@@ -306,8 +306,8 @@ BAD_REQUESTS: dict[str, tuple[bytes, grpc.StatusCode]] = {
     "unknown field": (_raw() + b"\x98\x06\x01", grpc.StatusCode.INVALID_ARGUMENT),
     "invalid utf-8": (b"\x12\x02\xff\xfe", grpc.StatusCode.INVALID_ARGUMENT),
     "10 MB message": (_raw("x" * (10 * 2**20)), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    # Rejected by the worker (prompt + max_tokens need more KV blocks than its pool): passed through.
-    "worker rejects": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=10**6)).SerializeToString(),
+    # Rejected by the worker (a stop token id outside the vocabulary): passed through.
+    "worker rejects": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])).SerializeToString(),
                        grpc.StatusCode.INVALID_ARGUMENT),
 }
 
@@ -322,7 +322,7 @@ def test_bad_request_gets_its_status_and_router_keeps_serving(router_channel: gr
     assert err.value.code() == code, err.value.details()
     assert err.value.details()
     if case == "worker rejects":
-        assert "KV blocks" in err.value.details()
+        assert "stop_token_ids" in err.value.details()
     ids, _, last = summary(run_generate(router_channel, pb.GenerateRequest(text="Hello", sampling=greedy(2))))
     assert len(ids) == 2 and last.finished
 

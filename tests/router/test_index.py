@@ -1,0 +1,158 @@
+"""BlockIndex: examples, then a hypothesis state machine against a dict model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvstore.events import EventType, Tier, WireEvent, WorkerId, inventory_events
+from kvstore.keys import BlockHash
+from router.index import BlockIndex, IndexStats
+
+H = [BlockHash(0x1000 + i) for i in range(8)]
+A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
+
+
+def stored(*hashes: BlockHash, tier: Tier = Tier.DEVICE) -> WireEvent:
+    return WireEvent(EventType.STORED, hashes, None, tier)
+
+
+def removed(*hashes: BlockHash, tier: Tier = Tier.DEVICE) -> WireEvent:
+    return WireEvent(EventType.REMOVED, hashes, None, tier)
+
+
+def test_match_prefix_stops_at_first_missing_block() -> None:
+    index = BlockIndex()
+    index.apply(A, stored(H[0], H[1], H[2], H[3]))
+    index.apply(B, stored(H[0], H[2], H[3]))  # lacks H[1]
+    index.apply(C, stored(H[1], H[2]))        # lacks H[0]
+    assert index.match_prefix(H[:4]) == {A: 4, B: 1, C: 0}
+    assert index.match_prefix(H[:4], [B, WorkerId("z")]) == {B: 1, "z": 0}
+    assert index.match_prefix([]) == {A: 0, B: 0, C: 0}
+    assert index.match_prefix([H[7], H[0]]) == {A: 0, B: 0, C: 0}
+    assert index.stats() == IndexStats(num_blocks=4, num_entries=9, num_workers=3, events_applied=3)
+    index.check_integrity()
+
+
+def test_tiers_are_tracked_per_worker() -> None:
+    index = BlockIndex()
+    index.apply(A, stored(H[0], H[1]))
+    index.apply(A, stored(H[0], tier=Tier.HOST))  # offloaded, device copy still there
+    index.apply(A, removed(H[0]))                 # device copy evicted
+    assert index.locate(H[0]) == {A: frozenset({Tier.HOST})}
+    assert index.match_prefix(H[:2]) == {A: 2}
+    index.apply(A, WireEvent(EventType.CLEARED, tier=Tier.HOST))
+    assert index.holdings(A) == {H[1]: frozenset({Tier.DEVICE})}
+    index.apply(A, removed(H[5]))  # unknown: ignored
+    index.check_integrity()
+
+
+def test_inventory_replaces_and_workers_come_and_go() -> None:
+    index = BlockIndex()
+    index.apply(A, stored(*H[:3]))
+    index.apply(B, stored(*H[:3]))
+    for event in inventory_events({Tier.DISK: [H[5]], Tier.DEVICE: [H[0]]}):
+        index.apply(A, event)
+    assert index.holdings(A) == {H[0]: frozenset({Tier.DEVICE}), H[5]: frozenset({Tier.DISK})}
+    index.clear_worker(B)
+    assert index.workers() == [A, B] and index.holdings(B) == {}
+    index.remove_worker(A)
+    assert index.workers() == [B] and index.stats().num_blocks == 0
+    index.remove_worker(WorkerId("never-seen"))
+    index.check_integrity()
+
+
+def test_router_index_imports_no_torch() -> None:
+    code = "import sys, router.index, kvstore.streams; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+workers = st.sampled_from([A, B, C])
+tiers = st.sampled_from(list(Tier))
+hash_lists = st.lists(st.sampled_from(H), max_size=5)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """The model: worker → block → set of tiers, plus the set of known workers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = BlockIndex()
+        self.model: dict[WorkerId, dict[BlockHash, set[Tier]]] = {}
+
+    def _held(self, w: WorkerId) -> dict[BlockHash, set[Tier]]:
+        return self.model.setdefault(w, {})
+
+    def _drop(self, w: WorkerId, h: BlockHash, tier: Tier) -> None:
+        held = self._held(w)
+        held.get(h, set()).discard(tier)
+        if not held.get(h, True):
+            del held[h]
+
+    @rule(w=workers, hashes=hash_lists, tier=tiers)
+    def store(self, w: WorkerId, hashes: list[BlockHash], tier: Tier) -> None:
+        self.index.apply(w, stored(*hashes, tier=tier))
+        self._held(w)
+        for h in hashes:
+            self._held(w).setdefault(h, set()).add(tier)
+
+    @rule(w=workers, hashes=hash_lists, tier=tiers)
+    def remove(self, w: WorkerId, hashes: list[BlockHash], tier: Tier) -> None:
+        self.index.apply(w, removed(*hashes, tier=tier))
+        self._held(w)  # any event makes its worker known
+        for h in hashes:
+            self._drop(w, h, tier)
+
+    @rule(w=workers, tier=tiers)
+    def clear_tier(self, w: WorkerId, tier: Tier) -> None:
+        self.index.apply(w, WireEvent(EventType.CLEARED, tier=tier))
+        for h in list(self._held(w)):
+            self._drop(w, h, tier)
+
+    @rule(w=workers, by_tier=st.dictionaries(tiers, hash_lists, max_size=3))
+    def inventory(self, w: WorkerId, by_tier: dict[Tier, list[BlockHash]]) -> None:
+        for event in inventory_events(by_tier):
+            self.index.apply(w, event)
+        self.model[w] = {}
+        for tier, hashes in by_tier.items():
+            for h in hashes:
+                self.model[w].setdefault(h, set()).add(tier)
+
+    @rule(w=workers)
+    def clear_worker(self, w: WorkerId) -> None:
+        self.index.clear_worker(w)
+        self.model[w] = {}
+
+    @rule(w=workers)
+    def remove_worker(self, w: WorkerId) -> None:
+        self.index.remove_worker(w)
+        self.model.pop(w, None)
+
+    @rule(query=st.lists(st.sampled_from(H), max_size=6), some=st.lists(workers, max_size=3))
+    def match(self, query: list[BlockHash], some: list[WorkerId]) -> None:
+        for subset in (None, some):
+            expected = {}
+            for w in (self.model if subset is None else subset):
+                held = self.model.get(w, {})
+                n = 0
+                while n < len(query) and query[n] in held:
+                    n += 1
+                expected[w] = n
+            assert self.index.match_prefix(query, subset) == expected
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        self.index.check_integrity()
+        assert self.index.workers() == sorted(self.model)
+        for w, held in self.model.items():
+            assert self.index.holdings(w) == {h: frozenset(t) for h, t in held.items()}
+        for h in H:
+            assert self.index.locate(h) == {w: frozenset(held[h]) for w, held in self.model.items()
+                                            if h in held}
+
+
+IndexMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestIndexMachine = IndexMachine.TestCase
