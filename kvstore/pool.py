@@ -334,6 +334,15 @@ class BlockPool:
         return PoolStats(self._queries, self._hits, self._query_blocks, self._hit_blocks,
                          self._evictions)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the pool can serve now (a worker's inventory for the block index)."""
+        return list(self._index.map)
+
+    def set_event_recording(self, enabled: bool) -> None:
+        """Start or stop recording KV events for `take_events` (dropping what is queued)."""
+        self._record_events = enabled
+        self._events = []
+
     def take_events(self) -> list[KVEvent]:
         """The events recorded since the last call, oldest first; clears the list."""
         events, self._events = self._events, []

@@ -84,10 +84,11 @@ class BlockIndex:
         self._by_worker.pop(worker_id, None)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash],
-                     workers: Iterable[WorkerId] | None = None) -> dict[WorkerId, int]:
+                     workers: Iterable[str] | None = None) -> dict[str, int]:
         """For each of `workers` (default: every known worker), how many LEADING blocks of
-        `block_hashes` it holds in any tier: the count stops at its first missing block."""
-        counts = {w: 0 for w in (self._by_worker if workers is None else workers)}
+        `block_hashes` it holds in any tier: the count stops at its first missing block.
+        (Plain `str` ids, so `router.policy.BlockIndexView` and its own WorkerId fit.)"""
+        counts: dict[str, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
         matching = set(counts)
         num_matched = 0
         for h in block_hashes:

@@ -27,7 +27,8 @@ from kvstore.keys import block_hashes
 from proto.convert import BadRequest, GenerateInput, ParsedRequest, from_sampling_params, \
     parse_generate_request, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.policy import PrefixHashPolicy, RouteRequest, WorkerId, WorkerInfo
+from router.policy import (ROUTING_POLICIES, BlockIndexView, RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad,
+                           make_policy)
 from router.tokenizer import RouterTokenizer, TokenizerError
 
 log = logging.getLogger("kvmesh.router")
@@ -54,9 +55,15 @@ class RouterConfig:
     health_interval_s: float = 1.0          # how often workers are probed
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
+    routing_policy: str = "kv_aware"
+    load_factor: float = 1.25
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy={self.routing_policy!r}; accepted: {', '.join(ROUTING_POLICIES)}")
+        if not self.load_factor >= 1.0:
+            raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
         for a in self.worker_addresses:
             if not isinstance(a, str) or ":" not in a:
                 raise ValueError(f"worker_addresses: {a!r} is not HOST:PORT")
@@ -111,8 +118,28 @@ class _Worker:
     stub: pb_grpc.WorkerStub
     health: health_pb2_grpc.HealthStub
     info: WorkerInfo | None = None          # set while the worker is ready
+    in_flight: int = 0                      # streams the router has open on it
+    free_blocks: int = 0                    # from its last GetLoad
+    num_blocks: int = 0
     refused: str | None = None              # why it may never serve (logged once)
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class RoutingStats:
+    """Did the router's idea of each worker's cache (the block index) match what the worker
+    found? `mismatches` counts requests where the two differ (the hash-agreement metric)."""
+
+    requests: int = 0
+    routed_hit_tokens: int = 0
+    actual_hit_tokens: int = 0
+    mismatches: int = 0
+
+    def record(self, predicted: int, actual: int) -> None:
+        self.requests += 1
+        self.routed_hit_tokens += predicted
+        self.actual_hit_tokens += actual
+        self.mismatches += predicted != actual
 
 
 class RouterServer:
@@ -120,7 +147,11 @@ class RouterServer:
 
     def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
         self.cfg = cfg
-        self.policy = PrefixHashPolicy()
+        self.policy = make_policy(cfg.routing_policy, cfg.load_factor)
+        self.index: BlockIndexView | None = None   # set when a Redis-fed block index runs
+        self._consumer: object | None = None        # kvstore.streams.EventConsumer (lazy: redis)
+        self._consume_task: asyncio.Task[None] | None = None
+        self.stats = RoutingStats()
         self._tokenizer = tokenizer
         self._workers: dict[str, _Worker] = {}
         self._model_info: pb.ModelInfo | None = None
@@ -165,6 +196,8 @@ class RouterServer:
                 self._http = frontend = HttpFrontend(self)
                 http_port = await frontend.start(self.cfg.host, self.cfg.http_port)
             self.set_workers(self.cfg.worker_addresses, probe=False)
+            if self.cfg.redis_url is not None:
+                await self._start_metadata()
             errors = await self._probe_all()
             if errors:
                 raise RouterStartError("; ".join(errors), "worker_addresses")
@@ -185,10 +218,13 @@ class RouterServer:
             return
         self._draining = True
         await self._set_health(False)
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._monitor, self._consume_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._consumer is not None:
+            await self._consumer.aclose()  # type: ignore[attr-defined]
         await asyncio.gather(self._http.stop(grace) if self._http is not None else asyncio.sleep(0),  # type: ignore[attr-defined]
                              self._server.stop(grace) if self._server is not None else asyncio.sleep(0))
         for w in self._workers.values():
@@ -271,14 +307,17 @@ class RouterServer:
         tried: set[WorkerId] = set()
         try:
             for attempt in range(2):
-                worker = self._pick(prepared.route, tried)
+                worker, predicted = self._pick(prepared.route, tried)
                 tried.add(worker.info.worker_id)  # type: ignore[union-attr]
                 self._inflight[rid] = worker
                 call = worker.stub.Generate(prepared.request, timeout=max(deadline - time.monotonic(), 0.001))
                 streamed = False
+                worker.in_flight += 1
                 try:
                     async for response in call:
                         streamed = True
+                        if response.finished:
+                            self.stats.record(predicted, response.cached_tokens)
                         yield response
                     return
                 except grpc.aio.AioRpcError as e:
@@ -289,6 +328,7 @@ class RouterServer:
                         raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
                                             f"worker {worker.address} became unavailable: {e.details()}") from None
                 finally:
+                    worker.in_flight -= 1
                     call.cancel()
         finally:
             self._inflight.pop(rid, None)
@@ -304,11 +344,47 @@ class RouterServer:
             raise UpstreamError(e.code(), e.details() or "") from None
         return bool(response.found)
 
-    def _pick(self, route: RouteRequest, tried: set[WorkerId]) -> _Worker:
-        chosen = self.policy.pick(self.live_workers(), route, exclude=tried)
+    def routing_state(self, route: RouteRequest) -> RoutingState:
+        live = [w for w in self._workers.values() if w.info is not None]
+        loads = {w.info.worker_id: WorkerLoad(w.in_flight, w.free_blocks, w.num_blocks)  # type: ignore[union-attr]
+                 for w in live}
+        cached = self.index.match_prefix(route.block_hashes, list(loads)) if self.index is not None else {}
+        return RoutingState(loads, cached)
+
+    def _pick(self, route: RouteRequest, tried: set[WorkerId]) -> tuple[_Worker, int]:
+        """The worker, and the prompt tokens the index says it will find cached there."""
+        state = self.routing_state(route)
+        chosen = self.policy.pick(self.live_workers(), route, state, exclude=tried)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
-        return self._workers[chosen.address]
+        bs = self._model_info.block_size if self._model_info is not None else 0
+        # The worker recomputes at least the last prompt token, as the engine's lookup does.
+        blocks = min(state.cached_blocks.get(chosen.worker_id, 0), (len(route.token_ids) - 1) // bs if bs else 0)
+        return self._workers[chosen.address], blocks * bs
+
+    # -- Redis metadata: worker registry and block index ------------------------------------
+    async def _start_metadata(self) -> None:
+        from kvstore.metadata import RedisConfig
+        from kvstore.streams import EventConsumer
+        from router.index import BlockIndex
+        assert self.cfg.redis_url is not None
+        index = BlockIndex()
+        self._consumer = consumer = EventConsumer(RedisConfig(url=self.cfg.redis_url, cluster_name=self.cfg.cluster_name),
+                                                  index)
+        self.index = index
+        stop = asyncio.Event()
+        self._consume_task = asyncio.create_task(consumer.run(stop), name="kv-events")
+        await consumer.poll()    # the registry, before the first probe
+        self._sync_registry()
+
+    def _sync_registry(self) -> None:
+        """Serve the static workers plus every live worker in the registry (a missed TTL drops it)."""
+        if self._consumer is None:
+            return
+        registered = [r.address for r in self._consumer.workers.values()]  # type: ignore[attr-defined]
+        wanted = list(dict.fromkeys([*self.cfg.worker_addresses, *registered]))
+        if set(wanted) != set(self._workers):
+            self.set_workers(wanted, probe=False)
 
     # -- gRPC service ---------------------------------------------------------------------
     def _router_handler(self) -> grpc.GenericRpcHandler:
@@ -359,6 +435,7 @@ class RouterServer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.health_interval_s)
             self._wake.clear()
+            self._sync_registry()
             for error in await self._probe_all():
                 log.warning("kvmesh router: %s", error)
 
@@ -379,10 +456,11 @@ class RouterServer:
                 if status.status != _SERVING:
                     w.info = None
                     return None
+                load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
+                w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
-                load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
             except grpc.aio.AioRpcError:
                 w.info = None
                 return None
@@ -441,6 +519,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id on the HTTP API (default: --model)")
     p.add_argument("--redis-url", default=None, help="metadata Redis (block index)")
     p.add_argument("--cluster-name", default="kvmesh")
+    p.add_argument("--routing-policy", default="kv_aware", choices=ROUTING_POLICIES,
+                   help="how a request picks its worker (see README: Routing)")
+    p.add_argument("--load-factor", type=float, default=1.25,
+                   help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -452,7 +534,8 @@ def run_router(args: argparse.Namespace) -> int:
         cfg = RouterConfig(worker_addresses=tuple(args.worker), host=args.host, grpc_port=args.grpc_port,
                            http_port=None if args.no_http else args.http_port, model=args.model,
                            served_model_name=args.served_model_name,
-                           redis_url=args.redis_url, cluster_name=args.cluster_name)
+                           redis_url=args.redis_url, cluster_name=args.cluster_name,
+                           routing_policy=args.routing_policy, load_factor=args.load_factor)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker")) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,6 +6,7 @@ and applied between steps, so requests from any number of coroutines never race 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -15,6 +16,8 @@ from typing import Any
 from worker.engine import Engine, Prompt
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
+
+log = logging.getLogger("kvmesh.engine")
 
 
 @dataclass(slots=True)
@@ -27,8 +30,12 @@ class AsyncEngine:
     """Owns the engine thread. `generate` validates synchronously (raising InvalidRequest /
     QueueFull before anything is queued) and then yields the request's outputs."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None) -> None:
+        """`after_step` runs on the engine thread after every step and every idle tick
+        (~50 ms): the place to publish the pool's KV events in step with the engine."""
         self.engine = engine
+        self._after_step = after_step
+        self._idle_tick = 0.05 if after_step is not None else 0.5
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -131,8 +138,13 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - a bug in a step must not hang every client
                     self._fail_all(e)
             else:
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=self._idle_tick)
                 self._wake.clear()
+            if self._after_step is not None:
+                try:
+                    self._after_step()
+                except Exception:  # noqa: BLE001 - metadata trouble must not stop serving
+                    log.exception("after_step hook failed")
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):

@@ -45,8 +45,8 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class WorkerServerConfig:
     """Where the worker listens and how it drains. `advertise_address` (None → host:port) is
-    what peers and the router dial; `redis_url` / `cluster_name` are kept for the worker
-    registry (not used by this server yet)."""
+    what peers and the router dial. With `redis_url` the worker registers itself (heartbeat
+    with a TTL) and publishes its KV events for the router's block index."""
 
     host: str = "127.0.0.1"
     port: int = 0                        # 0 = a free port, returned by start()
@@ -97,6 +97,7 @@ class WorkerServer:
         self._idle = asyncio.Event()
         self._prompt_tokens = 0          # running totals over final messages sent
         self._cached_prompt_tokens = 0
+        self._metadata: _Metadata | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -158,7 +159,11 @@ class WorkerServer:
             block_size=engine.cfg.block_size, kv_cache_dtype=engine.layout.kv_cache_dtype,
             eos_token_ids=sorted(engine.eos_token_ids), hash_salt_hex=engine.salt.hex())
         self._engine = engine
-        self._ae = AsyncEngine(engine)
+        if self.cfg.redis_url is not None:
+            self._metadata = await asyncio.to_thread(_Metadata, self.cfg, self.address, engine)
+        self._ae = AsyncEngine(engine, after_step=self._metadata.after_step if self._metadata else None)
+        if self._metadata is not None:
+            self._metadata.heartbeater.start()
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _SERVING)
         log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, mc.name,
@@ -190,6 +195,8 @@ class WorkerServer:
             for rid in await ae.call(lambda: list(engine.requests)):
                 await ae.abort(rid)
             await asyncio.to_thread(ae.shutdown)
+        if self._metadata is not None:
+            await asyncio.to_thread(self._metadata.close)
         log.info("worker %s stopped", self.cfg.worker_id)
 
     # -- RPCs -----------------------------------------------------------------------------
@@ -315,6 +322,47 @@ def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {error}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+
+
+class _Metadata:
+    """The worker's side of the Redis metadata: registry + heartbeat, and the KV event
+    stream of its pool. `after_step` runs on the engine thread (AsyncEngine's hook), so the
+    events and the inventory it publishes are always in step with the pool."""
+
+    def __init__(self, cfg: WorkerServerConfig, address: str, engine: Engine) -> None:
+        from kvstore.events import WorkerId as EventWorkerId
+        from kvstore.metadata import Heartbeater, RedisConfig, WorkerRecord, WorkerRegistry
+        from kvstore.streams import EventPublisher
+
+        assert cfg.redis_url is not None
+        rcfg = RedisConfig(url=cfg.redis_url, cluster_name=cfg.cluster_name)
+        self.registry = WorkerRegistry(rcfg)
+        worker_id = EventWorkerId(cfg.worker_id)
+        epoch = self.registry.new_epoch(worker_id)
+        record = WorkerRecord(worker_id=cfg.worker_id, address=address, model=engine.model_config.name,
+                              block_size=engine.cfg.block_size, num_blocks=engine.pool.num_blocks,
+                              hash_salt_hex=engine.salt.hex(), epoch=epoch)
+        sched = engine.scheduler
+        self.heartbeater = Heartbeater(self.registry, record,
+                                       load_fn=lambda: float(len(sched.running) + len(sched.waiting)))
+        self.pool = engine.pool
+        self.pool.set_event_recording(True)
+        self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self._inventory)
+
+    def _inventory(self) -> dict[Any, list[Any]]:
+        from kvstore.events import Tier
+        return {Tier.DEVICE: self.pool.cached_hashes()}
+
+    def after_step(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            self.publisher.publish(events)
+        self.publisher.poll()
+
+    def close(self) -> None:
+        self.heartbeater.stop(deregister=True)
+        self.publisher.close()
+        self.registry.close()
 
 
 # -- `kvmesh worker` ----------------------------------------------------------------------

@@ -154,5 +154,5 @@ class IndexMachine(RuleBasedStateMachine):
                                             if h in held}
 
 
-IndexMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+IndexMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
 TestIndexMachine = IndexMachine.TestCase

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.policy import PrefixHashPolicy, RouteRequest, WorkerId, WorkerInfo
+from router.policy import PrefixHashPolicy, RouteRequest, RoutingState, WorkerId, WorkerInfo
 from router.server import RouterConfig, RouterServer, RouterStartError
 
 T = TypeVar("T")
@@ -144,7 +144,13 @@ def summary(responses: list[pb.GenerateResponse]) -> tuple[list[int], str, pb.Ge
 
 # -- the policy, pure --------------------------------------------------------------------
 def test_prefix_hash_policy_is_stable_and_minimal_on_removal() -> None:
-    salt, policy = b"salt", PrefixHashPolicy()
+    salt, base = b"salt", PrefixHashPolicy()
+
+    class _Idle:  # every worker idle: the ring alone decides
+        @staticmethod
+        def pick(workers, route, exclude=()):  # type: ignore[no-untyped-def]
+            return base.pick(workers, route, RoutingState(), exclude)
+    policy = _Idle
     workers = [WorkerInfo(WorkerId(f"w{i}"), f"127.0.0.1:{7000 + i}") for i in range(4)]
     routes = []
     for n in range(200):
@@ -202,7 +208,8 @@ def test_same_prefix_same_worker_and_cached(cluster: Cluster, router_channel: gr
     # The worker chosen is the policy's pick over the live workers (oracle: the policy itself).
     ids = cluster.router._tokenizer.encode(LONG_PREFIX + "x")  # type: ignore[union-attr]
     route = RouteRequest(tuple(ids), tuple(block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex))))
-    assert cluster.router.policy.pick(cluster.router.live_workers(), route).worker_id == lasts[0].worker_id
+    state = cluster.router.routing_state(route)
+    assert cluster.router.policy.pick(cluster.router.live_workers(), route, state).worker_id == lasts[0].worker_id
 
 
 def test_32_concurrent_streams_complete(cluster: Cluster) -> None:
