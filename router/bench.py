@@ -30,6 +30,72 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+    q = sub.add_parser("service", help="load run: requests/s and TTFT through the router vs straight to a worker")
+    q.add_argument("--json", type=Path, default=None, help="write the results here")
+    q.add_argument("--quick", action="store_true", help="a small run")
+    q.add_argument("--model", default="smollm2")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(run=run_service)
+
+
+def run_service(args: argparse.Namespace) -> int:
+    result = asyncio.run(service_load(args.model, args.quick, args.seed))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
+
+
+async def service_load(model: str, quick: bool, seed: int) -> dict[str, Any]:
+    """The same closed-loop load (C concurrent clients, short chat requests) once through the
+    router of a 2-worker cluster and once straight to one of its workers, same run."""
+    import statistics
+    import time
+
+    import grpc
+
+    from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+    from router.launch import LocalCluster, ServeConfig
+
+    rng = random.Random(seed)
+    num_requests, concurrency, max_tokens = (24, 4, 8) if quick else (96, 8, 16)
+    topics = ["rivers", "kernels", "caches", "routers", "tea", "chess", "volcanoes", "jazz"]
+
+    async def load(target: str, service: str) -> dict[str, float]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = (pb_grpc.RouterStub if service == "Router" else pb_grpc.WorkerStub)(ch)
+            ttfts: list[float] = []
+            sem = asyncio.Semaphore(concurrency)
+
+            async def one(i: int) -> None:
+                req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+                    pb.ChatMessage(role="system", content="You are a helpful assistant. Answer briefly."),
+                    pb.ChatMessage(role="user", content=f"Tell me one fact about {rng.choice(topics)} ({i}).")]),
+                    sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                async with sem:
+                    t0 = time.perf_counter()
+                    first = None
+                    async for _ in stub.Generate(req, timeout=300):
+                        first = first or time.perf_counter() - t0
+                    ttfts.append(first or 0.0)
+
+            t = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(num_requests)))
+            wall = time.perf_counter() - t
+        qs = statistics.quantiles(ttfts, n=100)
+        return {"requests_per_s": num_requests / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": qs[98]}
+
+    with LocalCluster(ServeConfig(workers=2, model=model, grpc_port=0, http_port=0,
+                                  cluster_name=f"load-{rng.randrange(10**6)}")) as cluster:
+        await load(cluster.grpc_target, "Router")            # warm-up both workers
+        direct = await load(cluster.worker_addresses[0], "Worker")
+        routed = await load(cluster.grpc_target, "Router")
+    return {"router_2_workers": routed, "direct_1_worker": direct,
+            "config": {"requests": num_requests, "concurrency": concurrency, "max_tokens": max_tokens}}
+
+
 def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"simulation": run_simulation(args.quick, args.seed)}
     if not args.no_live:

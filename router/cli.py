@@ -22,7 +22,7 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 def _bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="{engine,prefix,memory,accuracy,router}")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="{engine,prefix,memory,accuracy,router,service}")
     from router import bench as router_bench
     from worker import bench
     bench.register(bsub)
