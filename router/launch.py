@@ -57,6 +57,8 @@ class ServeConfig:
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
     engine_argv: tuple[str, ...] = ()
+    routing_policy: str = "kv_aware"
+    load_factor: float = 1.25
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
@@ -96,7 +98,12 @@ class _Child:
     stderr: Path
 
     def tail(self, lines: int = 15) -> str:
-        text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
+        """The last lines of its stderr (of its stdout when stderr is empty: redis logs there)."""
+        text = ""
+        for path in (self.stderr, self.stdout):
+            text = path.read_text(errors="replace").strip() if path.exists() else ""
+            if text:
+                break
         return "\n".join(f"  | {line}" for line in text.splitlines()[-lines:])
 
 
@@ -185,6 +192,7 @@ class LocalCluster:
         self.worker_addresses = tuple(addresses)
         router = self._spawn("router", [cfg.python, "-m", "router.cli", "router", "--host", cfg.host,
                                         "--grpc-port", str(cfg.grpc_port), "--http-port", str(cfg.http_port),
+                                        "--routing-policy", cfg.routing_policy, "--load-factor", str(cfg.load_factor),
                                         *[a for addr in addresses for a in ("--worker", addr)], *common])
         m = self._wait_line(router, _ROUTER_LINE, deadline)
         host = _dial_host(cfg.host)
@@ -210,7 +218,7 @@ class LocalCluster:
                     with redis.Redis.from_url(url, socket_timeout=1.0) as client:
                         if client.ping():
                             return url
-                except redis.exceptions.ConnectionError:
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     time.sleep(0.05)
             _terminate([child], self.cfg.stop_timeout_s)
             self._children.remove(child)
@@ -300,6 +308,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port (0 = a free port)")
     g.add_argument("--redis-url", default=None, help="metadata Redis (default: start a redis-server child)")
     g.add_argument("--cluster-name", default="kvmesh")
+    g.add_argument("--routing-policy", default="kv_aware",
+                   choices=("kv_aware", "prefix_hash", "round_robin", "least_loaded"))
+    g.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor c (>= 1)")
     g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
     g.add_argument("--startup-timeout-s", type=float, default=180.0)
     add_engine_arguments(p)
@@ -329,6 +340,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         return ServeConfig(workers=args.workers, model=args.model, host=args.host, grpc_port=args.grpc_port,
                            http_port=args.http_port, redis_url=args.redis_url, cluster_name=args.cluster_name,
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
+                           routing_policy=args.routing_policy, load_factor=args.load_factor,
                            startup_timeout_s=args.startup_timeout_s)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None

@@ -179,7 +179,7 @@ class RouterServer:
                 self._tokenizer = RouterTokenizer.from_model_dir(resolve_model_dir(self.cfg.model, progress=False))
             except (ModelLoadError, TokenizerError) as e:
                 raise RouterStartError(f"model {self.cfg.model!r}: {e}", "model") from None
-        opts = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+        opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
                 ("grpc.max_send_message_length", self.cfg.max_message_bytes)]
         self._server = grpc.aio.server(options=opts)
         self._server.add_generic_rpc_handlers((self._router_handler(),))

@@ -121,7 +121,7 @@ class WorkerServer:
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _NOT_SERVING)
         limit = self.cfg.max_message_bytes
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
                                           ("grpc.max_send_message_length", limit)])
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -35,9 +35,7 @@ ALL_VALUES: Doc = {
                "servedModelName": "llama-3-8b-instruct"},
 }
 # Values the CLI cannot take yet: each must be rendered the day its flag appears.
-GATED = {("engine", "kvOffloadGib"): "--kv-offload-gib (KV offload issue)",
-         ("router", "routingPolicy"): "--routing-policy (routing issue)",
-         ("router", "loadFactor"): "--load-factor (routing issue)"}
+GATED = {("engine", "kvOffloadGib"): "--kv-offload-gib (KV offload issue)"}
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s"}
 NOT_FLAGS = {("worker", "replicas"), ("worker", "distPort"), ("worker", "terminationGracePeriodSeconds"),
