@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 from router.sim import SimConfig, make_trace, oracle_hit_rate, simulate
+from worker.bench import emit
 
 POLICY_ORDER = ("round_robin", "least_loaded", "prefix_hash", "kv_aware")
 
@@ -39,13 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_service(args: argparse.Namespace) -> int:
-    result = asyncio.run(service_load(args.model, args.quick, args.seed))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
+    return emit(asyncio.run(service_load(args.model, args.quick, args.seed)), args.json)
 
 
 async def service_load(model: str, quick: bool, seed: int) -> dict[str, Any]:
@@ -100,12 +94,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"simulation": run_simulation(args.quick, args.seed)}
     if not args.no_live:
         result["live"] = asyncio.run(run_live(args.model, args.quick, args.seed))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
+    return emit(result, args.json)
 
 
 def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
