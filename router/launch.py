@@ -200,39 +200,14 @@ class LocalCluster:
         self.http_base_url = f"http://{host}:{m.group(4)}/v1"
 
     def _start_redis(self) -> str:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise LaunchError(_INSTALL_REDIS)
-        import redis  # the client, for the readiness check
         assert self._log_dir is not None
-        data_dir = self._log_dir / "redis"
-        data_dir.mkdir(exist_ok=True)
-        for _attempt in range(3):   # a free port may be taken between the probe and the bind
-            port = _free_port("127.0.0.1")
-            child = self._spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                          "--appendonly", "no", "--daemonize", "no", "--dir", str(data_dir)])
-            url = f"redis://127.0.0.1:{port}/0"
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and child.proc.poll() is None:
-                try:
-                    with redis.Redis.from_url(url, socket_timeout=1.0) as client:
-                        if client.ping():
-                            return url
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    time.sleep(0.05)
-            _terminate([child], self.cfg.stop_timeout_s)
-            self._children.remove(child)
-        raise LaunchError(f"redis-server did not answer PING on 127.0.0.1 (3 tries)\n{child.tail()}")
+        url, child = start_redis(self._log_dir, "127.0.0.1", self.cfg.stop_timeout_s)
+        self._children.append(child)
+        return url
 
     def _spawn(self, name: str, argv: Sequence[str]) -> _Child:
         assert self._log_dir is not None
-        stdout, stderr = self._log_dir / f"{name}.out", self._log_dir / f"{name}.log"
-        parent, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)
-        with open(stdout, "wb") as out, open(stderr, "wb") as err:
-            proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    process_group=0, preexec_fn=lambda: _die_with_parent(parent, libc),
-                                    env=os.environ | {"PYTHONUNBUFFERED": "1"})
-        child = _Child(name, proc, stdout, stderr)
+        child = _spawn(self._log_dir, name, argv)
         self._children.append(child)
         return child
 
@@ -253,6 +228,43 @@ class LocalCluster:
 
 
 # -- processes and ports ----------------------------------------------------------------------
+def start_redis(log_dir: Path, bind: str = "127.0.0.1", stop_timeout_s: float = 10.0) -> tuple[str, _Child]:
+    """A `redis-server` child on a free port of `bind` (no persistence), its logs in `log_dir`;
+    returns (redis_url, child) once it answers PING. Raises LaunchError. The caller stops it."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise LaunchError(_INSTALL_REDIS)
+    import redis  # the client, for the readiness check
+    data_dir = log_dir / "redis"
+    data_dir.mkdir(exist_ok=True)
+    for _attempt in range(3):   # a free port may be taken between the probe and the bind
+        port = _free_port(bind)
+        child = _spawn(log_dir, "redis", [exe, "--port", str(port), "--bind", bind, "--save", "",
+                                          "--appendonly", "no", "--daemonize", "no", "--dir", str(data_dir)])
+        url = f"redis://{bind}:{port}/0"
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and child.proc.poll() is None:
+            try:
+                with redis.Redis.from_url(url, socket_timeout=1.0) as client:
+                    if client.ping():
+                        return url, child
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                time.sleep(0.05)
+        _terminate([child], stop_timeout_s)
+    raise LaunchError(f"redis-server did not answer PING on {bind} (3 tries)\n{child.tail()}")
+
+
+def _spawn(log_dir: Path, name: str, argv: Sequence[str]) -> _Child:
+    """Start `argv` in its own process group, stdout/stderr to `log_dir`/<name>.out/.log."""
+    stdout, stderr = log_dir / f"{name}.out", log_dir / f"{name}.log"
+    parent, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)
+    with open(stdout, "wb") as out, open(stderr, "wb") as err:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                process_group=0, preexec_fn=lambda: _die_with_parent(parent, libc),
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    return _Child(name, proc, stdout, stderr)
+
+
 def _die_with_parent(parent: int, libc: ctypes.CDLL) -> None:
     """In the child, before exec: SIGTERM when the parent (thread) dies; if it already has, go."""
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -314,6 +326,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
     g.add_argument("--startup-timeout-s", type=float, default=180.0)
     add_engine_arguments(p)
+    from router.ray_launch import add_ray_arguments   # imports no ray
+    add_ray_arguments(p)
 
 
 def engine_argv_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -408,5 +422,8 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
 
 
 def run_serve_args(args: argparse.Namespace) -> int:
-    """The `kvmesh serve` entry point."""
+    """The `kvmesh serve` entry point (`--ray`/`--stop`: router.ray_launch)."""
+    if args.ray or args.stop:
+        from router.ray_launch import run_ray_serve_args
+        return run_ray_serve_args(args)
     return run_serve(config_from_args(args))

@@ -1,0 +1,129 @@
+"""`kvmesh serve --ray` (router.ray_launch): a local Ray on CPU, 2 worker actors, the router in
+this process. The oracle is `Engine.generate` on the same model in this process.
+
+Ray hygiene on a shared machine: our own `ray.init` (no auth token, a short temp dir, a capped
+object store, no dashboard) and `ray.shutdown()` in `finally`. Never `ray stop` — it kills every
+Ray process on the host.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router.launch import ServeConfig
+from router.ray_launch import RayCluster, RayServeConfig, namespace_for, stop_named_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 16
+NUM_BLOCKS = "256"
+CHAT = ({"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the tallest mountain on Earth?"})
+
+
+def test_ray_flags_become_config() -> None:
+    from router.cli import build_parser
+    from router.ray_launch import ray_config_from_args
+    args = build_parser().parse_args(["serve", "--ray", "--ray-address", "auto", "--workers", "3",
+                                      "--gpus-per-worker", "2", "--placement-strategy", "SPREAD",
+                                      "--cluster-name", "c1", "--num-blocks", "64"])
+    cfg = ray_config_from_args(args)
+    assert (cfg.address, cfg.gpus_per_worker, cfg.placement_strategy, cfg.namespace) == ("auto", 2.0, "SPREAD", "kvmesh-c1")
+    assert (cfg.serve.workers, cfg.serve.engine_argv) == (3, ("--num-blocks", "64"))
+    for bad in (dict(gpus_per_worker=0), dict(placement_strategy="pack"), dict(address=""),
+                dict(object_store_memory=2**20)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RayServeConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_stop_without_ray_is_a_usage_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--stop"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and "--stop: only with --ray" in r.stderr
+    assert "ray" not in subprocess.run([sys.executable, "-c", "import router.launch, router.cli, sys; "
+                                        "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')))"],
+                                       cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+
+
+def _chat_request() -> pb.GenerateRequest:
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for m in CHAT:
+        req.chat.messages.add(role=m["role"], content=m["content"])
+    return req
+
+
+def _oracle(smollm2_dir: Path) -> tuple[list[int], int]:
+    """Greedy chat ids and prompt length from an in-process Engine (freed before Ray starts)."""
+    from worker.engine import Engine, EngineConfig
+    from worker.sampling import SamplingParams
+    engine = Engine(EngineConfig(model=str(smollm2_dir), num_blocks=int(NUM_BLOCKS)))
+    prompt = engine.apply_chat_template(list(CHAT))
+    out = engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    return list(out.token_ids), len(prompt)
+
+
+@pytest.mark.multiproc
+def test_two_ray_actors_serve_generate_like_the_engine(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+    expected_ids, prompt_len = _oracle(smollm2_dir)
+    name = f"raytest-{uuid.uuid4().hex[:6]}"
+    namespace = namespace_for(name)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    temp = Path(tempfile.mkdtemp(prefix="kvr", dir="/tmp"))   # short: Ray's socket paths must fit 107 bytes
+    cluster: RayCluster | None = None
+    try:
+        ray.init(num_cpus=4, object_store_memory=100 * 2**20, _temp_dir=str(temp), include_dashboard=False,
+                 namespace=namespace, log_to_driver=False)
+        bystander: Any = ray.remote(num_cpus=0)(_Bystander).options(name="bystander", namespace="other").remote()
+        cfg = RayServeConfig(serve=ServeConfig(workers=2, grpc_port=0, http_port=0, cluster_name=name,
+                                               engine_argv=("--num-blocks", NUM_BLOCKS), startup_timeout_s=240),
+                             cpus_per_worker=1)
+        cluster = RayCluster(cfg).start()
+        assert len(cluster.worker_addresses) == 2 and cluster.redis_url.startswith("redis://127.0.0.1:")
+        with grpc.insecure_channel(cluster.grpc_target) as ch:
+            ids: list[int] = []
+            last = None
+            for r in pb_grpc.RouterStub(ch).Generate(_chat_request(), timeout=120):
+                ids.extend(r.token_ids)
+                last = r
+        assert last is not None and last.finished
+        assert ids == expected_ids and last.prompt_tokens == prompt_len
+        assert last.worker_id in ("worker-0", "worker-1")
+
+        # rank / world size / rendezvous reach each actor's environment
+        seen = [ray.get(ray.get_actor(f"worker-{r}", namespace=namespace).rendezvous.remote()) for r in range(2)]
+        assert seen == [("0", "2", cluster.dist_init_addr), ("1", "2", cluster.dist_init_addr)]
+        assert cluster.dist_init_addr.startswith("127.0.0.1:")
+
+        # `--stop`: exactly our named actors and placement group, not the bystander
+        assert sorted(stop_named_cluster(None, name)) == ["actor worker-0", "actor worker-1",
+                                                           f"placement group {namespace}"]
+        deadline = time.monotonic() + 30
+        while cluster.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert cluster.poll() is not None
+        cluster.stop()
+        assert [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace] == []
+        assert ray.get(bystander.ping.remote(), timeout=30) == "pong"
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        ray.shutdown()
+        import shutil
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+class _Bystander:
+    """An actor that is not ours: teardown must leave it alone."""
+
+    def ping(self) -> str:
+        return "pong"
