@@ -449,7 +449,7 @@ class RouterServer:
         if w.refused is not None:
             return None
         async with w.probing:
-            timeout = max(self.cfg.health_interval_s, 2.0)
+            timeout = min(max(self.cfg.health_interval_s, 2.0), 10.0)
             try:
                 status = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
                                               timeout=timeout)
