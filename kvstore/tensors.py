@@ -10,10 +10,14 @@ offload to a host tier, peer transfer) is one index op over all layers at once.
 The pool is zero-filled: kernels gather whole blocks and mask what they do not use, and a
 masked slot holding NaN/Inf garbage would still poison `probs @ V` (0 * NaN = NaN).
 
-Quantized storage (fp8/int8/int4 with scales) is not implemented here yet; such layouts are
-rejected with `ValueError`. It will add further backing tensors (scales, zero points) with the
-same leading `[num_layers, 2, num_blocks, block_size, ...]` dims, which `_backing` lists so
-`nbytes`, `copy_blocks`, `gather_blocks` and `scatter_blocks` extend to them.
+Quantized layouts (fp8 / int8 / int4, see `kvstore.quant`) keep the same single backing
+tensor, in bytes: `kv` is uint8 `[num_layers, 2, num_blocks, block_size, H, slot_bytes]`
+where a slot holds one head vector's packed values followed by its fp16 scale (and zero
+point), `slot_bytes = layout.head_bytes + layout.head_meta_bytes`. `k_caches[i]` /
+`v_caches[i]` are then `QuantizedKV(slots, codec)` over the views `kv[i, 0]` / `kv[i, 1]`.
+Values and scales sharing one tensor keeps every block move one op (the host tier and
+peer transfer see plain bytes) and lets a kernel gather a block's values and scales with
+one index_select.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from kvstore.layout import KVLayout, KVQuant
+from kvstore.quant import KVCache, KVCodec, QuantizedKV
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -41,10 +46,11 @@ def torch_dtype(kv_cache_dtype: str) -> torch.dtype:
 
 
 class LayerKV(NamedTuple):
-    """The K and V caches of one layer, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """The K and V caches of one layer, each `[num_blocks, block_size, num_kv_heads, head_dim]`
+    (a `QuantizedKV` of that logical shape when the layout is quantized)."""
 
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    k_cache: KVCache
+    v_cache: KVCache
 
 
 class KVTensors:
@@ -55,25 +61,27 @@ class KVTensors:
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> None:
-        if layout.quant is not KVQuant.NONE:
-            raise ValueError(f"kv_cache_dtype={layout.kv_cache_dtype} is not supported by KVTensors yet")
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self.dtype = torch_dtype(layout.kv_cache_dtype)
-        self.kv = torch.zeros(  # [num_layers, 2, num_blocks, block_size, H, D]
-            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim,
+        # codec is None for plain dtypes; then `kv` holds elements of `dtype`, else slot bytes
+        self.codec = None if layout.quant is KVQuant.NONE else KVCodec.for_layout(layout)
+        self.dtype = torch_dtype(layout.kv_cache_dtype) if self.codec is None else torch.uint8
+        last = layout.head_dim if self.codec is None else self.codec.slot_bytes
+        self.kv = torch.zeros(  # [num_layers, 2, num_blocks, block_size, H, D | slot_bytes]
+            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, last,
             dtype=self.dtype, device=self.device)
-        self.k_caches: tuple[torch.Tensor, ...] = tuple(self.kv[i, 0] for i in range(layout.num_layers))
-        self.v_caches: tuple[torch.Tensor, ...] = tuple(self.kv[i, 1] for i in range(layout.num_layers))
+        self.k_caches: tuple[KVCache, ...] = tuple(self._cache(self.kv[i, 0]) for i in range(layout.num_layers))
+        self.v_caches: tuple[KVCache, ...] = tuple(self._cache(self.kv[i, 1]) for i in range(layout.num_layers))
+
+    def _cache(self, view: torch.Tensor) -> KVCache:
+        return view if self.codec is None else QuantizedKV(view, self.codec)
 
     @classmethod
     def for_budget(cls, layout: KVLayout, num_bytes: int, device: str | torch.device = "cpu") -> KVTensors:
         """As many whole blocks as fit in `num_bytes` (at least one, else ValueError)."""
-        if layout.quant is not KVQuant.NONE:
-            raise ValueError(f"kv_cache_dtype={layout.kv_cache_dtype} is not supported by KVTensors yet")
         num_blocks = layout.num_blocks_in(num_bytes)
         if num_blocks < 1:
             raise ValueError(
@@ -111,7 +119,8 @@ class KVTensors:
             t.index_copy_(_BLOCK_DIM, dst, t.index_select(_BLOCK_DIM, src))
 
     def gather_blocks(self, block_ids: BlockIds) -> torch.Tensor:
-        """A copy of the blocks: `[num_layers, 2, len(block_ids), block_size, H, D]`."""
+        """A copy of the blocks: `[num_layers, 2, len(block_ids), block_size, H, D | slot_bytes]`
+        in `self.dtype` (uint8 slot bytes when quantized: scales travel with their values)."""
         return self.kv.index_select(_BLOCK_DIM, self._as_index(block_ids, "block_ids"))
 
     def scatter_blocks(self, block_ids: BlockIds, data: torch.Tensor) -> None:

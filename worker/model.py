@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvstore.quant import KVCache
 from worker.config import ModelConfig
 from worker.kernels.reference import AttnMetadata, paged_attention, write_kv
 
@@ -116,7 +117,7 @@ class DecoderLayer:
         self.scale = cfg.head_dim ** -0.5
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+                 k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)
@@ -148,7 +149,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], meta: AttnMetadata,
+                kv_caches: Sequence[tuple[KVCache, KVCache]], meta: AttnMetadata,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Run T new tokens; returns fp32 logits [len(logits_indices) or T, vocab].
 

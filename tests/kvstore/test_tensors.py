@@ -51,14 +51,6 @@ def test_pool_is_zero_filled() -> None:
     assert not kv.kv.any()
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
-def test_quantized_dtypes_not_supported_yet(dtype: str) -> None:
-    with pytest.raises(ValueError, match=f"kv_cache_dtype={dtype} is not supported by KVTensors yet"):
-        KVTensors(small(dtype), 4)
-    with pytest.raises(ValueError, match="not supported by KVTensors yet"):
-        KVTensors.for_budget(small(dtype), 1 << 20)
-
-
 def test_torch_dtype() -> None:
     assert torch_dtype("fp32") is torch.float32
     assert torch_dtype("fp16") is torch.float16

@@ -149,9 +149,11 @@ def gather_kv(k_cache: KVCache, v_cache: KVCache, block_table_row: torch.Tensor 
     assert row.numel() == num_blocks, f"block table has {row.numel()} ids; {num_blocks} needed"
     k = k_store.index_select(0, row).view(-1, num_kv_heads, width)[:seq_len]  # [L, Hkv, D | slot_bytes]
     v = v_store.index_select(0, row).view(-1, num_kv_heads, width)[:seq_len]
-    if dtype is None:
-        dtype = torch.float32 if isinstance(k_cache, QuantizedKV) else k.dtype
-    return _load(k, k_cache, dtype), _load(v, v_cache, dtype)  # [L, Hkv, D]
+    if isinstance(k_cache, QuantizedKV):
+        assert isinstance(v_cache, QuantizedKV)
+        dtype = dtype or torch.float32
+        return k_cache.codec.dequantize(k, dtype), v_cache.codec.dequantize(v, dtype)  # [L, Hkv, D]
+    return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
 
 def _storage(cache: KVCache) -> torch.Tensor:
@@ -160,9 +162,10 @@ def _storage(cache: KVCache) -> torch.Tensor:
 
 
 def _load(gathered: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> torch.Tensor:
-    """Rows gathered from `_storage(cache)` as values in `dtype` (dequantized if quantized)."""
+    """Rows gathered from `_storage(cache)` as values in `dtype`; quantized ones are dequantized
+    in the codec's rotated basis (`paged_attention` rotates the query and output to match)."""
     if isinstance(cache, QuantizedKV):
-        return cache.codec.dequantize(gathered, dtype)
+        return cache.codec.dequantize(gathered, dtype, rotated=True)
     return gathered if gathered.dtype == dtype else gathered.to(dtype)
 
 
@@ -181,6 +184,20 @@ def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert num_tokens == meta.num_tokens, (num_tokens, meta.query_lens_list)
     assert sliding_window is None or sliding_window > 0, sliding_window
+    if isinstance(k_cache, QuantizedKV):
+        assert isinstance(v_cache, QuantizedKV) and v_cache.codec == k_cache.codec
+        rot = k_cache.codec.rotation(query.device, torch.float32)  # [D, D] symmetric, R @ R = I
+        if rot is not None:
+            # the cache holds K R and V R: softmax((q R)(K R)ᵀ) (V R) R = softmax(q Kᵀ) V;
+            # rotated in fp32 (1/sqrt(D) is not exact in half precision for every D)
+            q = (query.float() @ rot).to(query.dtype)
+            out = _attention(q, k_cache, v_cache, meta, scale, sliding_window)
+            return (out.float() @ rot).to(query.dtype)
+    return _attention(query, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
+               meta: AttnMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     if meta.is_decode:
         return _decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                        meta.seq_lens_list, scale, sliding_window)

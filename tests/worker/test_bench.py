@@ -1,0 +1,114 @@
+"""Every `kvmesh bench` runs with --quick and writes JSON with its documented keys.
+
+Benchmarks are not tests: these only check that each one runs end to end (through the CLI,
+on a tiny random-weight model so each takes seconds) and that its JSON is well formed.
+The accuracy bench reads the tiny model's inputs as UTF-8 bytes (it has no tokenizer).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.layout import KVLayout
+from router.cli import main
+from worker.bench import accuracy_text, capacity_per_dtype
+
+DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny model: one thread keeps these fast when other jobs share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> str:
+    # 2,048 positions: the prefix bench sends a 1,024-token prefix, memory up to 1,025 tokens
+    return str(tiny_model_dir("llama-gqa", max_position_embeddings=2048))
+
+
+def run_bench(name: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert main(["bench", name, "--quick", "--json", str(out), "--model", model]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert json.loads(printed) == result
+    assert {"cpu", "cores", "torch", "cuda"} <= set(result["machine"])
+    return result
+
+
+def finite(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("engine", tiny, tmp_path, capsys)
+    for batch in ("batch1", "batch16"):
+        row = r[batch]
+        assert {"kvmesh_tok_s", "hf_tok_s", "speedup", "kvmesh_s", "hf_s", "tokens"} <= set(row)
+        assert finite(row["kvmesh_tok_s"], row["hf_tok_s"], row["speedup"]) and row["tokens"] > 0
+    assert finite(r["roofline_tok_s"]) and r["roofline_tok_s"] > 0
+    assert r["config"]["batch1_new_tokens"] == 32
+
+
+def test_bench_prefix(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("prefix", tiny, tmp_path, capsys)
+    assert finite(r["cold_ttft_s"], r["warm_ttft_s"], r["speedup"])
+    assert r["speedup"] == pytest.approx(r["cold_ttft_s"] / r["warm_ttft_s"])
+    assert r["config"]["prefix_tokens"] == 1024
+
+
+def test_bench_memory(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("memory", tiny, tmp_path, capsys)
+    assert 0 <= r["paged_waste_frac"] < r["contiguous_waste_frac"] < 1
+    assert r["paged_max_seqs"] >= r["contiguous_max_seqs"] > 0
+    per = r["per_dtype"]
+    assert set(per) == set(DTYPES)
+    for row in per.values():
+        assert {"bytes_per_token", "max_seqs"} <= set(row) and row["max_seqs"] > 0
+    # the pool itself is the fp32 one; its own row reproduces paged_max_seqs
+    assert r["config"]["kv_cache_dtype"] == "fp32"
+    assert abs(per["fp32"]["max_seqs"] - r["paged_max_seqs"]) <= 1
+    # capacity follows bytes per token (tiny: head_dim 16, so scales cost more than on real models)
+    for dtype in ("int8", "fp8", "int4"):
+        ratio = per["fp16"]["bytes_per_token"] / per[dtype]["bytes_per_token"]
+        assert per[dtype]["max_seqs"] == pytest.approx(ratio * per["fp16"]["max_seqs"], rel=0.01, abs=1)
+
+
+def test_capacity_per_dtype_on_smollm2_shape() -> None:
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, kv_cache_dtype="fp32")
+    per = capacity_per_dtype(layout, budget_bytes=1 << 30, mean_blocks=16.0)
+    assert per["int8"]["capacity_vs_fp16"] == pytest.approx(128 / 66, abs=0.01)  # 2x minus one fp16 scale
+    assert per["int4"]["capacity_vs_fp16"] == pytest.approx(128 / 36, abs=0.01)  # 4x minus scale + zero
+    assert per["fp32"]["capacity_vs_fp16"] == pytest.approx(0.5, abs=0.01)
+    assert per["int8"]["num_blocks"] == (1 << 30) // (16 * 30 * 2 * 3 * 66)
+
+
+def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("accuracy", tiny, tmp_path, capsys)
+    for dtype in DTYPES:
+        row = r[dtype]
+        assert {"ppl", "ppl_delta_frac", "token_agreement", "bytes_per_token"} <= set(row)
+        assert finite(row["ppl"], row["ppl_delta_frac"], row["token_agreement"]) and row["ppl"] > 1
+        assert 0 <= row["token_agreement"] <= 1 and 0 <= row["free_running_agreement"] <= 1
+    assert r["fp32"]["ppl_delta_frac"] == 0 and r["fp32"]["token_agreement"] == 1
+    bpt = [r[d]["bytes_per_token"] for d in ("fp32", "fp16", "int8", "int4")]
+    assert bpt == sorted(bpt, reverse=True) and r["int8"]["bytes_per_token"] == r["fp8"]["bytes_per_token"]
+    assert {"baseline", "text", "ppl", "token_agreement"} <= set(r["notes"])
+    assert r["config"]["window_tokens"] == 512
+
+
+def test_accuracy_text_is_the_interpreters_license() -> None:
+    text, source = accuracy_text()
+    assert Path(source).exists() and len(text) > 10_000
+    assert "Python" in text
