@@ -26,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 _PR_SET_PDEATHSIG = 1
 _WORKER_LINE = re.compile(r"^kvmesh worker (\S+) serving on (\S+):(\d+)$", re.M)
@@ -373,24 +374,36 @@ def _raise_stop(signum: int, frame: object) -> None:
 def run_serve(cfg: ServeConfig) -> int:
     """Start the cluster, print where to connect, run until SIGINT/SIGTERM (exit 0) or until a
     child dies (exit 1); always stop every child."""
-    from worker.cli import CLIError
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = LocalCluster(cfg)
     redis_note = "" if cfg.redis_url else " (embedded redis-server)"
     print(f"kvmesh serve: starting redis, {cfg.workers} worker(s) on {cfg.model} and a router "
           "(loading takes a while)...", flush=True)
+    return supervise(cluster, "serve", lambda: _print_addresses(cluster, redis_note), poll_s=0.5)
+
+
+class Supervised(Protocol):
+    def start(self) -> object: ...
+    def poll(self) -> str | None: ...
+    def stop(self) -> None: ...
+
+
+def supervise(cluster: Supervised, name: str, banner: Callable[[], None], poll_s: float) -> int:
+    """Start `cluster`, print `banner()`, run until SIGINT/SIGTERM (exit 0) or until one of its
+    parts dies (exit 1, naming it); always tear it down, ignoring further signals meanwhile."""
+    from worker.cli import CLIError
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
             cluster.start()
         except LaunchError as e:
             raise CLIError(str(e)) from None
-        _print_addresses(cluster, redis_note)
+        banner()
         while (died := cluster.poll()) is None:
-            time.sleep(0.5)
-        print(f"kvmesh serve: {died}", file=sys.stderr, flush=True)
+            time.sleep(poll_s)
+        print(f"kvmesh {name}: {died}", file=sys.stderr, flush=True)
         return 1
     except _Stop as s:
-        print(f"kvmesh serve: {s} received, stopping", file=sys.stderr, flush=True)
+        print(f"kvmesh {name}: {s} received, stopping", file=sys.stderr, flush=True)
         return 0
     finally:
         for sig in previous:   # a second Ctrl-C must not cut the teardown short

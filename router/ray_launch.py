@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from router.launch import LaunchError, ServeConfig, _Child, _dial_host, _terminate, start_redis
+from router.launch import LaunchError, ServeConfig, _Child, _dial_host, _terminate, start_redis, supervise
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _LOOPBACK = "127.0.0.1"
@@ -374,29 +373,15 @@ def ray_config_from_args(args: argparse.Namespace) -> RayServeConfig:
         raise CLIError(flagify(str(e)).replace("--address", "--ray-address")) from None
 
 
-class _Stop(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(signum)
-
-
 def run_ray_serve(cfg: RayServeConfig) -> int:
     """Start on Ray, print where to connect, run until SIGINT/SIGTERM (exit 0) or until a worker
     actor or redis goes (exit 1 — e.g. after `--stop` from elsewhere); always tear down."""
-    from worker.cli import CLIError
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = RayCluster(cfg)
     serve = cfg.serve
     print(f"kvmesh serve --ray: placing {serve.workers} worker(s) on {serve.model} "
           f"(namespace {cfg.namespace}; loading takes a while)...", flush=True)
-    try:
-        try:
-            cluster.start()
-        except LaunchError as e:
-            raise CLIError(str(e)) from None
+
+    def banner() -> None:
         import ray
         gcs = ray.get_runtime_context().gcs_address
         local = "RAY_AUTH_MODE=disabled " if cfg.address is None and "RAY_ADDRESS" not in os.environ else ""
@@ -413,19 +398,8 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
             f"  Ctrl-C stops everything; from elsewhere: {local}kvmesh serve --ray --stop --ray-address {gcs} "
             f"--cluster-name {serve.cluster_name}",
         ]), flush=True)
-        while (died := cluster.poll()) is None:
-            time.sleep(1.0)
-        print(f"kvmesh serve --ray: {died}", file=sys.stderr, flush=True)
-        return 1
-    except _Stop as s:
-        print(f"kvmesh serve --ray: {s} received, stopping", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        for sig in previous:   # a second Ctrl-C must not cut the teardown short
-            signal.signal(sig, signal.SIG_IGN)
-        cluster.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+
+    return supervise(cluster, "serve --ray", banner, poll_s=1.0)
 
 
 def run_ray_serve_args(args: argparse.Namespace) -> int:
