@@ -15,6 +15,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -348,16 +349,23 @@ class _Metadata:
         self.pool = engine.pool
         self.pool.set_event_recording(True)
         self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self._inventory)
+        self._next_poll = 0.0
 
     def _inventory(self) -> dict[Any, list[Any]]:
         from kvstore.events import Tier
         return {Tier.DEVICE: self.pool.cached_hashes()}
 
+    POLL_INTERVAL_S = 0.05
+
     def after_step(self) -> None:
         events = self.pool.take_events()
         if events:
             self.publisher.publish(events)
-        self.publisher.poll()
+        # Resync requests and retries need no Redis round trip on every decode step.
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._next_poll = now + self.POLL_INTERVAL_S
+            self.publisher.poll()
 
     def close(self) -> None:
         self.heartbeater.stop(deregister=True)
