@@ -50,7 +50,7 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-EvictCallback = Callable[[BlockId, BlockHash], None]
+EvictCallback = Callable[[list[BlockId], list[BlockHash]], None]
 
 
 class PoolStats(NamedTuple):
@@ -160,9 +160,9 @@ class BlockPool:
     one reference per block for a request reusing cached blocks; `free` drops one. A block
     id is safe to read/write while the caller holds a reference. Only free blocks are ever
     evicted, and only by `allocate` (least recently freed first) or `reset_prefix_cache`.
-    `on_evict(block_id, block_hash)` runs before `allocate` drops a cached hash, while the
-    block still holds that content (the host tier offloads it there); if it raises, the
-    pool is unchanged. Events are recorded only with `enable_kv_cache_events` (drain them
+    `on_evict(block_ids, block_hashes)` runs once per `allocate` that drops cached hashes,
+    before it drops them, while the blocks still hold that content (the host tier offloads
+    them there in one batch); if it raises, the pool is unchanged. Events are recorded only with `enable_kv_cache_events` (drain them
     with `take_events`, or the list grows).
     """
 
@@ -191,9 +191,9 @@ class BlockPool:
         if n > len(self._free):
             raise OutOfBlocks(n, len(self._free))
         if self._on_evict is not None:
-            for block in self._free.walk(forward=True, limit=n):
-                if block.block_hash is not None:
-                    self._on_evict(block.block_id, block.block_hash)
+            evicted = [b for b in self._free.walk(forward=True, limit=n) if b.block_hash is not None]
+            if evicted:
+                self._on_evict([b.block_id for b in evicted], [b.block_hash for b in evicted])  # type: ignore[misc]
         taken = [self._free.popleft() for _ in range(n)]
         for block in taken:
             if block.block_hash is not None:

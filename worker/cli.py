@@ -27,6 +27,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host-memory KV tier behind the pool (GiB); evicted prefix blocks go there "
+                        "instead of being dropped (vLLM: --kv-offloading-size). 0 = off")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch)
@@ -36,7 +39,7 @@ def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (impor
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
                             num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len)
+                            max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

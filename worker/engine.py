@@ -15,6 +15,7 @@ from kvstore.keys import HashSalt
 from kvstore.layout import KVLayout, resolve_kv_cache_dtype
 from kvstore.pool import BlockPool
 from kvstore.tensors import KVTensors
+from kvstore.tiers import HostPrefixSource, HostTier
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
 from worker.model import LlamaModel
@@ -44,6 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_queue_len: int = 4096
     check_integrity: bool = False         # run the pool's integrity check after every step
+    kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -56,6 +58,10 @@ class EngineConfig:
             raise ValueError(f"num_blocks={self.num_blocks} must be positive")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be > 1")
+        if not self.kv_offload_gib >= 0:
+            raise ValueError(f"kv_offload_gib={self.kv_offload_gib} must be >= 0")
+        if self.kv_offload_gib > 0 and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib needs prefix caching: the host tier keys blocks by hash")
         if self.max_queue_len <= 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
 
@@ -69,6 +75,9 @@ class EngineStats(NamedTuple):
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    num_host_blocks: int = 0          # host-tier blocks in use / in all
+    host_num_blocks: int = 0
+    num_onloaded_blocks: int = 0      # blocks admitted from the host tier
 
 
 class Engine:
@@ -92,13 +101,21 @@ class Engine:
                                  num_blocks * cfg.block_size)
         self.kv = KVTensors(self.layout, num_blocks, self.device)
         self.kv_caches = list(zip(self.kv.k_caches, self.kv.v_caches))
+        self.host: HostTier | None = None
+        on_evict = None
+        if cfg.kv_offload_gib > 0:
+            self.host = HostTier.for_budget(self.layout, int(cfg.kv_offload_gib * 2**30),
+                                            pin_memory=self.device.type == "cuda")
+            host, kv = self.host, self.kv
+            on_evict = lambda ids, hashes: host.offload(kv, ids, hashes)  # noqa: E731
         self.pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
-                              enable_kv_cache_events=False)
+                              on_evict=on_evict, enable_kv_cache_events=False)
         self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
                              block_size=cfg.block_size).digest()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            cfg.enable_chunked_prefill), self.pool, self.salt)
+                            cfg.enable_chunked_prefill), self.pool, self.salt,
+            HostPrefixSource(self.host, self.kv) if self.host is not None else None)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -194,6 +211,8 @@ class Engine:
         meta = AttnMetadata.build(batch.num_new_tokens, seq_lens, [r.block_ids for r in batch.requests],
                                   self.cfg.block_size, self.device)
         dev = self.device
+        if self.host is not None:
+            self.host.wait_on_device()  # evicted blocks are rewritten only after their offload
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     self.kv_caches, meta,
                                     torch.tensor(logits_indices, dtype=torch.long, device=dev))
@@ -277,10 +296,14 @@ class Engine:
         s = self.pool.stats()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_free_blocks,
                            self.pool.num_used_blocks, self.pool.num_blocks, s.query_blocks, s.hit_blocks,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions,
+                           self.host.num_used_blocks if self.host else 0,
+                           self.host.num_blocks if self.host else 0, self.scheduler.num_loaded_blocks)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
         held: dict[int, int] = {}
         for req in self.scheduler.running:
             for b in req.block_ids:

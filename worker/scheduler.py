@@ -11,11 +11,13 @@ prefix-cache lookup that sets `num_cached_tokens`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from kvstore.errors import OutOfBlocks
-from kvstore.pool import BlockPool
+from kvstore.keys import BlockHash
+from kvstore.pool import BlockId, BlockPool
 from worker.request import FinishReason, Request, RequestStatus
 
 
@@ -42,11 +44,42 @@ class ScheduledBatch(NamedTuple):
         return sum(self.num_new_tokens)
 
 
+class PrefixSource(Protocol):
+    """Blocks of a prefix held outside the device pool (the host tier): asked on admission
+    for the blocks that follow the device pool's hit."""
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading `block_hashes` it can load (a query)."""
+
+    def load(self, block_hashes: Sequence[BlockHash], allocate: Allocate) -> list[BlockId]:
+        """Take `len(block_hashes)` device blocks from `allocate` and fill them with those
+        blocks' K/V; returns them (owned by the caller). The source must hold what it
+        loads before calling `allocate`, whose evictions may reach the source itself."""
+
+
+class Allocate(Protocol):
+    def __call__(self, n: int) -> list[BlockId]: ...
+
+
+class NoPrefixSource:
+    """No tier behind the device pool: nothing is found, nothing loaded."""
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        return 0
+
+    def load(self, block_hashes: Sequence[BlockHash], allocate: Allocate) -> list[BlockId]:
+        assert not block_hashes, "NoPrefixSource holds nothing"
+        return allocate(0)
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, salt: bytes) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, salt: bytes,
+                 source: PrefixSource | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.salt = salt
+        self.source: PrefixSource = source or NoPrefixSource()
+        self.num_loaded_blocks = 0  # blocks the source filled on admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -150,7 +183,8 @@ class Scheduler:
         # Keep at least the last token uncached: its logits are needed to sample.
         max_cached_blocks = (req.num_tokens - 1) // bs
         cached = self.pool.find_longest_prefix(req.block_hashes[:max_cached_blocks])
-        num_computed = len(cached) * bs
+        num_loaded = self.source.match_prefix(req.block_hashes[len(cached):max_cached_blocks])
+        num_computed = (len(cached) + num_loaded) * bs
         remaining = req.num_tokens - num_computed
         n = min(remaining, budget)
         if n < remaining and not self.cfg.enable_chunked_prefill:
@@ -161,7 +195,13 @@ class Scheduler:
         if need + reused_free > self.pool.num_free_blocks:
             return 0
         self.pool.touch(cached)
-        req.block_ids = list(cached) + self.pool.allocate(need)
+        loaded_hashes = req.block_hashes[len(cached):len(cached) + num_loaded]
+        loaded = self.source.load(loaded_hashes, self.pool.allocate)
+        if loaded:
+            self.pool.cache_full_blocks(loaded, loaded_hashes,
+                                        parent_hash=req.block_hashes[len(cached) - 1] if cached else None)
+            self.num_loaded_blocks += len(loaded)
+        req.block_ids = list(cached) + loaded + self.pool.allocate(need - num_loaded)
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)

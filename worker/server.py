@@ -348,19 +348,30 @@ class _Metadata:
                                        load_fn=lambda: float(len(sched.running) + len(sched.waiting)))
         self.pool = engine.pool
         self.pool.set_event_recording(True)
+        self.host = engine.host
+        if self.host is not None:
+            self.host.set_event_recording(True)
         self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self._inventory)
         self._next_poll = 0.0
 
     def _inventory(self) -> dict[Any, list[Any]]:
         from kvstore.events import Tier
-        return {Tier.DEVICE: self.pool.cached_hashes()}
+        inventory = {Tier.DEVICE: self.pool.cached_hashes()}
+        if self.host is not None:
+            inventory[Tier.HOST] = self.host.cached_hashes()
+        return inventory
 
     POLL_INTERVAL_S = 0.05
 
     def after_step(self) -> None:
+        from kvstore.events import Tier
         events = self.pool.take_events()
         if events:
             self.publisher.publish(events)
+        if self.host is not None:
+            host_events = self.host.take_events()
+            if host_events:
+                self.publisher.publish(host_events, tier=Tier.HOST)
         # Resync requests and retries need no Redis round trip on every decode step.
         now = time.monotonic()
         if now >= self._next_poll:

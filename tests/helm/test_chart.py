@@ -34,8 +34,6 @@ ALL_VALUES: Doc = {
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct"},
 }
-# Values the CLI cannot take yet: each must be rendered the day its flag appears.
-GATED = {("engine", "kvOffloadGib"): "--kv-offload-gib (KV offload issue)"}
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s"}
 NOT_FLAGS = {("worker", "replicas"), ("worker", "distPort"), ("worker", "terminationGracePeriodSeconds"),
@@ -115,7 +113,7 @@ def test_service_monitor_only_with_its_crd(helm: Path, tmp_path: Path) -> None:
 def expected_flags(section: str) -> Iterator[tuple[str, str, Any]]:
     """(value name, Namespace attribute, value) for every rendered value of a section."""
     for key, value in ALL_VALUES[section].items():
-        if (section, key) in NOT_FLAGS or (section, key) in GATED:
+        if (section, key) in NOT_FLAGS:
             continue
         yield key, FLAG_OF.get((section, key), snake(key)), value
 
@@ -162,20 +160,6 @@ def test_values_cover_every_cli_option() -> None:
                    for _, attr, _ in expected_flags(section)} | {"cluster_name", "model"}
         options = set(vars(build_parser().parse_args([cmd])))
         assert options - covered - CHART_OWNED == set(), f"kvmesh {cmd} options without a chart value"
-
-
-@pytest.mark.parametrize("key", sorted(GATED), ids=lambda k: ".".join(k))
-def test_gated_values_wait_for_their_flag(key: tuple[str, str]) -> None:
-    """A value in values.yaml whose flag the CLI lacks is left unrendered; once the flag exists
-    (this test fails) render it in the template and drop it from GATED."""
-    section, name = key
-    cmd = "worker" if section == "engine" else section
-    ns = build_parser().parse_args([cmd])
-    assert not hasattr(ns, snake(name)), f"the CLI now has --{snake(name).replace('_', '-')}: render {section}.{name}"
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert name in values[section]
-    template = "worker-statefulset.yaml" if cmd == "worker" else "router-deployment.yaml"
-    assert f"rendered once the CLI has {GATED[key]}" in (CHART / "templates" / template).read_text()
 
 
 def test_enable_prefix_caching_both_ways(helm: Path, tmp_path: Path) -> None:

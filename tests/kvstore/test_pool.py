@@ -216,8 +216,8 @@ def test_on_evict_runs_before_the_hash_is_dropped() -> None:
     calls: list[tuple[BlockId, BlockHash, BlockId | None]] = []
     pool: BlockPool
 
-    def on_evict(block_id: BlockId, block_hash: BlockHash) -> None:
-        calls.append((block_id, block_hash, pool.get_cached_block(block_hash)))
+    def on_evict(block_ids: list[BlockId], block_hashes: list[BlockHash]) -> None:
+        calls.append([(b, h, pool.get_cached_block(h)) for b, h in zip(block_ids, block_hashes)])
 
     pool = BlockPool(4, on_evict=on_evict)
     h = block_hashes(list(range(12)), BS, SALT)
@@ -225,12 +225,12 @@ def test_on_evict_runs_before_the_hash_is_dropped() -> None:
     pool.cache_full_blocks(blocks, h)
     pool.free_sequence(blocks)           # free queue: 3, 2, 1, 0
     assert pool.allocate(3) == [3, 2, 1]
-    assert calls == [(BlockId(2), h[2], BlockId(2)), (BlockId(1), h[1], BlockId(1))]
+    assert calls == [[(BlockId(2), h[2], BlockId(2)), (BlockId(1), h[1], BlockId(1))]]  # one batch
     assert pool.get_cached_block(h[0]) == 0 and pool.get_cached_block(h[1]) is None
 
 
 def test_on_evict_failure_leaves_pool_unchanged() -> None:
-    def on_evict(block_id: BlockId, block_hash: BlockHash) -> None:
+    def on_evict(block_ids: list[BlockId], block_hashes: list[BlockHash]) -> None:
         raise RuntimeError("host tier full")
 
     pool = BlockPool(2, on_evict=on_evict)

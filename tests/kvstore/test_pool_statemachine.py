@@ -101,7 +101,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.model = Model()
         self.evicted: list[tuple[BlockId, BlockHash]] = []
-        self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda b, h: self.evicted.append((b, h)))
+        self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda bs, hs: self.evicted.extend(zip(bs, hs)))
         self.seqs: list[Seq] = []
         self.pinned: dict[BlockId, BlockHash] = {}
 

@@ -1,0 +1,283 @@
+"""The host-memory tier: a second pool of blocks, keyed by block hash, behind the device pool.
+
+The device pool (`kvstore.pool.BlockPool` + `kvstore.tensors.KVTensors`) keeps every cached
+block it can; when `allocate` must evict unreferenced cached blocks, its `on_evict` callback
+hands them here and `HostTier.offload` copies them into host memory instead of letting them
+be lost. A later request whose prefix continues past what the device pool holds asks
+`match_prefix`, and `onload` copies those blocks back into freshly allocated device blocks,
+which the scheduler then registers in the device pool's prefix cache like computed ones.
+
+- Storage is a `KVTensors` of its own on the CPU (pinned when the device pool is on CUDA),
+  so a block moves between tiers as one `index_select` over all layers, K and V, values and
+  quantization scales alike; the bytes are never reinterpreted.
+- Its own LRU: an `OrderedDict` hash → host slot, least recently used first. `offload` of a
+  hash already held only refreshes it (no copy); when full, the oldest entries are dropped.
+- Copies: on CPU both pools are host memory and `offload` is one batched gather at eviction
+  time, a memcpy of the evicted bytes (the `kvmesh bench transfer` figure `offload_vs_memcpy`
+  compares it with a raw copy of the same bytes). On CUDA the device→host copy is issued on a
+  side stream into pinned memory after the compute stream's pending work, and an event is
+  recorded; `onload` and `read` wait on it, and the compute stream waits on it before the
+  evicted device blocks are written again (`fence`), so the decode loop never blocks on it.
+- Every change is recorded as a pool-style event (`BlockStored` / `BlockRemoved` with the host
+  slot as `block_id`), for the worker to publish with `Tier.HOST`.
+
+Not thread-safe: the engine thread owns it (the peer-transfer thread hands results over).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvstore.keys import BlockHash
+from kvstore.layout import KVLayout
+from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
+from kvstore.tensors import KVTensors
+
+
+class HostTierStats(NamedTuple):
+    """Counters since the tier was built (blocks, not calls)."""
+
+    offloaded: int       # blocks copied in from the device pool
+    refreshed: int       # offloads of a hash already held (no copy)
+    onloaded: int        # blocks copied back to the device pool
+    evicted: int         # blocks dropped by the tier's own LRU
+    stored: int          # blocks written from outside (a peer)
+
+
+class HostTier:
+    """`num_blocks` host blocks of `layout`, keyed by block hash, with an LRU (see module doc)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, pin_memory: bool = False) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
+        self.layout = layout
+        self.kv = KVTensors(layout, num_blocks, "cpu")
+        if pin_memory:
+            self.kv.kv = self.kv.kv.pin_memory()
+        self._lru: OrderedDict[BlockHash, int] = OrderedDict()   # hash -> slot, oldest first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self._events: list[KVEvent] = []
+        self._record = False
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, list[int]]] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._offloaded = self._refreshed = self._onloaded = self._evicted = self._stored = 0
+
+    @classmethod
+    def for_budget(cls, layout: KVLayout, num_bytes: int, pin_memory: bool = False) -> HostTier:
+        num_blocks = layout.num_blocks_in(num_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"{num_bytes} bytes do not hold one block ({layout.bytes_per_block} bytes)")
+        return cls(layout, num_blocks, pin_memory)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._lru
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading `block_hashes` the tier holds (a query: the LRU is untouched)."""
+        n = 0
+        for h in block_hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._lru)
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(self._offloaded, self._refreshed, self._onloaded, self._evicted, self._stored)
+
+    # -- moves ----------------------------------------------------------------------------
+    def offload(self, src: KVTensors, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> int:
+        """Copy device blocks `block_ids` (caching `block_hashes`) into the tier; returns how
+        many were copied. Hashes already held are only moved to the LRU's young end. The
+        caller must not overwrite the source blocks before `fence()` (a no-op on CPU)."""
+        if len(block_ids) != len(block_hashes):
+            raise ValueError(f"{len(block_ids)} block ids for {len(block_hashes)} hashes")
+        new_ids: list[int] = []
+        new_hashes: list[BlockHash] = []
+        for b, h in zip(block_ids, block_hashes):
+            if h in self._lru:
+                self._lru.move_to_end(h)
+                self._refreshed += 1
+            else:
+                new_ids.append(int(b))
+                new_hashes.append(h)
+        if len(set(new_hashes)) != len(new_hashes):
+            raise ValueError("block_hashes repeats a hash")
+        new_ids, new_hashes = new_ids[-self.num_blocks:], new_hashes[-self.num_blocks:]
+        if not new_ids:
+            return 0
+        slots = self._take_slots(len(new_ids))
+        if src.device.type == "cuda":
+            self._copy_from_cuda(src, new_ids, slots)
+        else:
+            self.kv.kv.index_copy_(2, torch.tensor(slots), src.kv.index_select(2, torch.tensor(new_ids)))
+        self._insert(new_hashes, slots)
+        self._offloaded += len(new_ids)
+        self._order(block_hashes)
+        return len(new_ids)
+
+    def onload(self, dst: KVTensors, block_hashes: Sequence[BlockHash], dst_block_ids: Sequence[BlockId]) -> None:
+        """Copy the held blocks `block_hashes` into device blocks `dst_block_ids` (which the
+        caller owns); they become the LRU's youngest. KeyError if one is not held."""
+        if len(block_hashes) != len(dst_block_ids):
+            raise ValueError(f"{len(block_hashes)} hashes for {len(dst_block_ids)} block ids")
+        if not block_hashes:
+            return
+        dst.scatter_blocks(list(map(int, dst_block_ids)), self.read(block_hashes))
+        self._onloaded += len(block_hashes)
+
+    def count_onloaded(self, n: int) -> None:
+        self._onloaded += n
+
+    def read(self, block_hashes: Sequence[BlockHash]) -> torch.Tensor:
+        """A copy of held blocks `[L, 2, n, block_size, H, D | slot_bytes]` (for onload or a
+        peer); they become the LRU's youngest. KeyError if one is not held."""
+        self.fence()
+        slots = []
+        for h in block_hashes:
+            slots.append(self._lru[h])
+            self._lru.move_to_end(h)
+        return self.kv.kv.index_select(2, torch.tensor(slots, dtype=torch.int64))
+
+    def store(self, block_hashes: Sequence[BlockHash], data: torch.Tensor) -> int:
+        """Write blocks that arrived from elsewhere (a peer), `data` as `read` returns it;
+        hashes already held are refreshed, not rewritten. Returns how many were written."""
+        if data.shape[2] != len(block_hashes):
+            raise ValueError(f"data holds {data.shape[2]} blocks for {len(block_hashes)} hashes")
+        keep = [i for i, h in enumerate(block_hashes) if h not in self._lru]
+        for h in block_hashes:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+        keep = keep[-self.num_blocks:]
+        if not keep:
+            return 0
+        slots = self._take_slots(len(keep))
+        self.fence()
+        self.kv.kv.index_copy_(2, torch.tensor(slots), data.index_select(2, torch.tensor(keep)).cpu())
+        self._insert([block_hashes[i] for i in keep], slots)
+        self._stored += len(keep)
+        self._order(block_hashes)
+        return len(keep)
+
+    def fence(self) -> None:
+        """Make pending device→host copies complete before what follows (CUDA); a no-op on CPU."""
+        for event, host, slots in self._pending:
+            event.synchronize()
+            self.kv.kv.index_copy_(2, torch.tensor(slots), host)
+        self._pending = []
+
+    def wait_on_device(self) -> None:
+        """Make the current CUDA stream wait for pending copies without blocking the host
+        (call before work that rewrites evicted device blocks); a no-op on CPU."""
+        for event, _, _ in self._pending:
+            torch.cuda.current_stream().wait_event(event)
+
+    def clear(self) -> None:
+        """Drop everything (records `AllBlocksCleared`)."""
+        self.fence()
+        self._free.extend(reversed(list(self._lru.values())))
+        self._lru.clear()
+        self._emit(AllBlocksCleared())
+
+    # -- events ---------------------------------------------------------------------------
+    def set_event_recording(self, enabled: bool) -> None:
+        self._record = enabled
+        self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError describing the first broken invariant, if any."""
+        used = list(self._lru.values())
+        assert len(set(used)) == len(used), "two hashes share a host slot"
+        assert len(set(self._free)) == len(self._free), "a free host slot is listed twice"
+        assert not set(used) & set(self._free), "a host slot is both used and free"
+        assert len(used) + len(self._free) == self.num_blocks, \
+            f"{len(used)} used + {len(self._free)} free != {self.num_blocks} host slots"
+        assert all(0 <= s < self.num_blocks for s in used + self._free), "host slot out of range"
+
+    # -- internals ------------------------------------------------------------------------
+    def _take_slots(self, n: int) -> list[int]:
+        """n free slots, evicting the LRU's oldest entries when there are too few."""
+        assert n <= self.num_blocks
+        if len(self._free) < n:
+            self.fence()  # a slot about to be reused may still have a copy in flight
+        while len(self._free) < n:
+            h, slot = self._lru.popitem(last=False)
+            self._free.append(slot)
+            self._evicted += 1
+            self._emit(BlockRemoved(h, BlockId(slot)))
+        return [self._free.pop() for _ in range(n)]
+
+    def _order(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Make the held ones of `block_hashes` the youngest, in the order given."""
+        for h in block_hashes:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+
+    def _insert(self, block_hashes: Sequence[BlockHash], slots: Sequence[int]) -> None:
+        for h, slot in zip(block_hashes, slots):
+            self._lru[h] = slot
+            self._emit(BlockStored(h, None, BlockId(slot)))
+
+    def _copy_from_cuda(self, src: KVTensors, block_ids: list[int], slots: list[int]) -> None:
+        # After the compute stream's pending writes, gather on a side stream into pinned
+        # staging; the staged bytes land in the tier's slots at the next `fence`.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src.device)
+        self._stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self._stream):
+            staged = src.kv.index_select(2, torch.tensor(block_ids, device=src.device))
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._pending.append((event, host, slots))
+
+    def _emit(self, event: KVEvent) -> None:
+        if self._record:
+            self._events.append(event)
+
+
+class HostPrefixSource:
+    """The host tier as the scheduler's prefix source for the device pool `device`:
+    `load` copies the held blocks out first (its allocation may evict device blocks into
+    this very tier, and those may push the ones being loaded out of it), then fills the
+    device blocks it allocates."""
+
+    def __init__(self, tier: HostTier, device: KVTensors) -> None:
+        self.tier = tier
+        self.device = device
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        return self.tier.match_prefix(block_hashes)
+
+    def load(self, block_hashes: Sequence[BlockHash],
+             allocate: Callable[[int], list[BlockId]]) -> list[BlockId]:
+        if not block_hashes:
+            return allocate(0)
+        data = self.tier.read(block_hashes)            # [L, 2, n, bs, H, D | bytes]
+        block_ids = allocate(len(block_hashes))
+        self.device.scatter_blocks([int(b) for b in block_ids], data)
+        self.tier.count_onloaded(len(block_ids))
+        return block_ids
