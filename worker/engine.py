@@ -114,7 +114,7 @@ class Engine:
                              block_size=cfg.block_size).digest()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            cfg.enable_chunked_prefill), self.pool, self.salt,
+                            cfg.enable_chunked_prefill, mc.sliding_window), self.pool, self.salt,
             HostPrefixSource(self.host, self.kv) if self.host is not None else None)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -306,7 +306,7 @@ class Engine:
             self.host.check_integrity()
         held: dict[int, int] = {}
         for req in self.scheduler.running:
-            for b in req.block_ids:
+            for b in req.held_block_ids:
                 held[b] = held.get(b, 0) + 1
         for b, n in held.items():
             assert self.pool.ref_cnt(b) == n, f"block {b}: ref_cnt {self.pool.ref_cnt(b)} but {n} requests hold it"

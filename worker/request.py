@@ -36,12 +36,17 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+NO_BLOCK = BlockId(-1)   # a block_ids entry whose block was released (outside the window)
+
+
 @dataclass(eq=False)
 class Request:
     """Mutable per-request state, owned by the scheduler.
 
     `block_ids` hold one reference each (taken by allocate or touch) until the request is
-    preempted or finished; `block_hashes` cover every full block of `all_token_ids`.
+    preempted or finished, except entries `NO_BLOCK`: blocks released early because no
+    future token can attend to them (wholly outside a sliding window); `block_hashes`
+    cover every full block of `all_token_ids`.
     `num_computed_tokens` counts the tokens whose K/V are in the cache.
     """
 
@@ -70,6 +75,11 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.history = SamplingHistory(self.prompt_token_ids)
+
+    @property
+    def held_block_ids(self) -> list[BlockId]:
+        """The blocks this request holds a reference to, in sequence order."""
+        return [b for b in self.block_ids if b != NO_BLOCK]
 
     @property
     def num_tokens(self) -> int:

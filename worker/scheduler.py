@@ -18,7 +18,7 @@ from typing import NamedTuple, Protocol
 from kvstore.errors import OutOfBlocks
 from kvstore.keys import BlockHash
 from kvstore.pool import BlockId, BlockPool
-from worker.request import FinishReason, Request, RequestStatus
+from worker.request import NO_BLOCK, FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +27,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    sliding_window: int | None = None   # the model's: blocks wholly outside it are released
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
 
 
 class ScheduledBatch(NamedTuple):
@@ -144,6 +147,8 @@ class Scheduler:
             if after > before:
                 self.pool.cache_full_blocks(req.block_ids[before:after], req.block_hashes[before:after],
                                             parent_hash=req.block_hashes[before - 1] if before else None)
+            if self.cfg.sliding_window is not None:
+                self._release_outside_window(req, self.cfg.sliding_window)
 
     # -- internals ------------------------------------------------------------------------
     def _blocks_needed(self, req: Request, n: int) -> int:
@@ -173,9 +178,23 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release_blocks(self, req: Request) -> None:
-        if req.block_ids:
-            self.pool.free_sequence(req.block_ids)
+        held = req.held_block_ids
+        if held:
+            self.pool.free_sequence(held)
         req.block_ids = []
+
+    def _release_outside_window(self, req: Request, window: int) -> None:
+        """Free the blocks no future token can attend to: the next token, at position
+        `num_computed_tokens`, sees positions > num_computed_tokens - window, so block j is
+        dead once (j + 1) * block_size <= num_computed_tokens - window + 1. A generation
+        then holds at most ceil(window / block_size) + 1 blocks. Freed blocks keep their
+        cached hash (other requests may still share them) until the pool evicts them."""
+        bs = self.cfg.block_size
+        dead = min(max(0, req.num_computed_tokens - window + 1) // bs, len(req.block_ids))
+        freed = [b for b in req.block_ids[:dead] if b != NO_BLOCK]
+        if freed:
+            self.pool.free(freed)
+            req.block_ids[:dead] = [NO_BLOCK] * dead
 
     def _admit(self, req: Request, budget: int) -> int:
         """Take blocks for the waiting head; returns tokens scheduled (0: it does not fit now)."""

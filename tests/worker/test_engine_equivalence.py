@@ -89,3 +89,31 @@ def test_tiny_models_match_hf(tiny_model_dir, kind):
         _check(engine, hf, prompts, expected, outs)
         single = [engine.generate(p, params)[0] for p in prompts]
         _check(engine, hf, prompts, expected, single)
+
+
+def test_sliding_window_releases_blocks_and_matches_hf(tiny_model_dir):
+    """Mistral with window 8, block size 4: during a long generation each sequence holds at
+    most 8/4 + 1 = 3 blocks, blocks behind the window go back to the pool, and the tokens
+    equal HF's."""
+    path = tiny_model_dir("mistral-swa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    window, bs = hf.config.sliding_window, 4
+    assert window == 8
+    rng = random.Random("swa-release")
+    prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in (5, 13)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 60, [], ignore_eos=True) for p in prompts]
+    engine = Engine(EngineConfig(model=str(path), block_size=bs, num_blocks=64, check_integrity=True))
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs: dict[str, object] = {}
+    max_held = 0
+    while engine.has_unfinished():
+        for req in engine.scheduler.running:
+            if req.num_computed_tokens >= req.num_prompt_tokens:   # generating
+                max_held = max(max_held, len(req.held_block_ids))
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert max_held == window // bs + 1
+    _check(engine, hf, prompts, expected, [outs[i] for i in ids])
+    assert engine.pool.num_used_blocks == 0
