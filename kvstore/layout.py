@@ -45,6 +45,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     return model_dtype
 
 
+INT4_GROUP = 32
+
+
+def int4_group_size(head_dim: int) -> int:
+    """Values per int4 scale/zero group: 32 when it divides head_dim, else the whole vector."""
+    return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Shape and storage of one model's KV cache. `kv_cache_dtype` is concrete (not `auto`)."""
@@ -78,7 +86,10 @@ class KVLayout:
 
     @property
     def head_meta_bytes(self) -> int:
-        """Scale (and zero point) bytes of one head of one token (K or V); 0 unquantized."""
+        """Scale (and zero point) bytes of one head of one token (K or V); 0 unquantized.
+        int4 has one fp16 scale and zero point per group of `int4_group_size` values."""
+        if self.kv_cache_dtype == "int4":
+            return _META_BYTES["int4"] * (self.head_dim // int4_group_size(self.head_dim))
         return _META_BYTES[self.kv_cache_dtype]
 
     @property

@@ -73,23 +73,27 @@ def test_int8_matches_oracle_and_bound(kind: str, dim: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["normal", "outliers", "large", "small", "shifted"])
-@pytest.mark.parametrize("dim", [64, 16, 6])
+@pytest.mark.parametrize("dim", [128, 64, 16, 6])
 def test_int4_matches_oracle_and_bound(kind: str, dim: int) -> None:
     codec = KVCodec(KVQuant.INT4, dim)
+    group = 32 if dim % 32 == 0 else dim          # a scale and zero point per 32 values
+    assert codec.group_size == group and codec.meta_bytes == 4 * (dim // group)
     x = sample((7, 3, dim), seed=dim + 1, kind=kind)
     y = rotated(codec, x)
     enc = codec.encode(x)
-    lo, hi = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+    yg = y.unflatten(-1, (-1, group))                                  # [7, 3, D/G, G]
+    lo, hi = yg.amin(-1, keepdim=True), yg.amax(-1, keepdim=True)
     scale, zero = ((hi - lo) / 15).half(), lo.half()
-    assert torch.equal(enc.meta, torch.cat((scale, zero), -1))
+    assert torch.equal(enc.meta, torch.cat((scale, zero), -1).flatten(-2))
     # nibble order: element 2i is the low nibble of byte i
     assert enc.data.shape == (7, 3, dim // 2) and enc.data.dtype == torch.uint8
-    nibbles = torch.stack((enc.data & 0xF, enc.data >> 4), -1).flatten(-2)
-    s, z = enc.meta[..., :1].float(), enc.meta[..., 1:].float()
-    assert torch.equal(nibbles, ((y - z) / s).round().clamp(0, 15).to(torch.uint8))
-    y_hat = codec.decode(enc.data, enc.meta, torch.float32, rotated=True)
+    nibbles = torch.stack((enc.data & 0xF, enc.data >> 4), -1).flatten(-2).unflatten(-1, (-1, group))
+    s, z = scale.float(), zero.float()
+    assert torch.equal(nibbles, ((yg - z) / s).round().clamp(0, 15).to(torch.uint8))
+    y_hat = codec.decode(enc.data, enc.meta, torch.float32, rotated=True).unflatten(-1, (-1, group))
     bound = 0.5 * s * (1 + 1e-3) + z.abs() * 2**-10 + 1e-6
-    assert ((y_hat - y).abs() <= bound).all()
+    assert ((y_hat - yg).abs() <= bound).all()
+    y_hat = y_hat.flatten(-2)
     # R is orthogonal: the error of x has the same norm
     x_hat = codec.decode(enc.data, enc.meta, torch.float32)
     assert torch.allclose((x_hat - x).norm(dim=-1), (y_hat - y).norm(dim=-1), rtol=1e-3, atol=1e-5)
@@ -181,7 +185,11 @@ def test_round_trip_norm_bound_property(dtype: str, half_dim: int, scale: float,
     y = rotated(codec, x)
     enc = codec.encode(x)
     s = enc.meta[..., :1].float()
-    per_elem = {"int8": 0.5 * s, "int4": 0.5 * s + enc.meta[..., 1:].float().abs() * 2**-10,
+    if dtype == "int4":   # the largest group scale / zero point bounds every element
+        sz = enc.meta.float().unflatten(-1, (-1, 2))
+        s = sz[..., 0].amax(-1, keepdim=True)
+        z = sz[..., 1].abs().amax(-1, keepdim=True)
+    per_elem = {"int8": 0.5 * s, "int4": 0.5 * s + (z * 2**-10 if dtype == "int4" else 0),
                 "fp8": y.abs().amax(-1, keepdim=True) / 16 + s * 2**-10}[dtype]
     err = (codec.decode(enc.data, enc.meta, torch.float32) - x).norm(dim=-1, keepdim=True)
     assert (err <= per_elem * math.sqrt(dim) * 1.01 + 1e-5 * scale).all()
