@@ -43,23 +43,37 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for every position up to max_position_embeddings, built once."""
+    """cos/sin tables for every position up to max_position_embeddings, built once.
+
+    `tables(positions)` looks the rows up once per forward pass; `apply` then rotates q and k
+    of every layer with four ops. `sin_signed` is sin with its first half negated, so
+    `(x2, x1) * sin_signed` is exactly HF's `rotate_half(x) * sin` (a product with a
+    negated factor equals the negated product in IEEE arithmetic), and the sum is formed in
+    HF's order, so the result is bit-identical.
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         inv_freq = rope_inv_freq(cfg)
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)                       # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                  # [P, D]
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.cos = emb.cos().to(dtype=dtype, device=device)      # [P, D]
+        self.sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)  # [P, D]
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) rows of `positions` [T], each [T, 1, D]."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D] (any strides); cos, sin_signed: [T, 1, D]
+        half = x.shape[-1] // 2
+        flipped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)     # [T, H, D]: (x2, x1)
+        return x * cos + flipped * sin_signed
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1)                   # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return self.apply(x, *self.tables(positions))
 
 
 class Linear:
@@ -89,10 +103,25 @@ class Linear:
             y = torch.mm(self.weight, x.t()).t().contiguous()     # [M, out]
         return y + self.bias if self.bias is not None else y
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + (x Wᵀ + b); on the W · xᵀ path the add reads the transposed product
+        directly instead of copying it back first."""
+        m = x.shape[0]
+        if not self.cpu or not 1 < m <= self.MAX_SMALL_M:
+            return residual + self(x)
+        y = torch.mm(self.weight, x.t())                          # [out, M]
+        if self.bias is not None:
+            y = y + self.bias[:, None]
+        return residual + y.t()                                   # [M, out], contiguous like residual
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same arithmetic as HF's LlamaRMSNorm (variance in fp32, then cast back) so outputs match.
     dtype = x.dtype
+    if dtype == torch.float32:
+        if x.shape[0] <= Linear.MAX_SMALL_M:  # one op, bit-identical in fp32; slower on long prefills
+            return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
@@ -116,22 +145,30 @@ class DecoderLayer:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                 k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer on T tokens; `rope` is `Rotary.tables(positions)`, shared by all layers.
+
+        With `keep` ([n] row indices) only those rows leave the layer (`[n, hidden]`): every
+        row's K/V is still written, but o_proj and the MLP run on the kept rows alone.
+        """
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)
         qkv = self.qkv_proj(h)                                    # [T, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(t, cfg.num_heads, cfg.head_dim), positions)      # [T, Hq, D]
-        k = rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), positions)   # [T, Hkv, D]
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        # q and k are adjacent in each row: rotate them as one [T, Hq + Hkv, D] view
+        qk = Rotary.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *rope)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]        # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window).reshape(t, self.q_size)
+        if keep is not None:
+            x, o = x[keep], o[keep]
+        x = self.o_proj.add_to(x, o)
         h = rms_norm(x, self.ln2, cfg.rms_norm_eps)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return self.down_proj.add_to(x, F.silu(gate) * up)
 
 
 class LlamaModel:
@@ -159,9 +196,14 @@ class LlamaModel:
         assert input_ids.dim() == 1 and input_ids.shape == positions.shape
         assert len(kv_caches) == len(self.layers)
         x = F.embedding(input_ids, self.embed)                    # [T, hidden]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, k_cache, v_cache, meta)
-        if logits_indices is not None:
+        rope = self.rotary.tables(positions)
+        # the last layer's o_proj and MLP only matter for the rows whose logits are returned
+        # (a prefill samples one row per sequence); decode keeps every row, so skip the gather
+        keep = logits_indices if logits_indices is not None and len(logits_indices) < len(input_ids) else None
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rope, k_cache, v_cache, meta, keep if i == last else None)
+        if logits_indices is not None and keep is None:
             x = x[logits_indices]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(x).float()

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.kernels import reference
+from worker.kernels.decode import _partition, decode_attention, plan_decode
 from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention, write_kv
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -224,3 +226,68 @@ def test_kernels_never_sync_to_host(monkeypatch: pytest.MonkeyPatch) -> None:
             paged_attention(case.query, case.k_cache, case.v_cache, case.meta, 0.5, window)
         new = case.query.new_zeros(case.meta.num_tokens, 2, 8)
         write_kv(new, new, case.k_cache, case.v_cache, case.meta.slot_mapping)
+
+
+# -- decode grouping (worker.kernels.decode) -------------------------------------------------
+def _brute_force_cost(keys: list[int], group_cost: int) -> int:
+    """Cheapest split of sorted `keys` into runs, over every one of the 2^(n-1) cut sets."""
+    n, best = len(keys), None
+    for cuts in range(2 ** (n - 1)):
+        bounds = [0] + [i + 1 for i in range(n - 1) if cuts >> i & 1] + [n]
+        cost = sum((b - a) * keys[b - 1] + group_cost for a, b in zip(bounds, bounds[1:]))
+        best = cost if best is None else min(best, cost)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("group_cost", [0, 5, 40, 1000])
+def test_partition_is_optimal(group_cost: int) -> None:
+    gen = torch.Generator().manual_seed(group_cost)
+    for n in (1, 2, 5, 9):
+        keys = sorted(torch.randint(1, 60, (n,), generator=gen).tolist())
+        bounds = _partition(keys, group_cost)
+        assert bounds[0] == 0 and bounds[-1] == n and bounds == sorted(set(bounds))
+        cost = sum((b - a) * keys[b - 1] + group_cost for a, b in zip(bounds, bounds[1:]))
+        assert cost == _brute_force_cost(keys, group_cost)
+
+
+@pytest.mark.parametrize("window", [None, 6, 30])
+@pytest.mark.parametrize("group_cost", [0, 96, 10**9])
+def test_decode_attention_under_any_grouping(group_cost: int, window: int | None) -> None:
+    """Every grouping of the decode rows (one per length .. one for all) matches the dense
+    oracle; the rows of a mixed batch keep their sequence ids."""
+    seqs = [(1, 45), (5, 9), (1, 3), (1, 17), (1, 45), (6, 6), (1, 30), (1, 8)]
+    case = make_case(seqs, 6, 2, head_dim=8, block_size=4, seed=group_cost % 97, extra_cols=1)
+    meta = case.meta
+    decode = [i for i, (q, _) in enumerate(seqs) if q == 1]
+    plan = plan_decode(decode, meta.seq_lens_list, meta.seq_lens, meta.block_tables, 4, window, group_cost)
+    assert sorted(plan.seqs) == decode
+    covered = [i for g in plan.groups for i in g.seqs.tolist()]
+    assert covered == plan.seqs and plan.groups[0].start == 0 and plan.groups[-1].stop == len(decode)
+    if group_cost == 10**9:
+        assert len(plan.groups) == 1 and plan.seqs == decode  # one group keeps the batch order
+    if group_cost == 0 and window is None:
+        assert len(plan.groups) == len({meta.seq_lens_list[i] for i in decode})
+    qsl = meta.query_start_loc.tolist()
+    rows = torch.tensor([qsl[i] for i in plan.seqs])
+    out = decode_attention(case.query[rows], case.k_cache, case.v_cache, plan, 8 ** -0.5)
+    for j, i in enumerate(plan.seqs):
+        expected = dense_oracle(case.query[qsl[i]:qsl[i] + 1], case.keys[i], case.values[i], 8 ** -0.5, window)
+        torch.testing.assert_close(out[j:j + 1], expected, **TOL)
+
+
+def test_decode_plan_is_built_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case([(1, 30), (1, 9), (1, 17)], 4, 2, 8, block_size=4)
+    calls: list[int] = []
+    real = reference.plan_decode
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reference, "plan_decode", spy)
+    for _ in range(3):  # three layers
+        check(case)
+    assert len(calls) == 1
+    check(case, sliding_window=5)  # another window is another plan
+    assert len(calls) == 2

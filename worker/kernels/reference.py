@@ -20,22 +20,29 @@ any FINITE value (a NaN there would still reach the output through `0 * NaN`); t
 
 The kernels take Python lists from `AttnMetadata` for every shape decision, so they never
 call `.item()` / `.tolist()` (no host sync on a GPU, no per-token Python).
+
+Score collection (H2O eviction): when `AttnMetadata.score_acc` is set, every call adds the
+softmax weight each cached key received, summed over query heads and the sequence's new
+tokens; those calls compute attention explicitly (fp32 softmax) so the weights reported are
+the ones the output used. When it is None the kernels do no extra work.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kvstore.quant import KVCache, QuantizedKV
+from worker.kernels.decode import DecodePlan, decode_attention, explicit_attention, load, plan_decode, storage
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class AttnMetadata:
     """Where this step's tokens go in the paged cache and what each one may attend to.
 
-    Build it once per step with `AttnMetadata.build`; every layer reuses it.
+    Build it once per step with `AttnMetadata.build`; every layer reuses it (and the decode
+    plan the first layer memoises on it, see `decode_plan`).
     """
 
     slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token
@@ -44,11 +51,20 @@ class AttnMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64, rows padded with 0
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # [B, max_seq_len] fp32 or None. When set, every `paged_attention` call ADDS to
+    # score_acc[i, t] the softmax weight cached position t of seq i received, summed over query
+    # heads and seq i's new tokens (for H2O eviction); the tensor is mutated in place.
+    score_acc: torch.Tensor | None = None
+    _plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.query_lens_list) != len(self.seq_lens_list):
             raise ValueError(f"query_lens_list has {len(self.query_lens_list)} entries, "
                              f"seq_lens_list {len(self.seq_lens_list)}")
+        acc = self.score_acc
+        if acc is not None and (tuple(acc.shape) != (self.num_seqs, self.max_seq_len) or acc.dtype != torch.float32):
+            raise ValueError(f"score_acc is {acc.dtype} {tuple(acc.shape)}; need float32 "
+                             f"{(self.num_seqs, self.max_seq_len)} (num_seqs, max_seq_len)")
 
     @property
     def num_seqs(self) -> int:
@@ -71,12 +87,30 @@ class AttnMetadata:
         """True when every sequence brings exactly one new token."""
         return all(q == 1 for q in self.query_lens_list)
 
+    def decode_plan(self, block_size: int, sliding_window: int | None) -> DecodePlan:
+        """How the q_len == 1 sequences of this step run (see `worker.kernels.decode`).
+
+        Memoised: built by the first layer's call, reused by every other layer (the one
+        mutation a query makes here, invisible to callers).
+        """
+        key = (block_size, sliding_window)
+        plan = self._plans.get(key)
+        if plan is None:
+            seqs = [i for i, q in enumerate(self.query_lens_list) if q == 1]
+            plan = plan_decode(seqs, self.seq_lens_list, self.seq_lens, self.block_tables, block_size,
+                               sliding_window)
+            self._plans[key] = plan
+        return plan
+
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: str | torch.device = "cpu") -> AttnMetadata:
+              block_size: int, device: str | torch.device = "cpu",
+              collect_scores: bool = False) -> AttnMetadata:
         """Metadata for one step; new tokens of seq i sit at positions `seq_len - q_len .. seq_len - 1`.
 
         `block_tables[i]` must cover those positions (`ceil(seq_len / block_size)` ids at least).
+        `collect_scores` allocates a zero `score_acc` [B, max(seq_lens)] fp32 on `device`: after a
+        forward pass it holds the attention each cached token received, summed over layers too.
         """
         num_seqs = len(query_lens)
         if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
@@ -105,9 +139,11 @@ class AttnMetadata:
             block_ids = bt[seq_of_token, positions // block_size]  # [T]
             slots = block_ids * block_size + positions % block_size  # [T]
         dev = torch.device(device)
+        acc = (torch.zeros(num_seqs, max(seq_lens, default=0), dtype=torch.float32, device=dev)  # [B, S]
+               if collect_scores else None)
         return cls(slot_mapping=slots.to(dev), query_start_loc=qsl.to(dev), seq_lens=s_lens.to(dev),
                    block_tables=bt.to(dev), query_lens_list=list(query_lens),
-                   seq_lens_list=list(seq_lens))
+                   seq_lens_list=list(seq_lens), score_acc=acc)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
@@ -142,7 +178,7 @@ def gather_kv(k_cache: KVCache, v_cache: KVCache, block_table_row: torch.Tensor 
     `dtype` (fp32 when None).
     """
     assert len(k_cache.shape) == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
-    k_store, v_store = _storage(k_cache), _storage(v_cache)
+    k_store, v_store = storage(k_cache), storage(v_cache)
     block_size, num_kv_heads, width = k_store.shape[1:]
     num_blocks = -(-seq_len // block_size)
     row = torch.as_tensor(block_table_row, dtype=torch.int64, device=k_store.device)[:num_blocks]
@@ -156,26 +192,15 @@ def gather_kv(k_cache: KVCache, v_cache: KVCache, block_table_row: torch.Tensor 
     return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
 
-def _storage(cache: KVCache) -> torch.Tensor:
-    """The tensor a kernel index_selects blocks from: the cache itself, or its slot bytes."""
-    return cache.slots if isinstance(cache, QuantizedKV) else cache
-
-
-def _load(gathered: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> torch.Tensor:
-    """Rows gathered from `_storage(cache)` as values in `dtype`; quantized ones are dequantized
-    in the codec's rotated basis (`paged_attention` rotates the query and output to match)."""
-    if isinstance(cache, QuantizedKV):
-        return cache.codec.dequantize(gathered, dtype, rotated=True)
-    return gathered if gathered.dtype == dtype else gathered.to(dtype)
-
-
 def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                     meta: AttnMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of this step's queries over the paged cache: `[T, Hq, D] -> [T, Hq, D]`.
 
-    Decode sequences (q_len == 1) run as one batched SDPA; each prefill sequence (q_len > 1)
+    Decode sequences (q_len == 1) run as a few batched SDPAs, grouped by length
+    (`worker.kernels.decode`); each prefill sequence (q_len > 1)
     runs its own SDPA with a causal-with-offset mask. Caches in another dtype than `query`
     are upcast after the gather; quantized caches are dequantized to `query.dtype` there.
+    With `meta.score_acc` set, also adds each key's attention weight into it (in place).
     """
     assert query.dim() == 3 and len(k_cache.shape) == 4 and k_cache.shape == v_cache.shape
     num_tokens, num_q_heads, head_dim = query.shape
@@ -198,25 +223,22 @@ def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
 
 def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                meta: AttnMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-    if meta.is_decode:
-        return _decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                       meta.seq_lens_list, scale, sliding_window)
+    acc = meta.score_acc
+    plan = meta.decode_plan(k_cache.shape[1], sliding_window)
+    if plan.identity and len(plan.seqs) == meta.num_tokens:  # a pure decode batch, order kept
+        return decode_attention(query, k_cache, v_cache, plan, scale, acc)
     out = torch.empty_like(query)  # [T, Hq, D]
-    decode_seqs = [i for i, q in enumerate(meta.query_lens_list) if q == 1]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         if q_len > 1:
             out[start:start + q_len] = _prefill_one(
                 query[start:start + q_len], k_cache, v_cache, meta.block_tables[i], seq_len,
-                scale, sliding_window)
+                scale, sliding_window, None if acc is None else acc[i])
         start += q_len
-    if decode_seqs:
-        qsl = _cumsum([0] + meta.query_lens_list)
-        rows = torch.tensor([qsl[i] for i in decode_seqs], dtype=torch.int64, device=query.device)
-        seqs = torch.tensor(decode_seqs, dtype=torch.int64, device=query.device)
-        res = _decode(query.index_select(0, rows), k_cache, v_cache,  # [b, Hq, D]
-                      meta.block_tables.index_select(0, seqs), meta.seq_lens.index_select(0, seqs),
-                      [meta.seq_lens_list[i] for i in decode_seqs], scale, sliding_window)
+    if plan.seqs:
+        # the query row of each decode sequence, in the plan's order
+        rows = plan.seqs_t if meta.is_decode else meta.query_start_loc.index_select(0, plan.seqs_t)
+        res = decode_attention(query.index_select(0, rows), k_cache, v_cache, plan, scale, acc)  # [b, Hq, D]
         out.index_copy_(0, rows, res)
     return out
 
@@ -229,58 +251,14 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def _decode(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_list: list[int],
-            scale: float, sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence, all sequences in one SDPA: `[B, Hq, D] -> [B, Hq, D]`."""
-    num_seqs, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    max_len = max(seq_lens_list)
-    windowed = sliding_window is not None and max_len > sliding_window
-    if windowed:
-        assert sliding_window is not None
-        # only the blocks that overlap [L - W, L) of each sequence
-        first = [max(0, n - sliding_window) // block_size for n in seq_lens_list]
-        num_blocks = max((n - 1) // block_size - f + 1 for n, f in zip(seq_lens_list, first))
-        first_t = (seq_lens - sliding_window).clamp_(min=0) // block_size  # [B]
-        cols = first_t[:, None] + torch.arange(num_blocks, device=query.device)  # [B, nb]
-        pos = (cols[:, :, None] * block_size  # [B, nb*bs] absolute position of each key
-               + torch.arange(block_size, device=query.device)).view(num_seqs, -1)
-        # columns past a row's end read block 0 (masked below: their positions are >= L)
-        blocks = block_tables.gather(1, cols.clamp_(max=block_tables.shape[1] - 1))  # [B, nb]
-        num_keys = num_blocks * block_size
-    else:
-        num_blocks = -(-max_len // block_size)
-        blocks = block_tables if num_blocks == block_tables.shape[1] else block_tables[:, :num_blocks]
-        num_keys = max_len
-    flat = blocks.reshape(-1)  # [B*nb]
-    k_store, v_store = _storage(k_cache), _storage(v_cache)
-    width = k_store.shape[3]  # head_dim, or slot bytes when quantized
-    k = k_store.index_select(0, flat).view(num_seqs, -1, num_kv_heads, width)  # [B, nb*bs, Hkv, D]
-    v = v_store.index_select(0, flat).view(num_seqs, -1, num_kv_heads, width)  # [B, nb*bs, Hkv, D]
-    if num_keys < k.shape[1]:
-        k, v = k[:, :num_keys], v[:, :num_keys]
-    k, v = _load(k, k_cache, query.dtype), _load(v, v_cache, query.dtype)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
-    if windowed:
-        lens = seq_lens[:, None]  # [B, 1]
-        mask = (pos < lens) & (pos >= lens - sliding_window)  # [B, S]
-    elif any(n != max_len for n in seq_lens_list):
-        mask = torch.arange(num_keys, device=query.device) < seq_lens[:, None]  # [B, S]
-    else:
-        mask = None  # every sequence uses all S keys
-    # fold the query heads of one kv head into the query-length dim: GQA without repeating K/V
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if mask is None else mask[:, None, None, :], scale=scale)
-    return out.reshape(num_seqs, num_q_heads, head_dim)  # [B, Hq, D]
-
-
 def _prefill_one(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                  block_table_row: torch.Tensor, seq_len: int, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
-    """One sequence's q_len new tokens over its first `seq_len` cached tokens: `[q, Hq, D]`."""
+                 sliding_window: int | None, score_row: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's q_len new tokens over its first `seq_len` cached tokens: `[q, Hq, D]`.
+
+    With `score_row` ([>= seq_len] fp32) the attention is explicit and each key's probability,
+    summed over query heads and new tokens, is added at its position.
+    """
     q_len, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     first_pos = seq_len - q_len  # absolute position of the first new token
@@ -289,23 +267,27 @@ def _prefill_one(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     num_blocks = -(-seq_len // block_size) - first_block
     blocks = block_table_row[first_block:first_block + num_blocks]  # [nb]
     offset = start - first_block * block_size
-    k_store, v_store = _storage(k_cache), _storage(v_cache)
+    k_store, v_store = storage(k_cache), storage(v_cache)
     width = k_store.shape[3]  # head_dim, or slot bytes when quantized
     k = k_store.index_select(0, blocks).view(-1, num_kv_heads, width)[offset:offset + seq_len - start]
     v = v_store.index_select(0, blocks).view(-1, num_kv_heads, width)[offset:offset + seq_len - start]
-    k, v = _load(k, k_cache, query.dtype), _load(v, v_cache, query.dtype)  # [S, Hkv, D]
+    k, v = load(k, k_cache, query.dtype), load(v, v_cache, query.dtype)  # [S, Hkv, D]
     k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, S, D]
     q = query.transpose(0, 1)[None]  # [1, Hq, q, D]
-    window_cuts = sliding_window is not None and seq_len > sliding_window
-    if q_len == seq_len and not window_cuts:  # plain causal: a fresh prompt
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+    if q_len == seq_len and score_row is None and (sliding_window is None or seq_len <= sliding_window):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,  # a fresh prompt
                                              enable_gqa=num_q_heads != num_kv_heads)
-    else:
-        p = torch.arange(first_pos, seq_len, device=query.device)[:, None]  # [q, 1]
-        t = torch.arange(start, seq_len, device=query.device)[None, :]  # [1, S]
-        mask = t <= p  # [q, S]
-        if sliding_window is not None:
-            mask &= (p - t) < sliding_window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=num_q_heads != num_kv_heads)
+        return out[0].transpose(0, 1)  # [q, Hq, D]
+    p = torch.arange(first_pos, seq_len, device=query.device)[:, None]  # [q, 1]
+    t = torch.arange(start, seq_len, device=query.device)[None, :]  # [1, S]
+    mask = t <= p  # [q, S]
+    if sliding_window is not None:
+        mask &= (p - t) < sliding_window
+    if score_row is not None:
+        qg = q[0].view(num_kv_heads, num_q_heads // num_kv_heads, q_len, head_dim)  # [Hkv, G, q, D]
+        out, probs = explicit_attention(qg, k[0][:, None], v[0][:, None], mask, scale)  # [Hkv, G, q, D|S]
+        score_row[start:seq_len] += probs.sum(dim=(0, 1, 2))  # [S]
+        return out.reshape(num_q_heads, q_len, head_dim).transpose(0, 1)  # [q, Hq, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=num_q_heads != num_kv_heads)
     return out[0].transpose(0, 1)  # [q, Hq, D]
