@@ -242,10 +242,14 @@ def accuracy_configs(window_tokens: int) -> list[tuple[str, dict[str, Any]]]:
 
     The FIRST is the baseline every other is compared with (fp32 KV). `window_tokens` is the
     perplexity window, for configurations whose budget is a fraction of the text; token
-    eviction appends e.g. `("h2o-50", {"kv_eviction": "h2o", "kv_budget": window_tokens // 2})`
-    (perplexity then has to feed the text so that eviction happens: see `perplexity`).
+    eviction configs keep a fraction of it (`streaming-50`: StreamingLLM at 50% of the text);
+    their perplexity is scored in block-size chunks so that eviction happens (`Engine.score`).
     """
-    return [(d, {"kv_cache_dtype": d}) for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4")]
+    dtypes = [(d, {"kv_cache_dtype": d}) for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4")]
+    eviction = [(f"{policy}-{pct}", {"kv_eviction": policy, "kv_budget": window_tokens * pct // 100,
+                                     "attention_sinks": 4})
+                for pct in (50, 25) for policy in ("streaming", "h2o")]
+    return dtypes + eviction
 
 
 def accuracy_text() -> tuple[str, str]:
@@ -267,14 +271,14 @@ def encode_text(engine: Any, text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def perplexity(engine: Any, ids: list[int]) -> float:
-    """exp(mean next-token NLL) of `ids`, teacher-forced in one prefill through the engine's KV
-    cache (K/V are written — quantized if so — then read back by attention)."""
+def perplexity(engine: Any, ids: list[int]) -> tuple[float, list[int]]:
+    """exp(mean next-token NLL) of `ids` and the argmax at each position, teacher-forced in one
+    prefill through the engine's KV cache (K/V are written — quantized if so — then read back)."""
     import torch
     import torch.nn.functional as F
     logits = engine.logits(ids)  # [T, vocab] fp32
     nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
-    return float(torch.exp(nll))
+    return float(torch.exp(nll)), logits[:-1].argmax(-1).tolist()
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -285,6 +289,8 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     """Per KV configuration: perplexity on a real text, greedy agreement and bytes per token."""
     import gc
+
+    import torch
 
     from worker.engine import Engine, EngineConfig
     from worker.sampling import SamplingParams
@@ -301,6 +307,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     base_ppl = 0.0
     base_outs: list[list[int]] = []     # the baseline's own greedy continuations
     base_forced: list[list[int]] = []   # the baseline's argmax along them, teacher-forced
+    base_text_argmax: list[int] = []    # the baseline's argmax along the text
     for name, overrides in configs:
         engine = Engine(EngineConfig(**(base | overrides)))
         ids = encode_text(engine, text)
@@ -308,7 +315,27 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{source} has {len(ids)} tokens; the window needs {window + 1}")
         step = (len(ids) - prompt_len) // num_prompts
         prompts = [ids[i * step:i * step + prompt_len] for i in range(num_prompts)]  # evenly spaced spans
-        ppl = perplexity(engine, ids[:window])
+        if engine.evictor is None:
+            ppl, text_argmax = perplexity(engine, ids[:window])
+        else:
+            sc = engine.score(ids[:window], block_size)
+            ppl, text_argmax = float(torch.exp(sc.nll.mean())), sc.argmax.tolist()
+        if not base_text_argmax:
+            base_text_argmax = text_argmax
+        if engine.evictor is not None:
+            # the generation runs stay under the budget, where eviction never acts: the
+            # agreement that sees eviction is the teacher-forced one along the text
+            results[name] = {"ppl": ppl, "ppl_delta_frac": ppl / base_ppl - 1,
+                             "token_agreement": _agreement([base_text_argmax], [text_argmax]),
+                             "text_agreement": _agreement([base_text_argmax], [text_argmax]),
+                             "bytes_per_token": engine.layout.bytes_per_token,
+                             "kv_cache_dtype": engine.layout.kv_cache_dtype,
+                             "kv_budget_tokens": engine.cfg.kv_budget,
+                             "kv_tokens_frac": engine.cfg.kv_budget / window,
+                             "compactions": engine.evictor.num_compactions}
+            del engine
+            gc.collect()
+            continue
         outs = [list(o.token_ids) for o in engine.generate(prompts, greedy)]
         if not base_outs:
             base_ppl, base_outs = ppl, outs
@@ -319,10 +346,12 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                       for r, o in zip(base_outs, outs)]
         results[name] = {"ppl": ppl, "ppl_delta_frac": ppl / base_ppl - 1,
                          "token_agreement": _agreement(base_forced, forced),
+                         "text_agreement": _agreement([base_text_argmax], [text_argmax]),
                          "free_running_agreement": _agreement(base_outs, outs),
                          "mean_first_divergence": statistics.mean(first_diff),
                          "bytes_per_token": engine.layout.bytes_per_token,
-                         "kv_cache_dtype": engine.layout.kv_cache_dtype}
+                         "kv_cache_dtype": engine.layout.kv_cache_dtype,
+                         "kv_budget_tokens": engine.cfg.kv_budget}
         del engine
         gc.collect()
     return {**results, "notes": {
@@ -340,6 +369,14 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                                   "equal to the baseline's at the same index (after a first difference the "
                                   "texts usually part, so one early near-tie costs most of the score)",
         "mean_first_divergence": "mean index of the first generated token that differs (gen length if none)",
+        "text_agreement": "fraction of the ppl text's positions where the config's teacher-forced argmax equals "
+                          "the baseline's. For eviction configs token_agreement is this figure: their "
+                          "generation runs would stay under the budget, where eviction never acts, so they "
+                          "are not run",
+        "eviction": f"streaming-P / h2o-P keep P% of the {window}-token text (kv_budget), 4 attention sinks; "
+                    f"ppl is scored {block_size} tokens at a time, compacting to the budget whenever a sequence "
+                    "reaches budget + block_size; H2O keeps half of the non-sink budget as recent tokens and the "
+                    "rest by attention accumulated over layers and heads",
         "bytes_per_token": "KVLayout.bytes_per_token: all layers, K and V, values plus scales/zero points"},
         "config": {"model": args.model, "window_tokens": window, "generated_tokens": gen_len,
                    "prompts": num_prompts, "prompt_tokens": prompt_len, "block_size": block_size}}

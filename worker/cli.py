@@ -30,6 +30,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-gib", type=float, default=0.0,
                    help="host-memory KV tier behind the pool (GiB); evicted prefix blocks go there "
                         "instead of being dropped (vLLM: --kv-offloading-size). 0 = off")
+    g.add_argument("--kv-eviction", default="none", choices=["none", "streaming", "h2o"],
+                   help="token eviction inside each sequence's KV (StreamingLLM / H2O); needs --kv-budget")
+    g.add_argument("--kv-budget", type=int, default=None, help="tokens of KV each sequence keeps under --kv-eviction")
+    g.add_argument("--attention-sinks", type=int, default=4, help="first tokens always kept under --kv-eviction")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch)
@@ -39,7 +43,9 @@ def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (impor
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
                             num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib)
+                            max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib,
+                            kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
+                            attention_sinks=args.attention_sinks)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

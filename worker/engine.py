@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kvstore.keys import HashSalt
 from kvstore.layout import KVLayout, resolve_kv_cache_dtype
@@ -18,6 +19,7 @@ from kvstore.tensors import KVTensors
 from kvstore.tiers import HostPrefixSource, HostTier
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
+from worker.eviction import EvictionConfig, EvictionPolicy, TokenEvictor
 from worker.model import LlamaModel
 from worker.request import (EngineError, FinishReason, InvalidRequest, QueueFull, Request,
                             RequestOutput, RequestStatus)
@@ -46,6 +48,9 @@ class EngineConfig:
     max_queue_len: int = 4096
     check_integrity: bool = False         # run the pool's integrity check after every step
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
+    kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
+    kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
+    attention_sinks: int = 4              # first tokens always kept under kv_eviction
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -62,8 +67,23 @@ class EngineConfig:
             raise ValueError(f"kv_offload_gib={self.kv_offload_gib} must be >= 0")
         if self.kv_offload_gib > 0 and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib needs prefix caching: the host tier keys blocks by hash")
+        if self.kv_eviction not in ("none", "streaming", "h2o"):
+            raise ValueError(f"kv_eviction={self.kv_eviction!r}; accepted: none, streaming, h2o")
+        self.eviction_config()  # validates kv_budget / attention_sinks against the policy
         if self.max_queue_len <= 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
+
+
+    def eviction_config(self) -> EvictionConfig:
+        return EvictionConfig(EvictionPolicy(self.kv_eviction), self.kv_budget, self.attention_sinks,
+                              self.block_size)
+
+
+class Scores(NamedTuple):
+    """Teacher-forced results per position t of a text: `nll[t]` of token t + 1, `argmax[t]`."""
+
+    nll: torch.Tensor
+    argmax: torch.Tensor
 
 
 class EngineStats(NamedTuple):
@@ -116,6 +136,11 @@ class Engine:
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             cfg.enable_chunked_prefill, mc.sliding_window), self.pool, self.salt,
             HostPrefixSource(self.host, self.kv) if self.host is not None else None)
+        ev = cfg.eviction_config()
+        if ev.enabled and mc.sliding_window is not None:
+            raise ValueError(f"kv_eviction={cfg.kv_eviction}: this model has a sliding window "
+                             f"({mc.sliding_window}); its blocks are already released behind it")
+        self.evictor = TokenEvictor(ev, self.pool, self.kv) if ev.enabled else None
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -162,11 +187,17 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output (None if unknown)."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return None
-        self.scheduler.finish(req, FinishReason.ABORT)
+        self._finish(req, FinishReason.ABORT)
         return self._output(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        del self.requests[req.request_id]
+        if self.evictor is not None:
+            self.evictor.forget(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,8 +207,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
+        if self.evictor is not None:
+            for req in batch.preempted:
+                self.evictor.forget(req)
         sample_reqs, logits = self._run(batch)
         self.scheduler.update_computed(batch)
+        if self.evictor is not None:
+            self.evictor.after_step(batch.requests)
         outputs: list[RequestOutput] = []
         if sample_reqs:
             tokens = self.sampler(logits, [r.params for r in sample_reqs],
@@ -187,14 +223,15 @@ class Engine:
                 req.update_block_hashes(self.cfg.block_size, self.salt)
                 reason = self._postprocess(req, token)
                 if reason is not None:
-                    self.scheduler.finish(req, reason)
-                    del self.requests[req.request_id]
+                    self._finish(req, reason)
                 outputs.append(self._output(req))
         if self.cfg.check_integrity:
             self.check_integrity()
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
+    def _run(self, batch: ScheduledBatch, all_positions: bool = False) -> tuple[list[Request], torch.Tensor]:
+        """Forward the batch; logits of the positions to sample from, or with `all_positions`
+        of every new token."""
         ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
@@ -203,19 +240,23 @@ class Engine:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             ids.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            seq_lens.append(start + n)
+            positions.extend(range(start, start + n))            # true positions, for RoPE
+            seq_lens.append(start - req.num_evicted_tokens + n)  # cache rows after this step
             if start + n == req.num_tokens:
                 logits_indices.append(len(ids) - 1)
                 sample_reqs.append(req)
+        collect = self.evictor is not None and self.evictor.cfg.collects_scores
         meta = AttnMetadata.build(batch.num_new_tokens, seq_lens, [r.block_ids for r in batch.requests],
-                                  self.cfg.block_size, self.device)
+                                  self.cfg.block_size, self.device, collect_scores=collect)
         dev = self.device
         if self.host is not None:
             self.host.wait_on_device()  # evicted blocks are rewritten only after their offload
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     self.kv_caches, meta,
-                                    torch.tensor(logits_indices, dtype=torch.long, device=dev))
+                                    None if all_positions else torch.tensor(logits_indices, dtype=torch.long, device=dev))
+        if collect:
+            assert self.evictor is not None and meta.score_acc is not None
+            self.evictor.accumulate(batch.requests, meta.score_acc, seq_lens)
         return sample_reqs, logits
 
     def _postprocess(self, req: Request, token: int) -> FinishReason | None:
@@ -291,6 +332,57 @@ class Engine:
                                       torch.arange(n, device=self.device), self.kv_caches, meta)
         finally:
             self.pool.free_sequence(blocks)
+
+    def attach_host_tier(self, tier: HostTier) -> None:
+        """Put `tier` behind the pool as the admission's prefix source (a staging tier for
+        blocks fetched from peers, when the engine was built without kv_offload_gib; the
+        pool's evictions are not offloaded into it). Call while the engine is idle."""
+        if self.host is not None:
+            raise EngineError("the engine already has a host tier")
+        self.host = tier
+        self.scheduler.source = HostPrefixSource(tier, self.kv)
+
+    def score(self, token_ids: Sequence[int], chunk_size: int) -> Scores:
+        """Next-token NLL and argmax [T - 1] of `token_ids`, teacher-forced `chunk_size` tokens at a time
+        through the running-sequence path, so token eviction and window release happen
+        between chunks as they would in a generation. The engine must be idle."""
+        if self.has_unfinished():
+            raise EngineError("score() needs an idle engine")
+        ids = [int(t) for t in token_ids]
+        if not 2 <= len(ids) <= self.max_model_len or chunk_size <= 0:
+            raise InvalidRequest(f"score: {len(ids)} tokens (max_model_len {self.max_model_len}), "
+                                 f"chunk_size {chunk_size}")
+        req = Request(f"score-{next(self._ids)}", ids[:chunk_size], SamplingParams(max_tokens=1),
+                      len(ids), None)
+        self.scheduler.add(req)
+        target = torch.tensor(ids[1:] + [-100], device=self.device)   # -100: the last has none
+        nll: list[torch.Tensor] = []
+        argmax: list[torch.Tensor] = []
+        try:
+            while req.num_computed_tokens < len(ids):
+                batch = self.scheduler.schedule()
+                if self.evictor is not None:
+                    for r in batch.preempted:
+                        self.evictor.forget(r)
+                if not batch.requests:
+                    raise EngineError("score(): the KV pool cannot hold the sequence")
+                start = req.num_computed_tokens
+                _, logits = self._run(batch, all_positions=True)   # [n, vocab]
+                nll.append(F.cross_entropy(logits, target[start:start + logits.shape[0]], reduction="none",
+                                           ignore_index=-100))
+                argmax.append(logits.argmax(-1))
+                self.scheduler.update_computed(batch)
+                if self.evictor is not None:
+                    self.evictor.after_step(batch.requests)
+                if req.num_computed_tokens == req.num_tokens < len(ids):
+                    for t in ids[req.num_tokens:req.num_tokens + chunk_size]:
+                        req.append_token(t)
+                    req.update_block_hashes(self.cfg.block_size, self.salt)
+        finally:
+            self.scheduler.finish(req, FinishReason.LENGTH)
+            if self.evictor is not None:
+                self.evictor.forget(req)
+        return Scores(torch.cat(nll)[:-1], torch.cat(argmax)[:-1])
 
     def stats(self) -> EngineStats:
         s = self.pool.stats()

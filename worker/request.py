@@ -62,6 +62,7 @@ class Request:
     block_ids: list[BlockId] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_evicted_tokens: int = 0      # of the computed ones, dropped by token eviction (worker.eviction)
     num_cached_tokens: int = -1      # set at first admission: prompt tokens found in the cache
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

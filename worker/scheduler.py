@@ -144,7 +144,7 @@ class Scheduler:
             before = req.num_computed_tokens // bs
             req.num_computed_tokens += n
             after = req.num_computed_tokens // bs
-            if after > before:
+            if after > before and not req.num_evicted_tokens:  # an evicted cache is no prefix
                 self.pool.cache_full_blocks(req.block_ids[before:after], req.block_hashes[before:after],
                                             parent_hash=req.block_hashes[before - 1] if before else None)
             if self.cfg.sliding_window is not None:
@@ -152,7 +152,7 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------
     def _blocks_needed(self, req: Request, n: int) -> int:
-        total = -(-(req.num_computed_tokens + n) // self.cfg.block_size)
+        total = -(-(req.num_computed_tokens - req.num_evicted_tokens + n) // self.cfg.block_size)
         return max(0, total - len(req.block_ids))
 
     def _grow_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
@@ -171,7 +171,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release_blocks(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_evicted_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

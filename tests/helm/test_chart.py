@@ -28,7 +28,8 @@ ALL_VALUES: Doc = {
     "clusterName": "cluster-x",
     "engine": {"model": "/models/llama-3-8b", "device": "cuda:1", "dtype": "bf16", "blockSize": 32,
                "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
-               "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3},
+               "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
+               "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
                "terminationGracePeriodSeconds": 40},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
@@ -147,7 +148,8 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
 
 # Options the chart sets itself (addresses, identity) or leaves at the CLI default on purpose.
 CHART_OWNED = {"command", "run", "host", "worker_id", "advertise_address", "redis_url", "worker",
-               "no_http"}  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
+               "no_http",  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
+               "rank", "world_size", "dist_init_addr"}  # worker: set through KVMESH_* env (configmap, pod ordinal)
 
 
 def test_values_cover_every_cli_option() -> None:

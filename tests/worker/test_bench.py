@@ -104,7 +104,13 @@ def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture
     assert r["fp32"]["ppl_delta_frac"] == 0 and r["fp32"]["token_agreement"] == 1
     bpt = [r[d]["bytes_per_token"] for d in ("fp32", "fp16", "int8", "int4")]
     assert bpt == sorted(bpt, reverse=True) and r["int8"]["bytes_per_token"] == r["fp8"]["bytes_per_token"]
-    assert {"baseline", "text", "ppl", "token_agreement"} <= set(r["notes"])
+    for name in ("streaming-50", "h2o-50", "streaming-25", "h2o-25"):
+        row = r[name]
+        assert finite(row["ppl"], row["text_agreement"]) and row["ppl"] > 1
+        assert row["kv_budget_tokens"] == 512 * int(name.split("-")[1]) // 100
+        assert 0 <= row["text_agreement"] <= 1
+    assert r["fp32"]["text_agreement"] == 1
+    assert {"baseline", "text", "ppl", "token_agreement", "eviction"} <= set(r["notes"])
     assert r["config"]["window_tokens"] == 512
 
 

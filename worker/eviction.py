@@ -1,0 +1,154 @@
+"""Token eviction inside a running sequence's KV: StreamingLLM and H2O, off by default.
+
+A sequence under a budget of `B` tokens keeps its cache between `B` and `B + block_size - 1`
+tokens: once it reaches `B + block_size`, the policy names `B` tokens to keep, they are
+compacted (in their original order) into `ceil(B / block_size)` blocks and the rest of its
+blocks go back to the pool. Evicting one block's worth at a time keeps the copy cost at one
+compaction per `block_size` tokens instead of one per step.
+
+- `streaming` (StreamingLLM, Xiao et al. 2023): the first `sinks` tokens and the most
+  recent `B - sinks`.
+- `h2o` (Zhang et al. 2023): the first `sinks`, the most recent `(B - sinks) // 2`, and the
+  rest of the budget by accumulated attention: every forward pass adds the softmax weight
+  each cached token received (summed over layers, query heads and new queries, see
+  `AttnMetadata.score_acc`) to the sequence's score. One token set is kept for all layers
+  and heads, because every layer shares the sequence's block table (the paper ranks per
+  head; that would need a block table per layer and head).
+
+Positions: K is cached after RoPE, so a kept token keeps the rotation of its original
+position; new tokens take their true positions (`num_computed_tokens`), so relative
+distances between query and kept keys stay what they were. Attention reads the compacted
+cache by physical length (`num_computed_tokens - num_evicted_tokens`).
+
+Sharing: compaction never writes into a block someone else may read. It gathers the kept
+rows first, frees every block the sequence holds (cached ones stay in the prefix cache,
+unchanged) and writes into newly allocated blocks. After its first eviction a sequence
+caches no more blocks: its cache no longer corresponds to a token prefix.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.pool import BlockPool
+from kvstore.tensors import KVTensors
+from worker.request import Request
+
+
+class EvictionPolicy(enum.Enum):
+    NONE = "none"
+    STREAMING = "streaming"
+    H2O = "h2o"
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionConfig:
+    policy: EvictionPolicy = EvictionPolicy.NONE
+    kv_budget: int | None = None        # tokens kept per sequence
+    attention_sinks: int = 4
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, EvictionPolicy):
+            raise ValueError(f"kv_eviction={self.policy!r}; accepted: none, streaming, h2o")
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks={self.attention_sinks} must be >= 0")
+        if self.policy is EvictionPolicy.NONE:
+            return
+        if self.kv_budget is None:
+            raise ValueError(f"kv_budget is required with kv_eviction={self.policy.value}")
+        if self.kv_budget < self.attention_sinks + 2 * self.block_size:
+            raise ValueError(f"kv_budget={self.kv_budget} must be >= attention_sinks + 2 * block_size "
+                             f"= {self.attention_sinks + 2 * self.block_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy is not EvictionPolicy.NONE
+
+    @property
+    def collects_scores(self) -> bool:
+        return self.policy is EvictionPolicy.H2O
+
+
+def select_kept(policy: EvictionPolicy, num_tokens: int, budget: int, sinks: int,
+                scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Physical indices (ascending, int64) of the `min(budget, num_tokens)` tokens to keep
+    out of `num_tokens`; `scores` [num_tokens] is needed by H2O."""
+    if num_tokens <= budget:
+        return torch.arange(num_tokens)
+    sinks = min(sinks, budget)
+    if policy is EvictionPolicy.STREAMING:
+        return torch.cat([torch.arange(sinks), torch.arange(num_tokens - (budget - sinks), num_tokens)])
+    assert policy is EvictionPolicy.H2O, policy
+    assert scores is not None and scores.shape == (num_tokens,), (None if scores is None else scores.shape)
+    recent = (budget - sinks) // 2
+    heavy = budget - sinks - recent
+    middle = scores[sinks:num_tokens - recent]                      # candidates for heavy hitters
+    top = torch.topk(middle, heavy, sorted=False).indices + sinks   # ties: topk's choice
+    kept = torch.cat([torch.arange(sinks), top.sort().values, torch.arange(num_tokens - recent, num_tokens)])
+    return kept
+
+
+class TokenEvictor:
+    """Applies the policy to running sequences after each step (see the module docstring).
+
+    Holds each evicting sequence's H2O scores [physical length] by request id."""
+
+    def __init__(self, cfg: EvictionConfig, pool: BlockPool, kv: KVTensors) -> None:
+        assert cfg.block_size == kv.layout.block_size
+        self.cfg = cfg
+        self.pool = pool
+        self.kv = kv
+        self.scores: dict[str, torch.Tensor] = {}
+        self.num_compactions = 0
+        self.num_evicted_tokens = 0
+
+    def accumulate(self, reqs: Sequence[Request], score_acc: torch.Tensor, seq_lens: Sequence[int]) -> None:
+        """Add this step's attention weights (`score_acc[i, :seq_lens[i]]`) to each sequence's."""
+        for i, (req, n) in enumerate(zip(reqs, seq_lens)):
+            old = self.scores.get(req.request_id)
+            new = score_acc[i, :n].to("cpu", torch.float32)            # [n]
+            if old is not None:
+                new[:old.shape[0]] += old[:n]
+            self.scores[req.request_id] = new
+
+    def after_step(self, reqs: Sequence[Request]) -> None:
+        """Compact every sequence that reached `kv_budget + block_size` cached tokens."""
+        budget, bs = self.cfg.kv_budget, self.cfg.block_size
+        assert budget is not None
+        for req in reqs:
+            n = req.num_computed_tokens - req.num_evicted_tokens      # physical length
+            if n >= budget + bs:
+                self._compact(req, n, budget)
+
+    def forget(self, req: Request) -> None:
+        """The request finished or was preempted (its cache is gone)."""
+        self.scores.pop(req.request_id, None)
+
+    def _compact(self, req: Request, n: int, budget: int) -> None:
+        bs = self.cfg.block_size
+        scores = self.scores.get(req.request_id)
+        if self.cfg.collects_scores:
+            assert scores is not None and scores.shape[0] >= n, "H2O scores missing for a running sequence"
+            scores = scores[:n]
+        kept = select_kept(self.cfg.policy, n, budget, self.cfg.attention_sinks, scores)   # [budget]
+        held = req.held_block_ids
+        assert len(held) == len(req.block_ids) and len(held) * bs >= n, "evicting sequence lost blocks"
+        table = torch.tensor(held, dtype=torch.int64)
+        src_slots = table[kept // bs] * bs + kept % bs                                     # [budget]
+        flat = self.kv.kv.flatten(2, 3)                             # [L, 2, N*bs, H, D | bytes]
+        rows = flat.index_select(2, src_slots)                      # [L, 2, budget, H, D | bytes]
+        self.pool.free_sequence(held)   # cached blocks stay cached; nothing is written into them
+        new_blocks = self.pool.allocate(-(-budget // bs))
+        dst_slots = (torch.tensor(new_blocks, dtype=torch.int64)[:, None] * bs
+                     + torch.arange(bs)).flatten()[:budget]         # [budget]
+        flat.index_copy_(2, dst_slots, rows)
+        req.block_ids = list(new_blocks)
+        req.num_evicted_tokens += n - budget
+        if scores is not None:
+            self.scores[req.request_id] = scores[kept].clone()
+        self.num_compactions += 1
+        self.num_evicted_tokens += n - budget
