@@ -10,6 +10,7 @@ are all errors, not guesses.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
@@ -39,6 +40,16 @@ class ChatMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerHint:
+    """A peer that holds the first `num_blocks` blocks of the prompt (router -> worker)."""
+
+    worker_id: str
+    address: str
+    rank: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateInput:
     """Exactly one of text / token_ids / chat is set."""
 
@@ -48,6 +59,20 @@ class GenerateInput:
     chat: tuple[ChatMessage, ...] | None
     params: SamplingParams
     priority: int = 0
+    peer_hints: tuple[PeerHint, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SendBlocksInput:
+    """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash)."""
+
+    block_hashes: tuple[int, ...]
+    dst_rank: int
+    src_rank: int
+    transfer_id: int
+
+
+MAX_SEND_BLOCKS = 1 << 16   # hashes in one SendBlocksRequest (a 1M-token prefix at block size 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +121,56 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
             if m.role not in ("system", "user", "assistant"):
                 raise BadRequest(f"chat.role: {m.role!r}; accepted: system, user, assistant")
     return GenerateInput(msg.request_id, text, token_ids, chat,
-                         to_sampling_params(msg.sampling, default_max_tokens), msg.priority)
+                         to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
+                         tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)))
+
+
+def _peer_hint(i: int, h: pb.PeerHint) -> PeerHint:
+    host, sep, port = h.address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise BadRequest(f"peer_hints[{i}].address: {h.address!r} is not HOST:PORT")
+    if h.rank < 0:
+        raise BadRequest(f"peer_hints[{i}].rank: {h.rank} must be >= 0")
+    if h.num_blocks < 0:
+        raise BadRequest(f"peer_hints[{i}].num_blocks: {h.num_blocks} must be >= 0")
+    return PeerHint(h.worker_id, h.address, h.rank, h.num_blocks)
+
+
+def to_peer_hint(h: PeerHint) -> pb.PeerHint:
+    return pb.PeerHint(worker_id=h.worker_id, address=h.address, rank=h.rank, num_blocks=h.num_blocks)
+
+
+def parse_send_blocks_request(raw: bytes) -> pb.SendBlocksRequest | str:
+    """gRPC request_deserializer for SendBlocks: the message, or why it is unusable (never raises)."""
+    try:
+        msg = pb.SendBlocksRequest.FromString(raw)
+    except DecodeError as e:
+        return f"malformed request: {e}"
+    unknown = _unknown_field_numbers(msg)
+    return f"unknown fields {sorted(unknown)} in SendBlocksRequest" if unknown else msg
+
+
+def to_send_blocks_input(msg: pb.SendBlocksRequest) -> SendBlocksInput:
+    """Validate a SendBlocksRequest (ranks only against 0: the worker knows its world size);
+    raises BadRequest naming the field."""
+    if not msg.block_hashes:
+        raise BadRequest("block_hashes: empty")
+    if len(msg.block_hashes) > MAX_SEND_BLOCKS:
+        raise BadRequest(f"block_hashes: {len(msg.block_hashes)} hashes; at most {MAX_SEND_BLOCKS}")
+    bad = next((i for i, h in enumerate(msg.block_hashes) if len(h) != 16), None)
+    if bad is not None:
+        raise BadRequest(f"block_hashes[{bad}]: {len(msg.block_hashes[bad])} bytes; a block hash has 16")
+    for name in ("dst_rank", "src_rank", "transfer_id"):
+        if getattr(msg, name) < 0:
+            raise BadRequest(f"{name}: {getattr(msg, name)} must be >= 0")
+    hashes = tuple(int.from_bytes(h, "big") for h in msg.block_hashes)
+    return SendBlocksInput(hashes, msg.dst_rank, msg.src_rank, msg.transfer_id)
+
+
+def to_send_blocks_request(block_hashes: Sequence[int], dst_rank: int, src_rank: int,
+                           transfer_id: int) -> pb.SendBlocksRequest:
+    return pb.SendBlocksRequest(block_hashes=[h.to_bytes(16, "big") for h in block_hashes],
+                                dst_rank=dst_rank, src_rank=src_rank, transfer_id=transfer_id)
 
 
 def to_sampling_params(sp: pb.SamplingParams, default_max_tokens: int = 256) -> SamplingParams:

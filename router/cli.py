@@ -22,18 +22,20 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 def _bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run")
-    bsub = p.add_subparsers(dest="bench", required=True, metavar="{engine,prefix,memory,accuracy,router,service}")
+    bsub = p.add_subparsers(dest="bench", required=True,
+                            metavar="{engine,prefix,memory,accuracy,transfer,router,service}")
     from router import bench as router_bench
-    from worker import bench
+    from worker import bench, bench_transfer
     bench.register(bsub)
+    bench_transfer.register(bsub)
     router_bench.register(bsub)
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:
-    from worker import server as wserver
+    from worker import server_cli
     p = sub.add_parser("worker", help="serve one engine over gRPC (kvmesh.v1.Worker) until SIGTERM")
-    wserver.add_worker_arguments(p)
-    p.set_defaults(run=wserver.run_worker)
+    server_cli.add_worker_arguments(p)
+    p.set_defaults(run=server_cli.run_worker)
 
 
 def _router(sub: argparse._SubParsersAction) -> None:

@@ -2,7 +2,8 @@
 
 `LocalCluster` starts, in order: a `redis-server` child on a free loopback port (unless a
 `redis_url` is given), N `kvmesh worker` children in parallel (each learns its port from the
-worker's stdout line), then a `kvmesh router` child in front of them. `stop()` tears down the
+worker's stdout line; with N > 1 they form one peer-transfer group, ranks 0..N-1, meeting on
+a free loopback port), then a `kvmesh router` child in front of them. `stop()` tears down the
 router, the workers and Redis (SIGTERM, then SIGKILL after `stop_timeout_s`).
 
 No process is left behind: every child runs in its own process group (a terminal Ctrl-C
@@ -83,9 +84,9 @@ class ServeConfig:
             raise ValueError(f"redis_url={self.redis_url!r} must start with redis:// or rediss://")
         if not self.cluster_name or any(c.isspace() for c in self.cluster_name):
             raise ValueError(f"cluster_name={self.cluster_name!r} must be non-empty without spaces")
-        if any(a in ("--model", "--worker-id", "--port", "--host") or a.startswith("--model=")
-               for a in self.engine_argv):
-            raise ValueError(f"engine_argv={self.engine_argv!r} may not set --model/--worker-id/--port/--host")
+        owned = ("--model", "--worker-id", "--port", "--host", "--rank", "--world-size", "--dist-init-addr")
+        if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
+            raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
         for name in ("startup_timeout_s", "stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
@@ -182,9 +183,10 @@ class LocalCluster:
         self.redis_url = cfg.redis_url or self._start_redis()
         deadline = time.monotonic() + cfg.startup_timeout_s
         common = ["--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model]
+        group = f"127.0.0.1:{_free_port('127.0.0.1')}"   # the transfer group's rendezvous (rank 0 binds it)
         workers = [self._spawn(f"worker-{i}", [cfg.python, "-m", "router.cli", "worker", "--host", "127.0.0.1",
                                                "--port", "0", "--worker-id", f"worker-{i}", *common,
-                                               *cfg.engine_argv])
+                                               *_rank_argv(i, cfg.workers, group), *cfg.engine_argv])
                    for i in range(cfg.workers)]
         addresses = []
         for w in workers:
@@ -226,6 +228,13 @@ class LocalCluster:
                 raise LaunchError(f"{child.name} did not start within {self.cfg.startup_timeout_s:.0f} s "
                                   f"(log: {child.stderr})\n{child.tail()}")
             time.sleep(0.1)
+
+
+def _rank_argv(rank: int, world_size: int, dist_init_addr: str) -> list[str]:
+    """Flags of one local worker's place in the peer-transfer group (none for a lone worker)."""
+    if world_size == 1:
+        return []
+    return ["--rank", str(rank), "--world-size", str(world_size), "--dist-init-addr", dist_init_addr]
 
 
 # -- processes and ports ----------------------------------------------------------------------

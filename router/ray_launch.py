@@ -115,13 +115,16 @@ class WorkerActor:
         """Set the env, load the engine, serve; returns the address the router dials."""
         from worker.cli import add_engine_arguments, engine_config_from_args
         from worker.server import WorkerServer, WorkerServerConfig
+        from worker.server_cli import rendezvous_from_env
         os.environ.update(dict(spec.env))
         parser = argparse.ArgumentParser(add_help=False)
         add_engine_arguments(parser)
         engine_cfg = engine_config_from_args(parser.parse_args(["--model", spec.model, *spec.engine_argv]))
         host = self.host(spec.loopback)
+        rdv = rendezvous_from_env(os.environ)   # the peer-transfer group (KVMESH_* set for this actor)
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
-            host=host, port=0, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name))
+            host=host, port=0, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
+            rank=rdv.rank, world_size=rdv.world_size, dist_init_addr=rdv.dist_init_addr))
 
         async def go() -> int:
             port = await server.start()

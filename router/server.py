@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,8 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.keys import block_hashes
-from proto.convert import BadRequest, GenerateInput, ParsedRequest, from_sampling_params, \
-    parse_generate_request, to_generate_input
+from proto.convert import BadRequest, GenerateInput, ParsedRequest, PeerHint, from_sampling_params, \
+    parse_generate_request, to_generate_input, to_peer_hint
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.policy import (ROUTING_POLICIES, BlockIndexView, RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad,
                            make_policy)
@@ -121,6 +121,8 @@ class _Worker:
     in_flight: int = 0                      # streams the router has open on it
     free_blocks: int = 0                    # from its last GetLoad
     num_blocks: int = 0
+    rank: int | None = None                 # in the peer-transfer group (from GetLoad), if any
+    world_size: int = 0
     refused: str | None = None              # why it may never serve (logged once)
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -134,6 +136,7 @@ class RoutingStats:
     routed_hit_tokens: int = 0
     actual_hit_tokens: int = 0
     mismatches: int = 0
+    peer_hints: int = 0         # requests forwarded with a hint to a peer holding more blocks
 
     def record(self, predicted: int, actual: int) -> None:
         self.requests += 1
@@ -307,17 +310,23 @@ class RouterServer:
         tried: set[WorkerId] = set()
         try:
             for attempt in range(2):
-                worker, predicted = self._pick(prepared.route, tried)
+                worker, predicted, hint = self._pick(prepared.route, tried)
                 tried.add(worker.info.worker_id)  # type: ignore[union-attr]
                 self._inflight[rid] = worker
-                call = worker.stub.Generate(prepared.request, timeout=max(deadline - time.monotonic(), 0.001))
+                request = prepared.request
+                if hint is not None:
+                    request = pb.GenerateRequest()
+                    request.CopyFrom(prepared.request)
+                    request.peer_hints.append(to_peer_hint(hint))
+                    self.stats.peer_hints += 1
+                call = worker.stub.Generate(request, timeout=max(deadline - time.monotonic(), 0.001))
                 streamed = False
                 worker.in_flight += 1
                 try:
                     async for response in call:
                         streamed = True
-                        if response.finished:
-                            self.stats.record(predicted, response.cached_tokens)
+                        if response.finished:   # what came from a peer is no index mismatch
+                            self.stats.record(predicted, response.cached_tokens - response.peer_cached_tokens)
                         yield response
                     return
                 except grpc.aio.AioRpcError as e:
@@ -351,16 +360,21 @@ class RouterServer:
         cached = self.index.match_prefix(route.block_hashes, list(loads)) if self.index is not None else {}
         return RoutingState(loads, cached)
 
-    def _pick(self, route: RouteRequest, tried: set[WorkerId]) -> tuple[_Worker, int]:
-        """The worker, and the prompt tokens the index says it will find cached there."""
+    def _pick(self, route: RouteRequest, tried: set[WorkerId]) -> tuple[_Worker, int, PeerHint | None]:
+        """The worker, the prompt tokens the index says it will find cached there, and the
+        peer to hint when another live worker holds more of the prompt."""
         state = self.routing_state(route)
         chosen = self.policy.pick(self.live_workers(), route, state, exclude=tried)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
         bs = self._model_info.block_size if self._model_info is not None else 0
         # The worker recomputes at least the last prompt token, as the engine's lookup does.
-        blocks = min(state.cached_blocks.get(chosen.worker_id, 0), (len(route.token_ids) - 1) // bs if bs else 0)
-        return self._workers[chosen.address], blocks * bs
+        max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
+        blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
+        peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in self._workers.values()
+                 if w.info is not None and w.rank is not None}
+        hint = best_peer_hint(chosen.worker_id, state.cached_blocks, peers, max_blocks)
+        return self._workers[chosen.address], blocks * bs, hint
 
     # -- Redis metadata: worker registry and block index ------------------------------------
     async def _start_metadata(self) -> None:
@@ -458,6 +472,8 @@ class RouterServer:
                     return None
                 load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
+                in_group = load.HasField("peer") and load.peer.world_size > 1
+                w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
@@ -506,6 +522,26 @@ class RouterServer:
         for service in (health.OVERALL_HEALTH, ROUTER_SERVICE):
             await self._health.set(service, status)
 
+
+
+def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
+                   peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
+    """The worker other than `chosen` holding the most leading prompt blocks (at most
+    `max_blocks` count), if it holds more than `chosen` and both are ranks of one transfer
+    group (`peers`: worker id → (address, rank, world_size)); ties go to the lowest id."""
+    me = peers.get(chosen)
+    if me is None:
+        return None
+    own = min(cached_blocks.get(chosen, 0), max_blocks)
+    best: PeerHint | None = None
+    for worker_id in sorted(cached_blocks):
+        peer = peers.get(worker_id)
+        if worker_id == chosen or peer is None or peer[2] != me[2] or peer[1] == me[1]:
+            continue
+        n = min(cached_blocks[worker_id], max_blocks)
+        if n > own and (best is None or n > best.num_blocks):
+            best = PeerHint(worker_id, peer[0], peer[1], n)
+    return best
 
 
 # -- `kvmesh router` ----------------------------------------------------------------------

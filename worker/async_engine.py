@@ -45,12 +45,15 @@ class AsyncEngine:
 
     # -- public, called from the event loop -----------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       before_add: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+        """`before_add` runs on the engine thread right before the request is added, with no
+        step in between (the peer plane stores fetched blocks in the host tier there)."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         finished = False
         try:
-            await self.call(lambda: self._add(prompt, params, request_id, priority, stream))
+            await self.call(lambda: self._add(prompt, params, request_id, priority, stream, before_add))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -103,9 +106,11 @@ class AsyncEngine:
 
     # -- engine thread --------------------------------------------------------------------
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
-             stream: _Stream) -> None:
+             stream: _Stream, before_add: Callable[[], None] | None = None) -> None:
         if request_id in self._streams:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
+        if before_add is not None:
+            before_add()
         self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
         self._streams[request_id] = stream
 

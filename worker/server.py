@@ -10,14 +10,11 @@ no torch: the engine is imported when it is loaded, so `kvmesh --help` stays fas
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
-import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -26,13 +23,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.convert import (FINISH_REASONS, BadRequest, ParsedRequest, parse_generate_request,
-                           to_generate_input)
+                           parse_send_blocks_request, to_generate_input, to_send_blocks_input,
+                           to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.params import SamplingParamsError
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
+    from worker.peer import Fetched, PeerFigures, PeerPlane
     from worker.request import RequestOutput
 
 log = logging.getLogger("kvmesh.worker")
@@ -41,13 +42,16 @@ WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name   # "kvmesh.
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 T = TypeVar("T")
+_SEND_MARGIN_S = 1.0     # SendBlocks: no send is queued with less of the caller's deadline left
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerServerConfig:
     """Where the worker listens and how it drains. `advertise_address` (None → host:port) is
     what peers and the router dial. With `redis_url` the worker registers itself (heartbeat
-    with a TTL) and publishes its KV events for the router's block index."""
+    with a TTL) and publishes its KV events for the router's block index. With
+    `world_size > 1` it joins the peer-transfer group at `dist_init_addr` (HOST:PORT, where
+    rank 0 listens) as `rank`; `transfer_faults` is for tests only (worker.peer.PeerConfig)."""
 
     host: str = "127.0.0.1"
     port: int = 0                        # 0 = a free port, returned by start()
@@ -57,24 +61,45 @@ class WorkerServerConfig:
     max_message_bytes: int = 4 * 2**20   # grpc's own default receive limit, made explicit
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
+    rank: int = 0
+    world_size: int = 1
+    dist_init_addr: str | None = None
+    transfer_timeout_s: float = 10.0
+    transfer_faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "transfer_faults", tuple(self.transfer_faults))
         if not self.host:
             raise ValueError("host is empty")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size!r} must be a positive integer")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank!r} must be in [0, world_size={self.world_size})")
+        if self.world_size > 1 and (self.dist_init_addr is None or not _is_host_port(self.dist_init_addr)):
+            raise ValueError(f"dist_init_addr={self.dist_init_addr!r} must be HOST:PORT when world_size > 1")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s!r} must be > 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 = a free port)")
         if not self.worker_id or any(c.isspace() for c in self.worker_id):
             raise ValueError(f"worker_id={self.worker_id!r} must be non-empty without spaces")
-        if self.advertise_address is not None:
-            host, sep, port = self.advertise_address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-                raise ValueError(f"advertise_address={self.advertise_address!r} must be HOST:PORT")
+        if self.advertise_address is not None and not _is_host_port(self.advertise_address):
+            raise ValueError(f"advertise_address={self.advertise_address!r} must be HOST:PORT")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be positive")
         if not self.cluster_name:
             raise ValueError("cluster_name is empty")
+
+    @property
+    def peer_transfer(self) -> bool:
+        return self.world_size > 1
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
 
 
 class WorkerServer:
@@ -99,6 +124,8 @@ class WorkerServer:
         self._prompt_tokens = 0          # running totals over final messages sent
         self._cached_prompt_tokens = 0
         self._metadata: _Metadata | None = None
+        self._peer: PeerPlane | None = None
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -154,6 +181,8 @@ class WorkerServer:
             log.error("worker %s: loading %s failed: %s", self.cfg.worker_id, self.engine_cfg.model, e,
                       exc_info=not isinstance(e, ModelLoadError))   # a bad --model needs no traceback
             raise
+        if self.cfg.peer_transfer:     # before the engine thread and the event publisher start
+            self._peer = await asyncio.to_thread(self._start_peer, engine)
         mc = engine.model_config
         self._model_info = pb.ModelInfo(
             model=mc.name, vocab_size=mc.vocab_size, max_model_len=engine.max_model_len,
@@ -169,6 +198,20 @@ class WorkerServer:
             await self._health.set(service, _SERVING)
         log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, mc.name,
                  engine.pool.num_blocks, engine.cfg.block_size)
+
+    def _start_peer(self, engine: Engine) -> PeerPlane | None:
+        from kvstore.transfer import TransferConfig, TransferError
+        from worker.peer import PeerConfig, PeerPlane
+        assert self.cfg.dist_init_addr is not None
+        host, _, port = self.cfg.dist_init_addr.rpartition(":")
+        cfg = PeerConfig(TransferConfig(rank=self.cfg.rank, world_size=self.cfg.world_size, master_port=int(port),
+                                        master_addr=host, timeout_s=self.cfg.transfer_timeout_s,
+                                        rendezvous_timeout_s=180.0), faults=self.cfg.transfer_faults)
+        try:
+            return PeerPlane.start(cfg, engine)
+        except TransferError as e:
+            log.error("worker %s: no peer transfer (serving without it): %s", self.cfg.worker_id, e)
+            return None
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop (idempotent). `grace` defaults to cfg.drain_timeout_s; streams still
@@ -198,6 +241,10 @@ class WorkerServer:
             await asyncio.to_thread(ae.shutdown)
         if self._metadata is not None:
             await asyncio.to_thread(self._metadata.close)
+        if self._peer is not None:
+            await asyncio.to_thread(self._peer.close)
+        for channel in self._peer_channels.values():
+            await channel.close()
         log.info("worker %s stopped", self.cfg.worker_id)
 
     # -- RPCs -----------------------------------------------------------------------------
@@ -212,6 +259,9 @@ class WorkerServer:
             "Abort": unary(self._abort, pb.AbortRequest, pb.AbortResponse),
             "GetModelInfo": unary(self._get_model_info, pb.ModelInfoRequest, pb.ModelInfo),
             "GetLoad": unary(self._get_load, pb.LoadRequest, pb.Load),
+            "SendBlocks": grpc.unary_unary_rpc_method_handler(
+                self._send_blocks, request_deserializer=parse_send_blocks_request,
+                response_serializer=pb.SendBlocksResponse.SerializeToString),
         })
 
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -244,16 +294,27 @@ class WorkerServer:
         else:
             assert inp.token_ids is not None
             prompt = list(inp.token_ids)
-        outputs = ae.generate(prompt, inp.params, request_id, inp.priority)
+        fetched = None
+        if inp.peer_hints and self._peer is not None:
+            if isinstance(prompt, str):
+                text, engine = prompt, ae.engine
+                prompt = await ae.call(lambda: engine.encode(text))
+            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer)
+        outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
+                              before_add=fetched.store if fetched is not None else None)
+        t0, first = time.perf_counter(), True
         try:
             async for out in outputs:
-                await context.write(self._response(out))
+                if first and self._peer is not None:
+                    self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
+                first = False
+                await context.write(self._response(out, fetched))
         finally:
             # Client cancelled or deadline passed (CancelledError here): closing the iterator
             # aborts the request and frees its blocks.
             await outputs.aclose()
 
-    def _response(self, out: RequestOutput) -> pb.GenerateResponse:
+    def _response(self, out: RequestOutput, fetched: Fetched | None = None) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
                                    text=out.new_text, worker_id=self.cfg.worker_id)
         if out.finished:
@@ -262,6 +323,11 @@ class WorkerServer:
             resp.prompt_tokens = out.prompt_tokens
             resp.completion_tokens = out.completion_tokens
             resp.cached_tokens = out.num_cached_tokens
+            if fetched is not None:   # the fetched blocks follow the local ones, if admission used them
+                assert self._engine is not None
+                bs = self._engine.cfg.block_size
+                resp.peer_cached_tokens = min(max(out.num_cached_tokens - fetched.num_local * bs, 0),
+                                              fetched.num_blocks * bs)
             self._prompt_tokens += out.prompt_tokens
             self._cached_prompt_tokens += out.num_cached_tokens
         return resp
@@ -275,6 +341,42 @@ class WorkerServer:
     async def _abort_found(self, ae: AsyncEngine, request_id: str) -> pb.AbortResponse:
         return pb.AbortResponse(found=await ae.abort(request_id))
 
+    async def _send_blocks(self, request: pb.SendBlocksRequest | str,
+                           context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
+        ae = await self._ready(context)
+        if isinstance(request, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request)
+        return await self._guard(context, self._send_now(ae, request, context))   # type: ignore[arg-type]
+
+    async def _send_now(self, ae: AsyncEngine, request: pb.SendBlocksRequest,
+                        context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
+        from worker.peer import PeerTransferOff
+        inp = to_send_blocks_input(request)
+        if self._peer is None:
+            raise PeerTransferOff(f"worker {self.cfg.worker_id} is in no transfer group")
+
+        def still_wanted() -> bool:    # the answer must reach the caller before its deadline
+            remaining = context.time_remaining()
+            return not context.done() and (remaining is None or remaining > _SEND_MARGIN_S)
+        num_blocks, num_bytes, reason = await self._peer.serve_send(ae, inp, still_wanted)
+        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason)
+
+    async def _ask_peer(self, address: str, block_hashes: Sequence[int], dst_rank: int, src_rank: int,
+                        transfer_id: int) -> int:
+        """The control-plane call of a fetch (worker.peer.AskPeer)."""
+        from worker.peer import PeerUnavailable
+        channel = self._peer_channels.get(address)
+        if channel is None:
+            limit = self.cfg.max_message_bytes
+            channel = self._peer_channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_send_message_length", limit)])
+        request = to_send_blocks_request(block_hashes, dst_rank, src_rank, transfer_id)
+        try:
+            response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
+        return int(response.num_blocks)
+
     async def _get_model_info(self, request: pb.ModelInfoRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         await self._ready(context)
@@ -286,11 +388,16 @@ class WorkerServer:
 
     async def _load_now(self, ae: AsyncEngine) -> pb.Load:
         s = await ae.call(ae.engine.stats)
-        return pb.Load(worker_id=self.cfg.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
+        load = pb.Load(worker_id=self.cfg.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
                        num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
                        num_blocks=s.num_blocks, prefix_query_blocks=s.prefix_queries,
                        prefix_hit_blocks=s.prefix_hits, prompt_tokens=self._prompt_tokens,
-                       cached_prompt_tokens=self._cached_prompt_tokens, num_preemptions=s.num_preemptions)
+                       cached_prompt_tokens=self._cached_prompt_tokens, num_preemptions=s.num_preemptions,
+                       num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
+                       num_onloaded_blocks=s.num_onloaded_blocks)
+        if self._peer is not None:
+            load.peer.CopyFrom(_peer_stats(self._peer.figures()))
+        return load
 
     # -- errors ---------------------------------------------------------------------------
     async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
@@ -315,134 +422,28 @@ class WorkerServer:
         raise AssertionError("context.abort returned")   # it always raises
 
 
+def _peer_stats(f: PeerFigures) -> pb.PeerStats:
+    links = [pb.PeerLink(rank=r, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
+                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(r, ""))
+             for r, e in sorted(f.links.items())]
+    return pb.PeerStats(
+        rank=f.rank, world_size=f.world_size, backend=f.backend, prefill_tokens_per_s=f.prefill_tokens_per_s,
+        checksum_bytes_s=f.checksum_bytes_s, links=links, fetch_decisions=f.fetch_decisions,
+        recompute_decisions=f.recompute_decisions, blocks_fetched=f.blocks_fetched, bytes_fetched=f.bytes_fetched,
+        blocks_bad=f.blocks_bad, fetch_failures=f.fetch_failures, blocks_sent=f.blocks_sent,
+        bytes_sent=f.bytes_sent, send_failures=f.send_failures, fetch_seconds=f.fetch_seconds,
+        last_decision=f.last_decision, last_fetch_estimate_s=f.last_fetch_estimate_s,
+        last_recompute_estimate_s=f.last_recompute_estimate_s)
+
+
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     """The one place worker exceptions become gRPC status codes."""
+    from worker.peer import InvalidPeerRequest, PeerTransferOff
     from worker.request import InvalidRequest, QueueFull   # already loaded with the engine
-    if isinstance(error, (BadRequest, InvalidRequest, SamplingParamsError)):
+    if isinstance(error, (BadRequest, InvalidRequest, SamplingParamsError, InvalidPeerRequest)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, PeerTransferOff):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     if isinstance(error, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {error}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
-
-
-class _Metadata:
-    """The worker's side of the Redis metadata: registry + heartbeat, and the KV event
-    stream of its pool. `after_step` runs on the engine thread (AsyncEngine's hook), so the
-    events and the inventory it publishes are always in step with the pool."""
-
-    def __init__(self, cfg: WorkerServerConfig, address: str, engine: Engine) -> None:
-        from kvstore.events import WorkerId as EventWorkerId
-        from kvstore.metadata import Heartbeater, RedisConfig, WorkerRecord, WorkerRegistry
-        from kvstore.streams import EventPublisher
-
-        assert cfg.redis_url is not None
-        rcfg = RedisConfig(url=cfg.redis_url, cluster_name=cfg.cluster_name)
-        self.registry = WorkerRegistry(rcfg)
-        worker_id = EventWorkerId(cfg.worker_id)
-        epoch = self.registry.new_epoch(worker_id)
-        record = WorkerRecord(worker_id=cfg.worker_id, address=address, model=engine.model_config.name,
-                              block_size=engine.cfg.block_size, num_blocks=engine.pool.num_blocks,
-                              hash_salt_hex=engine.salt.hex(), epoch=epoch)
-        sched = engine.scheduler
-        self.heartbeater = Heartbeater(self.registry, record,
-                                       load_fn=lambda: float(len(sched.running) + len(sched.waiting)))
-        self.pool = engine.pool
-        self.pool.set_event_recording(True)
-        self.host = engine.host
-        if self.host is not None:
-            self.host.set_event_recording(True)
-        self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self._inventory)
-        self._next_poll = 0.0
-
-    def _inventory(self) -> dict[Any, list[Any]]:
-        from kvstore.events import Tier
-        inventory = {Tier.DEVICE: self.pool.cached_hashes()}
-        if self.host is not None:
-            inventory[Tier.HOST] = self.host.cached_hashes()
-        return inventory
-
-    POLL_INTERVAL_S = 0.05
-
-    def after_step(self) -> None:
-        from kvstore.events import Tier
-        events = self.pool.take_events()
-        if events:
-            self.publisher.publish(events)
-        if self.host is not None:
-            host_events = self.host.take_events()
-            if host_events:
-                self.publisher.publish(host_events, tier=Tier.HOST)
-        # Resync requests and retries need no Redis round trip on every decode step.
-        now = time.monotonic()
-        if now >= self._next_poll:
-            self._next_poll = now + self.POLL_INTERVAL_S
-            self.publisher.poll()
-
-    def close(self) -> None:
-        self.heartbeater.stop(deregister=True)
-        self.publisher.close()
-        self.registry.close()
-
-
-# -- `kvmesh worker` ----------------------------------------------------------------------
-def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    from worker.cli import add_engine_arguments
-    g = p.add_argument_group("worker")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=0, help="port to bind (0 = a free port, printed when serving)")
-    g.add_argument("--worker-id", default="worker-0")
-    g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
-    g.add_argument("--redis-url", default=None, help="metadata Redis (worker registry)")
-    g.add_argument("--cluster-name", default="kvmesh")
-    g.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight streams may finish")
-    add_engine_arguments(p)
-
-
-def run_worker(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM, then drain. Prints one line to stdout once serving:
-    `kvmesh worker <id> serving on <host>:<port>`; logs go to stderr."""
-    from worker.cli import CLIError, engine_config_from_args, flagify
-    engine_cfg = engine_config_from_args(args)
-    try:
-        cfg = WorkerServerConfig(host=args.host, port=args.port, worker_id=args.worker_id,
-                                 advertise_address=args.advertise_address, drain_timeout_s=args.drain_timeout_s,
-                                 redis_url=args.redis_url, cluster_name=args.cluster_name)
-    except ValueError as e:
-        raise CLIError(flagify(str(e))) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve_until_signal(engine_cfg, cfg))
-
-
-async def _serve_until_signal(engine_cfg: EngineConfig, cfg: WorkerServerConfig) -> int:
-    from worker.cli import CLIError
-    from worker.loader import ModelLoadError
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    server = WorkerServer(engine_cfg, cfg)
-    try:
-        try:
-            port = await server.start()
-        except RuntimeError as e:
-            raise CLIError(f"--port: cannot bind {cfg.host}:{cfg.port}: {e}") from None
-        ready = asyncio.ensure_future(server.wait_ready())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if ready.done() and not stop.is_set():
-            error = ready.exception()
-            if isinstance(error, ModelLoadError):
-                raise CLIError(f"--model: {error}")
-            if error is not None:
-                raise error
-            print(f"kvmesh worker {cfg.worker_id} serving on {cfg.host}:{port}", flush=True)
-            await stopping
-        ready.cancel()
-        log.info("worker %s: signal received, shutting down", cfg.worker_id)
-    finally:
-        await server.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-    return 0

@@ -329,6 +329,11 @@ BAD_INPUT = {
     "text without tokenizer": (_ser(text="hello"), "no tokenizer"),
     "bad chat role": (_ser(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
                       "chat.role: 'robot'"),
+    "hint without port": (_ser(token_ids=pb.TokenIds(ids=[5]), peer_hints=[pb.PeerHint(address="w1", rank=1)]),
+                          "peer_hints[0].address: 'w1' is not HOST:PORT"),
+    "hint negative rank": (_ser(token_ids=pb.TokenIds(ids=[5]),
+                                peer_hints=[pb.PeerHint(address="h:1", rank=-1, num_blocks=2)]),
+                           "peer_hints[0].rank: -1 must be >= 0"),
 }
 
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/kvmesh/v1/kvmesh.proto\x12\tkvmesh.v1\"\xc8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"B\n\x08PeerHint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\'\n\npeer_hints\x18\x07 \x03(\x0b\x32\x13.kvmesh.v1.PeerHintB\x07\n\x05input\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x11\n\tworker_id\x18\t \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x9f\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x15\n\rhash_salt_hex\x18\x07 \x01(\t\"\r\n\x0bLoadRequest\"\x8f\x02\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x1b\n\x13prefix_query_blocks\x18\x07 \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x08 \x01(\x03\x12\x15\n\rprompt_tokens\x18\t \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x82\x02\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.kvmesh.v1.ModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x16.kvmesh.v1.LoadRequest\x1a\x0f.kvmesh.v1.Load2\xce\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.kvmesh.v1.ModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/kvmesh/v1/kvmesh.proto\x12\tkvmesh.v1\"\xc8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"P\n\x08PeerHint\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\'\n\npeer_hints\x18\x07 \x03(\x0b\x32\x13.kvmesh.v1.PeerHintB\x07\n\x05input\"\x81\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x1a\n\x12peer_cached_tokens\x18\n \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x9f\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x15\n\rhash_salt_hex\x18\x07 \x01(\t\"\r\n\x0bLoadRequest\"\x82\x03\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x1b\n\x13prefix_query_blocks\x18\x07 \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x08 \x01(\x03\x12\x15\n\rprompt_tokens\x18\t \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x03\x12\"\n\x04peer\x18\x0c \x01(\x0b\x32\x14.kvmesh.v1.PeerStats\x12\x17\n\x0fnum_host_blocks\x18\r \x01(\x05\x12\x17\n\x0fhost_num_blocks\x18\x0e \x01(\x05\x12\x1b\n\x13num_onloaded_blocks\x18\x0f \x01(\x03\"T\n\x08PeerLink\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x19\n\x11\x62\x61ndwidth_bytes_s\x18\x02 \x01(\x01\x12\x11\n\tlatency_s\x18\x03 \x01(\x01\x12\x0c\n\x04lost\x18\x04 \x01(\t\"\xdb\x03\n\tPeerStats\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1c\n\x14prefill_tokens_per_s\x18\x04 \x01(\x01\x12\x18\n\x10\x63hecksum_bytes_s\x18\x05 \x01(\x01\x12\"\n\x05links\x18\x06 \x03(\x0b\x32\x13.kvmesh.v1.PeerLink\x12\x17\n\x0f\x66\x65tch_decisions\x18\x07 \x01(\x03\x12\x1b\n\x13recompute_decisions\x18\x08 \x01(\x03\x12\x16\n\x0e\x62locks_fetched\x18\t \x01(\x03\x12\x15\n\rbytes_fetched\x18\n \x01(\x03\x12\x12\n\nblocks_bad\x18\x0b \x01(\x03\x12\x16\n\x0e\x66\x65tch_failures\x18\x0c \x01(\x03\x12\x13\n\x0b\x62locks_sent\x18\r \x01(\x03\x12\x12\n\nbytes_sent\x18\x0e \x01(\x03\x12\x15\n\rsend_failures\x18\x0f \x01(\x03\x12\x15\n\rfetch_seconds\x18\x10 \x01(\x01\x12\x15\n\rlast_decision\x18\x11 \x01(\t\x12\x1d\n\x15last_fetch_estimate_s\x18\x12 \x01(\x01\x12!\n\x19last_recompute_estimate_s\x18\x13 \x01(\x01\"b\n\x11SendBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x10\n\x08\x64st_rank\x18\x02 \x01(\x05\x12\x10\n\x08src_rank\x18\x03 \x01(\x05\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x03\"K\n\x12SendBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcd\x02\n\x06Worker\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.kvmesh.v1.ModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x16.kvmesh.v1.LoadRequest\x1a\x0f.kvmesh.v1.Load\x12I\n\nSendBlocks\x12\x1c.kvmesh.v1.SendBlocksRequest\x1a\x1d.kvmesh.v1.SendBlocksResponse2\xce\x01\n\x06Router\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x41\n\x0cGetModelInfo\x12\x1b.kvmesh.v1.ModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvmesh.v1.kvmesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1722
-  _globals['_FINISHREASON']._serialized_end=1842
+  _globals['_FINISHREASON']._serialized_start=2620
+  _globals['_FINISHREASON']._serialized_end=2740
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=500
   _globals['_TOKENIDS']._serialized_start=502
@@ -42,25 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=573
   _globals['_CHATMESSAGES']._serialized_end=629
   _globals['_PEERHINT']._serialized_start=631
-  _globals['_PEERHINT']._serialized_end=697
-  _globals['_GENERATEREQUEST']._serialized_start=700
-  _globals['_GENERATEREQUEST']._serialized_end=949
-  _globals['_GENERATERESPONSE']._serialized_start=952
-  _globals['_GENERATERESPONSE']._serialized_end=1181
-  _globals['_ABORTREQUEST']._serialized_start=1183
-  _globals['_ABORTREQUEST']._serialized_end=1217
-  _globals['_ABORTRESPONSE']._serialized_start=1219
-  _globals['_ABORTRESPONSE']._serialized_end=1249
-  _globals['_MODELINFOREQUEST']._serialized_start=1251
-  _globals['_MODELINFOREQUEST']._serialized_end=1269
-  _globals['_MODELINFO']._serialized_start=1272
-  _globals['_MODELINFO']._serialized_end=1431
-  _globals['_LOADREQUEST']._serialized_start=1433
-  _globals['_LOADREQUEST']._serialized_end=1446
-  _globals['_LOAD']._serialized_start=1449
-  _globals['_LOAD']._serialized_end=1720
-  _globals['_WORKER']._serialized_start=1845
-  _globals['_WORKER']._serialized_end=2103
-  _globals['_ROUTER']._serialized_start=2106
-  _globals['_ROUTER']._serialized_end=2312
+  _globals['_PEERHINT']._serialized_end=711
+  _globals['_GENERATEREQUEST']._serialized_start=714
+  _globals['_GENERATEREQUEST']._serialized_end=963
+  _globals['_GENERATERESPONSE']._serialized_start=966
+  _globals['_GENERATERESPONSE']._serialized_end=1223
+  _globals['_ABORTREQUEST']._serialized_start=1225
+  _globals['_ABORTREQUEST']._serialized_end=1259
+  _globals['_ABORTRESPONSE']._serialized_start=1261
+  _globals['_ABORTRESPONSE']._serialized_end=1291
+  _globals['_MODELINFOREQUEST']._serialized_start=1293
+  _globals['_MODELINFOREQUEST']._serialized_end=1311
+  _globals['_MODELINFO']._serialized_start=1314
+  _globals['_MODELINFO']._serialized_end=1473
+  _globals['_LOADREQUEST']._serialized_start=1475
+  _globals['_LOADREQUEST']._serialized_end=1488
+  _globals['_LOAD']._serialized_start=1491
+  _globals['_LOAD']._serialized_end=1877
+  _globals['_PEERLINK']._serialized_start=1879
+  _globals['_PEERLINK']._serialized_end=1963
+  _globals['_PEERSTATS']._serialized_start=1966
+  _globals['_PEERSTATS']._serialized_end=2441
+  _globals['_SENDBLOCKSREQUEST']._serialized_start=2443
+  _globals['_SENDBLOCKSREQUEST']._serialized_end=2541
+  _globals['_SENDBLOCKSRESPONSE']._serialized_start=2543
+  _globals['_SENDBLOCKSRESPONSE']._serialized_end=2618
+  _globals['_WORKER']._serialized_start=2743
+  _globals['_WORKER']._serialized_end=3076
+  _globals['_ROUTER']._serialized_start=3079
+  _globals['_ROUTER']._serialized_end=3285
 # @@protoc_insertion_point(module_scope)

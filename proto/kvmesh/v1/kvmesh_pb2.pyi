@@ -67,14 +67,16 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class PeerHint(_message.Message):
-    __slots__ = ("worker_id", "address", "num_blocks")
+    __slots__ = ("worker_id", "address", "num_blocks", "rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints")
@@ -95,7 +97,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,7 @@ class GenerateResponse(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -114,7 +117,8 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     cached_tokens: int
     worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    peer_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -155,7 +159,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,10 @@ class Load(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ONLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -178,4 +186,84 @@ class Load(_message.Message):
     prompt_tokens: int
     cached_prompt_tokens: int
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    peer: PeerStats
+    num_host_blocks: int
+    host_num_blocks: int
+    num_onloaded_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ...) -> None: ...
+
+class PeerLink(_message.Message):
+    __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    bandwidth_bytes_s: float
+    latency_s: float
+    lost: str
+    def __init__(self, rank: _Optional[int] = ..., bandwidth_bytes_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., lost: _Optional[str] = ...) -> None: ...
+
+class PeerStats(_message.Message):
+    __slots__ = ("rank", "world_size", "backend", "prefill_tokens_per_s", "checksum_bytes_s", "links", "fetch_decisions", "recompute_decisions", "blocks_fetched", "bytes_fetched", "blocks_bad", "fetch_failures", "blocks_sent", "bytes_sent", "send_failures", "fetch_seconds", "last_decision", "last_fetch_estimate_s", "last_recompute_estimate_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_BAD_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    SEND_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
+    LAST_FETCH_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECOMPUTE_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    backend: str
+    prefill_tokens_per_s: float
+    checksum_bytes_s: float
+    links: _containers.RepeatedCompositeFieldContainer[PeerLink]
+    fetch_decisions: int
+    recompute_decisions: int
+    blocks_fetched: int
+    bytes_fetched: int
+    blocks_bad: int
+    fetch_failures: int
+    blocks_sent: int
+    bytes_sent: int
+    send_failures: int
+    fetch_seconds: float
+    last_decision: str
+    last_fetch_estimate_s: float
+    last_recompute_estimate_s: float
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., checksum_bytes_s: _Optional[float] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., fetch_decisions: _Optional[int] = ..., recompute_decisions: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., blocks_bad: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., send_failures: _Optional[int] = ..., fetch_seconds: _Optional[float] = ..., last_decision: _Optional[str] = ..., last_fetch_estimate_s: _Optional[float] = ..., last_recompute_estimate_s: _Optional[float] = ...) -> None: ...
+
+class SendBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "dst_rank", "src_rank", "transfer_id")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    dst_rank: int
+    src_rank: int
+    transfer_id: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., dst_rank: _Optional[int] = ..., src_rank: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+
+class SendBlocksResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes", "reason")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    reason: str
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.Load.FromString,
                 _registered_method=True)
+        self.SendBlocks = channel.unary_unary(
+                '/kvmesh.v1.Worker/SendBlocks',
+                request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -83,6 +88,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.LoadRequest.FromString,
                     response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.Load.SerializeToString,
+            ),
+            'SendBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendBlocks,
+                    request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.FromString,
+                    response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Worker:
             '/kvmesh.v1.Worker/GetLoad',
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.LoadRequest.SerializeToString,
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/SendBlocks',
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.SerializeToString,
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

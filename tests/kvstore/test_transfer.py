@@ -1,0 +1,213 @@
+"""Peer block transfer: two real processes over gloo on loopback, plus the cost model.
+
+This process is rank 0 and receives; `tests/kvstore/transfer_peer.py` is rank 1. The oracle
+is the sender's pool rebuilt here from the same seed and gathered with `gather_blocks`.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.errors import KVStoreError
+from kvstore.layout import KVLayout
+from kvstore.tensors import KVTensors
+from kvstore.transfer import (
+    BlockSpec, BlockTransfer, TransferConfig, TransferError, TransferGroup, block_checksums, free_port,
+)
+from kvstore.transfer_cost import CostModel, LinkEstimate, peer_vs_raw
+from tests.kvstore.transfer_peer import CORRUPT_INDEX, HASHES, LAYOUTS, SEND_IDS, TRANSFER_IDS, make_pool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def peer(mode: str, world_size: int = 2,
+         timeout_s: float = 10.0) -> Iterator[tuple[BlockTransfer, subprocess.Popen[bytes]]]:
+    """Start the peer process (ranks 1.. of `world_size`) in `mode`, form the group here as
+    rank 0, and clean both up."""
+    port = free_port()
+    args = [str(port), mode] if mode == "silent+late" else [str(port), mode, "1", str(world_size)]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.transfer_peer", *args], cwd=REPO)
+    group = transfer = None
+    try:
+        group = TransferGroup.form(TransferConfig(rank=0, world_size=world_size, master_port=port,
+                                                  timeout_s=timeout_s, rendezvous_timeout_s=30.0))
+        transfer = BlockTransfer(group)
+        yield transfer, proc
+    finally:
+        if transfer is not None:
+            transfer.close(timeout_s=timeout_s)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        if group is not None:
+            group.close()
+
+
+def _spec(kind: str) -> BlockSpec:
+    return BlockSpec.of(KVTensors(LAYOUTS[kind], 1).kv)
+
+
+@pytest.mark.multiproc
+def test_round_trip_is_bit_exact_fp32_and_int8_both_directions() -> None:
+    with peer("roundtrip") as (transfer, proc):
+        # the peer receives from us while it sends to us: neither side may deadlock
+        sent = transfer.send(1, TRANSFER_IDS["reverse"], make_pool("fp32", seed=2).gather_blocks(SEND_IDS), HASHES)
+        for kind in ("fp32", "int8"):
+            got = transfer.recv(1, TRANSFER_IDS[kind], len(SEND_IDS), _spec(kind)).result(timeout=20)
+            expected = make_pool(kind, seed=1).gather_blocks(SEND_IDS)
+            assert got.blocks.dtype == expected.dtype and torch.equal(got.blocks, expected), kind
+            assert got.ok == (True,) * len(SEND_IDS) and got.bad_indices == []
+            assert list(got.block_hashes) == HASHES
+            # the received blocks land in a pool like any gathered blocks
+            pool = KVTensors(LAYOUTS[kind], 8)
+            pool.scatter_blocks([0, 1, 2, 6], got.blocks)
+            assert torch.equal(pool.gather_blocks([0, 1, 2, 6]), expected)
+        assert sent.result(timeout=20).num_bytes == len(SEND_IDS) * _spec("fp32").bytes_per_block
+        assert proc.wait(timeout=20) == 0  # the peer checked what it received too
+
+
+@pytest.mark.multiproc
+def test_corrupted_block_is_marked_bad_and_only_that_block() -> None:
+    with peer("corrupt") as (transfer, proc):
+        out = torch.zeros(_spec("fp32").shape(len(SEND_IDS)))  # a reused staging buffer
+        got = transfer.recv(1, TRANSFER_IDS["corrupt"], len(SEND_IDS), _spec("fp32"), out=out).result(timeout=20)
+        expected = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
+        assert got.blocks.data_ptr() == out.data_ptr()
+        assert got.bad_indices == [CORRUPT_INDEX]
+        assert list(got.block_hashes) == HASHES
+        for j in range(len(SEND_IDS)):
+            same = torch.equal(got.blocks[:, :, j], expected[:, :, j])
+            assert same == (j != CORRUPT_INDEX), j
+        assert proc.wait(timeout=20) == 0
+
+
+@pytest.mark.multiproc
+def test_peer_killed_mid_transfer_fails_fast_and_receiver_lives_on() -> None:
+    with peer("die", timeout_s=8.0) as (transfer, proc):
+        t0 = time.perf_counter()
+        future = transfer.recv(1, TRANSFER_IDS["die"], len(SEND_IDS), _spec("fp32"))
+        with pytest.raises(TransferError) as info:
+            future.result(timeout=20)
+        elapsed = time.perf_counter() - t0
+        assert proc.wait(timeout=10) == 17  # the peer did send the preamble, then died
+        assert elapsed < 8.0  # gloo reports a closed connection at once, not at the timeout
+        assert isinstance(info.value, KVStoreError) and info.value.peer == 1
+        assert 1 in transfer.lost_peers()
+        # later transfers with the lost peer fail at once too; this process carries on
+        t1 = time.perf_counter()
+        with pytest.raises(TransferError, match="peer lost earlier"):
+            transfer.recv(1, 99, 1, _spec("fp32")).result(timeout=20)
+        assert time.perf_counter() - t1 < 1.0
+
+
+@pytest.mark.multiproc
+def test_silent_peer_times_out_and_only_that_peer_is_lost() -> None:
+    # one peer process holds rank 1 (alive, never sends) and rank 2 (sends)
+    with peer("silent+late", world_size=3, timeout_s=1.0) as (transfer, proc):
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError, match="Timed out"):
+            transfer.recv(1, TRANSFER_IDS["silent"], len(SEND_IDS), _spec("fp32")).result(timeout=20)
+        elapsed = time.perf_counter() - t0
+        assert 0.9 < elapsed < 3.0, elapsed
+        assert proc.poll() is None  # rank 1 is alive: gloo closed the pair, not the process
+        assert list(transfer.lost_peers()) == [1]
+        # the other peer's pair survived the timeout (in one shared gloo group it would not)
+        got = transfer.recv(2, TRANSFER_IDS["late"], len(SEND_IDS), _spec("fp32")).result(timeout=20)
+        assert torch.equal(got.blocks, make_pool("fp32", seed=3).gather_blocks(SEND_IDS)) and all(got.ok)
+        assert proc.wait(timeout=20) == 0
+
+
+@pytest.mark.multiproc
+def test_peer_vs_raw_runs_and_reports_figures() -> None:
+    spec = _spec("fp32")
+    r = peer_vs_raw(spec, num_blocks=16, repeats=2)
+    assert r.num_bytes == 16 * spec.bytes_per_block
+    assert r.peer_bytes_s > 0 and r.raw_bytes_s > 0 and r.peer_alloc_bytes_s > 0
+    assert r.ratio == pytest.approx(r.peer_bytes_s / r.raw_bytes_s)
+    assert r.link.bandwidth_bytes_s > 0 and r.link.latency_s > 0
+
+
+def test_block_checksums_cover_every_plane_of_each_block_and_nothing_else() -> None:
+    blocks = make_pool("fp32", seed=5).gather_blocks(SEND_IDS)  # [3, 2, 4, 4, 2, 8]
+    base = block_checksums(blocks, len(SEND_IDS))
+    assert len(set(base)) == len(SEND_IDS)
+    for layer, kv in ((0, 0), (2, 1)):
+        changed = blocks.clone()
+        changed[layer, kv, 1, 3, 1, 7] += 1.0  # the last element of block 1 in this plane
+        sums = block_checksums(changed, len(SEND_IDS))
+        assert [a != b for a, b in zip(base, sums)] == [False, True, False, False]
+
+
+def test_config_validation_and_backend_choice() -> None:
+    config = TransferConfig(rank=1, world_size=2, master_port=29500)
+    assert config.resolve_backend(torch.device("cpu")) == "gloo"
+    assert config.resolve_backend(torch.device("cuda", 0)) == "nccl"
+    bad = [dict(rank=2, world_size=2), dict(world_size=0), dict(master_port=0), dict(backend="mpi"),
+           dict(timeout_s=0.0), dict(master_addr="")]
+    for kw in bad:
+        args = dict(rank=0, world_size=2, master_port=29500) | kw
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            TransferConfig(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="checks the no-NCCL build")
+def test_nccl_on_a_build_without_it_is_a_typed_error() -> None:
+    config = TransferConfig(rank=0, world_size=1, master_port=free_port(), backend="nccl")
+    with pytest.raises(TransferError, match="no NCCL"):
+        TransferGroup.form(config)
+
+
+def test_block_spec_sizes_match_the_layout() -> None:
+    for kind, layout in LAYOUTS.items():
+        spec = _spec(kind)
+        assert spec.bytes_per_block == layout.bytes_per_block, kind
+        assert spec.shape(3) == tuple(KVTensors(layout, 5).gather_blocks([0, 1, 2]).shape)
+
+
+def test_cost_model_arithmetic() -> None:
+    model = CostModel.from_link(LinkEstimate(bandwidth_bytes_s=1e9, latency_s=1e-3),
+                                prefill_tokens_per_s=2000.0, checksum_bytes_s=4e9)
+    # 10 blocks of 1 MB: 1 ms + 10 ms on the wire + 2.5 ms to verify the checksums
+    assert model.fetch_s(10, 1_000_000) == pytest.approx(0.0135)
+    assert model.recompute_s(160) == pytest.approx(0.08)
+    assert model.should_fetch(10, 1_000_000, block_size=16)  # 13.5 ms < 80 ms
+    # a slow link: 10 MB at 100 MB/s = 100 ms > 80 ms of prefill
+    slow = CostModel(bandwidth_bytes_s=1e8, latency_s=1e-3, prefill_tokens_per_s=2000.0)
+    assert slow.fetch_s(10, 1_000_000) == pytest.approx(0.101)
+    assert not slow.should_fetch(10, 1_000_000, block_size=16)
+    assert not model.should_fetch(0, 1_000_000, block_size=16)
+    # latency dominates tiny fetches: 1 block of 1 KB vs 1 token of prefill (0.5 ms)
+    assert not model.should_fetch(1, 1000, block_size=1)
+    assert math.isinf(CostModel(1e9, 0.0, 1.0).checksum_bytes_s)
+    for kw in (dict(bandwidth_bytes_s=0.0), dict(latency_s=-1.0), dict(prefill_tokens_per_s=0.0)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            CostModel(**(dict(bandwidth_bytes_s=1e9, latency_s=0.0, prefill_tokens_per_s=1.0) | kw))  # type: ignore[arg-type]
+
+
+def test_bad_arguments_raise_at_the_call_not_in_the_future() -> None:
+    group = TransferGroup.form(TransferConfig(rank=0, world_size=1, master_port=free_port()))
+    transfer = BlockTransfer(group)
+    try:
+        blocks = make_pool("fp32", seed=6).gather_blocks([0, 1])
+        with pytest.raises(ValueError, match="block_hashes"):
+            transfer.send(0, 1, blocks, [1 << 128, 0])
+        with pytest.raises(ValueError, match="len\\(block_hashes\\)"):
+            transfer.send(0, 1, blocks, [1])
+        with pytest.raises(ValueError, match="peer rank 0"):
+            transfer.send(0, 1, blocks, [1, 2])  # itself
+        with pytest.raises(ValueError, match="transfer_id"):
+            transfer.recv(0, -1, 2, _spec("fp32"))
+        with pytest.raises(ValueError, match="out is"):
+            transfer.recv(1, 1, 2, _spec("fp32"), out=torch.zeros(_spec("fp32").shape(3)))
+    finally:
+        transfer.close()
+        group.close()

@@ -1,0 +1,142 @@
+"""The router's peer hint: when the picked worker holds fewer leading prompt blocks than
+another live worker of the same transfer group, the forwarded request names that peer.
+
+`best_peer_hint` is checked as a function; then a real RouterServer forwards to two fake
+workers (in-process gRPC servers that answer with the hints they received) over a fake
+block index, so what reaches the worker is what is checked.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto.convert import PeerHint
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.policy import WorkerId
+from router.server import WORKER_SERVICE, RouterConfig, RouterServer, best_peer_hint
+
+W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
+PEERS = {W0: ("h:1", 0, 3), W1: ("h:2", 1, 3), W2: ("h:3", 2, 3)}
+
+
+def test_best_peer_hint_names_the_peer_holding_the_most_blocks() -> None:
+    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 3}, PEERS, 10) == PeerHint("w1", "h:2", 1, 5)
+    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 5}, PEERS, 10) == PeerHint("w1", "h:2", 1, 5)  # tie: lowest id
+    assert best_peer_hint(W0, {W0: 1, W1: 9}, PEERS, 4) == PeerHint("w1", "h:2", 1, 4)   # capped to the prompt
+    assert best_peer_hint(W1, {W0: 1, W1: 5}, PEERS, 10) is None                       # it holds the most
+    assert best_peer_hint(W0, {W0: 4, W1: 9}, PEERS, 4) is None                        # equal once capped
+    assert best_peer_hint(W0, {}, PEERS, 10) is None
+    # no rank (not in a group), or a different group: no hint
+    assert best_peer_hint(W0, {W0: 1, W1: 5}, {W1: PEERS[W1]}, 10) is None
+    assert best_peer_hint(W0, {W0: 1, W1: 5}, {W0: PEERS[W0], W1: ("h:2", 1, 2)}, 10) is None
+    assert best_peer_hint(W0, {W0: 1, W1: 5}, {W0: PEERS[W0], W1: ("h:2", 0, 3)}, 10) is None  # same rank
+
+
+class FakeIndex:
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        self.counts = dict(counts)
+
+    def match_prefix(self, block_hashes: Sequence[Any], workers: Sequence[str]) -> Mapping[str, int]:
+        return {w: self.counts.get(w, 0) for w in workers}
+
+
+class FakeWorker:
+    """Serves kvmesh.v1.Worker: GetLoad says its rank; Generate answers with the hints it got
+    (as JSON text) and reports `cached_tokens` / `peer_cached_tokens` as a fetching worker would."""
+
+    def __init__(self, worker_id: str, rank: int | None, num_cached_blocks: int) -> None:
+        self.worker_id, self.rank, self.num_cached_blocks = worker_id, rank, num_cached_blocks
+        self.server = grpc.aio.server()
+        self.port = 0
+
+    async def start(self) -> str:
+        h = health.aio.HealthServicer()
+        await h.set(WORKER_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(h, self.server)
+        unary = grpc.unary_unary_rpc_method_handler
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WORKER_SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(self._generate, pb.GenerateRequest.FromString,
+                                                             pb.GenerateResponse.SerializeToString),
+            "GetLoad": unary(self._load, pb.LoadRequest.FromString, pb.Load.SerializeToString),
+            "GetModelInfo": unary(self._info, pb.ModelInfoRequest.FromString, pb.ModelInfo.SerializeToString),
+        }),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return f"127.0.0.1:{self.port}"
+
+    async def _generate(self, req: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        hints = [dict(worker_id=h.worker_id, address=h.address, rank=h.rank, num_blocks=h.num_blocks)
+                 for h in req.peer_hints]
+        fetched = 4 * hints[0]["num_blocks"] if hints else 0
+        yield pb.GenerateResponse(request_id=req.request_id, text=json.dumps(hints), finished=True,
+                                  worker_id=self.worker_id, cached_tokens=4 * self.num_cached_blocks + fetched,
+                                  peer_cached_tokens=fetched)
+
+    async def _load(self, req: pb.LoadRequest, context: Any) -> pb.Load:
+        load = pb.Load(worker_id=self.worker_id, num_free_blocks=100, num_blocks=100)
+        if self.rank is not None:
+            load.peer.CopyFrom(pb.PeerStats(rank=self.rank, world_size=2))
+        return load
+
+    async def _info(self, req: pb.ModelInfoRequest, context: Any) -> pb.ModelInfo:
+        return pb.ModelInfo(model="fake", vocab_size=1000, max_model_len=1000, block_size=4, hash_salt_hex="ab")
+
+
+async def _route(policy: str, ranks: tuple[int | None, int | None], counts: Mapping[str, int],
+                 n: int) -> tuple[list[tuple[str, list[dict[str, Any]]]], RouterServer, list[str]]:
+    """Start two fake workers and a router; send `n` requests of a 30-token prompt (7 blocks
+    may be cached). Returns (served by, hints received) per request."""
+    from proto.convert import to_generate_input
+    fakes = [FakeWorker("w0", ranks[0], counts["w0"]), FakeWorker("w1", ranks[1], counts["w1"])]
+    addresses = [await f.start() for f in fakes]
+    router = RouterServer(RouterConfig(worker_addresses=tuple(addresses), http_port=None, routing_policy=policy,
+                                       health_interval_s=0.2), tokenizer=object())  # type: ignore[arg-type]
+    results = []
+    try:
+        await router.start()
+        await router.wait_ready(10)
+        while len(router.live_workers()) < 2:
+            await asyncio.sleep(0.02)
+        router.index = FakeIndex(counts)
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(100, 130))),
+                                 sampling=pb.SamplingParams(max_tokens=1))
+        for _ in range(n):
+            prepared = await router.prepare(to_generate_input(req))
+            async for resp in router.generate(prepared, 10):
+                results.append((resp.worker_id, json.loads(resp.text)))
+    finally:
+        await router.stop(0)
+        for f in fakes:
+            await f.server.stop(0)
+    return results, router, addresses
+
+
+def test_round_robin_pick_with_fewer_blocks_gets_a_hint_to_the_other() -> None:
+    results, router, addresses = asyncio.run(_route("round_robin", (0, 1), {"w0": 1, "w1": 5}, 2))
+    assert sorted(w for w, _ in results) == ["w0", "w1"]
+    for worker, hints in results:
+        if worker == "w0":
+            assert hints == [dict(worker_id="w1", address=addresses[1], rank=1, num_blocks=5)]
+        else:
+            assert hints == []          # w1 holds the most already
+    assert router.stats.peer_hints == 1
+    # what came from the peer is no index mismatch: w0 reported 4 + 20 cached, 20 of them fetched
+    assert router.stats.mismatches == 0 and router.stats.routed_hit_tokens == 4 + 20
+    assert router.stats.actual_hit_tokens == 4 + 20
+
+
+def test_kv_aware_picks_the_holder_and_needs_no_hint() -> None:
+    results, router, _ = asyncio.run(_route("kv_aware", (0, 1), {"w0": 1, "w1": 5}, 2))
+    assert results == [("w1", []), ("w1", [])] and router.stats.peer_hints == 0
+
+
+@pytest.mark.parametrize("ranks", [(0, None), (None, 1)])
+def test_no_hint_unless_both_workers_have_a_rank(ranks: tuple[int | None, int | None]) -> None:
+    results, router, _ = asyncio.run(_route("round_robin", ranks, {"w0": 1, "w1": 5}, 2))
+    assert [hints for _, hints in results] == [[], []] and router.stats.peer_hints == 0

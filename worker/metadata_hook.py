@@ -1,0 +1,72 @@
+"""The worker's side of the Redis metadata: registry + heartbeat, and the KV event stream.
+
+Redis appears only here and in kvstore (metadata.py, streams.py); the module imports them
+lazily, so a worker without --redis-url never loads a Redis client.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.server import WorkerServerConfig
+
+
+class WorkerMetadata:
+    """The worker's side of the Redis metadata: registry + heartbeat, and the KV event
+    stream of its pool. `after_step` runs on the engine thread (AsyncEngine's hook), so the
+    events and the inventory it publishes are always in step with the pool."""
+
+    def __init__(self, cfg: WorkerServerConfig, address: str, engine: Engine) -> None:
+        from kvstore.events import WorkerId as EventWorkerId
+        from kvstore.metadata import Heartbeater, RedisConfig, WorkerRecord, WorkerRegistry
+        from kvstore.streams import EventPublisher
+
+        assert cfg.redis_url is not None
+        rcfg = RedisConfig(url=cfg.redis_url, cluster_name=cfg.cluster_name)
+        self.registry = WorkerRegistry(rcfg)
+        worker_id = EventWorkerId(cfg.worker_id)
+        epoch = self.registry.new_epoch(worker_id)
+        record = WorkerRecord(worker_id=cfg.worker_id, address=address, model=engine.model_config.name,
+                              block_size=engine.cfg.block_size, num_blocks=engine.pool.num_blocks,
+                              hash_salt_hex=engine.salt.hex(), epoch=epoch)
+        sched = engine.scheduler
+        self.heartbeater = Heartbeater(self.registry, record,
+                                       load_fn=lambda: float(len(sched.running) + len(sched.waiting)))
+        self.pool = engine.pool
+        self.pool.set_event_recording(True)
+        self.host = engine.host
+        if self.host is not None:
+            self.host.set_event_recording(True)
+        self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self._inventory)
+        self._next_poll = 0.0
+
+    def _inventory(self) -> dict[Any, list[Any]]:
+        from kvstore.events import Tier
+        inventory = {Tier.DEVICE: self.pool.cached_hashes()}
+        if self.host is not None:
+            inventory[Tier.HOST] = self.host.cached_hashes()
+        return inventory
+
+    POLL_INTERVAL_S = 0.05
+
+    def after_step(self) -> None:
+        from kvstore.events import Tier
+        events = self.pool.take_events()
+        if events:
+            self.publisher.publish(events)
+        if self.host is not None:
+            host_events = self.host.take_events()
+            if host_events:
+                self.publisher.publish(host_events, tier=Tier.HOST)
+        # Resync requests and retries need no Redis round trip on every decode step.
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._next_poll = now + self.POLL_INTERVAL_S
+            self.publisher.poll()
+
+    def close(self) -> None:
+        self.heartbeater.stop(deregister=True)
+        self.publisher.close()
+        self.registry.close()

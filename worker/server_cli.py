@@ -1,0 +1,120 @@
+"""`kvmesh worker`: the flags and the process around one `WorkerServer` (worker/server.py).
+
+The rendezvous of the peer-transfer group comes from --rank / --world-size /
+--dist-init-addr, else from KVMESH_RANK / KVMESH_WORLD_SIZE / KVMESH_DIST_INIT_ADDR (set by
+`kvmesh serve --ray` and the Helm chart). KVMESH_TEST_TRANSFER_FAULTS (tests only) injects
+transfer faults (worker.peer.PeerConfig.faults, comma-separated). Imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from worker.server import WorkerServer, WorkerServerConfig
+
+if TYPE_CHECKING:
+    from worker.engine import EngineConfig
+
+log = logging.getLogger("kvmesh.worker")
+
+
+class Rendezvous(NamedTuple):
+    rank: int
+    world_size: int
+    dist_init_addr: str | None
+
+
+def rendezvous_from_env(env: Mapping[str, str]) -> Rendezvous:
+    """KVMESH_RANK / KVMESH_WORLD_SIZE / KVMESH_DIST_INIT_ADDR as set by `kvmesh serve --ray`
+    and the Helm chart (absent: rank 0 of 1, no peer transfer); ValueError naming a bad one."""
+    values = []
+    for name, default in (("KVMESH_RANK", 0), ("KVMESH_WORLD_SIZE", 1)):
+        raw = env.get(name, "").strip()
+        if raw and not raw.isdigit():
+            raise ValueError(f"{name}={raw!r} must be a non-negative integer")
+        values.append(int(raw) if raw else default)
+    return Rendezvous(values[0], values[1], env.get("KVMESH_DIST_INIT_ADDR") or None)
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    from worker.cli import add_engine_arguments
+    g = p.add_argument_group("worker")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=0, help="port to bind (0 = a free port, printed when serving)")
+    g.add_argument("--worker-id", default="worker-0")
+    g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
+    g.add_argument("--redis-url", default=None, help="metadata Redis (worker registry)")
+    g.add_argument("--cluster-name", default="kvmesh")
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight streams may finish")
+    g = p.add_argument_group("peer transfer (a torch.distributed group of the workers)")
+    g.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $KVMESH_RANK, else 0)")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="workers in the transfer group (default: $KVMESH_WORLD_SIZE, else 1 = no peer transfer)")
+    g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="rendezvous of the group, where rank 0 listens (default: $KVMESH_DIST_INIT_ADDR)")
+    add_engine_arguments(p)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM, then drain. Prints one line to stdout once serving:
+    `kvmesh worker <id> serving on <host>:<port>`; logs go to stderr."""
+    from worker.cli import CLIError, engine_config_from_args, flagify
+    engine_cfg = engine_config_from_args(args)
+    try:
+        env = rendezvous_from_env(os.environ)
+    except ValueError as e:
+        raise CLIError(f"environment: {e}") from None
+    faults = os.environ.get("KVMESH_TEST_TRANSFER_FAULTS", "")   # tests only: worker.peer.FaultPlan
+    try:
+        cfg = WorkerServerConfig(host=args.host, port=args.port, worker_id=args.worker_id,
+                                 advertise_address=args.advertise_address, drain_timeout_s=args.drain_timeout_s,
+                                 redis_url=args.redis_url, cluster_name=args.cluster_name,
+                                 rank=env.rank if args.rank is None else args.rank,
+                                 world_size=env.world_size if args.world_size is None else args.world_size,
+                                 dist_init_addr=args.dist_init_addr or env.dist_init_addr,
+                                 transfer_faults=tuple(a for a in faults.split(",") if a))
+    except ValueError as e:
+        raise CLIError(flagify(str(e))) from None
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve_until_signal(engine_cfg, cfg))
+
+
+async def _serve_until_signal(engine_cfg: EngineConfig, cfg: WorkerServerConfig) -> int:
+    from worker.cli import CLIError
+    from worker.loader import ModelLoadError
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = WorkerServer(engine_cfg, cfg)
+    try:
+        try:
+            port = await server.start()
+        except RuntimeError as e:
+            raise CLIError(f"--port: cannot bind {cfg.host}:{cfg.port}: {e}") from None
+        ready = asyncio.ensure_future(server.wait_ready())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and not stop.is_set():
+            error = ready.exception()
+            if isinstance(error, ModelLoadError):
+                raise CLIError(f"--model: {error}")
+            if error is not None:
+                raise error
+            print(f"kvmesh worker {cfg.worker_id} serving on {cfg.host}:{port}", flush=True)
+            await stopping
+        ready.cancel()
+        log.info("worker %s: signal received, shutting down", cfg.worker_id)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 0
