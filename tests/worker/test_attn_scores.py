@@ -6,7 +6,6 @@ eager attention weights summed over layers, heads and query rows.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,12 +22,7 @@ from worker.model import LlamaModel
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def dense_weights(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:

@@ -7,7 +7,6 @@ fp32 rounding; a second, loose check compares with attention over the unquantize
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -28,12 +27,7 @@ ALL_DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 LOOSE = {"int8": 0.03, "fp8": 0.15, "int4": 0.35}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
