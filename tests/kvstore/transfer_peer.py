@@ -64,6 +64,10 @@ def main(port: int, mode: str, rank: int, world_size: int) -> int:
     if mode in ("corrupt", "late"):
         blocks = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
         transfer.send(0, TRANSFER_IDS[mode], blocks, HASHES).result()
+        # close before exit: a gloo group destroyed at interpreter exit while its threads
+        # still run aborts the process ("terminate called without an active exception")
+        transfer.close()
+        group.close()
         return 0
     assert mode == "roundtrip", mode
     spec = BlockSpec.of(KVTensors(LAYOUTS["fp32"], 1).kv)
@@ -82,7 +86,11 @@ def main(port: int, mode: str, rank: int, world_size: int) -> int:
 
 def main_silent_and_late(port: int) -> int:
     threading.Thread(target=main, args=(port, "silent", 1, 3), daemon=True).start()
-    return main(port, "late", 2, 3)
+    code = main(port, "late", 2, 3)
+    # the silent rank's thread never ends on purpose: leave without tearing its group down
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
