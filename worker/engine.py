@@ -207,13 +207,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.requests:
             return []
-        if self.evictor is not None:
-            for req in batch.preempted:
-                self.evictor.forget(req)
-        sample_reqs, logits = self._run(batch)
-        self.scheduler.update_computed(batch)
-        if self.evictor is not None:
-            self.evictor.after_step(batch.requests)
+        sample_reqs, logits = self._execute(batch)
         outputs: list[RequestOutput] = []
         if sample_reqs:
             tokens = self.sampler(logits, [r.params for r in sample_reqs],
@@ -228,6 +222,18 @@ class Engine:
         if self.cfg.check_integrity:
             self.check_integrity()
         return outputs
+
+    def _execute(self, batch: ScheduledBatch, all_positions: bool = False) -> tuple[list[Request], torch.Tensor]:
+        """Run a scheduled batch and account for it: the forward pass, computed counts and
+        cached blocks, token eviction. Returns `_run`'s result."""
+        if self.evictor is not None:
+            for req in batch.preempted:
+                self.evictor.forget(req)
+        out = self._run(batch, all_positions)
+        self.scheduler.update_computed(batch)
+        if self.evictor is not None:
+            self.evictor.after_step(batch.requests)
+        return out
 
     def _run(self, batch: ScheduledBatch, all_positions: bool = False) -> tuple[list[Request], torch.Tensor]:
         """Forward the batch; logits of the positions to sample from, or with `all_positions`
@@ -361,19 +367,13 @@ class Engine:
         try:
             while req.num_computed_tokens < len(ids):
                 batch = self.scheduler.schedule()
-                if self.evictor is not None:
-                    for r in batch.preempted:
-                        self.evictor.forget(r)
                 if not batch.requests:
                     raise EngineError("score(): the KV pool cannot hold the sequence")
                 start = req.num_computed_tokens
-                _, logits = self._run(batch, all_positions=True)   # [n, vocab]
+                _, logits = self._execute(batch, all_positions=True)   # [n, vocab]
                 nll.append(F.cross_entropy(logits, target[start:start + logits.shape[0]], reduction="none",
                                            ignore_index=-100))
                 argmax.append(logits.argmax(-1))
-                self.scheduler.update_computed(batch)
-                if self.evictor is not None:
-                    self.evictor.after_step(batch.requests)
                 if req.num_computed_tokens == req.num_tokens < len(ids):
                     for t in ids[req.num_tokens:req.num_tokens + chunk_size]:
                         req.append_token(t)

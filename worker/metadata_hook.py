@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvstore.events import Tier   # pure data: no Redis, no torch
+
 if TYPE_CHECKING:
     from worker.engine import Engine
     from worker.server import WorkerServerConfig
@@ -43,7 +45,6 @@ class WorkerMetadata:
         self._next_poll = 0.0
 
     def _inventory(self) -> dict[Any, list[Any]]:
-        from kvstore.events import Tier
         inventory = {Tier.DEVICE: self.pool.cached_hashes()}
         if self.host is not None:
             inventory[Tier.HOST] = self.host.cached_hashes()
@@ -52,7 +53,6 @@ class WorkerMetadata:
     POLL_INTERVAL_S = 0.05
 
     def after_step(self) -> None:
-        from kvstore.events import Tier
         events = self.pool.take_events()
         if events:
             self.publisher.publish(events)

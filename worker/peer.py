@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -139,33 +139,10 @@ class FetchPlan(NamedTuple):
     recompute_s: float
 
 
-class PeerFigures(NamedTuple):
-    """What the cost model decides with and what happened since start (see proto PeerStats)."""
-
-    rank: int
-    world_size: int
-    backend: str
-    prefill_tokens_per_s: float
-    checksum_bytes_s: float
-    links: dict[int, LinkEstimate | None]
-    lost: dict[int, str]
-    fetch_decisions: int
-    recompute_decisions: int
-    blocks_fetched: int
-    bytes_fetched: int
-    blocks_bad: int
-    fetch_failures: int
-    blocks_sent: int
-    bytes_sent: int
-    send_failures: int
-    fetch_seconds: float
-    last_decision: str
-    last_fetch_estimate_s: float
-    last_recompute_estimate_s: float
-
-
 @dataclass(slots=True)
-class _Counters:
+class PeerCounters:
+    """What happened since start (mutated under the plane's lock; `figures` hands out a copy)."""
+
     fetch_decisions: int = 0
     recompute_decisions: int = 0
     blocks_fetched: int = 0
@@ -179,6 +156,19 @@ class _Counters:
     last_decision: str = ""
     last_fetch_estimate_s: float = 0.0
     last_recompute_estimate_s: float = 0.0
+
+
+class PeerFigures(NamedTuple):
+    """What the cost model decides with, and the counters (see proto PeerStats)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    prefill_tokens_per_s: float
+    checksum_bytes_s: float
+    links: dict[int, LinkEstimate | None]
+    lost: dict[int, str]
+    counters: PeerCounters
 
 
 def measure_links(group: TransferGroup, nbytes: int = 8 << 20) -> dict[int, LinkEstimate | None]:
@@ -253,7 +243,7 @@ class PeerPlane:
         self.block_size = engine.cfg.block_size
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._c = _Counters()
+        self._c = PeerCounters()
 
     @classmethod
     def start(cls, cfg: PeerConfig, engine: Engine) -> PeerPlane:
@@ -405,10 +395,6 @@ class PeerPlane:
 
     def figures(self) -> PeerFigures:
         with self._lock:
-            c = self._c
             return PeerFigures(
                 self.rank, self.group.world_size, self.group.backend, self.prefill_tokens_per_s,
-                self.checksum_bytes_s, dict(self.links), self.transfer.lost_peers(), c.fetch_decisions,
-                c.recompute_decisions, c.blocks_fetched, c.bytes_fetched, c.blocks_bad, c.fetch_failures,
-                c.blocks_sent, c.bytes_sent, c.send_failures, c.fetch_seconds, c.last_decision,
-                c.last_fetch_estimate_s, c.last_recompute_estimate_s)
+                self.checksum_bytes_s, dict(self.links), self.transfer.lost_peers(), replace(self._c))

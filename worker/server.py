@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -428,12 +429,7 @@ def _peer_stats(f: PeerFigures) -> pb.PeerStats:
              for r, e in sorted(f.links.items())]
     return pb.PeerStats(
         rank=f.rank, world_size=f.world_size, backend=f.backend, prefill_tokens_per_s=f.prefill_tokens_per_s,
-        checksum_bytes_s=f.checksum_bytes_s, links=links, fetch_decisions=f.fetch_decisions,
-        recompute_decisions=f.recompute_decisions, blocks_fetched=f.blocks_fetched, bytes_fetched=f.bytes_fetched,
-        blocks_bad=f.blocks_bad, fetch_failures=f.fetch_failures, blocks_sent=f.blocks_sent,
-        bytes_sent=f.bytes_sent, send_failures=f.send_failures, fetch_seconds=f.fetch_seconds,
-        last_decision=f.last_decision, last_fetch_estimate_s=f.last_fetch_estimate_s,
-        last_recompute_estimate_s=f.last_recompute_estimate_s)
+        checksum_bytes_s=f.checksum_bytes_s, links=links, **dataclasses.asdict(f.counters))
 
 
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
