@@ -17,10 +17,10 @@ all of them, so one per-vector scale fits every element better; it costs no byte
 on SmolLM2-135M (`kvmesh bench accuracy --quick`), it takes the fp8 perplexity delta from
 1.6% to about 0.2% and int4 from 15% to about 6-9%; int8 gains nothing and is not rotated.
 int4 then takes one (scale, zero) pair per 32 values instead of per head vector (8 bytes
-instead of 4 per 64-value head, +11% bytes): on the same model the perplexity delta over the
-first 512 tokens of the text went from 7.8% (per head vector) to 5.1%; over 2,048 tokens it is
-6.8% (16-value groups: 5.1% at +33% bytes; symmetric 16-value groups at the 32-group byte
-cost: 9.1%; MSE-optimal range clipping: 8.7%, worse — attention wants the extreme values kept).
+instead of 4 per 64-value head, +11% bytes): `kvmesh bench accuracy --quick` on the same
+model went from +7.8% perplexity (per head vector) to +5.1%. Also tried, in throwaway
+scripts: 16-value groups (better, at +33% bytes), symmetric groups at the same byte cost and
+MSE-optimal range clipping (both worse: attention wants the extreme values kept).
 Groups of 32 when head_dim allows, else one.
 Attention never needs to undo it: q·k = (q R)·(k R) and Σ p v = (Σ p (v R)) R, so a kernel
 rotates the query and the output instead of every cached vector (see `rotation`).

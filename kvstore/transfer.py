@@ -15,10 +15,11 @@ A block whose checksum does not match on arrival is marked bad in `ReceivedBlock
 (the caller recomputes it); only a lost peer, a timeout or a protocol mismatch fails the
 whole transfer, with `TransferError`.
 
-The checksum is xxh3_64 rather than crc32: measured on the dev box, crc32 hashes ~1.5 GB/s
-against ~6 GB/s for xxh3 while gloo loopback moves ~1.2 GB/s; with crc32 on both ends a
-transfer would run at under half of a raw send. The hashing releases the GIL (the loop
-over blocks and planes around it does not).
+The checksum is xxh3_64 rather than crc32: in a throwaway timing on the dev box crc32 hashed
+several times slower than xxh3 and slower than gloo loopback moves bytes, so with crc32 on
+both ends a transfer could not keep up with a raw send (`kvmesh bench transfer` reports the
+ratio that matters, `peer_vs_raw`). The hashing releases the GIL (the loop over blocks and
+planes around it does not).
 
 What gloo (torch 2.13) does on failure, found by experiment, and what this module does:
 - A peer process that dies: every pending and later op with it fails at once with
