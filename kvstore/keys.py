@@ -1,6 +1,6 @@
 """Block hashing: the one content key of a KV block, shared by router and worker.
 
-A block's hash covers the salt (model, tokenizer, KV dtype, block size), the hash of the
+A block's hash covers the salt (model, tokenizer, KV dtype, block size, codec parameters), the hash of the
 block before it (so equal tokens after different prefixes get different keys) and the
 block's own token ids. It is blake2b with a 16-byte digest over a fixed byte layout, so
 it is the same in every process and on every machine: no Python `hash()`, no dependence
@@ -61,6 +61,7 @@ class HashSalt:
     tokenizer: str
     kv_cache_dtype: str
     block_size: int
+    kv_codec: str = ""  # anything else that changes the stored bytes (int4 key scales); "" = none
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "kv_cache_dtype"):
@@ -75,7 +76,10 @@ class HashSalt:
         """16 stable bytes: blake2b over a version tag and the length-prefixed utf-8 fields."""
         h = hashlib.blake2b(digest_size=_HASH_BYTES)
         h.update(_SALT_VERSION)
-        for field in (self.model, self.tokenizer, self.kv_cache_dtype, str(self.block_size)):
+        fields = [self.model, self.tokenizer, self.kv_cache_dtype, str(self.block_size)]
+        if self.kv_codec:  # absent when empty: salts from before the field existed are unchanged
+            fields.append(self.kv_codec)
+        for field in fields:
             raw = field.encode("utf-8")
             h.update(struct.pack("<I", len(raw)))
             h.update(raw)

@@ -6,8 +6,8 @@ Every allocation in kvmesh (the planner, the paged tensors, the host tier) deriv
 from `KVLayout`, so what the planner promises is what the allocator takes.
 
 Quantized dtypes store, per (layer, K or V, token, kv head), the packed values plus an fp16
-scale (int8, fp8) or an fp16 scale and an fp16 zero point (int4: two values per byte). That
-overhead is counted here, not hidden.
+scale (int8, fp8; int4: one per group of 16 values, two values per byte). That overhead is
+counted here, not hidden.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class KVQuant(enum.Enum):
 
 # element bits and per-(token, head) metadata bytes for each concrete KV dtype
 _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
-_META_BYTES = {"fp32": 0, "fp16": 0, "bf16": 0, "fp8": 2, "int8": 2, "int4": 4}
+_META_BYTES = {"fp32": 0, "fp16": 0, "bf16": 0, "fp8": 2, "int8": 2, "int4": 2}
 _QUANT = {"fp32": KVQuant.NONE, "fp16": KVQuant.NONE, "bf16": KVQuant.NONE,
           "fp8": KVQuant.FP8, "int8": KVQuant.INT8, "int4": KVQuant.INT4}
 
@@ -45,11 +45,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     return model_dtype
 
 
-INT4_GROUP = 32
+INT4_GROUP = 16
 
 
 def int4_group_size(head_dim: int) -> int:
-    """Values per int4 scale/zero group: 32 when it divides head_dim, else the whole vector."""
+    """Values per int4 scale: 16 when it divides head_dim, else the whole vector."""
     return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
 
 
@@ -86,8 +86,8 @@ class KVLayout:
 
     @property
     def head_meta_bytes(self) -> int:
-        """Scale (and zero point) bytes of one head of one token (K or V); 0 unquantized.
-        int4 has one fp16 scale and zero point per group of `int4_group_size` values."""
+        """Scale bytes of one head of one token (K or V); 0 unquantized.
+        int4 has one fp16 scale per group of `int4_group_size` values."""
         if self.kv_cache_dtype == "int4":
             return _META_BYTES["int4"] * (self.head_dim // int4_group_size(self.head_dim))
         return _META_BYTES[self.kv_cache_dtype]

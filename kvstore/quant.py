@@ -1,5 +1,5 @@
 """Quantized KV codecs: int8, int4 (two values per byte) and fp8 e4m3, scaled per (token, head)
-(int4: per group of 32 values of a head vector).
+(int4: per group of 16 values of a head vector).
 
 One K or V head vector of one token (`head_dim` values) is stored as a *slot*: its packed
 values followed by its fp16 metadata, `KVLayout.head_bytes + KVLayout.head_meta_bytes` bytes:
@@ -7,7 +7,7 @@ values followed by its fp16 metadata, `KVLayout.head_bytes + KVLayout.head_meta_
 | dtype | values                                       | metadata (fp16)        | decode         |
 |-------|----------------------------------------------|------------------------|----------------|
 | int8  | round(x / scale) in [-127, 127], 1 byte each | scale = absmax / 127   | q * scale      |
-| int4  | round((x - zero) / scale) in [0, 15], 2/byte | per 32-value group: scale = (max-min) / 15, zero = min | q * scale + zero |
+| int4  | index of the nearest of `INT4_LEVELS` to x / scale, 2/byte | per 16-value group: scale = absmax | LEVELS[q] * scale |
 | fp8   | x / scale as float8_e4m3fn, 1 byte each      | scale = absmax / 448   | f8 * scale     |
 
 fp8 and int4 first rotate each head vector by `R`, a normalised Sylvester Hadamard matrix
@@ -15,26 +15,31 @@ fp8 and int4 first rotate each head vector by `R`, a normalised Sylvester Hadama
 symmetric, R @ R = I), and quantize `x @ R`. The rotation spreads a few large channels over
 all of them, so one per-vector scale fits every element better; it costs no bytes. Measured
 on SmolLM2-135M (`kvmesh bench accuracy --quick`), it takes the fp8 perplexity delta from
-1.6% to about 0.2% and int4 from 15% to about 6-9%; int8 gains nothing and is not rotated.
-int4 then takes one (scale, zero) pair per 32 values instead of per head vector (8 bytes
-instead of 4 per 64-value head, +11% bytes): `kvmesh bench accuracy --quick` on the same
-model went from +7.8% perplexity (per head vector) to +5.1%. Also tried, in throwaway
-scripts: 16-value groups (better, at +33% bytes), symmetric groups at the same byte cost and
-MSE-optimal range clipping (both worse: attention wants the extreme values kept).
-Groups of 32 when head_dim allows, else one.
-Attention never needs to undo it: q·k = (q R)·(k R) and Σ p v = (Σ p (v R)) R, so a kernel
-rotates the query and the output instead of every cached vector (see `rotation`).
+1.6% to about 0.2%; int8 gains nothing and is not rotated.
+
+int4 levels: after the rotation the values of a head vector are close to Gaussian, so int4
+does not use 16 evenly spaced levels but the 16 that minimise the squared error of a
+Gaussian group of 16 divided by its absolute maximum (Lloyd-Max, with ±1 kept as levels so
+the largest value of every group is stored exactly, and 0 so that zeros — a rotated constant
+vector is mostly zeros — stay zeros: 7 levels below 0, 8 above; `INT4_LEVELS`, checked by
+`tests/kvstore/test_quant.py::test_int4_levels_are_lloyd_max`), in the spirit of QLoRA's
+NF4. One fp16 scale per 16 values costs the same bytes as the scale + zero point per 32
+values it replaced.
 
 int4 packs element 2i in the low nibble and 2i+1 in the high nibble of byte i. Scales are
 rounded to fp16 BEFORE the values are quantized, so encode and decode use the same scale.
-Rounding is to nearest (ties to even). A head vector of zeros (or one so small its scale
-underflows fp16) gets scale 0 and decodes to zeros (int4: to its zero point) — never NaN;
+Rounding is to nearest (ties to even; int4: to the nearest level). A head vector of zeros
+(or one so small its scale underflows fp16) gets scale 0 and decodes to zeros — never NaN;
 an all-zero slot (a fresh pool) decodes to zeros.
 
 Worst-case error per element of the (rotated) vector that was quantized — what the tests
-check: int8 ≤ scale / 2; int4 ≤ scale / 2 plus the fp16 rounding of the zero point
-(≤ 2^-11 |min|); fp8 ≤ |y| / 16 + scale · 2^-10 (3 mantissa bits; subnormals below 2^-6).
+check: int8 ≤ scale / 2; int4 ≤ scale × (the largest gap between adjacent levels) / 2;
+fp8 ≤ |y| / 16 + scale · 2^-10 (3 mantissa bits; subnormals below 2^-6).
 R is orthogonal, so the error vector of `x` has the same L2 norm.
+
+Keys can also be scaled per channel before they are quantized (`KVCacheScales`, see
+`worker.calibration`): the quantization error of a key matters through q·k, so channels
+where queries are large get finer steps. That scaling is done by the model, not here.
 
 `QuantizedKV` is what a paged cache of one layer's K (or V) looks like when quantized: the
 slot bytes `[num_blocks, block_size, num_kv_heads, slot_bytes]` (uint8) and the codec. The
@@ -52,7 +57,9 @@ from kvstore.layout import KVLayout, KVQuant, int4_group_size
 
 _FP16_MAX = 65504.0
 _INT8_MAX = 127.0
-_INT4_MAX = 15.0
+# Lloyd-Max levels for a Gaussian group of 16 divided by its absolute maximum, -1, 0, 1 fixed
+INT4_LEVELS = (-1.0, -0.8002, -0.6335, -0.4878, -0.3557, -0.2326, -0.1149, 0.0,
+               0.1007, 0.2030, 0.3087, 0.4201, 0.5404, 0.6730, 0.8235, 1.0)
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -110,8 +117,8 @@ class KVCodec:
 
     @property
     def meta_len(self) -> int:
-        """fp16 metadata values per head vector: scale (int8, fp8) or scale and zero per group (int4)."""
-        return 2 * (self.head_dim // self.group_size) if self.quant is KVQuant.INT4 else 1
+        """fp16 metadata values per head vector: one scale (int8, fp8) or one per group (int4)."""
+        return self.head_dim // self.group_size
 
     @property
     def meta_bytes(self) -> int:
@@ -131,14 +138,12 @@ class KVCodec:
             xf = xf @ _hadamard(self.head_dim, xf.device, torch.float32)
         if self.quant is KVQuant.INT4:
             g = xf.unflatten(-1, (-1, self.group_size))  # [..., D/G, G]
-            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)  # [..., D/G, 1]
-            scale = _fp16((hi - lo) / _INT4_MAX)
-            zero = _fp16(lo)
-            s, z = scale.float(), zero.float()
-            q = ((g - z) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, _INT4_MAX).to(torch.uint8)
-            q = q.flatten(-2)  # [..., D]
+            scale = _fp16(g.abs().amax(-1, keepdim=True))  # [..., D/G, 1]
+            s = scale.float()
+            u = (g / torch.where(s > 0, s, 1.0)).flatten(-2)  # [..., D] in [-1, 1]
+            q = torch.bucketize(u, _int4_midpoints(u.device)).to(torch.uint8)  # nearest level
             data = q[..., 0::2] | (q[..., 1::2] << 4)  # [..., D/2] low nibble first
-            return Encoded(data, torch.cat((scale, zero), -1).flatten(-2))  # [..., 2 D/G]: (scale, zero) per group
+            return Encoded(data, scale.flatten(-2))  # [..., D/G]
         absmax = xf.abs().amax(-1, keepdim=True)  # [..., 1]
         if self.quant is KVQuant.INT8:
             scale = _fp16(absmax / _INT8_MAX)
@@ -166,9 +171,9 @@ class KVCodec:
             out = data.view(torch.float8_e4m3fn).to(compute) * scale
         else:  # INT4
             q = torch.stack((data & 0xF, data >> 4), -1).flatten(-2)  # [..., D]
-            sz = meta.unflatten(-1, (-1, 2)).to(compute)  # [..., D/G, 2]: (scale, zero)
-            out = torch.addcmul(sz[..., 1:2], q.unflatten(-1, (-1, self.group_size)).to(compute),
-                                sz[..., 0:1]).flatten(-2)  # [..., D]
+            levels = _int4_levels(data.device, compute)[q.long()]  # [..., D]
+            out = (levels.unflatten(-1, (-1, self.group_size))
+                   * meta.to(compute).unsqueeze(-1)).flatten(-2)  # [..., D]
         if self.rotates and not rotated:
             out = out @ _hadamard(self.head_dim, out.device, compute)
         return out if compute == dtype else out.to(dtype)
@@ -204,6 +209,18 @@ def _hadamard(dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tenso
     return full.to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def _int4_levels(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(INT4_LEVELS, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _int4_midpoints(device: torch.device) -> torch.Tensor:
+    """The 15 decision boundaries between adjacent `INT4_LEVELS` (fp32)."""
+    lv = torch.tensor(INT4_LEVELS, dtype=torch.float32, device=device)
+    return (lv[1:] + lv[:-1]) / 2
+
+
 def _fp16(x: torch.Tensor) -> torch.Tensor:
     # a scale or zero point beyond fp16 would become inf, and inf * 0 = NaN on decode
     return x.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
@@ -231,7 +248,7 @@ class QuantizedKV(NamedTuple):
         return self.slots[..., :self.codec.head_bytes]
 
     def meta(self) -> torch.Tensor:
-        """The fp16 scales (int4: and zero points) `[num_blocks, block_size, H, 1 | 2]` (a copy)."""
+        """The fp16 scales `[num_blocks, block_size, H, 1 | groups]` (a copy)."""
         return self.codec.split(self.slots).meta
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -9,8 +9,9 @@ because on CPU the per-op overhead of a 135M model is a large share of a decode 
 """
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -144,21 +145,31 @@ class DecoderLayer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        # [Hq + Hkv, D] post-RoPE factors: 1/s on query channels, s on key channels (see
+        # worker.calibration); None = no scaling
+        self.qk_scale: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
+                 keep: torch.Tensor | None = None,
+                 observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
         """One layer on T tokens; `rope` is `Rotary.tables(positions)`, shared by all layers.
 
         With `keep` ([n] row indices) only those rows leave the layer (`[n, hidden]`): every
         row's K/V is still written, but o_proj and the MLP run on the kept rows alone.
+        `observe(q, k)` sees the queries and keys before RoPE (calibration).
         """
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)
         qkv = self.qkv_proj(h)                                    # [T, q + 2 kv]
         # q and k are adjacent in each row: rotate them as one [T, Hq + Hkv, D] view
+        if observe is not None:
+            observe(qkv[:, :self.q_size].view(t, -1, cfg.head_dim),
+                    qkv[:, self.q_size:self.q_size + self.kv_size].view(t, -1, cfg.head_dim))
         qk = Rotary.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *rope)
+        if self.qk_scale is not None:
+            qk.mul_(self.qk_scale)                                 # exact: powers of two
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]        # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -183,6 +194,22 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
         self.rotary = Rotary(cfg, self.dtype, self.device)
+        self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.key_scales: torch.Tensor | None = None
+
+    def set_key_scales(self, scales: torch.Tensor | None) -> None:
+        """Scale post-RoPE key channels by `scales` [num_layers, num_kv_heads, head_dim] (powers
+        of two) and query channels by their inverses, so every q·k is unchanged (bit for bit)
+        while the cached keys are `k ⊙ s`; None removes the scaling. See worker.calibration."""
+        cfg = self.cfg
+        if scales is not None:
+            assert scales.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), scales.shape
+            assert torch.equal(scales, torch.exp2(scales.log2().round())), "scales must be powers of two"
+        self.key_scales = scales
+        group = cfg.num_heads // cfg.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            layer.qk_scale = None if scales is None else torch.cat(
+                (1.0 / scales[i].repeat_interleave(group, 0), scales[i])).to(self.device, self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -201,8 +228,10 @@ class LlamaModel:
         # (a prefill samples one row per sequence); decode keeps every row, so skip the gather
         keep = logits_indices if logits_indices is not None and len(logits_indices) < len(input_ids) else None
         last = len(self.layers) - 1
+        obs = self.observer
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, rope, k_cache, v_cache, meta, keep if i == last else None)
+            x = layer(x, rope, k_cache, v_cache, meta, keep if i == last else None,
+                      None if obs is None else functools.partial(obs, i))
         if logits_indices is not None and keep is None:
             x = x[logits_indices]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)

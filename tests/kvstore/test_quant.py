@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvstore.layout import KVLayout, KVQuant
 from kvstore.plan import make_plan
 from kvstore.presets import PRESETS
-from kvstore.quant import KVCodec, QuantizedKV
+from kvstore.quant import INT4_LEVELS, KVCodec, QuantizedKV
 from kvstore.tensors import KVTensors
 
 QUANT = {"fp8": KVQuant.FP8, "int8": KVQuant.INT8, "int4": KVQuant.INT4}
@@ -28,7 +28,7 @@ def sample(shape: tuple[int, ...], seed: int, kind: str = "normal") -> torch.Ten
         x *= 1000
     elif kind == "small":
         x *= 1e-3
-    elif kind == "shifted":  # int4's zero point matters
+    elif kind == "shifted":  # every value far from zero
         x = x + 5
     return x
 
@@ -72,31 +72,60 @@ def test_int8_matches_oracle_and_bound(kind: str, dim: int) -> None:
     assert (err <= 0.5 * scale.float() * (1 + 1e-3) + 1e-7).all()
 
 
+LEVELS = torch.tensor(INT4_LEVELS, dtype=torch.float64)
+MAX_HALF_GAP = float((LEVELS[1:] - LEVELS[:-1]).max()) / 2
+
+
 @pytest.mark.parametrize("kind", ["normal", "outliers", "large", "small", "shifted"])
 @pytest.mark.parametrize("dim", [128, 64, 16, 6])
 def test_int4_matches_oracle_and_bound(kind: str, dim: int) -> None:
     codec = KVCodec(KVQuant.INT4, dim)
-    group = 32 if dim % 32 == 0 else dim          # a scale and zero point per 32 values
-    assert codec.group_size == group and codec.meta_bytes == 4 * (dim // group)
+    group = 16 if dim % 16 == 0 else dim          # one scale per 16 values
+    assert codec.group_size == group and codec.meta_bytes == 2 * (dim // group)
     x = sample((7, 3, dim), seed=dim + 1, kind=kind)
     y = rotated(codec, x)
     enc = codec.encode(x)
     yg = y.unflatten(-1, (-1, group))                                  # [7, 3, D/G, G]
-    lo, hi = yg.amin(-1, keepdim=True), yg.amax(-1, keepdim=True)
-    scale, zero = ((hi - lo) / 15).half(), lo.half()
-    assert torch.equal(enc.meta, torch.cat((scale, zero), -1).flatten(-2))
+    scale = yg.abs().amax(-1, keepdim=True).half()
+    assert torch.equal(enc.meta, scale.flatten(-2))
     # nibble order: element 2i is the low nibble of byte i
     assert enc.data.shape == (7, 3, dim // 2) and enc.data.dtype == torch.uint8
     nibbles = torch.stack((enc.data & 0xF, enc.data >> 4), -1).flatten(-2).unflatten(-1, (-1, group))
-    s, z = scale.float(), zero.float()
-    assert torch.equal(nibbles, ((yg - z) / s).round().clamp(0, 15).to(torch.uint8))
+    s = scale.float()
+    # the oracle: the index of the nearest level (by distance, not by the codec's boundaries)
+    u = (yg / s).double()
+    dist = (u.unsqueeze(-1) - LEVELS).abs()
+    chosen = dist.gather(-1, nibbles.long().unsqueeze(-1)).squeeze(-1)
+    assert (chosen <= dist.amin(-1) + 1e-6).all()
     y_hat = codec.decode(enc.data, enc.meta, torch.float32, rotated=True).unflatten(-1, (-1, group))
-    bound = 0.5 * s * (1 + 1e-3) + z.abs() * 2**-10 + 1e-6
-    assert ((y_hat - yg).abs() <= bound).all()
+    assert torch.allclose(y_hat, LEVELS.float()[nibbles.long()] * s)
+    assert ((y_hat - yg).abs() <= MAX_HALF_GAP * s * (1 + 1e-3) + 1e-6).all()
+    # the largest value of every group is stored exactly (±1 are levels), up to the fp16 scale
+    top = yg.abs().argmax(-1, keepdim=True)
+    assert torch.allclose(y_hat.gather(-1, top).abs(), s.squeeze(-1).unsqueeze(-1).expand_as(top.float()))
     y_hat = y_hat.flatten(-2)
     # R is orthogonal: the error of x has the same norm
     x_hat = codec.decode(enc.data, enc.meta, torch.float32)
     assert torch.allclose((x_hat - x).norm(dim=-1), (y_hat - y).norm(dim=-1), rtol=1e-3, atol=1e-5)
+
+
+def test_int4_levels_are_lloyd_max() -> None:
+    """`INT4_LEVELS` is a fixed point of Lloyd's algorithm (each level the mean of the values
+    nearest it, -1, 0 and 1 fixed) for Gaussian groups of 16 divided by their absolute maximum."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200_000, 16, generator=gen, dtype=torch.float64)
+    v = (x / x.abs().amax(-1, keepdim=True)).flatten()
+    v = v[v.abs() < 1]                       # each group's maximum sits on ±1 exactly
+    idx = torch.bucketize(v, (LEVELS[1:] + LEVELS[:-1]) / 2)
+    means = torch.zeros(16, dtype=torch.float64).index_add_(0, idx, v) / torch.bincount(idx, minlength=16)
+    free = [i for i in range(16) if LEVELS[i] not in (-1.0, 0.0, 1.0)]
+    assert len(free) == 13
+    assert torch.allclose(means[free], LEVELS[free], atol=3e-3)
+    # and they beat 16 evenly spaced levels on the same data
+    def mse(levels: torch.Tensor) -> float:
+        q = levels[torch.bucketize(v, (levels[1:] + levels[:-1]) / 2)]
+        return float(((q - v) ** 2).mean())
+    assert mse(LEVELS) < 0.95 * mse(torch.linspace(-1, 1, 16, dtype=torch.float64))  # measured: 0.92
 
 
 @pytest.mark.parametrize("kind", ["normal", "outliers", "large", "small", "shifted"])
@@ -185,11 +214,9 @@ def test_round_trip_norm_bound_property(dtype: str, half_dim: int, scale: float,
     y = rotated(codec, x)
     enc = codec.encode(x)
     s = enc.meta[..., :1].float()
-    if dtype == "int4":   # the largest group scale / zero point bounds every element
-        sz = enc.meta.float().unflatten(-1, (-1, 2))
-        s = sz[..., 0].amax(-1, keepdim=True)
-        z = sz[..., 1].abs().amax(-1, keepdim=True)
-    per_elem = {"int8": 0.5 * s, "int4": 0.5 * s + (z * 2**-10 if dtype == "int4" else 0),
+    if dtype == "int4":   # the largest group scale bounds every element
+        s = enc.meta.float().amax(-1, keepdim=True)
+    per_elem = {"int8": 0.5 * s, "int4": MAX_HALF_GAP * s,
                 "fp8": y.abs().amax(-1, keepdim=True) / 16 + s * 2**-10}[dtype]
     err = (codec.decode(enc.data, enc.meta, torch.float32) - x).norm(dim=-1, keepdim=True)
     assert (err <= per_elem * math.sqrt(dim) * 1.01 + 1e-5 * scale).all()

@@ -82,14 +82,14 @@ def test_capacity_per_dtype_on_smollm2_shape() -> None:
     layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, kv_cache_dtype="fp32")
     per = capacity_per_dtype(layout, budget_bytes=1 << 30, mean_blocks=16.0)
     assert per["int8"]["capacity_vs_fp16"] == pytest.approx(128 / 66, abs=0.01)  # 2x minus one fp16 scale
-    assert per["int4"]["capacity_vs_fp16"] == pytest.approx(128 / 40, abs=0.01)  # 4x minus a scale + zero per 32
+    assert per["int4"]["capacity_vs_fp16"] == pytest.approx(128 / 40, abs=0.01)  # 4x minus a scale per 16
     assert per["fp32"]["capacity_vs_fp16"] == pytest.approx(0.5, abs=0.01)
     assert per["int8"]["num_blocks"] == (1 << 30) // (16 * 30 * 2 * 3 * 66)
 
 
 def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     r = run_bench("accuracy", tiny, tmp_path, capsys)
-    for dtype in DTYPES:
+    for dtype in [*DTYPES, "int4-unscaled"]:
         row = r[dtype]
         assert {"ppl", "ppl_delta_frac", "token_agreement", "bytes_per_token"} <= set(row)
         assert finite(row["ppl"], row["ppl_delta_frac"], row["token_agreement"]) and row["ppl"] > 1
@@ -97,6 +97,7 @@ def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture
     assert r["fp32"]["ppl_delta_frac"] == 0 and r["fp32"]["token_agreement"] == 1
     bpt = [r[d]["bytes_per_token"] for d in ("fp32", "fp16", "int8", "int4")]
     assert bpt == sorted(bpt, reverse=True) and r["int8"]["bytes_per_token"] == r["fp8"]["bytes_per_token"]
+    assert r["int4-unscaled"]["bytes_per_token"] == r["int4"]["bytes_per_token"]
     for name in ("streaming-50", "h2o-50", "streaming-25", "h2o-25"):
         row = r[name]
         assert finite(row["ppl"], row["text_agreement"]) and row["ppl"] > 1
