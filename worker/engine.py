@@ -275,7 +275,7 @@ class Engine:
                                     None if all_positions else torch.tensor(logits_indices, dtype=torch.long, device=dev))
         if collect:
             assert self.evictor is not None and meta.score_acc is not None
-            self.evictor.accumulate(batch.requests, meta.score_acc, seq_lens)
+            self.evictor.accumulate(batch.requests, meta.score_acc, seq_lens, batch.num_new_tokens)
         return sample_reqs, logits
 
     def _postprocess(self, req: Request, token: int) -> FinishReason | None:

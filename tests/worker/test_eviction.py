@@ -67,11 +67,12 @@ def test_compaction_moves_exactly_the_kept_rows_into_fresh_blocks(policy: Evicti
     req.num_computed_tokens = n
     before = kv.kv.clone()
     scores = torch.rand(n)
+    reads = n - torch.arange(n, dtype=torch.float32)           # one prefill of n queries: causal
     if policy is H2O:
-        ev.accumulate([req], scores[None], [n])
+        ev.accumulate([req], scores[None], [n], [n])
     old_blocks = list(req.block_ids)
     ev.after_step([req])
-    kept = select_kept(policy, n, budget, 2, scores if policy is H2O else None)
+    kept = select_kept(policy, n, budget, 2, scores / reads if policy is H2O else None)
     old_slots = torch.tensor(old_blocks)[kept // bs] * bs + kept % bs
     new = torch.tensor(req.block_ids)
     new_slots = (new[:, None] * bs + torch.arange(bs)).flatten()[:budget]
@@ -83,7 +84,28 @@ def test_compaction_moves_exactly_the_kept_rows_into_fresh_blocks(policy: Evicti
     assert pool.get_cached_block(11) == old_blocks[0] and pool.ref_cnt(old_blocks[0]) == 1
     assert pool.num_used_blocks == 1 + 3
     if policy is H2O:
-        assert torch.equal(ev.scores["r"], scores[kept])
+        assert torch.equal(ev.scores["r"], scores[kept]) and torch.equal(ev.reads["r"], reads[kept])
+    pool.check_integrity()
+
+
+def test_h2o_ranks_by_mean_attention_per_reading_query() -> None:
+    """Two tokens with the same summed attention: the one fewer queries read ranks higher."""
+    bs, budget = 2, 5
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=bs, kv_cache_dtype="fp32")
+    kv = KVTensors(lay, 12)
+    pool = BlockPool(12)
+    ev = TokenEvictor(EvictionConfig(H2O, budget, 1, bs), pool, kv)
+    req = Request("r", list(range(9)), SamplingParams(max_tokens=4), 16)
+    req.block_ids = pool.allocate(5)
+    # step 1: a prefill of 5 tokens (token j read by 5 - j queries); step 2: 4 more tokens
+    ev.accumulate([req], torch.tensor([[0.0, 1.0, 1.1, 0.0, 0.0]]), [5], [5])
+    ev.accumulate([req], torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]), [9], [4])
+    assert ev.reads["r"].tolist() == [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    assert torch.allclose(ev.scores["r"], torch.tensor([0, 2, 1.1, 1, 0, 0, 0, 0, 0]))
+    req.num_computed_tokens = 9
+    ev.after_step([req])                      # 9 >= 5 + 2: keep sink 0, 2 recent, 2 heavy
+    # means: token 1: 2/8, token 2: 1.1/7, token 3: 1/6 -> tokens 1 and 3 (the sums: 1 and 2)
+    assert ev.reads["r"].tolist() == [9, 8, 6, 2, 1]
     pool.check_integrity()
 
 
