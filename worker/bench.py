@@ -377,7 +377,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
         "eviction": f"streaming-P / h2o-P keep P% of the {window}-token text (kv_budget), 4 attention sinks; "
                     f"ppl is scored {block_size} tokens at a time, compacting to the budget whenever a sequence "
                     "reaches budget + block_size; H2O keeps half of the non-sink budget as recent tokens and the "
-                    "rest by attention accumulated over layers and heads",
+                    "rest by the attention they received (summed over layers and heads) per query that read them",
         "int4-unscaled": "int4 without the per-channel key scales of worker.calibration (int4 has them)",
         "bytes_per_token": "KVLayout.bytes_per_token: all layers, K and V, values plus scales"},
         "config": {"model": args.model, "window_tokens": window, "generated_tokens": gen_len,
