@@ -68,6 +68,8 @@ class HashSalt:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name}={value!r} must be a non-empty string")
+        if not isinstance(self.kv_codec, str):
+            raise ValueError(f"kv_codec={self.kv_codec!r} must be a string")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
                 or self.block_size <= 0:
             raise ValueError(f"block_size={self.block_size!r} must be a positive integer")

@@ -77,8 +77,8 @@ def measure_key_scales(model: LlamaModel, token_ids: list[int], num_positions: i
     if n < 2:
         raise ValueError(f"calibration needs at least 2 tokens, got {n}")
     model.set_key_scales(None)
-    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
-                      {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype])
+    # a throwaway fp32 cache: only the q/k statistics are kept (kernels upcast other dtypes)
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, "fp32")
     kv = KVTensors(layout, layout.blocks_for(n), model.device)
     meta = AttnMetadata.build([n], [n], [list(range(kv.num_blocks))], block_size, model.device)
     shape = (cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)  # [L, q | k, Hkv, D]
