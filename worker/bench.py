@@ -246,7 +246,7 @@ def accuracy_configs(window_tokens: int) -> list[tuple[str, dict[str, Any]]]:
     their perplexity is scored in block-size chunks so that eviction happens (`Engine.score`).
     """
     dtypes = [(d, {"kv_cache_dtype": d}) for d in ("fp32", "fp16", "bf16", "fp8", "int8", "int4")]
-    dtypes.append(("int4-unscaled", {"kv_cache_dtype": "int4", "kv_key_scales": False}))
+    dtypes.append(("int4-uncalibrated", {"kv_cache_dtype": "int4", "kv_calibration": False}))
     eviction = [(f"{policy}-{pct}", {"kv_eviction": policy, "kv_budget": window_tokens * pct // 100,
                                      "attention_sinks": 4})
                 for pct in (50, 25) for policy in ("streaming", "h2o")]
@@ -378,7 +378,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                     f"ppl is scored {block_size} tokens at a time, compacting to the budget whenever a sequence "
                     "reaches budget + block_size; H2O keeps half of the non-sink budget as recent tokens and the "
                     "rest by the attention they received (summed over layers and heads) per query that read them",
-        "int4-unscaled": "int4 without the per-channel key scales of worker.calibration (int4 has them)",
+        "int4-uncalibrated": "int4 without the per-channel key scales and shift of worker.calibration (int4 has them)",
         "bytes_per_token": "KVLayout.bytes_per_token: all layers, K and V, values plus scales"},
         "config": {"model": args.model, "window_tokens": window, "generated_tokens": gen_len,
                    "prompts": num_prompts, "prompt_tokens": prompt_len, "block_size": block_size}}

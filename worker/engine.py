@@ -17,7 +17,7 @@ from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.pool import BlockPool
 from kvstore.tensors import KVTensors
 from kvstore.tiers import HostPrefixSource, HostTier
-from worker.calibration import CALIBRATION_CONTEXT, calibration_tokens, measure_key_scales, scales_digest
+from worker.calibration import CALIBRATION_TOKENS, calibration_tokens, measure_key_calibration
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
 from worker.eviction import EvictionConfig, EvictionPolicy, TokenEvictor
@@ -52,7 +52,7 @@ class EngineConfig:
     kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
     kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
     attention_sinks: int = 4              # first tokens always kept under kv_eviction
-    kv_key_scales: bool = True            # int4: per-channel key scales from a calibration text
+    kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -121,17 +121,17 @@ class Engine:
         # a smaller pool lowers max_model_len rather than admitting requests it cannot finish.
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  num_blocks * cfg.block_size)
-        scales_id = ""
-        if self.layout.quant is KVQuant.INT4 and cfg.kv_key_scales:
-            # int4 keys lose less through q·k when scaled per channel (worker.calibration);
+        codec_id = ""
+        if self.layout.quant is KVQuant.INT4 and cfg.kv_calibration:
+            # int4 keys lose less through q·k when scaled per channel and centred (worker.calibration);
             # fitted over the model's context (capped), not the pool's, so that every worker
             # of one model gets the same scales
             context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                          CALIBRATION_CONTEXT)
-            scales = measure_key_scales(self.model, calibration_tokens(
-                self.tokenizer, mc.vocab_size, context), context, cfg.block_size)
-            self.model.set_key_scales(scales)
-            scales_id = "key-scales:" + scales_digest(scales)
+                          CALIBRATION_TOKENS)
+            cal = measure_key_calibration(self.model, calibration_tokens(
+                self.tokenizer, mc.vocab_size, context), cfg.block_size)
+            self.model.set_key_scales(cal.scales, cal.shift)
+            codec_id = "key-calibration:" + cal.digest()
         self.kv = KVTensors(self.layout, num_blocks, self.device)
         self.kv_caches = list(zip(self.kv.k_caches, self.kv.v_caches))
         self.host: HostTier | None = None
@@ -144,7 +144,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
                               on_evict=on_evict, enable_kv_cache_events=False)
         self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
-                             block_size=cfg.block_size, kv_codec=scales_id).digest()
+                             block_size=cfg.block_size, kv_codec=codec_id).digest()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             cfg.enable_chunked_prefill, mc.sliding_window), self.pool, self.salt,

@@ -148,6 +148,8 @@ class DecoderLayer:
         # [Hq + Hkv, D] post-RoPE factors: 1/s on query channels, s on key channels (see
         # worker.calibration); None = no scaling
         self.qk_scale: torch.Tensor | None = None
+        # [Hkv, D] subtracted from every (scaled) key before it is cached; None = no shift
+        self.k_shift: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata,
@@ -157,20 +159,21 @@ class DecoderLayer:
 
         With `keep` ([n] row indices) only those rows leave the layer (`[n, hidden]`): every
         row's K/V is still written, but o_proj and the MLP run on the kept rows alone.
-        `observe(q, k)` sees the queries and keys before RoPE (calibration).
+        `observe(q, k)` sees the queries and keys after RoPE, before any key scaling (calibration).
         """
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, self.ln1, cfg.rms_norm_eps)
         qkv = self.qkv_proj(h)                                    # [T, q + 2 kv]
         # q and k are adjacent in each row: rotate them as one [T, Hq + Hkv, D] view
-        if observe is not None:
-            observe(qkv[:, :self.q_size].view(t, -1, cfg.head_dim),
-                    qkv[:, self.q_size:self.q_size + self.kv_size].view(t, -1, cfg.head_dim))
         qk = Rotary.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *rope)
+        if observe is not None:
+            observe(qk[:, :cfg.num_heads], qk[:, cfg.num_heads:])
         if self.qk_scale is not None:
             qk.mul_(self.qk_scale)                                 # exact: powers of two
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]        # [T, Hq, D], [T, Hkv, D]
+        if self.k_shift is not None:
+            k = k - self.k_shift                                   # softmax-invariant (see set_key_scales)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window).reshape(t, self.q_size)
@@ -196,20 +199,26 @@ class LlamaModel:
         self.rotary = Rotary(cfg, self.dtype, self.device)
         self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.key_scales: torch.Tensor | None = None
+        self.key_shift: torch.Tensor | None = None
 
-    def set_key_scales(self, scales: torch.Tensor | None) -> None:
+    def set_key_scales(self, scales: torch.Tensor | None, shift: torch.Tensor | None = None) -> None:
         """Scale post-RoPE key channels by `scales` [num_layers, num_kv_heads, head_dim] (powers
         of two) and query channels by their inverses, so every q·k is unchanged (bit for bit)
-        while the cached keys are `k ⊙ s`; None removes the scaling. See worker.calibration."""
+        while the cached keys are `k ⊙ s`; then subtract `shift` (same shape) from every key
+        before it is cached: each query's logits all move by the same q·shift, so attention is
+        unchanged up to rounding. None removes both. See worker.calibration."""
         cfg = self.cfg
+        shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         if scales is not None:
-            assert scales.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), scales.shape
+            assert scales.shape == shape, scales.shape
             assert torch.equal(scales, torch.exp2(scales.log2().round())), "scales must be powers of two"
-        self.key_scales = scales
+        assert shift is None or (scales is not None and shift.shape == shape), "a shift needs scales"
+        self.key_scales, self.key_shift = scales, shift
         group = cfg.num_heads // cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             layer.qk_scale = None if scales is None else torch.cat(
                 (1.0 / scales[i].repeat_interleave(group, 0), scales[i])).to(self.device, self.dtype)
+            layer.k_shift = None if shift is None else shift[i].to(self.device, self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

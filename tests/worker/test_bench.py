@@ -89,7 +89,7 @@ def test_capacity_per_dtype_on_smollm2_shape() -> None:
 
 def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     r = run_bench("accuracy", tiny, tmp_path, capsys)
-    for dtype in [*DTYPES, "int4-unscaled"]:
+    for dtype in [*DTYPES, "int4-uncalibrated"]:
         row = r[dtype]
         assert {"ppl", "ppl_delta_frac", "token_agreement", "bytes_per_token"} <= set(row)
         assert finite(row["ppl"], row["ppl_delta_frac"], row["token_agreement"]) and row["ppl"] > 1
@@ -97,7 +97,7 @@ def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture
     assert r["fp32"]["ppl_delta_frac"] == 0 and r["fp32"]["token_agreement"] == 1
     bpt = [r[d]["bytes_per_token"] for d in ("fp32", "fp16", "int8", "int4")]
     assert bpt == sorted(bpt, reverse=True) and r["int8"]["bytes_per_token"] == r["fp8"]["bytes_per_token"]
-    assert r["int4-unscaled"]["bytes_per_token"] == r["int4"]["bytes_per_token"]
+    assert r["int4-uncalibrated"]["bytes_per_token"] == r["int4"]["bytes_per_token"]
     for name in ("streaming-50", "h2o-50", "streaming-25", "h2o-25"):
         row = r[name]
         assert finite(row["ppl"], row["text_agreement"]) and row["ppl"] > 1

@@ -1,5 +1,5 @@
-"""int4 key scales (worker.calibration): exact when nothing is quantized, found where they
-matter, and smaller int4 error than without them."""
+"""int4 key calibration (worker.calibration): scales exact and the shift softmax-invariant when
+nothing is quantized; both found where they matter, and each cuts the int4 error."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvstore.keys import HashSalt
-from worker.calibration import calibration_tokens, measure_key_scales
+from worker.calibration import calibration_tokens, measure_key_calibration
 from worker.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -35,6 +35,10 @@ def test_power_of_two_scales_leave_plain_caches_bit_exact(tiny_model_dir, kind: 
     assert torch.equal(eng.logits(IDS), ref)
     with pytest.raises(AssertionError, match="powers of two"):
         eng.model.set_key_scales(scales * 1.5)
+    # a shift moves every logit of a query by the same amount: attention unchanged up to rounding
+    shift = torch.randn(scales.shape, generator=gen)
+    eng.model.set_key_scales(scales, shift)
+    torch.testing.assert_close(eng.logits(IDS), ref, atol=1e-4, rtol=1e-4)
 
 
 def _lopsided_keys(src: Path, dst: Path, factor: float, pair: tuple[int, int], q_gain: float) -> None:
@@ -58,7 +62,7 @@ def test_scales_find_lopsided_channels_and_cut_int4_error(tiny_model_dir, tmp_pa
     path = tmp_path / "lopsided"
     _lopsided_keys(tiny_model_dir("llama-gqa"), path, 64.0, (3, 11), q_gain=8.0)
     ref = engine(path, "fp32").logits(IDS)
-    scaled, plain = engine(path, "int4"), engine(path, "int4", kv_key_scales=False)
+    scaled, plain = engine(path, "int4"), engine(path, "int4", kv_calibration=False)
     scales = scaled.model.key_scales
     assert scales is not None and plain.model.key_scales is None
     # s ~ (E q^2 / E k^2)^(1/4): channels 64x larger in k and 64x smaller in q get ~1/64 of
@@ -66,6 +70,7 @@ def test_scales_find_lopsided_channels_and_cut_int4_error(tiny_model_dir, tmp_pa
     log2 = scales.log2()
     others = [c for c in range(16) if c not in (3, 11)]
     assert (log2[..., [3, 11]] - log2[..., others].median(-1, keepdim=True).values <= -3).all()
+    scaled.model.set_key_scales(scales)         # the scales alone, no shift
     err_scaled = (scaled.logits(IDS) - ref).abs().mean()
     err_plain = (plain.logits(IDS) - ref).abs().mean()
     # measured 0.52 (what is left is mostly the values' int4 error, which scales do not touch)
@@ -74,17 +79,68 @@ def test_scales_find_lopsided_channels_and_cut_int4_error(tiny_model_dir, tmp_pa
     assert scaled.salt != plain.salt
 
 
+def test_shift_finds_key_offsets_and_cuts_int4_error(tiny_model_dir, tmp_path: Path) -> None:
+    # keys with a large common offset: a big k_proj bias on the two lowest-frequency RoPE pairs
+    # (channels 6, 7, 14, 15 of 16), which barely rotate over the text, so the offset survives
+    # RoPE and int4 spends its range on it
+    path = tmp_path / "offset"
+    shutil.copytree(tiny_model_dir("qwen2-bias"), path)
+    w = load_file(path / "model.safetensors")
+    for name in list(w):
+        if name.endswith("k_proj.bias"):
+            b = w[name].clone().view(-1, 16)                # [kv heads, head_dim]
+            b[:, [6, 7, 14, 15]] = 16.0
+            w[name] = b.view(-1)
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+    plain, eng = engine(path, "fp32"), engine(path, "int4")
+    cal = measure_key_calibration(eng.model, calibration_tokens(None, 256, 512))
+    # post-RoPE q and k of the unquantized model, on another text
+    cfg = eng.model_config
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(cfg.num_layers)}
+    plain.model.observer = lambda layer, q, k: seen[layer].append((q.clone(), k.clone()))  # per chunk
+    plain.logits(IDS)
+    plain.model.observer = None
+    codec = eng.kv.k_caches[0].codec
+    group = cfg.num_heads // cfg.num_kv_heads
+
+    def qk_error(shift: torch.Tensor) -> float:
+        """mean |q·k - q·k̂| over every query/key pair, keys int4-quantized as the engine caches them"""
+        errs = []
+        for layer in range(cfg.num_layers):
+            q, k = (torch.cat(t) for t in zip(*seen[layer]))                  # [T, Hq | Hkv, D]
+            s, mu = cal.scales[layer], shift[layer]                            # [Hkv, D]
+            k_hat = codec.dequantize(codec.quantize(k * s - mu), torch.float32) + mu
+            q_s = q / s.repeat_interleave(group, 0)                            # [T, Hq, D]
+            exact = torch.einsum("thd,shd->hts", q, k.repeat_interleave(group, 1))
+            approx = torch.einsum("thd,shd->hts", q_s, k_hat.repeat_interleave(group, 1))
+            errs.append((approx - exact).abs().mean())
+        return float(torch.stack(errs).mean())
+
+    with_shift, without = qk_error(cal.shift), qk_error(torch.zeros_like(cal.shift))
+    # measured 0.39: without the shift, int4 spends its levels on the offset channels' range
+    assert with_shift < 0.6 * without, (with_shift, without)
+    # and the shift is the mean scaled post-RoPE key over the calibration text (past the
+    # first 4 positions), read here from the unquantized engine's keys
+    keys: dict[int, list[torch.Tensor]] = {i: [] for i in range(cfg.num_layers)}
+    plain.model.observer = lambda layer, q, k: keys[layer].append(k.double())
+    plain.logits(calibration_tokens(None, 256, 512))
+    plain.model.observer = None
+    mean = torch.stack([torch.cat(keys[i])[4:].mean(0) for i in range(cfg.num_layers)])
+    torch.testing.assert_close(cal.shift, (mean * cal.scales).bfloat16().float())
+
+
 def test_measure_is_deterministic_and_restores_nothing(tiny_model_dir) -> None:
     eng = engine(tiny_model_dir("llama-mqa"), "int4")
-    first = eng.model.key_scales
-    assert first is not None and first.shape == (2, 1, 16)
+    first, first_shift = eng.model.key_scales, eng.model.key_shift
+    assert first is not None and first.shape == (2, 1, 16) and first_shift is not None
     toks = calibration_tokens(None, 256, 512)
     assert len(toks) == 512
-    again = measure_key_scales(eng.model, toks, 512)
-    assert torch.equal(again, first)
-    assert eng.model.key_scales is None          # measuring takes the scales off
+    again = measure_key_calibration(eng.model, toks)
+    assert torch.equal(again.scales, first) and torch.equal(again.shift, first_shift)
+    assert eng.model.key_scales is None and eng.model.key_shift is None   # measuring takes them off
+    assert again.digest() == measure_key_calibration(eng.model, toks).digest()
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        measure_key_scales(eng.model, [1], 512)
+        measure_key_calibration(eng.model, [1])
 
 
 def test_salt_field_is_absent_when_empty() -> None:
