@@ -34,6 +34,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="token eviction inside each sequence's KV (StreamingLLM / H2O); needs --kv-budget")
     g.add_argument("--kv-budget", type=int, default=None, help="tokens of KV each sequence keeps under --kv-eviction")
     g.add_argument("--attention-sinks", type=int, default=4, help="first tokens always kept under --kv-eviction")
+    g.add_argument("--h2o-decay", type=float, default=0.98,
+                   help="--kv-eviction h2o: each older query's attention counts this much less per step "
+                        "(1 = the paper's plain accumulation)")
 
 
 def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch)
@@ -45,7 +48,7 @@ def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (impor
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib,
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
-                            attention_sinks=args.attention_sinks)
+                            attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

@@ -52,6 +52,7 @@ class EngineConfig:
     kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
     kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
     attention_sinks: int = 4              # first tokens always kept under kv_eviction
+    h2o_decay: float = 0.98               # h2o: per-query decay of the attention each token received
     kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
 
     def __post_init__(self) -> None:
@@ -78,7 +79,7 @@ class EngineConfig:
 
     def eviction_config(self) -> EvictionConfig:
         return EvictionConfig(EvictionPolicy(self.kv_eviction), self.kv_budget, self.attention_sinks,
-                              self.block_size)
+                              self.block_size, self.h2o_decay)
 
 
 class Scores(NamedTuple):
@@ -266,7 +267,8 @@ class Engine:
                 sample_reqs.append(req)
         collect = self.evictor is not None and self.evictor.cfg.collects_scores
         meta = AttnMetadata.build(batch.num_new_tokens, seq_lens, [r.block_ids for r in batch.requests],
-                                  self.cfg.block_size, self.device, collect_scores=collect)
+                                  self.cfg.block_size, self.device, collect_scores=collect,
+                                  score_decay=self.cfg.h2o_decay)
         dev = self.device
         if self.host is not None:
             self.host.wait_on_device()  # evicted blocks are rewritten only after their offload

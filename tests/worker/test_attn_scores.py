@@ -25,9 +25,10 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def dense_weights(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+def dense_weights(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window: int | None,
+                  decay: float = 1.0) -> torch.Tensor:
     """q [q_len, Hq, D] over k [L, Hkv, D] (new tokens last): softmax weight of each key,
-    summed over heads and query rows -> [L]."""
+    summed over heads and query rows (row j weighted decay ** (q_len - 1 - j)) -> [L]."""
     q_len, num_q_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     k = k.repeat_interleave(num_q_heads // num_kv_heads, dim=1)  # [L, Hq, D]
@@ -37,22 +38,23 @@ def dense_weights(q: torch.Tensor, k: torch.Tensor, scale: float, sliding_window
     mask = t <= p
     if sliding_window is not None:
         mask &= (p - t) < sliding_window
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return probs.sum(dim=(0, 1)).float()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # [Hq, q, L]
+    weight = decay ** torch.arange(q_len - 1, -1, -1, dtype=torch.float64)  # [q]
+    return (weight[:, None] * probs.sum(dim=0)).sum(0).float()
 
 
-def with_scores(meta: AttnMetadata) -> AttnMetadata:
+def with_scores(meta: AttnMetadata, decay: float = 1.0) -> AttnMetadata:
     """The same step with a fresh zero score accumulator."""
     return AttnMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                         meta.query_lens_list, meta.seq_lens_list,
-                        torch.zeros(meta.num_seqs, meta.max_seq_len))
+                        torch.zeros(meta.num_seqs, meta.max_seq_len), decay)
 
 
 def check_scores(query: torch.Tensor, k_cache, v_cache, meta: AttnMetadata, block_tables: list[list[int]],
-                 sliding_window: int | None, out_tol: dict[str, float] = TOL) -> None:
+                 sliding_window: int | None, out_tol: dict[str, float] = TOL, decay: float = 1.0) -> None:
     scale = query.shape[-1] ** -0.5
     plain_out = paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-    collecting = with_scores(meta)
+    collecting = with_scores(meta, decay)
     out = paged_attention(query, k_cache, v_cache, collecting, scale, sliding_window)
     torch.testing.assert_close(out, plain_out, **out_tol)
     acc = collecting.score_acc
@@ -61,13 +63,15 @@ def check_scores(query: torch.Tensor, k_cache, v_cache, meta: AttnMetadata, bloc
     num_q_heads = query.shape[1]
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         k, _ = gather_kv(k_cache, v_cache, block_tables[i], seq_len, torch.float32)
-        expected = dense_weights(query[qsl[i]:qsl[i + 1]].float(), k, scale, sliding_window)
+        expected = dense_weights(query[qsl[i]:qsl[i + 1]].float(), k, scale, sliding_window, decay)
         torch.testing.assert_close(acc[i, :seq_len], expected, **TOL)
         assert not acc[i, seq_len:].any(), "positions past the sequence got weight"
-        torch.testing.assert_close(acc[i].sum(), torch.tensor(float(num_q_heads * q_len)))
+        weight = sum(decay ** j for j in range(q_len))  # every query's row sums to 1 per head
+        torch.testing.assert_close(acc[i].sum(), torch.tensor(float(num_q_heads * weight)))
     # a second layer's call adds the same weights again
+    before = acc.clone()
     paged_attention(query, k_cache, v_cache, collecting, scale, sliding_window)
-    torch.testing.assert_close(acc.sum(dim=1), 2 * num_q_heads * torch.tensor(meta.query_lens_list).float())
+    torch.testing.assert_close(acc, 2 * before)
 
 
 MIXED = [(6, 6), (1, 37), (7, 40), (1, 1), (1, 32), (3, 70)]
@@ -122,6 +126,15 @@ def test_scores_property(data: st.DataObject, block_size: int, num_kv_heads: int
     seqs = [(data.draw(st.sampled_from([1, 1, n, data.draw(st.integers(1, n))])), n) for n in lens]
     case = plain.make_case(seqs, num_kv_heads * group, num_kv_heads, 8, block_size, seed=sum(lens))
     check_scores(case.query, case.k_cache, case.v_cache, case.meta, case.block_tables, window)
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.98])
+def test_decayed_query_weights(decay: float) -> None:
+    """With score_decay, new token j of a q-token chunk counts decay ** (q - 1 - j)."""
+    case = plain.make_case(MIXED, 6, 2, head_dim=16, block_size=4, seed=11)
+    check_scores(case.query, case.k_cache, case.v_cache, case.meta, case.block_tables, None, decay=decay)
+    built = AttnMetadata.build([2], [5], [[0, 1]], 4, "cpu", collect_scores=True, score_decay=decay)
+    assert built.score_decay == decay
 
 
 def test_build_allocates_and_validates() -> None:

@@ -59,7 +59,7 @@ def test_compaction_moves_exactly_the_kept_rows_into_fresh_blocks(policy: Evicti
     kv = KVTensors(lay, 12)
     kv.kv.copy_(torch.randn(kv.kv.shape))
     pool = BlockPool(12)
-    ev = TokenEvictor(EvictionConfig(policy, budget, 2, bs), pool, kv)
+    ev = TokenEvictor(EvictionConfig(policy, budget, 2, bs, h2o_decay=1.0), pool, kv)
     req = Request("r", list(range(n)), SamplingParams(max_tokens=4), n + 4)
     req.block_ids = pool.allocate(4)
     pool.cache_full_blocks(req.block_ids[:2], [11, 22])   # the first two blocks are a shared prefix
@@ -94,7 +94,7 @@ def test_h2o_ranks_by_mean_attention_per_reading_query() -> None:
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=bs, kv_cache_dtype="fp32")
     kv = KVTensors(lay, 12)
     pool = BlockPool(12)
-    ev = TokenEvictor(EvictionConfig(H2O, budget, 1, bs), pool, kv)
+    ev = TokenEvictor(EvictionConfig(H2O, budget, 1, bs, h2o_decay=1.0), pool, kv)
     req = Request("r", list(range(9)), SamplingParams(max_tokens=4), 16)
     req.block_ids = pool.allocate(5)
     # step 1: a prefill of 5 tokens (token j read by 5 - j queries); step 2: 4 more tokens
@@ -107,6 +107,40 @@ def test_h2o_ranks_by_mean_attention_per_reading_query() -> None:
     # means: token 1: 2/8, token 2: 1.1/7, token 3: 1/6 -> tokens 1 and 3 (the sums: 1 and 2)
     assert ev.reads["r"].tolist() == [9, 8, 6, 2, 1]
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9, 0.5])
+def test_h2o_decay_counts_a_chunk_like_one_query_per_step(decay: float) -> None:
+    """Scores and reads after chunks (the kernel weighs chunk query j by decay ** (q - 1 - j))
+    equal those after the same queries one per step, and equal the closed form: token t's
+    score is the sum over queries p >= t of decay ** (T - 1 - p) * P[p, t]."""
+    n = 11
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, kv_cache_dtype="fp32")
+    probs = torch.rand(n, n).tril()
+    probs /= probs.sum(-1, keepdim=True)                     # [query p, key t], causal rows
+    age = decay ** torch.arange(n - 1, -1, -1, dtype=torch.float64)  # query p: decay ** (n-1-p)
+    want_scores = (age[:, None] * probs.double()).sum(0).float()
+    want_reads = age.flip(0).cumsum(0).flip(0).float()       # token t: sum over p >= t
+    got = []
+    for chunks in ([n], [1] * n, [4, 1, 6]):
+        ev = TokenEvictor(EvictionConfig(H2O, 64, 1, 4, h2o_decay=decay), BlockPool(4), KVTensors(lay, 4))
+        req = Request("r", list(range(n)), SamplingParams(max_tokens=4), 80)
+        end = 0
+        for q in chunks:
+            end += q
+            w = decay ** torch.arange(q - 1, -1, -1, dtype=torch.float32)     # as the kernel weighs
+            ev.accumulate([req], (w[:, None] * probs[end - q:end, :end]).sum(0)[None], [end], [q])
+        got.append((ev.scores["r"], ev.reads["r"]))
+        torch.testing.assert_close(ev.scores["r"], want_scores)
+        torch.testing.assert_close(ev.reads["r"], want_reads)
+    if decay < 1:   # and decay changes the ranking input: older reads weigh less
+        assert not torch.allclose(want_reads, n - torch.arange(n, dtype=torch.float32))
+
+
+def test_h2o_decay_validated() -> None:
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="h2o_decay"):
+            EngineConfig(kv_eviction="h2o", kv_budget=64, h2o_decay=bad)
 
 
 def _visible_sets(prompt_len: int, num_out: int, budget: int, sinks: int, bs: int) -> list[list[int]]:

@@ -23,8 +23,10 @@ call `.item()` / `.tolist()` (no host sync on a GPU, no per-token Python).
 
 Score collection (H2O eviction): when `AttnMetadata.score_acc` is set, every call adds the
 softmax weight each cached key received, summed over query heads and the sequence's new
-tokens; those calls compute attention explicitly (fp32 softmax) so the weights reported are
-the ones the output used. When it is None the kernels do no extra work.
+tokens (new token j of q weighted `score_decay ** (q - 1 - j)`, so a chunk counts as if its
+queries had come one per step); those calls compute attention explicitly (fp32 softmax) so
+the weights reported are the ones the output used. When it is None the kernels do no extra
+work.
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class AttnMetadata:
     # score_acc[i, t] the softmax weight cached position t of seq i received, summed over query
     # heads and seq i's new tokens (for H2O eviction); the tensor is mutated in place.
     score_acc: torch.Tensor | None = None
+    # weight of new token j of q in score_acc: score_decay ** (q - 1 - j) (1.0: a plain sum)
+    score_decay: float = 1.0
     _plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,12 +109,13 @@ class AttnMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: str | torch.device = "cpu",
-              collect_scores: bool = False) -> AttnMetadata:
+              collect_scores: bool = False, score_decay: float = 1.0) -> AttnMetadata:
         """Metadata for one step; new tokens of seq i sit at positions `seq_len - q_len .. seq_len - 1`.
 
         `block_tables[i]` must cover those positions (`ceil(seq_len / block_size)` ids at least).
         `collect_scores` allocates a zero `score_acc` [B, max(seq_lens)] fp32 on `device`: after a
-        forward pass it holds the attention each cached token received, summed over layers too.
+        forward pass it holds the attention each cached token received, summed over layers too
+        (queries weighted by `score_decay`, see the field).
         """
         num_seqs = len(query_lens)
         if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
@@ -143,7 +148,7 @@ class AttnMetadata:
                if collect_scores else None)
         return cls(slot_mapping=slots.to(dev), query_start_loc=qsl.to(dev), seq_lens=s_lens.to(dev),
                    block_tables=bt.to(dev), query_lens_list=list(query_lens),
-                   seq_lens_list=list(seq_lens), score_acc=acc)
+                   seq_lens_list=list(seq_lens), score_acc=acc, score_decay=score_decay)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
@@ -233,7 +238,7 @@ def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
         if q_len > 1:
             out[start:start + q_len] = _prefill_one(
                 query[start:start + q_len], k_cache, v_cache, meta.block_tables[i], seq_len,
-                scale, sliding_window, None if acc is None else acc[i])
+                scale, sliding_window, None if acc is None else acc[i], meta.score_decay)
         start += q_len
     if plan.seqs:
         # the query row of each decode sequence, in the plan's order
@@ -253,11 +258,13 @@ def _cumsum(values: list[int]) -> list[int]:
 
 def _prefill_one(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                  block_table_row: torch.Tensor, seq_len: int, scale: float,
-                 sliding_window: int | None, score_row: torch.Tensor | None = None) -> torch.Tensor:
+                 sliding_window: int | None, score_row: torch.Tensor | None = None,
+                 score_decay: float = 1.0) -> torch.Tensor:
     """One sequence's q_len new tokens over its first `seq_len` cached tokens: `[q, Hq, D]`.
 
     With `score_row` ([>= seq_len] fp32) the attention is explicit and each key's probability,
-    summed over query heads and new tokens, is added at its position.
+    summed over query heads and over new tokens (token j weighted `score_decay ** (q - 1 - j)`),
+    is added at its position.
     """
     q_len, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -286,7 +293,9 @@ def _prefill_one(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     if score_row is not None:
         qg = q[0].view(num_kv_heads, num_q_heads // num_kv_heads, q_len, head_dim)  # [Hkv, G, q, D]
         out, probs = explicit_attention(qg, k[0][:, None], v[0][:, None], mask, scale)  # [Hkv, G, q, D|S]
-        score_row[start:seq_len] += probs.sum(dim=(0, 1, 2))  # [S]
+        age = torch.arange(q_len - 1, -1, -1, device=query.device, dtype=torch.float32)  # [q]
+        weight = torch.full_like(age, score_decay).pow_(age)  # [q]
+        score_row[start:seq_len] += weight @ probs.sum(dim=(0, 1))  # [S]
         return out.reshape(num_q_heads, q_len, head_dim).transpose(0, 1)  # [q, Hq, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=num_q_heads != num_kv_heads)
