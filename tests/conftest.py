@@ -93,3 +93,14 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """int4 engines built in this process cache their key calibration in a temp dir, not in
+    the user's cache (where it would pile up one file per run for the tiny models)."""
+    import worker.calibration
+    path = tmp_path_factory.mktemp("calibration-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker.calibration, "calibration_cache_dir", lambda: path)
+        yield path

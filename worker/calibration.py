@@ -34,10 +34,20 @@ another calibration are never shared.
 Calibration text: the middle of the Python documentation's topic texts that ship with
 CPython (`pydoc_data/topics.py`), not the text `kvmesh bench accuracy` scores. What it buys is
 measured by `kvmesh bench accuracy` (`int4` against `int4-uncalibrated`, same run).
+
+Cache. The prefill costs seconds on a CPU at every int4 engine start, so `cached_key_calibration`
+keeps each result in `calibration_cache_dir()` (`cache_root()/calibration/`), keyed by everything the measurement
+depends on: the model's files (config bytes; each weight file's name, size and mtime), the
+token ids, the dtype and device type, torch's version and the constants above. A file that
+cannot be read back (torn, foreign, wrong shapes) is measured again and replaced; a cache dir
+that cannot be written only costs the next start the prefill again.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +56,15 @@ import torch
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
 from worker.kernels.reference import AttnMetadata
+from worker.loader import cache_root
 from worker.model import LlamaModel
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_TOKENS = 2048  # one prefill of this many (or the model's context, if shorter)
 SKIPPED_POSITIONS = 4  # the first tokens' keys (attention sinks) stay out of the statistics
 MAX_LOG2_SCALE = 8  # scales stay within 2^-8 .. 2^8 (fp16 keys must not overflow)
+CACHE_VERSION = 1  # bump when what is measured changes in a way the key does not see
 
 
 def calibration_text() -> str:
@@ -133,3 +147,54 @@ def measure_key_calibration(model: LlamaModel, token_ids: list[int], block_size:
     scales = torch.exp2(log_s.round().clamp(-MAX_LOG2_SCALE, MAX_LOG2_SCALE))
     shift = (k_mean * scales).to(torch.bfloat16)
     return KeyCalibration(scales.float(), shift.float())
+
+
+def calibration_cache_dir() -> Path:
+    return cache_root() / "calibration"
+
+
+def calibration_cache_key(model: LlamaModel, model_dir: Path, token_ids: list[int], block_size: int) -> str:
+    """Hex key of one calibration: what `measure_key_calibration` reads, see the module docstring."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (CACHE_VERSION, CALIBRATION_TOKENS, SKIPPED_POSITIONS, MAX_LOG2_SCALE, block_size,
+                 model.dtype, model.device.type, torch.__version__):
+        h.update(f"{part}\0".encode())
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cached_key_calibration(model: LlamaModel, model_dir: Path, token_ids: list[int],
+                           block_size: int = 16) -> KeyCalibration:
+    """`measure_key_calibration`, kept on disk between engine starts (module docstring: Cache)."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    path = calibration_cache_dir() / f"{calibration_cache_key(model, model_dir, token_ids, block_size)}.pt"
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        cal = KeyCalibration(saved["scales"], saved["shift"])
+        if tuple(cal.scales.shape) == shape == tuple(cal.shift.shape) and saved["digest"] == cal.digest():
+            return cal
+        log.warning("calibration cache %s does not match this model; measuring again", path)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - any unreadable file is measured again and replaced
+        log.warning("calibration cache %s unreadable (%s); measuring again", path, e)
+    cal = measure_key_calibration(model, token_ids, block_size)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"scales": cal.scales, "shift": cal.shift, "digest": cal.digest()}, f)
+            os.chmod(tmp, 0o644)    # mkstemp's 0600 would hide it from other users of the cache
+            os.replace(tmp, path)   # readers see the old file or the whole new one
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as e:
+        log.warning("calibration not cached at %s (%s)", path, e)
+    return cal

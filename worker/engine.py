@@ -17,7 +17,7 @@ from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.pool import BlockPool
 from kvstore.tensors import KVTensors
 from kvstore.tiers import HostPrefixSource, HostTier
-from worker.calibration import CALIBRATION_TOKENS, calibration_tokens, measure_key_calibration
+from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
 from worker.eviction import EvictionConfig, EvictionPolicy, TokenEvictor
@@ -129,7 +129,7 @@ class Engine:
             # of one model gets the same scales
             context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                           CALIBRATION_TOKENS)
-            cal = measure_key_calibration(self.model, calibration_tokens(
+            cal = cached_key_calibration(self.model, self.model_dir, calibration_tokens(
                 self.tokenizer, mc.vocab_size, context), cfg.block_size)
             self.model.set_key_scales(cal.scales, cal.shift)
             codec_id = "key-calibration:" + cal.digest()

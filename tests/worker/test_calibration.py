@@ -147,3 +147,64 @@ def test_salt_field_is_absent_when_empty() -> None:
     base = HashSalt(model="m", tokenizer="t", kv_cache_dtype="int4", block_size=16)
     assert base.digest() == HashSalt("m", "t", "int4", 16, kv_codec="").digest()
     assert base.digest() != HashSalt("m", "t", "int4", 16, kv_codec="key-scales:00").digest()
+
+
+def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) -> None:
+    """The second int4 start reads the calibration back instead of measuring; a torn file is
+    measured again and replaced; the key follows the weights and the tokens."""
+    import worker.calibration as calibration
+    monkeypatch.setattr(calibration, "calibration_cache_dir", lambda: tmp_path / "cal")
+    src = tiny_model_dir("llama-gqa")
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    measured = []
+    real = calibration.measure_key_calibration
+
+    def counting(*args, **kw):
+        measured.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(calibration, "measure_key_calibration", counting)
+    first = engine(path, "int4")
+    assert len(measured) == 1 and len(list((tmp_path / "cal").glob("*.pt"))) == 1
+    second = engine(path, "int4")
+    assert len(measured) == 1, "the second start measured again"
+    assert second.salt == first.salt
+    assert torch.equal(second.model.key_scales, first.model.key_scales)
+    assert torch.equal(second.model.key_shift, first.model.key_shift)
+    prompt = [5, 9, 200, 31, 7, 66, 1, 42]
+    assert torch.equal(second.logits(prompt), first.logits(prompt))
+
+    (cached,) = (tmp_path / "cal").glob("*.pt")
+    cached.write_bytes(cached.read_bytes()[:40])                     # torn
+    with caplog.at_level("WARNING", logger="worker.calibration"):
+        third = engine(path, "int4")
+    assert len(measured) == 2 and "unreadable" in caplog.text and third.salt == first.salt
+    assert torch.load(cached, weights_only=True)["digest"] == cached_digest(first)
+
+    # new weights (same shapes, new file): a new key, measured again, a different salt
+    weights = next(path.glob("*.safetensors"))
+    w = load_file(weights)
+    w = {k: v * 1.5 if "k_proj" in k else v for k, v in w.items()}
+    save_file(w, weights, metadata={"format": "pt"})
+    fourth = engine(path, "int4")
+    assert len(measured) == 3 and fourth.salt != first.salt
+    assert len(list((tmp_path / "cal").glob("*.pt"))) == 2
+    toks = calibration_tokens(None, 256, 512)
+    assert (calibration.calibration_cache_key(fourth.model, path, toks, 16)
+            != calibration.calibration_cache_key(fourth.model, path, toks[:-1], 16))
+
+
+def cached_digest(eng: Engine) -> str:
+    from worker.calibration import KeyCalibration
+    assert eng.model.key_scales is not None and eng.model.key_shift is not None
+    return KeyCalibration(eng.model.key_scales, eng.model.key_shift).digest()
+
+
+def test_calibration_cache_dir_unwritable(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) -> None:
+    import worker.calibration as calibration
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    monkeypatch.setattr(calibration, "calibration_cache_dir", lambda: blocker / "cal")
+    with caplog.at_level("WARNING", logger="worker.calibration"):
+        eng = engine(tiny_model_dir("llama-gqa"), "int4")
+    assert eng.model.key_scales is not None and "not cached" in caplog.text
