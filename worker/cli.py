@@ -55,7 +55,7 @@ def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (impor
 
 def flagify(message: str) -> str:
     """'max_tokens=0 must be …' → '--max-tokens: max_tokens=0 must be …' (the flag a user typed)."""
-    m = re.match(r"\s*([a-z_]+)\b", message)
+    m = re.match(r"\s*([a-z_][a-z0-9_]*)\b", message)
     return f"--{m.group(1).replace('_', '-')}: {message}" if m else message
 
 
