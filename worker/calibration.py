@@ -35,10 +35,11 @@ Calibration text: the middle of the Python documentation's topic texts that ship
 CPython (`pydoc_data/topics.py`), not the text `kvmesh bench accuracy` scores. What it buys is
 measured by `kvmesh bench accuracy` (`int4` against `int4-uncalibrated`, same run).
 
-Cache. The prefill costs seconds on a CPU at every int4 engine start, so `cached_key_calibration`
-keeps each result in `calibration_cache_dir()` (`cache_root()/calibration/`), keyed by everything the measurement
-depends on: the model's files (config bytes; each weight file's name, size and mtime), the
-token ids, the dtype and device type, torch's version and the constants above. A file that
+Cache. The prefill costs seconds on a CPU at every int4 engine start, so
+`cached_key_calibration` keeps each result in `calibration_cache_dir()`
+(`cache_root()/calibration/`), keyed by everything the measurement depends on: the model's
+files (config bytes; each weight file's name, size and mtime), the token ids, the dtype and
+device type, torch's version and the constants above. A file that
 cannot be read back (torn, foreign, wrong shapes) is measured again and replaced; a cache dir
 that cannot be written only costs the next start the prefill again.
 """

@@ -50,6 +50,7 @@ import torch
 
 from kvstore.pool import BlockPool
 from kvstore.tensors import KVTensors
+from worker.kernels.reference import query_weights
 from worker.request import Request
 
 
@@ -134,9 +135,9 @@ class TokenEvictor:
         decay = self.cfg.h2o_decay
         for i, (req, n, q) in enumerate(zip(reqs, seq_lens, query_lens)):
             new = score_acc[i, :n].to("cpu", torch.float32)            # [n]
-            weight = torch.full((q,), decay).pow_(torch.arange(q, dtype=torch.float32)).cumsum(0)  # [q]
-            reads = torch.full((n,), float(weight[-1]))                 # read by all q new queries
-            reads[n - q:] = weight.flip(0)                              # new token j: by q - j of them
+            weight = query_weights(q, decay)                            # [q], as the kernel weighs them
+            reads = torch.full((n,), float(weight.sum()))               # read by all q new queries
+            reads[n - q:] = weight.flip(0).cumsum(0).flip(0)            # new token j: by queries j ..
             old, old_reads = self.scores.get(req.request_id), self.reads.get(req.request_id)
             if old is not None and old_reads is not None:
                 age = decay ** q

@@ -151,6 +151,13 @@ class AttnMetadata:
                    seq_lens_list=list(seq_lens), score_acc=acc, score_decay=score_decay)
 
 
+def query_weights(q_len: int, decay: float, device: str | torch.device = "cpu") -> torch.Tensor:
+    """[q_len] fp32: `decay ** (q_len - 1 - j)`, the weight of new token j's query in score
+    collection (the last query weighs 1, each earlier one `decay` less per step)."""
+    age = torch.arange(q_len - 1, -1, -1, device=device, dtype=torch.float32)
+    return torch.full_like(age, decay).pow_(age)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V rows `[T, Hkv, D]` at their slots (in place; quantized if the cache is)."""
@@ -293,8 +300,7 @@ def _prefill_one(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     if score_row is not None:
         qg = q[0].view(num_kv_heads, num_q_heads // num_kv_heads, q_len, head_dim)  # [Hkv, G, q, D]
         out, probs = explicit_attention(qg, k[0][:, None], v[0][:, None], mask, scale)  # [Hkv, G, q, D|S]
-        age = torch.arange(q_len - 1, -1, -1, device=query.device, dtype=torch.float32)  # [q]
-        weight = torch.full_like(age, score_decay).pow_(age)  # [q]
+        weight = query_weights(q_len, score_decay, query.device)  # [q]
         score_row[start:seq_len] += weight @ probs.sum(dim=(0, 1))  # [S]
         return out.reshape(num_q_heads, q_len, head_dim).transpose(0, 1)  # [q, Hq, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
