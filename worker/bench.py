@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--quick", action="store_true", help="a small run (under a minute)")
         p.add_argument("--model", default="smollm2")
         p.add_argument("--seed", type=int, default=0)
+        if name == "accuracy":
+            p.add_argument("--text", type=Path, default=None,
+                           help="score this UTF-8 text file instead of the interpreter's LICENSE.txt")
         p.set_defaults(run=_runner(fn))
 
 
@@ -250,17 +253,24 @@ def accuracy_configs(window_tokens: int) -> list[tuple[str, dict[str, Any]]]:
     eviction = [(f"{policy}-{pct}", {"kv_eviction": policy, "kv_budget": window_tokens * pct // 100,
                                      "attention_sinks": 4})
                 for pct in (50, 25) for policy in ("streaming", "h2o")]
+    eviction.append(("h2o-50-nodecay", dict(eviction[1][1], h2o_decay=1.0)))
     return dtypes + eviction
 
 
-def accuracy_text() -> tuple[str, str]:
-    """(text, where it came from): real English shipped with every CPython, its LICENSE.txt."""
-    import sysconfig
-    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-    if not path.exists():  # some distributions drop it: then the Python docs' topic texts (pydoc)
-        import pydoc_data
-        path = Path(pydoc_data.__file__).parent / "topics.py"
-    return path.read_text(encoding="utf-8"), str(path)
+def accuracy_text(path: Path | None = None) -> tuple[str, str]:
+    """(text, where it came from): `path`, else real English shipped with every CPython, its
+    LICENSE.txt."""
+    if path is None:
+        import sysconfig
+        path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+        if not path.exists():  # some distributions drop it: then the Python docs' topic texts (pydoc)
+            import pydoc_data
+            path = Path(pydoc_data.__file__).parent / "topics.py"
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except (OSError, UnicodeDecodeError) as e:
+        from worker.cli import CLIError
+        raise CLIError(f"--text: cannot read {path}: {e}") from None
 
 
 def encode_text(engine: Any, text: str) -> list[int]:
@@ -296,7 +306,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     from worker.engine import Engine, EngineConfig
     from worker.sampling import SamplingParams
 
-    text, source = accuracy_text()
+    text, source = accuracy_text(args.text)
     window = 512 if args.quick else 2048
     gen_len = 64 if args.quick else 256
     prompt_len, num_prompts, block_size = 64, 4, 16
@@ -313,7 +323,8 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
         engine = Engine(EngineConfig(**(base | overrides)))
         ids = encode_text(engine, text)
         if len(ids) < window + 1:
-            raise ValueError(f"{source} has {len(ids)} tokens; the window needs {window + 1}")
+            from worker.cli import CLIError
+            raise CLIError(f"--text: {source} has {len(ids)} tokens; the window needs {window + 1}")
         step = (len(ids) - prompt_len) // num_prompts
         prompts = [ids[i * step:i * step + prompt_len] for i in range(num_prompts)]  # evenly spaced spans
         if engine.evictor is None:
@@ -377,7 +388,9 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
         "eviction": f"streaming-P / h2o-P keep P% of the {window}-token text (kv_budget), 4 attention sinks; "
                     f"ppl is scored {block_size} tokens at a time, compacting to the budget whenever a sequence "
                     "reaches budget + block_size; H2O keeps half of the non-sink budget as recent tokens and the "
-                    "rest by the attention they received (summed over layers and heads) per query that read them",
+                    "rest by the attention they received (summed over layers and heads) per query that read them, "
+                    "each query weighted h2o_decay (0.98) less per step in the past",
+        "h2o-50-nodecay": "h2o-50 with h2o_decay=1: every query's attention counts the same",
         "int4-uncalibrated": "int4 without the per-channel key scales and shift of worker.calibration (int4 has them)",
         "bytes_per_token": "KVLayout.bytes_per_token: all layers, K and V, values plus scales"},
         "config": {"model": args.model, "window_tokens": window, "generated_tokens": gen_len,

@@ -98,7 +98,7 @@ def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture
     bpt = [r[d]["bytes_per_token"] for d in ("fp32", "fp16", "int8", "int4")]
     assert bpt == sorted(bpt, reverse=True) and r["int8"]["bytes_per_token"] == r["fp8"]["bytes_per_token"]
     assert r["int4-uncalibrated"]["bytes_per_token"] == r["int4"]["bytes_per_token"]
-    for name in ("streaming-50", "h2o-50", "streaming-25", "h2o-25"):
+    for name in ("streaming-50", "h2o-50", "streaming-25", "h2o-25", "h2o-50-nodecay"):
         row = r[name]
         assert finite(row["ppl"], row["text_agreement"]) and row["ppl"] > 1
         assert row["kv_budget_tokens"] == 512 * int(name.split("-")[1]) // 100
@@ -106,6 +106,17 @@ def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture
     assert r["fp32"]["text_agreement"] == 1
     assert {"baseline", "text", "ppl", "token_agreement", "eviction"} <= set(r["notes"])
     assert r["config"]["window_tokens"] == 512
+
+
+def test_bench_accuracy_text_flag(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("too short to score")
+    assert main(["bench", "accuracy", "--quick", "--model", tiny, "--text", str(short)]) == 2
+    assert capsys.readouterr().err.startswith("kvmesh bench: --text:")
+    assert main(["bench", "accuracy", "--quick", "--model", tiny, "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "--text: cannot read" in capsys.readouterr().err
+    text, source = accuracy_text(short)
+    assert text == "too short to score" and source == str(short)
 
 
 def test_accuracy_text_is_the_interpreters_license() -> None:
