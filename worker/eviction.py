@@ -13,22 +13,20 @@ compaction per `block_size` tokens instead of one per step.
   each cached token received (summed over layers, query heads and new queries, see
   `AttnMetadata.score_acc`) to the sequence's score, and counts the queries that read it.
   Two departures from the paper, both chosen by perplexity at a 50% budget on 2,048 tokens
-  of the bench text (CPython's LICENSE.txt) and of the pydoc topics text, with throwaway
-  runs of the bench's scoring path (`kvmesh bench accuracy` reports the current figures):
+  of the bench text (CPython's LICENSE.txt) and of the pydoc topics text:
   * Tokens are ranked by their mean over the queries that read them (score / reads), not
     by the plain sum: a sum favours old tokens, which more queries have read, whatever
     their worth.
   * Score and reads decay by `h2o_decay` (default 0.98) per query, so the mean is weighted
     towards what recent queries attend to (TOVA and SnapKV rank by recent queries only).
-    Undecayed, H2O lost to StreamingLLM on LICENSE.txt (ppl +6.5% vs +1.4%): that text
-    repeats clauses, and which old tokens matter moves as the text goes on. With 0.98 it
-    beat StreamingLLM on both tuning texts; on two held-out texts (IDLE's NEWS.txt and
-    HISTORY.txt) it won on one (+1.8% vs +3.8%) and lost on the other (+0.9% vs -0.1%).
+    What it buys is measured by `kvmesh bench accuracy` (`h2o-50` against `h2o-50-nodecay`
+    and `streaming-50`, same run); `--text` runs it on other texts. It is not a win
+    everywhere: the README lists runs where StreamingLLM scores better.
   One token set is kept for all layers and heads, because every layer shares the
   sequence's block table. Per-(layer, KV head) sets, as in the paper, were built and
-  measured (compacted rows may hold a different token per head; no per-head block table is
-  needed when every head keeps exactly B): on LICENSE.txt they scored far worse than the
-  shared set (ppl +16% vs +6.5%, undecayed), so they were not kept.
+  tried (compacted rows may hold a different token per head; no per-head block table is
+  needed when every head keeps exactly B); on LICENSE.txt they scored clearly worse than
+  the shared set in one-off runs, so they were not kept (nor is that code).
 
 Positions: K is cached after RoPE, so a kept token keeps the rotation of its original
 position; new tokens take their true positions (`num_computed_tokens`), so relative
