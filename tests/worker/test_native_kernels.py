@@ -1,0 +1,138 @@
+"""The native CPU decode kernel (worker/kernels/csrc/paged_decode.cpp) against the dense
+oracle, its fallback, and its input checks.
+
+`make setup` builds the kernel, so these tests expect it: a machine that cannot build it
+(no C++ compiler) fails `test_kernel_is_built` rather than skipping the rest.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.worker.test_kernels import check, dense_oracle, make_case
+from worker.kernels import native
+from worker.kernels.reference import paged_attention
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def kernel(case, window: int | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    meta = case.meta
+    return native.paged_decode(case.query, case.k_cache, case.v_cache, meta.block_tables, meta.seq_lens,
+                               case.query.shape[-1] ** -0.5, window)
+
+
+def test_kernel_is_built() -> None:
+    assert native.load() is not None, "the native CPU kernels did not build (see the warning above)"
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 64, 128])  # 12: the plain C++ loops (not a multiple of 8)
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2), (4, 1), (32, 2)], ids=["mha", "gqa3", "gqa", "mqa", "g16"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_matches_dense_oracle(head_dim: int, heads: tuple[int, int], block_size: int, threads: int) -> None:
+    lens = [1, 2, 7, 16, 17, 33, 64, 5]
+    case = make_case([(1, n) for n in lens], *heads, head_dim=head_dim, block_size=block_size,
+                     seed=head_dim + block_size, extra_cols=2)
+    out = kernel(case)
+    for i, (k, v) in enumerate(zip(case.keys, case.values)):
+        expected = dense_oracle(case.query[i:i + 1], k, v, head_dim ** -0.5, None)
+        torch.testing.assert_close(out[i:i + 1], expected, **TOL)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 40])
+def test_sliding_window(window: int, threads: int) -> None:
+    lens = [1, 3, 15, 16, 17, 40, 41]
+    case = make_case([(1, n) for n in lens], 6, 2, head_dim=16, block_size=4, seed=window)
+    out = kernel(case, window)
+    for i, (k, v) in enumerate(zip(case.keys, case.values)):
+        expected = dense_oracle(case.query[i:i + 1], k, v, 0.25, window)
+        torch.testing.assert_close(out[i:i + 1], expected, **TOL)
+
+
+def test_large_logits_stay_finite() -> None:
+    """Scores in the thousands: the max-subtracted softmax and the vector exp stay exact."""
+    case = make_case([(1, 50), (1, 3)], 4, 2, head_dim=16, block_size=4)
+    big = case._replace(query=case.query * 300)
+    out = kernel(big)
+    assert torch.isfinite(out).all()
+    for i, (k, v) in enumerate(zip(big.keys, big.values)):
+        torch.testing.assert_close(out[i:i + 1], dense_oracle(big.query[i:i + 1], k, v, 0.25, None), **TOL)
+
+
+def test_paged_attention_uses_it_for_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pure decode batch and the decode rows of a mixed batch go through the kernel; prefill
+    rows, score collection and half-precision caches do not."""
+    calls: list[int] = []
+    real = native.paged_decode
+
+    def spy(query: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(query.shape[0])
+        return real(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "paged_decode", spy)
+    check(make_case([(1, 30), (1, 9), (1, 17)], 4, 2, 8, block_size=4))
+    check(make_case([(1, 30), (6, 6), (3, 20), (1, 9)], 4, 2, 8, block_size=4), sliding_window=5)
+    assert calls == [3, 2]
+    check(make_case([(1, 30), (1, 9)], 4, 2, 8, block_size=4, cache_dtype=torch.float16))
+    case = make_case([(1, 30), (1, 9)], 4, 2, 8, block_size=4)
+    meta = type(case.meta).build(case.meta.query_lens_list, case.meta.seq_lens_list, case.block_tables, 4,
+                                 collect_scores=True)
+    paged_attention(case.query, case.k_cache, case.v_cache, meta, 0.5)
+    assert calls == [3, 2]
+
+
+def test_falls_back_to_torch_when_it_cannot_build(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(native, "build", broken)
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert native.load() is None
+            case = make_case([(1, 30), (1, 9)], 4, 2, 8, block_size=4)
+            assert not native.decode_supported(case.query, case.k_cache, case.v_cache)
+            check(case)  # the torch path
+        assert "no compiler here" in caplog.text
+    finally:
+        native.load.cache_clear()
+
+
+def test_switched_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+    finally:
+        native.load.cache_clear()
+
+
+def test_bad_input_raises_instead_of_reading_out_of_bounds() -> None:
+    case = make_case([(1, 30), (1, 9)], 4, 2, 8, block_size=4)
+    meta = case.meta
+    bad_table = meta.block_tables.clone()
+    bad_table[0, 0] = case.k_cache.shape[0]  # past the pool
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        native.paged_decode(case.query, case.k_cache, case.v_cache, bad_table, meta.seq_lens, 0.5, None)
+    too_long = meta.seq_lens.clone()
+    too_long[1] = meta.block_tables.shape[1] * 4 + 1
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        native.paged_decode(case.query, case.k_cache, case.v_cache, meta.block_tables, too_long, 0.5, None)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        native.paged_decode(case.query.double(), case.k_cache, case.v_cache, meta.block_tables, meta.seq_lens,
+                            0.5, None)
+    with pytest.raises(RuntimeError, match="query heads per kv head"):
+        q = torch.randn(2, 34, 8)
+        native.paged_decode(q, case.k_cache, case.v_cache, meta.block_tables, meta.seq_lens, 0.5, None)

@@ -1,0 +1,130 @@
+"""Native CPU kernels (C++, `csrc/`), built on first use and cached per machine.
+
+`paged_decode` is decode attention read in place from an fp32 paged cache: the torch path
+(`worker.kernels.decode`) gathers every block a step reads into a dense copy and reads it
+again in SDPA, which makes decode attention memory-bound on CPU; the kernel reads each
+cached byte once. Everything it does not cover (GPU, other dtypes, quantized caches, score
+collection for H2O) stays on the torch path, which is also the oracle it is tested against.
+
+Built with `torch.utils.cpp_extension` (a C++ compiler and ninja; ~30-40 s once) into
+`cache_root()/kernels/<key>`, where the key covers the source, torch, Python, the platform
+and the flags; later processes import the built module directly. `make setup` builds it.
+When it cannot be built the engine logs one warning and runs the torch path;
+`KVMESH_NATIVE_KERNELS=0` turns the kernels off.
+
+    python -m worker.kernels.native      # build now (exits 1 if it cannot)
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvstore.quant import KVCache, QuantizedKV
+
+log = logging.getLogger(__name__)
+
+NAME = "kvmesh_native"
+SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
+ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
+MAX_GROUP = 16  # query heads per kv head the kernel takes (kMaxGroup in the source)
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds (torch's libgomp at run time)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def build_dir() -> Path:
+    from worker.loader import cache_root
+
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(repr((torch.__version__, sys.version, platform.machine(), platform.system(), _flags())).encode())
+    return cache_root() / "kernels" / f"{NAME}-{h.hexdigest()[:16]}"
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build() -> ModuleType:
+    """Build (or find) the extension and import it; raises when it cannot be built."""
+    d = build_dir()
+    ready = d / "ready"
+    if ready.exists():
+        return _import(Path(ready.read_text()))
+    from torch.utils import cpp_extension
+
+    d.mkdir(parents=True, exist_ok=True)
+    log.info("building native CPU kernels in %s (once per machine)", d)
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) puts it beside the interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{path}"
+    try:
+        # cpp_extension locks the build dir, so concurrent first starts build it once
+        module = cpp_extension.load(NAME, [str(s) for s in SOURCES], extra_cflags=_flags(),
+                                    extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+    finally:
+        os.environ["PATH"] = path
+    tmp = d / f"ready.{os.getpid()}"
+    tmp.write_text(str(Path(module.__file__).resolve()))
+    tmp.replace(ready)
+    return module
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The built module, or None (switched off, or it cannot be built: warned once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        return build()
+    except Exception as e:  # no compiler, no ninja, a read-only cache dir, ...
+        log.warning("native CPU kernels unavailable, decode attention runs on the torch path: %s", e)
+        return None
+
+
+def decode_supported(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache) -> bool:
+    """Whether `paged_decode` takes these tensors (and the kernel is built)."""
+    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        return False
+    return (query.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and query.shape[1] // k_cache.shape[2] <= MAX_GROUP and load() is not None)
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+    """query [B, Hq, D] (one token per sequence) over the first `seq_lens[b]` cached tokens
+    (the last `sliding_window` of them) of block table row b -> [B, Hq, D]. Check
+    `decode_supported` first."""
+    module = load()
+    assert module is not None, "paged_decode: the native kernels are not built"
+    return module.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(f"native CPU kernels: {build().__file__}")
+    except Exception as e:
+        print(f"native CPU kernels cannot be built: {e}", file=sys.stderr)
+        sys.exit(1)
