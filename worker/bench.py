@@ -92,6 +92,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from worker.engine import Engine, EngineConfig
+    from worker.kernels import native
     from worker.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=args.model, dtype="fp32"))
@@ -140,6 +141,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     results["roofline_tok_s"] = roof["batch1_tok_s"]
     results["roofline"] = roof
     results["config"] = {"model": mc.name, "dtype": "fp32", "batch1_new_tokens": n1,
+                         "native_decode_attention": native.load() is not None,
                          "batch16_prompt_lens": prompt_lens, "batch16_output_lens": out_lens}
     return results
 

@@ -7,8 +7,10 @@ cached byte once. Everything it does not cover (GPU, other dtypes, quantized cac
 collection for H2O) stays on the torch path, which is also the oracle it is tested against.
 
 Built with `torch.utils.cpp_extension` (a C++ compiler and ninja; ~30-40 s once) into
-`cache_root()/kernels/<key>`, where the key covers the source, torch, Python, the platform
-and the flags; later processes import the built module directly. `make setup` builds it.
+`<kernels dir>/<key>`, where the key covers the source, torch, Python, the platform and the
+flags; later processes import the built module directly. The kernels dir is
+`$KVMESH_KERNELS_DIR`, else `cache_root()/kernels`. `make setup` builds it; the CPU image
+builds it at image build time into a directory of the image.
 When it cannot be built the engine logs one warning and runs the torch path;
 `KVMESH_NATIVE_KERNELS=0` turns the kernels off.
 
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 NAME = "kvmesh_native"
 SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
 ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
+ENV_DIR = "KVMESH_KERNELS_DIR"
 MAX_GROUP = 16  # query heads per kv head the kernel takes (kMaxGroup in the source)
 
 
@@ -53,7 +56,8 @@ def build_dir() -> Path:
     for src in SOURCES:
         h.update(src.read_bytes())
     h.update(repr((torch.__version__, sys.version, platform.machine(), platform.system(), _flags())).encode())
-    return cache_root() / "kernels" / f"{NAME}-{h.hexdigest()[:16]}"
+    root = Path(os.environ[ENV_DIR]).expanduser() if os.environ.get(ENV_DIR) else cache_root() / "kernels"
+    return root / f"{NAME}-{h.hexdigest()[:16]}"
 
 
 def _import(path: Path) -> ModuleType:

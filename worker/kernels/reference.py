@@ -1,5 +1,9 @@
 """Paged attention in plain torch: the CPU kernels and the oracle for every GPU twin.
 
+One exception on CPU: fp32 decode rows (one new token), when no scores are collected, go to
+the native kernel in `worker.kernels.native`, which reads the cache in place; the torch
+decode path here stays its oracle and its fallback (tests run both).
+
 Cache layout (see `kvstore.tensors`): `k_cache`, `v_cache` are `[num_blocks, block_size,
 num_kv_heads, head_dim]`; token slot `slot = block_id * block_size + offset`.
 
