@@ -136,3 +136,12 @@ def test_bad_input_raises_instead_of_reading_out_of_bounds() -> None:
     with pytest.raises(RuntimeError, match="query heads per kv head"):
         q = torch.randn(2, 34, 8)
         native.paged_decode(q, case.k_cache, case.v_cache, meta.block_tables, meta.seq_lens, 0.5, None)
+
+
+def test_kernels_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    assert native.build_dir().parent == tmp_path
+    monkeypatch.delenv(native.ENV_DIR)
+    from worker.loader import cache_root
+
+    assert native.build_dir().parent == cache_root() / "kernels"
