@@ -122,7 +122,7 @@ class Linear:
         m = x.shape[0]
         rows = self.gemm_rows(m)
         if rows != m:
-            x = torch.cat((x, x.new_zeros(rows - m, x.shape[1])))
+            x = F.pad(x, (0, 0, 0, rows - m))
         y = torch.mm(self.weight, x.t())                          # [out, rows]
         return y if rows == m else y[:, :m]
 

@@ -92,6 +92,17 @@ def test_paged_attention_uses_it_for_decode_rows(monkeypatch: pytest.MonkeyPatch
     assert calls == [3, 2]
 
 
+def test_mixed_step_selects_its_decode_rows_once() -> None:
+    """The decode rows of a mixed step are selected by the first layer and reused; no torch
+    decode plan is built for them."""
+    case = make_case([(1, 30), (1, 9), (5, 17), (1, 12)], 4, 2, 8, block_size=4)
+    for _ in range(3):  # three layers
+        check(case)
+    rows = case.meta.decode_rows()
+    assert rows.rows.tolist() == [0, 1, 7] and rows.seq_lens.tolist() == [30, 9, 12]
+    assert case.meta.decode_rows() is rows and not case.meta._plans
+
+
 def test_falls_back_to_torch_when_it_cannot_build(monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     def broken() -> None:

@@ -39,7 +39,6 @@ NAME = "kvmesh_native"
 SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
 ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
 ENV_DIR = "KVMESH_KERNELS_DIR"
-MAX_GROUP = 16  # query heads per kv head the kernel takes (kMaxGroup in the source)
 
 
 def _flags() -> list[str]:
@@ -109,9 +108,11 @@ def decode_supported(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache) ->
     """Whether `paged_decode` takes these tensors (and the kernel is built)."""
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
         return False
-    return (query.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    module = load()
+    return (module is not None and query.device.type == "cpu"
+            and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and query.shape[1] // k_cache.shape[2] <= MAX_GROUP and load() is not None)
+            and query.shape[1] // k_cache.shape[2] <= module.max_group)
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

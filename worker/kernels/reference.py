@@ -35,6 +35,7 @@ work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,12 @@ import torch.nn.functional as F
 from kvstore.quant import KVCache, QuantizedKV
 from worker.kernels import native
 from worker.kernels.decode import DecodePlan, decode_attention, explicit_attention, load, plan_decode, storage
+
+
+class DecodeRows(NamedTuple):
+    rows: torch.Tensor  # [b] int64 query row (token index) of each q_len == 1 sequence
+    block_tables: torch.Tensor  # [b, max_blocks] their block table rows
+    seq_lens: torch.Tensor  # [b]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -65,6 +72,7 @@ class AttnMetadata:
     # weight of new token j of q in score_acc: score_decay ** (q - 1 - j) (1.0: a plain sum)
     score_decay: float = 1.0
     _plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict, init=False, repr=False)
+    _rows: dict[None, DecodeRows] = field(default_factory=dict, init=False, repr=False)  # decode_rows() memo
 
     def __post_init__(self) -> None:
         if len(self.query_lens_list) != len(self.seq_lens_list):
@@ -110,6 +118,18 @@ class AttnMetadata:
                                sliding_window)
             self._plans[key] = plan
         return plan
+
+    def decode_rows(self) -> DecodeRows:
+        """The q_len == 1 sequences of this step as the native kernel takes them (memoised
+        like `decode_plan`)."""
+        rows = self._rows.get(None)
+        if rows is None:
+            seqs = torch.tensor([i for i, q in enumerate(self.query_lens_list) if q == 1],
+                                dtype=torch.int64, device=self.seq_lens.device)  # [b]
+            rows = DecodeRows(self.query_start_loc.index_select(0, seqs),
+                              self.block_tables.index_select(0, seqs), self.seq_lens.index_select(0, seqs))
+            self._rows[None] = rows
+        return rows
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -246,8 +266,8 @@ def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     if in_place and meta.is_decode:
         return native.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,  # type: ignore[arg-type]
                                    sliding_window)
-    plan = meta.decode_plan(k_cache.shape[1], sliding_window)
-    if plan.identity and len(plan.seqs) == meta.num_tokens:  # a pure decode batch, order kept
+    plan = None if in_place else meta.decode_plan(k_cache.shape[1], sliding_window)
+    if plan is not None and plan.identity and len(plan.seqs) == meta.num_tokens:  # pure decode, order kept
         return decode_attention(query, k_cache, v_cache, plan, scale, acc)
     out = torch.empty_like(query)  # [T, Hq, D]
     start = 0
@@ -257,15 +277,15 @@ def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                 query[start:start + q_len], k_cache, v_cache, meta.block_tables[i], seq_len,
                 scale, sliding_window, None if acc is None else acc[i], meta.score_decay)
         start += q_len
-    if plan.seqs:
+    if plan is None:  # in place: the decode rows of a mixed step
+        if 1 in meta.query_lens_list:
+            d = meta.decode_rows()
+            out.index_copy_(0, d.rows, native.paged_decode(query.index_select(0, d.rows), k_cache, v_cache,  # type: ignore[arg-type]
+                                                           d.block_tables, d.seq_lens, scale, sliding_window))
+    elif plan.seqs:
         # the query row of each decode sequence, in the plan's order
         rows = plan.seqs_t if meta.is_decode else meta.query_start_loc.index_select(0, plan.seqs_t)
-        if in_place:
-            res = native.paged_decode(query.index_select(0, rows), k_cache, v_cache,  # type: ignore[arg-type]
-                                      meta.block_tables.index_select(0, plan.seqs_t),
-                                      meta.seq_lens.index_select(0, plan.seqs_t), scale, sliding_window)
-        else:
-            res = decode_attention(query.index_select(0, rows), k_cache, v_cache, plan, scale, acc)  # [b, Hq, D]
+        res = decode_attention(query.index_select(0, rows), k_cache, v_cache, plan, scale, acc)  # [b, Hq, D]
         out.index_copy_(0, rows, res)
     return out
 

@@ -244,4 +244,5 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged fp32 KV cache (CPU)");
+  m.attr("max_group") = kMaxGroup;
 }
