@@ -14,10 +14,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+from router.routing import RoutingPolicy
 from router.sim import SimConfig, make_trace, oracle_hit_rate, simulate
 from worker.bench import emit
 
-POLICY_ORDER = ("round_robin", "least_loaded", "prefix_hash", "kv_aware")
+POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -104,13 +105,13 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
         cfg = SimConfig(num_workers=n, num_requests=1500 if quick else 4000, seed=seed)
         trace = make_trace(cfg)
         row: dict[str, Any] = {"oracle_hit_rate": oracle_hit_rate(cfg, trace)}
-        for name in POLICY_ORDER:
-            r = simulate(name, cfg, trace)
-            row[name] = {"hit_rate": r.hit_rate, "imbalance": r.imbalance,
+        for policy in POLICY_ORDER:
+            r = simulate(policy, cfg, trace)
+            row[policy.value] = {"hit_rate": r.hit_rate, "imbalance": r.imbalance,
                          "hit_rate_vs_oracle": r.hit_rate / row["oracle_hit_rate"]}
         out["by_workers"][str(n)] = row
     head = out["by_workers"]["8"]
-    out.update({name: {k: head[name][k] for k in ("hit_rate", "imbalance")} for name in POLICY_ORDER})
+    out.update({p.value: {k: head[p.value][k] for k in ("hit_rate", "imbalance")} for p in POLICY_ORDER})
     out["oracle_hit_rate"] = head["oracle_hit_rate"]
     c = SimConfig()
     out["config"] = {"headline_workers": 8, "cache_blocks_per_worker": c.cache_blocks, "prompts": c.num_prompts,
@@ -125,7 +126,8 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
 
     from proto.kvmesh.v1 import kvmesh_pb2 as pb
     from router.launch import LocalCluster, ServeConfig
-    from router.server import RouterConfig, RouterServer
+    from router.config import RouterConfig
+    from router.server import RouterServer
 
     rng = random.Random(seed)
     num_prompts, num_requests = (8, 32) if quick else (12, 96)
@@ -138,13 +140,15 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
                                   cluster_name=f"bench-{rng.randrange(10**6)}")) as cluster:
         for policy in POLICY_ORDER:
             # Fresh system prompts per policy, so no policy inherits another's cache.
-            systems = [" ".join(rng.choices(words, k=120)) + f" [tenant {policy}-{i}]" for i in range(num_prompts)]
+            systems = [" ".join(rng.choices(words, k=120)) + f" [tenant {policy.value}-{i}]"
+                       for i in range(num_prompts)]
             weights = [1.0 / (k + 1) ** 1.1 for k in range(num_prompts)]
-            router = RouterServer(RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=model,
+            server = RouterServer(RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=model,
                                                http_port=None, redis_url=cluster.redis_url,
                                                cluster_name=cluster.cfg.cluster_name, routing_policy=policy))
-            await router.start()
-            await router.wait_ready(60)
+            await server.start()
+            await server.wait_ready(60)
+            router = server.core
             before = await _worker_counters(cluster.worker_addresses)
             sem = asyncio.Semaphore(6)
             served: Counter[str] = Counter()
@@ -166,18 +170,18 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
             after = await _worker_counters(cluster.worker_addresses)
             prompt = sum(a[0] - b[0] for a, b in zip(after, before))
             cached = sum(a[1] - b[1] for a, b in zip(after, before))
-            out[policy] = {"cached_token_frac": cached / prompt if prompt else 0.0,
+            out[policy.value] = {"cached_token_frac": cached / prompt if prompt else 0.0,
                            "prompt_tokens": prompt, "routed_hit_tokens": router.stats.routed_hit_tokens,
                            "hit_mismatches": router.stats.mismatches,
                            "requests_per_worker": dict(sorted(served.items()))}
-            await router.stop(1)
+            await server.stop(1)
     out["config"] = {"workers": 3, "num_blocks_per_worker": 48, "system_prompts": num_prompts,
                      "requests": num_requests, "max_tokens": 1, "concurrency": 6}
     return out
 
 
 def _to_input(req: Any) -> Any:
-    from proto.convert import to_generate_input
+    from contracts.wire import to_generate_input
     return to_generate_input(req)
 
 

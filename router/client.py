@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import grpc
 
-from proto.convert import FINISH_REASON_NAMES
+from contracts.wire import FINISH_REASON_NAMES
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
 

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP on the router's event loop: /v1/completions, /v1/chat/completions,
 /v1/models, /health.
 
-A request body becomes the same `GenerateRequest` → `GenerateInput` → `RouterServer.prepare`
-→ `RouterServer.generate` path as gRPC; only the JSON shapes differ. Every field OpenAI
+A request body becomes the same `GenerateRequest` → `GenerateInput` → `Router.prepare` →
+`Router.generate` path (router/core.py) as gRPC; only the JSON shapes differ. Every field OpenAI
 documents for these endpoints is accepted; fields that would change the output in ways
 kvmesh cannot honour (n > 1, logprobs, echo, tools, …) are 400s, unknown fields are 400s.
 """
@@ -20,9 +20,12 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from proto.convert import FINISH_REASON_NAMES, BadRequest, to_generate_input
+from contracts.requests import BadRequest
+from contracts.sampling import is_int, is_real
+from contracts.wire import FINISH_REASON_NAMES, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.server import NoWorkerAvailable, RouterServer, UpstreamError
+from router.core import Router
+from router.errors import NoWorkerAvailable, UpstreamError
 
 Json = dict[str, Any]
 
@@ -62,9 +65,10 @@ class HttpError(Exception):
 
 
 class HttpFrontend:
-    """The aiohttp app of one RouterServer; started and stopped by it."""
+    """The aiohttp app over one routing core; started and stopped by its RouterServer
+    (router/server.py). The only place HTTP statuses are chosen (`_http_error`)."""
 
-    def __init__(self, router: RouterServer) -> None:
+    def __init__(self, router: Router) -> None:
         self.router = router
         self.created = int(time.time())
         self._active: set[asyncio.Task[Any]] = set()
@@ -120,7 +124,7 @@ class HttpFrontend:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             msg.text = prompt
-        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             _set(lambda: msg.token_ids.ids.extend(prompt), "prompt")
         elif isinstance(prompt, list) and not prompt:
             raise HttpError(400, "prompt: the prompt is empty", "prompt")
@@ -277,13 +281,13 @@ def _sampling(body: Json, sp: pb.SamplingParams) -> None:
     for name in _SAMPLING_NUMBERS:
         value = body.get(name)
         if value is not None:
-            if not _is_real(value):
+            if not is_real(value):
                 raise HttpError(400, f"{name}: must be a number, got {value!r}", name)
             setattr(sp, name, value)
     for name in ("max_tokens", "seed"):
         value = body.get(name)
         if value is not None:
-            if not _is_int(value):
+            if not is_int(value):
                 raise HttpError(400, f"{name}: must be an integer, got {value!r}", name)
             _set(lambda: setattr(sp, name, value), name)
     stop = body.get("stop")
@@ -330,14 +334,6 @@ def _set(fn: Callable[[], object], param: str) -> None:
         fn()
     except (ValueError, TypeError) as e:  # out of the int32 / int64 range of the contract
         raise HttpError(400, f"{param}: {e}", param) from None
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _reject_constant(name: str) -> float:

@@ -15,7 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvstore.keys import BlockHash, block_hashes
-from router.policy import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad, make_policy
+from router.policy import make_policy
+from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
 _SALT = b"kvmesh-sim"
 
@@ -76,7 +77,7 @@ def make_trace(cfg: SimConfig) -> list[RouteRequest]:
     return trace
 
 
-def simulate(policy_name: str, cfg: SimConfig, trace: list[RouteRequest]) -> SimResult:
+def simulate(policy_name: RoutingPolicy | str, cfg: SimConfig, trace: list[RouteRequest]) -> SimResult:
     rng = random.Random(cfg.seed + 1)
     workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
     caches = {w.worker_id: LRUCache(cfg.cache_blocks) for w in workers}

@@ -46,7 +46,7 @@ from kvstore.keys import BlockHash, block_hashes
 from kvstore.transfer import (MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendResult, TransferConfig,
                               TransferError, TransferGroup)
 from kvstore.transfer_cost import CostModel, LinkEstimate, measure_checksum, measure_link
-from proto.convert import PeerHint, SendBlocksInput
+from contracts.requests import PeerHint, SendBlocksInput
 from worker.peer_engine import (HeldBlocks, count_local_blocks, ensure_host_tier, measure_prefill,
                                 take_held_blocks)
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from worker.params import SamplingParams, SamplingParamsError  # noqa: F401 (re-exported)
+from contracts.sampling import SamplingParams, SamplingParamsError  # noqa: F401 (re-exported)
 
 
 class SamplingHistory:

@@ -23,13 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.convert import (FINISH_REASONS, BadRequest, ParsedRequest, parse_generate_request,
-                           parse_send_blocks_request, to_generate_input, to_send_blocks_input,
-                           to_send_blocks_request)
+from contracts.requests import BadRequest
+from contracts.sampling import SamplingParamsError
+from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_request, parse_send_blocks_request,
+                            to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from worker.metadata_hook import WorkerMetadata as _Metadata
-from worker.params import SamplingParamsError
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine

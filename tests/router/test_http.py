@@ -180,10 +180,11 @@ def test_client_disconnect_mid_stream_cancels_upstream(web: Cluster) -> None:
 
 
 def test_no_worker_is_503(web: Cluster) -> None:
-    from router.server import RouterConfig, RouterServer
+    from router.config import RouterConfig
+    from router.server import RouterServer
     cfg = RouterConfig(worker_addresses=("127.0.0.1:1",), model=str(web.model_dir), served_model_name="smollm2",
                        http_port=0)
-    router = RouterServer(cfg, tokenizer=web.router._tokenizer)
+    router = RouterServer(cfg, tokenizer=web.router.core.tokenizer)
     _, port = web.lt.run(router.start())
     try:
         assert port is not None

@@ -16,10 +16,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto.convert import PeerHint
+from contracts.requests import PeerHint
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.policy import WorkerId
-from router.server import WORKER_SERVICE, RouterConfig, RouterServer, best_peer_hint
+from router.config import RouterConfig
+from router.core import Router, best_peer_hint
+from router.registry import WORKER_SERVICE
+from router.routing import WorkerId
+from router.server import RouterServer
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 PEERS = {W0: ("h:1", 0, 3), W1: ("h:2", 1, 3), W2: ("h:3", 2, 3)}
@@ -89,21 +92,22 @@ class FakeWorker:
 
 
 async def _route(policy: str, ranks: tuple[int | None, int | None], counts: Mapping[str, int],
-                 n: int) -> tuple[list[tuple[str, list[dict[str, Any]]]], RouterServer, list[str]]:
+                 n: int) -> tuple[list[tuple[str, list[dict[str, Any]]]], Router, list[str]]:
     """Start two fake workers and a router; send `n` requests of a 30-token prompt (7 blocks
     may be cached). Returns (served by, hints received) per request."""
-    from proto.convert import to_generate_input
+    from contracts.wire import to_generate_input
     fakes = [FakeWorker("w0", ranks[0], counts["w0"]), FakeWorker("w1", ranks[1], counts["w1"])]
     addresses = [await f.start() for f in fakes]
-    router = RouterServer(RouterConfig(worker_addresses=tuple(addresses), http_port=None, routing_policy=policy,
+    server = RouterServer(RouterConfig(worker_addresses=tuple(addresses), http_port=None, routing_policy=policy,
                                        health_interval_s=0.2), tokenizer=object())  # type: ignore[arg-type]
+    router = server.core
     results = []
     try:
-        await router.start()
-        await router.wait_ready(10)
+        await server.start()
+        await server.wait_ready(10)
         while len(router.live_workers()) < 2:
             await asyncio.sleep(0.02)
-        router.index = FakeIndex(counts)
+        server.registry.index = FakeIndex(counts)
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(100, 130))),
                                  sampling=pb.SamplingParams(max_tokens=1))
         for _ in range(n):
@@ -111,7 +115,7 @@ async def _route(policy: str, ranks: tuple[int | None, int | None], counts: Mapp
             async for resp in router.generate(prepared, 10):
                 results.append((resp.worker_id, json.loads(resp.text)))
     finally:
-        await router.stop(0)
+        await server.stop(0)
         for f in fakes:
             await f.server.stop(0)
     return results, router, addresses

@@ -7,8 +7,9 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 
 from kvstore.keys import block_hashes
-from router.policy import (KVAwarePolicy, LeastLoadedPolicy, PrefixHashPolicy, RoundRobinPolicy, RouteRequest,
-                           RoutingState, WorkerId, WorkerInfo, WorkerLoad, load_cap, make_policy)
+from router.policy import make_policy
+from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
+from router.scorers import load_cap
 
 SALT = b"test-salt"
 
@@ -53,7 +54,7 @@ def test_bounded_load_holds_under_a_skewed_burst(n, c, ops, policy_name):
 
 def test_kv_aware_follows_the_cache_until_the_cap():
     workers = _workers(4)
-    policy = KVAwarePolicy()
+    policy = make_policy(RoutingPolicy.KV_AWARE)
     route = _route(3)
     idle = {w.worker_id: WorkerLoad(0, 50, 100) for w in workers}
     # The worker holding the prefix wins over idle ones with none.
@@ -68,13 +69,13 @@ def test_kv_aware_follows_the_cache_until_the_cap():
 def test_equal_scores_do_not_burst_to_one_worker():
     """Cold index, different prompts: ties follow the ring, so prompts spread over workers."""
     workers = _workers(4)
-    counts = Counter(KVAwarePolicy().pick(workers, _route(p), RoutingState()).worker_id for p in range(400))
+    counts = Counter(make_policy(RoutingPolicy.KV_AWARE).pick(workers, _route(p), RoutingState()).worker_id for p in range(400))
     assert len(counts) == 4 and max(counts.values()) < 0.4 * 400
 
 
 def test_prefix_hash_affinity_and_minimal_movement():
     workers = _workers(5)
-    policy = PrefixHashPolicy()
+    policy = make_policy(RoutingPolicy.PREFIX_HASH)
     routes = [_route(p) for p in range(300)]
     before = [policy.pick(workers, r, RoutingState()).worker_id for r in routes]
     assert all(policy.pick(workers, _route(p, tail=9), RoutingState()).worker_id == before[p] for p in range(50))
@@ -84,8 +85,8 @@ def test_prefix_hash_affinity_and_minimal_movement():
 
 def test_round_robin_and_least_loaded():
     workers = _workers(3)
-    rr = RoundRobinPolicy()
+    rr = make_policy(RoutingPolicy.ROUND_ROBIN)
     assert [rr.pick(workers, _route(1), RoutingState()).worker_id for _ in range(6)] == ["w0", "w1", "w2"] * 2
     loads = {"w0": WorkerLoad(3), "w1": WorkerLoad(1), "w2": WorkerLoad(2)}
-    assert LeastLoadedPolicy().pick(workers, _route(1), RoutingState(loads)).worker_id == "w1"
-    assert LeastLoadedPolicy().pick(workers, _route(1), RoutingState(), exclude={"w0", "w1", "w2"}) is None
+    assert make_policy(RoutingPolicy.LEAST_LOADED).pick(workers, _route(1), RoutingState(loads)).worker_id == "w1"
+    assert make_policy(RoutingPolicy.LEAST_LOADED).pick(workers, _route(1), RoutingState(), exclude={"w0", "w1", "w2"}) is None

@@ -23,8 +23,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.policy import PrefixHashPolicy, RouteRequest, RoutingState, WorkerId, WorkerInfo
-from router.server import RouterConfig, RouterServer, RouterStartError
+from router.config import RouterConfig
+from router.errors import RouterStartError
+from router.policy import make_policy
+from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo
+from router.server import RouterServer
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +76,7 @@ class Cluster:
 
         async def update() -> None:
             self.router.set_workers(self.worker_addresses)
-            while len(self.router.live_workers()) < len(self.workers):
+            while len(self.router.core.live_workers()) < len(self.workers):
                 await asyncio.sleep(0.05)
         self.lt.run(update(), timeout=30)
 
@@ -144,7 +147,7 @@ def summary(responses: list[pb.GenerateResponse]) -> tuple[list[int], str, pb.Ge
 
 # -- the policy, pure --------------------------------------------------------------------
 def test_prefix_hash_policy_is_stable_and_minimal_on_removal() -> None:
-    salt, base = b"salt", PrefixHashPolicy()
+    salt, base = b"salt", make_policy(RoutingPolicy.PREFIX_HASH)
 
     class _Idle:  # every worker idle: the ring alone decides
         @staticmethod
@@ -197,7 +200,7 @@ def test_greedy_through_router_equals_worker_direct(cluster: Cluster, router_cha
 
 
 def test_same_prefix_same_worker_and_cached(cluster: Cluster, router_channel: grpc.Channel) -> None:
-    info = cluster.router.model_info
+    info = cluster.router.core.model_info
     assert info is not None
     lasts = []
     for question in ("What is the capital of Austria?", "Which river flows through Budapest?"):
@@ -206,10 +209,10 @@ def test_same_prefix_same_worker_and_cached(cluster: Cluster, router_channel: gr
     assert lasts[0].worker_id == lasts[1].worker_id
     assert lasts[1].cached_tokens >= 4 * info.block_size
     # The worker chosen is the policy's pick over the live workers (oracle: the policy itself).
-    ids = cluster.router._tokenizer.encode(LONG_PREFIX + "x")  # type: ignore[union-attr]
+    ids = cluster.router.core.tokenizer.encode(LONG_PREFIX + "x")  # type: ignore[union-attr]
     route = RouteRequest(tuple(ids), tuple(block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex))))
-    state = cluster.router.routing_state(route)
-    assert cluster.router.policy.pick(cluster.router.live_workers(), route, state).worker_id == lasts[0].worker_id
+    state = cluster.router.core.routing_state(route)
+    assert cluster.router.core.policy.pick(cluster.router.core.live_workers(), route, state).worker_id == lasts[0].worker_id
 
 
 def test_32_concurrent_streams_complete(cluster: Cluster) -> None:
@@ -343,7 +346,7 @@ def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel
     # take the retry path (UNAVAILABLE before any token → once more on the other worker).
     blind_cfg = RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=str(cluster.model_dir),
                              http_port=None, health_interval_s=3600)
-    blind = RouterServer(blind_cfg, tokenizer=cluster.router._tokenizer)
+    blind = RouterServer(blind_cfg, tokenizer=cluster.router.core.tokenizer)
     blind_port, _ = cluster.lt.run(blind.start())
     try:
         assert len(blind.live_workers()) == 2

@@ -19,7 +19,8 @@ import torch
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.transfer import MAX_TRANSFER_ID, BlockTransfer, TransferConfig, TransferGroup, free_port
 from kvstore.transfer_cost import LinkEstimate
-from proto.convert import PeerHint, SendBlocksInput, to_send_blocks_request
+from contracts.requests import PeerHint, SendBlocksInput
+from contracts.wire import to_send_blocks_request
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import LoopThread, collect, request

@@ -1,4 +1,5 @@
-"""The protobuf edge: GenerateRequest bytes → a validated `GenerateInput` dataclass, and back.
+"""The protobuf edge: GenerateRequest bytes → a validated `GenerateInput` dataclass
+(contracts/requests.py), and back.
 
 Shared by the router and the worker servers so both reject the same bad input the same way
 (`BadRequest` → gRPC INVALID_ARGUMENT). torch-free.
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
+from contracts.requests import MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput, PeerHint, SendBlocksInput
+from contracts.sampling import SamplingParams, SamplingParamsError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from worker.params import SamplingParams, SamplingParamsError
 
 _INPUT_FIELDS = {2: "text", 3: "token_ids", 4: "chat"}
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -27,52 +29,6 @@ FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 # SamplingParams fields carried by the proto; unset `optional` fields keep the dataclass default.
 _SCALAR_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos",
                     "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-class BadRequest(ValueError):
-    """The request cannot be served as sent; the message says which field and why."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True, slots=True)
-class PeerHint:
-    """A peer that holds the first `num_blocks` blocks of the prompt (router -> worker)."""
-
-    worker_id: str
-    address: str
-    rank: int
-    num_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateInput:
-    """Exactly one of text / token_ids / chat is set."""
-
-    request_id: str
-    text: str | None
-    token_ids: tuple[int, ...] | None
-    chat: tuple[ChatMessage, ...] | None
-    params: SamplingParams
-    priority: int = 0
-    peer_hints: tuple[PeerHint, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class SendBlocksInput:
-    """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash)."""
-
-    block_hashes: tuple[int, ...]
-    dst_rank: int
-    src_rank: int
-    transfer_id: int
-
-
-MAX_SEND_BLOCKS = 1 << 16   # hashes in one SendBlocksRequest (a 1M-token prefix at block size 16)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,7 @@
-"""Sampling parameters: validated once at the edge, torch-free (the router validates too)."""
+"""Sampling parameters: validated once at the edge (router and worker alike), torch-free.
+
+`is_int` / `is_real` are the one definition of "a JSON/proto number that is not a bool",
+shared by this module and the router's HTTP front."""
 from __future__ import annotations
 
 import math
@@ -17,11 +20,13 @@ def _bad(field: str, value: object, accepted: str) -> SamplingParamsError:
     return SamplingParamsError(f"{field} must be {accepted}, got {value!r}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def is_real(value: object) -> bool:
+    """An int or float that is not a bool (may be NaN or infinite)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -49,24 +54,24 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise _bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:  # NaN fails the comparison
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:  # NaN fails the comparison
             raise _bad("top_p", self.top_p, "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise _bad("top_k", self.top_k, "0 or -1 (disabled) or an integer >= 1")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise _bad("min_p", self.min_p, "in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise _bad("seed", self.seed, f"None or an integer in [{_SEED_MIN}, {_SEED_MAX}]")
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+        if not is_real(rp) or not math.isfinite(rp) or rp <= 0:
             raise _bad("repetition_penalty", rp, "a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_real(value) or not -2.0 <= value <= 2.0:
+            if not is_real(value) or not -2.0 <= value <= 2.0:
                 raise _bad(name, value, "in [-2, 2]")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         for s in stop:
@@ -75,7 +80,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         stop_ids = tuple(self.stop_token_ids)
         for t in stop_ids:
-            if not _is_int(t) or t < 0:
+            if not is_int(t) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "a sequence of integers >= 0")
         object.__setattr__(self, "stop_token_ids", stop_ids)
 

@@ -1,0 +1,57 @@
+"""What router and worker both speak, as plain frozen dataclasses: a validated generate
+request, its peer hints and chat messages, a peer's block-send request, and `BadRequest`.
+
+Built at the protobuf edge (contracts/wire.py) and never holding a protobuf message;
+torch-free and gRPC-free, so every layer may import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from contracts.sampling import SamplingParams
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHint:
+    """A peer that holds the first `num_blocks` blocks of the prompt (router -> worker)."""
+
+    worker_id: str
+    address: str
+    rank: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """Exactly one of text / token_ids / chat is set."""
+
+    request_id: str
+    text: str | None
+    token_ids: tuple[int, ...] | None
+    chat: tuple[ChatMessage, ...] | None
+    params: SamplingParams
+    priority: int = 0
+    peer_hints: tuple[PeerHint, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SendBlocksInput:
+    """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash)."""
+
+    block_hashes: tuple[int, ...]
+    dst_rank: int
+    src_rank: int
+    transfer_id: int
+
+
+MAX_SEND_BLOCKS = 1 << 16   # hashes in one SendBlocksRequest (a 1M-token prefix at block size 16)

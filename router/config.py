@@ -1,0 +1,46 @@
+"""`RouterConfig`: everything the router core, its registry and its fronts are built from
+(built once at the edge: `kvmesh router` flags, `kvmesh serve`, the Ray launcher)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.routing import RoutingPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """`http_port=None` serves no HTTP; port 0 binds a free port. `model` names the tokenizer
+    (an alias or HF dir, as for workers); `redis_url` / `cluster_name` are kept for the index.
+    `routing_policy` takes a `RoutingPolicy` or its CLI spelling (stored as the member)."""
+
+    worker_addresses: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    http_port: int | None = 0
+    model: str = "smollm2"
+    served_model_name: str | None = None    # the HTTP model id; None: `model`
+    request_timeout_s: float = 600.0        # upstream deadline when the client sets none
+    max_message_bytes: int = 4 * 2**20      # gRPC receive limit and HTTP body limit
+    health_interval_s: float = 1.0          # how often workers are probed
+    redis_url: str | None = None
+    cluster_name: str = "kvmesh"
+    routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
+    load_factor: float = 1.25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
+        object.__setattr__(self, "routing_policy", RoutingPolicy.parse(self.routing_policy))
+        if not self.load_factor >= 1.0:
+            raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
+        for a in self.worker_addresses:
+            if not isinstance(a, str) or ":" not in a:
+                raise ValueError(f"worker_addresses: {a!r} is not HOST:PORT")
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
+                raise ValueError(f"{name}={port!r} must be in [0, 65535]")
+        for name in ("request_timeout_s", "health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if not isinstance(self.max_message_bytes, int) or self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes!r} must be a positive integer")

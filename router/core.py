@@ -1,0 +1,228 @@
+"""The routing core: `Router` takes a validated request (contracts `GenerateInput`) through
+prepare (tokenize, range-check, chained block hashes) → pick (the policy over the live
+workers, the block index and the router's in-flight counts) → generate (stream from the
+chosen worker; failover once before the first response) → abort.
+
+No gRPC servicer and no HTTP here: the fronts (router/grpc_front.py, router/http.py) call
+this and map its exceptions (router/errors.py) to their status codes. The only gRPC in
+this module is the client call to a worker. torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+from contracts.requests import BadRequest, GenerateInput, PeerHint
+from contracts.wire import from_sampling_params, to_peer_hint
+from kvstore.keys import block_hashes
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.config import RouterConfig
+from router.errors import NoWorkerAvailable, UpstreamError
+from router.policy import Policy, make_policy
+from router.registry import WorkerEntry, WorkerRegistry
+from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.tokenizer import RouterTokenizer, TokenizerError
+
+
+class Prepared(NamedTuple):
+    """A validated request, ready to forward: the worker-bound message and what routing sees."""
+
+    request: pb.GenerateRequest
+    route: RouteRequest
+
+
+class Pick(NamedTuple):
+    """The chosen worker, the prompt tokens the index says it holds, the peer to hint."""
+
+    worker: WorkerEntry
+    predicted_tokens: int
+    hint: PeerHint | None
+
+
+@dataclass
+class RoutingStats:
+    """Did the router's idea of each worker's cache (the block index) match what the worker
+    found? `mismatches` counts requests where the two differ (the hash-agreement metric)."""
+
+    requests: int = 0
+    routed_hit_tokens: int = 0
+    actual_hit_tokens: int = 0
+    mismatches: int = 0
+    peer_hints: int = 0         # requests forwarded with a hint to a peer holding more blocks
+
+    def record(self, predicted: int, actual: int) -> None:
+        self.requests += 1
+        self.routed_hit_tokens += predicted
+        self.actual_hit_tokens += actual
+        self.mismatches += predicted != actual
+
+
+class Router:
+    """Routes requests over `registry` (its live workers and its block index) with the
+    policy `cfg.routing_policy`. Runs on one event loop; owns the in-flight table (request
+    id → worker) and the in-flight counts the policy reads."""
+
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: RouterTokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.policy: Policy = make_policy(cfg.routing_policy, cfg.load_factor)
+        self.stats = RoutingStats()
+        self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
+        self._inflight: dict[str, WorkerEntry | None] = {}
+        self.draining = False
+
+    @property
+    def model_info(self) -> pb.ModelInfo | None:
+        """What the ready workers serve (None until one was ready)."""
+        return self.registry.model_info
+
+    @property
+    def serving(self) -> bool:
+        return self.registry.ready and not self.draining
+
+    def live_workers(self) -> list[WorkerInfo]:
+        return [w.info for w in self.registry.live() if w.info is not None]
+
+    async def prepare(self, inp: GenerateInput) -> Prepared:
+        """Tokenize (in a thread: a 4 MiB prompt takes seconds) and validate; raises
+        BadRequest, or NoWorkerAvailable before any worker has told the router its model."""
+        info, tok = self.model_info, self.tokenizer
+        if info is None or tok is None:
+            raise NoWorkerAvailable("no worker is ready")
+        try:
+            if inp.text is not None:
+                ids = await asyncio.to_thread(tok.encode, inp.text)
+            elif inp.chat is not None:
+                messages = [{"role": m.role, "content": m.content} for m in inp.chat]
+                ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+            else:
+                ids = list(inp.token_ids or ())
+                bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+                if bad is not None:
+                    raise BadRequest(f"token_ids: {bad} is outside the vocabulary [0, {info.vocab_size})")
+        except TokenizerError as e:
+            raise BadRequest(f"chat: {e}") from None
+        if not ids:
+            raise BadRequest("input: the prompt is empty after tokenization")
+        if len(ids) >= info.max_model_len:
+            raise BadRequest(f"input: the prompt has {len(ids)} tokens; this model takes at most "
+                             f"{info.max_model_len - 1} (max_model_len {info.max_model_len})")
+        hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex))
+        request = pb.GenerateRequest(request_id=inp.request_id or f"rtr-{uuid.uuid4().hex}",
+                                     token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(inp.params),
+                                     priority=inp.priority)
+        return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)))
+
+    async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """Forward to the policy's worker and yield its responses. A worker that is
+        UNAVAILABLE before its first response is marked down and the request retried once on
+        another. Closing the iterator cancels the upstream call (the worker aborts it).
+        Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
+        rid = prepared.request.request_id
+        if rid in self._inflight:
+            raise BadRequest(f"request_id {rid!r} is already running")
+        deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
+        self._inflight[rid] = None
+        tried: set[WorkerId] = set()
+        try:
+            for attempt in range(2):
+                pick = self.pick(prepared.route, tried)
+                worker = pick.worker
+                assert worker.info is not None
+                tried.add(worker.info.worker_id)
+                self._inflight[rid] = worker
+                call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
+                                            timeout=max(deadline - time.monotonic(), 0.001))
+                streamed = False
+                worker.in_flight += 1
+                try:
+                    async for response in call:
+                        streamed = True
+                        if response.finished:   # what came from a peer is no index mismatch
+                            self.stats.record(pick.predicted_tokens,
+                                              response.cached_tokens - response.peer_cached_tokens)
+                        yield response
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise UpstreamError(e.code(), e.details() or "") from None
+                    self.registry.mark_down(worker, e.details() or "")
+                    if streamed or attempt == 1:
+                        raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
+                                            f"worker {worker.address} became unavailable: {e.details()}") from None
+                finally:
+                    worker.in_flight -= 1
+                    call.cancel()
+        finally:
+            self._inflight.pop(rid, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight on the worker serving it; False when none is."""
+        worker = self._inflight.get(request_id)
+        if worker is None:
+            return False
+        try:
+            response = await worker.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise UpstreamError(e.code(), e.details() or "") from None
+        return bool(response.found)
+
+    def routing_state(self, route: RouteRequest) -> RoutingState:
+        """The policy's view now: in-flight and KV load per live worker, and the leading
+        prompt blocks each holds according to the block index (empty without one)."""
+        loads = {w.info.worker_id: w.load for w in self.registry.live() if w.info is not None}
+        index = self.registry.index
+        cached = index.match_prefix(route.block_hashes, list(loads)) if index is not None else {}
+        return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()})
+
+    def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
+        """The policy's worker (not in `tried`), the prompt tokens the index says it will find
+        cached, and the peer to hint when another live worker holds more of the prompt."""
+        state = self.routing_state(route)
+        chosen = self.policy.pick(self.live_workers(), route, state, exclude=tried)
+        if chosen is None:
+            raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
+        info = self.model_info
+        bs = info.block_size if info is not None else 0
+        # The worker recomputes at least the last prompt token, as the engine's lookup does.
+        max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
+        blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
+        peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in self.registry.live()
+                 if w.info is not None and w.rank is not None}
+        hint = best_peer_hint(chosen.worker_id, state.cached_blocks, peers, max_blocks)
+        return Pick(self.registry.entry(chosen.address), blocks * bs, hint)
+
+    def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
+        if hint is None:
+            return request
+        hinted = pb.GenerateRequest()
+        hinted.CopyFrom(request)
+        hinted.peer_hints.append(to_peer_hint(hint))
+        self.stats.peer_hints += 1
+        return hinted
+
+
+def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
+                   peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
+    """The worker other than `chosen` holding the most leading prompt blocks (at most
+    `max_blocks` count), if it holds more than `chosen` and both are ranks of one transfer
+    group (`peers`: worker id → (address, rank, world_size)); ties go to the lowest id."""
+    me = peers.get(chosen)
+    if me is None:
+        return None
+    own = min(cached_blocks.get(chosen, 0), max_blocks)
+    best: PeerHint | None = None
+    for worker_id in sorted(cached_blocks):
+        peer = peers.get(worker_id)
+        if worker_id == chosen or peer is None or peer[2] != me[2] or peer[1] == me[1]:
+            continue
+        n = min(cached_blocks[worker_id], max_blocks)
+        if n > own and (best is None or n > best.num_blocks):
+            best = PeerHint(worker_id, peer[0], peer[1], n)
+    return best

@@ -1,0 +1,231 @@
+"""The router's worker registry: one gRPC channel per worker address, health/load probes,
+and — with a metadata Redis — the live-worker registry and the block index fed by the
+workers' KV event streams.
+
+Owned by the router core (router/core.py), which reads `live()`, `entry()` and `index`
+and calls `mark_down`; everything here runs on the router's event loop. A worker serves
+once a probe finds it SERVING with a model that agrees with the others on block hashing
+(hash_salt_hex, block_size, vocab_size); one that disagrees is refused for good.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.metadata import RedisConfig
+from kvstore.streams import EventConsumer
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.index import BlockIndex
+from router.routing import BlockIndexView, WorkerId, WorkerInfo, WorkerLoad
+
+log = logging.getLogger("kvmesh.router")
+
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(eq=False)
+class WorkerEntry:
+    """One worker address: its channel and stubs, and what the router knows of it. The
+    router core counts `in_flight`; probes write the rest."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    health: health_pb2_grpc.HealthStub
+    info: WorkerInfo | None = None          # set while the worker is ready
+    in_flight: int = 0                      # streams the router has open on it
+    free_blocks: int = 0                    # from its last GetLoad
+    num_blocks: int = 0
+    rank: int | None = None                 # in the peer-transfer group (from GetLoad), if any
+    world_size: int = 0
+    refused: str | None = None              # why it may never serve (logged once)
+    probing: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks)
+
+
+class WorkerRegistry:
+    """Worker entries, their probes, and the Redis-fed registry and block index (if any).
+    `on_ready` is awaited (in a task) whenever "at least one worker is ready" flips."""
+
+    def __init__(self, cfg: RouterConfig, on_ready: Callable[[bool], Awaitable[None]]) -> None:
+        self.cfg = cfg
+        self.index: BlockIndexView | None = None    # set when a Redis-fed block index runs
+        self.model_info: pb.ModelInfo | None = None  # what the ready workers serve
+        self.consumer: EventConsumer | None = None
+        self._on_ready = on_ready
+        self._workers: dict[str, WorkerEntry] = {}
+        self._consume_task: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> list[str]:
+        """Add the configured workers, start the Redis consumer (if configured), probe every
+        worker once; returns why workers were refused (the caller decides if that is fatal).
+        Call `run()` afterwards to keep probing."""
+        self.set_workers(self.cfg.worker_addresses, probe=False)
+        if self.cfg.redis_url is not None:
+            await self._start_metadata(self.cfg.redis_url)
+        return await self.probe_all()
+
+    def run(self) -> None:
+        """Probe every `health_interval_s` (or when woken) until `stop`."""
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="router-probes")
+
+    async def stop(self) -> None:
+        """Cancel probes and the consumer, close every channel (idempotent)."""
+        for task in (self._monitor, self._consume_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._monitor = self._consume_task = None
+        if self.consumer is not None:
+            await self.consumer.aclose()
+            self.consumer = None
+        for w in self._workers.values():
+            await w.channel.close()
+        self._workers.clear()
+        for task in list(self._background):
+            task.cancel()
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until at least one worker is ready; raises TimeoutError."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    # -- membership -----------------------------------------------------------------------
+    def set_workers(self, addresses: Iterable[str], *, probe: bool = True) -> None:
+        """Replace the worker set (call on the router's loop). New workers serve once a probe
+        finds them ready; a removed worker's in-flight streams get `request_timeout_s` to end."""
+        wanted = list(dict.fromkeys(addresses))
+        for address in [a for a in self._workers if a not in wanted]:
+            w = self._workers.pop(address)
+            self._spawn(w.channel.close(grace=self.cfg.request_timeout_s))
+        for address in wanted:
+            if address not in self._workers:
+                channel = grpc.aio.insecure_channel(address)
+                self._workers[address] = WorkerEntry(address, channel, pb_grpc.WorkerStub(channel),
+                                                     health_pb2_grpc.HealthStub(channel))
+        self._update_ready()
+        if probe:
+            self._wake.set()
+
+    def live(self) -> list[WorkerEntry]:
+        """Entries of the ready workers."""
+        return [w for w in self._workers.values() if w.info is not None]
+
+    def entry(self, address: str) -> WorkerEntry:
+        return self._workers[address]
+
+    def mark_down(self, w: WorkerEntry, why: str) -> None:
+        """The worker failed a call: it stops serving until a probe finds it ready again."""
+        if w.info is not None:
+            log.warning("kvmesh router: worker %s at %s is unavailable: %s", w.info.worker_id, w.address, why)
+        w.info = None
+        self._update_ready()
+        self._wake.set()
+
+    # -- Redis: the registry and the block index --------------------------------------------
+    async def _start_metadata(self, redis_url: str) -> None:
+        index = BlockIndex()
+        self.consumer = consumer = EventConsumer(RedisConfig(url=redis_url, cluster_name=self.cfg.cluster_name), index)
+        self.index = index
+        self._consume_task = asyncio.create_task(consumer.run(asyncio.Event()), name="kv-events")
+        await consumer.poll()    # the registry, before the first probe
+        self._sync_registry()
+
+    def _sync_registry(self) -> None:
+        """Serve the static workers plus every live worker in the registry (a missed TTL drops it)."""
+        if self.consumer is None:
+            return
+        registered = [r.address for r in self.consumer.workers.values()]
+        wanted = list(dict.fromkeys([*self.cfg.worker_addresses, *registered]))
+        if set(wanted) != set(self._workers):
+            self.set_workers(wanted, probe=False)
+
+    # -- probes ---------------------------------------------------------------------------
+    async def _monitor_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.health_interval_s)
+            self._wake.clear()
+            self._sync_registry()
+            for error in await self.probe_all():
+                log.warning("kvmesh router: %s", error)
+
+    async def probe_all(self) -> list[str]:
+        """Probe every worker; returns why newly refused workers may not serve."""
+        results = await asyncio.gather(*(self._probe(w) for w in list(self._workers.values())))
+        self._update_ready()
+        return [r for r in results if r is not None]
+
+    async def _probe(self, w: WorkerEntry) -> str | None:
+        if w.refused is not None:
+            return None
+        async with w.probing:
+            timeout = min(max(self.cfg.health_interval_s, 2.0), 10.0)
+            try:
+                status = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
+                                              timeout=timeout)
+                if status.status != _SERVING:
+                    w.info = None
+                    return None
+                load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
+                w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
+                in_group = load.HasField("peer") and load.peer.world_size > 1
+                w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
+                if w.info is not None:
+                    return None
+                info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError:
+                w.info = None
+                return None
+            w.refused = self._mismatch(w, info, WorkerId(load.worker_id))
+            if w.refused is not None:
+                return w.refused
+            if self.model_info is None:
+                self.model_info = info
+            w.info = WorkerInfo(WorkerId(load.worker_id), w.address)
+            log.info("kvmesh router: worker %s at %s is ready", load.worker_id, w.address)
+            return None
+
+    def _mismatch(self, w: WorkerEntry, info: pb.ModelInfo, worker_id: WorkerId) -> str | None:
+        ref = self.model_info
+        if ref is not None:
+            for name in ("hash_salt_hex", "block_size", "vocab_size"):
+                if getattr(info, name) != getattr(ref, name):
+                    return (f"worker at {w.address} has {name}={getattr(info, name)!r} but the other "
+                            f"workers have {getattr(ref, name)!r}; refusing it (block hashes must agree)")
+        other = next((o for o in self._workers.values()
+                      if o is not w and o.info is not None and o.info.worker_id == worker_id), None)
+        if other is not None:
+            return f"worker at {w.address} has worker_id {worker_id!r}, already used by {other.address}"
+        return None
+
+    def _update_ready(self) -> None:
+        ready = any(w.info is not None for w in self._workers.values())
+        if ready != self._ready.is_set():
+            (self._ready.set if ready else self._ready.clear)()
+            self._spawn(self._on_ready(ready))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

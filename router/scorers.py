@@ -1,0 +1,190 @@
+"""The parts routing policies are made of (llm-d style): scorers returning a score in [0, 1]
+per worker, and the bounded-load filter. Each reads only the `RoutingState` it is given;
+missing data scores 0 and never raises.
+
+- `PrefixCacheScorer`  cached leading prompt blocks (from the block index) / prompt blocks.
+- `LoadScorer`         1 − in_flight / bounded-load cap: headroom under the cap.
+- `InverseLoadScorer`  1 / (1 + in_flight): fewest in-flight requests scores highest.
+- `FreeKVScorer`       free KV blocks, saturating at `low_kv_frac` of the pool: only a pool
+                       running low loses score (small differences are noise from a stale GetLoad).
+- `RingScorer`         position on a consistent-hash ring keyed by the first K prompt blocks:
+                       the first worker clockwise from the key scores 1, the last ~0.
+- `RotationScorer`     a rotating order over worker ids (round robin; spreads ties).
+- `BoundedLoadFilter`  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
+                       2018): keeps workers under ceil(c × (m + 1) / n) in-flight requests.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
+
+
+def route_key(request: RouteRequest, num_prefix_blocks: int) -> int:
+    """A 64-bit key for the first `num_prefix_blocks` blocks (chained: the K-th covers all);
+    a prompt shorter than one block is keyed by its token ids."""
+    if request.block_hashes:
+        last = request.block_hashes[min(num_prefix_blocks, len(request.block_hashes)) - 1]
+        data = b"B" + last.to_bytes(16, "big")
+    else:
+        ids = request.token_ids
+        data = b"T" + struct.pack(f"<{len(ids)}I", *ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def load_cap(total_in_flight: int, num_workers: int, load_factor: float) -> int:
+    """Bounded-load capacity for the next request: ceil(c × (m + 1) / n), m already in flight."""
+    return max(1, math.ceil(load_factor * (total_in_flight + 1) / max(1, num_workers)))
+
+
+def _pool_cap(pool: Sequence[WorkerInfo], state: RoutingState, load_factor: float) -> int:
+    return load_cap(sum(state.load(w.worker_id).in_flight for w in pool), len(pool), load_factor)
+
+
+def _check_load_factor(load_factor: float) -> None:
+    if not load_factor >= 1.0:
+        raise ValueError(f"load_factor={load_factor!r} must be >= 1")
+
+
+class HashRing:
+    """Consistent-hash ring with `vnodes` points per worker; rebuilt when the worker set changes."""
+
+    def __init__(self, vnodes: int = 64) -> None:
+        self.vnodes = vnodes
+        self._ids: tuple[WorkerId, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[WorkerId] = []
+
+    def walk(self, workers: Sequence[WorkerInfo], key: int) -> list[WorkerId]:
+        """Distinct workers in clockwise order from `key`."""
+        ids = tuple(sorted(w.worker_id for w in workers))
+        if ids != self._ids:
+            self._build(ids)
+        if not self._points:
+            return []
+        start = bisect.bisect_left(self._points, key)
+        order: list[WorkerId] = []
+        seen: set[WorkerId] = set()
+        n = len(self._points)
+        for i in range(n):
+            owner = self._owners[(start + i) % n]
+            if owner not in seen:
+                seen.add(owner)
+                order.append(owner)
+                if len(order) == len(ids):
+                    break
+        return order
+
+    def _build(self, ids: tuple[WorkerId, ...]) -> None:
+        points = sorted((int.from_bytes(hashlib.blake2b(f"{wid}#{v}".encode(), digest_size=8).digest(), "big"), wid)
+                        for wid in ids for v in range(self.vnodes))
+        self._ids = ids
+        self._points = [p for p, _ in points]
+        self._owners = [w for _, w in points]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheScorer:
+    """Leading prompt blocks the index says the worker holds / the prompt's full blocks."""
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        n_blocks = max(1, len(request.block_hashes))
+        return {w.worker_id: min(1.0, max(0, state.cached_blocks.get(w.worker_id, 0)) / n_blocks) for w in pool}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadScorer:
+    """Headroom under the bounded-load cap of the pool: 1 idle, 0 at or over the cap."""
+
+    load_factor: float = 1.25
+
+    def __post_init__(self) -> None:
+        _check_load_factor(self.load_factor)
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        cap = _pool_cap(pool, state, self.load_factor)
+        return {w.worker_id: 1.0 - min(1.0, state.load(w.worker_id).in_flight / cap) for w in pool}
+
+
+@dataclass(frozen=True, slots=True)
+class InverseLoadScorer:
+    """1 / (1 + in_flight): strictly decreasing in the router's in-flight count, no cap."""
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        return {w.worker_id: 1.0 / (1 + max(0, state.load(w.worker_id).in_flight)) for w in pool}
+
+
+@dataclass(frozen=True, slots=True)
+class FreeKVScorer:
+    """min(1, free fraction / low_kv_frac); a worker that has not reported its pool scores 0."""
+
+    low_kv_frac: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low_kv_frac <= 1.0:
+            raise ValueError(f"low_kv_frac={self.low_kv_frac!r} must be in (0, 1]")
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        out = {}
+        for w in pool:
+            ld = state.load(w.worker_id)
+            out[w.worker_id] = (min(1.0, max(0, ld.free_blocks) / (self.low_kv_frac * ld.num_blocks))
+                                if ld.num_blocks > 0 else 0.0)
+        return out
+
+
+@dataclass(slots=True)
+class RingScorer:
+    """1 − position / n on the hash ring walked from the key of the first
+    `num_prefix_blocks` blocks: the same prompt prefix ranks the workers the same way."""
+
+    num_prefix_blocks: int = 4
+    ring: HashRing = field(default_factory=HashRing)
+
+    def __post_init__(self) -> None:
+        if self.num_prefix_blocks <= 0:
+            raise ValueError(f"num_prefix_blocks={self.num_prefix_blocks!r} must be positive")
+
+    def order(self, pool: Sequence[WorkerInfo], request: RouteRequest) -> list[WorkerId]:
+        return self.ring.walk(pool, route_key(request, self.num_prefix_blocks))
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        order = self.order(pool, request)
+        return {wid: 1.0 - i / len(order) for i, wid in enumerate(order)}
+
+
+@dataclass(slots=True)
+class RotationScorer:
+    """Workers sorted by id, rotated one step per call: the turn's worker scores 1, the next
+    (n−1)/n, … (mutates its counter: call it once per pick)."""
+
+    _turns: itertools.count = field(default_factory=itertools.count)
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        ids = sorted(w.worker_id for w in pool)
+        if not ids:
+            return {}
+        turn = next(self._turns)
+        n = len(ids)
+        return {wid: 1.0 - ((i - turn) % n) / n for i, wid in enumerate(ids)}
+
+
+@dataclass(frozen=True, slots=True)
+class BoundedLoadFilter:
+    """Keeps workers with fewer in-flight requests than the pool's bounded-load cap; when none
+    is under it (cannot happen for c ≥ 1 with exact counts), keeps the whole pool."""
+
+    load_factor: float = 1.25
+
+    def __post_init__(self) -> None:
+        _check_load_factor(self.load_factor)
+
+    def keep(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> list[WorkerInfo]:
+        cap = _pool_cap(pool, state, self.load_factor)
+        return [w for w in pool if state.load(w.worker_id).in_flight < cap] or list(pool)
