@@ -1,20 +1,27 @@
-"""`kvmesh` — the one command. Subcommands import their (possibly torch-heavy) code lazily."""
+"""`kvmesh` — the one command: the composition root of router, worker and kvstore commands.
+
+Every subcommand module imports no torch at import time (tests/router/test_tokenizer.py pins
+it); the engine is imported when a command builds one.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from contracts.cli import CLIError
+from kvstore import plan
+from router import bench as router_bench, client, serve_cli, server
+from worker import bench, bench_transfer, cli as wcli, server_cli
+
 
 def _plan(sub: argparse._SubParsersAction) -> None:
-    from kvstore import plan
     p = sub.add_parser("plan", help="KV-cache capacity planner (the primer's formula)")
     plan.add_arguments(p)
     p.set_defaults(run=plan.main)
 
 
 def _generate(sub: argparse._SubParsersAction) -> None:
-    from worker import cli as wcli
     p = sub.add_parser("generate", help="generate text with one local engine")
     wcli.add_generate_arguments(p)
     p.set_defaults(run=wcli.run_generate)
@@ -24,39 +31,33 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bsub = p.add_subparsers(dest="bench", required=True,
                             metavar="{engine,prefix,memory,accuracy,transfer,router,service}")
-    from router import bench as router_bench
-    from worker import bench, bench_transfer
     bench.register(bsub)
     bench_transfer.register(bsub)
     router_bench.register(bsub)
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:
-    from worker import server_cli
     p = sub.add_parser("worker", help="serve one engine over gRPC (kvmesh.v1.Worker) until SIGTERM")
     server_cli.add_worker_arguments(p)
     p.set_defaults(run=server_cli.run_worker)
 
 
 def _router(sub: argparse._SubParsersAction) -> None:
-    from router import server
     p = sub.add_parser("router", help="serve the router: gRPC + OpenAI HTTP in front of workers")
     server.add_router_arguments(p)
     p.set_defaults(run=server.run_router)
 
 
 def _client(sub: argparse._SubParsersAction) -> None:
-    from router import client
     p = sub.add_parser("client", help="gRPC client of a router or worker")
     client.add_client_arguments(p)
     p.set_defaults(run=client.run_client)
 
 
 def _serve(sub: argparse._SubParsersAction) -> None:
-    from router import launch
     p = sub.add_parser("serve", help="run redis, N workers and a router as local processes (the embedded default)")
-    launch.add_serve_arguments(p)
-    p.set_defaults(run=launch.run_serve_args)
+    serve_cli.add_serve_arguments(p)
+    p.set_defaults(run=serve_cli.run_serve_args)
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_plan, _generate, _bench, _worker,
@@ -73,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from worker.cli import CLIError
     try:
         return int(args.run(args) or 0)
     except CLIError as e:

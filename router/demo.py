@@ -16,7 +16,9 @@ import grpc
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.cli import main as kvmesh
 from router.client import ClientError, GenerateResult, generate
-from router.launch import LaunchError, LocalCluster, ServeConfig
+from router.launch import LocalCluster
+from router.processes import LaunchError
+from router.supervise import ServeConfig
 
 # Long enough to fill several 16-token blocks (the router routes on the first 4 blocks, so
 # requests sharing it land on the same worker, which then finds its blocks in its cache).
@@ -60,7 +62,7 @@ def ask_grpc(target: str, question: str) -> Answer:
 
 
 def ask_http(base_url: str, model: str, question: str) -> Answer:
-    from openai import OpenAI
+    from openai import OpenAI   # the test extra: only this step of the demo needs it
     client = OpenAI(base_url=base_url, api_key="kvmesh-demo", max_retries=0, timeout=120.0)
     resp = client.chat.completions.create(model=model, messages=_messages(question),  # type: ignore[arg-type]
                                           max_tokens=MAX_TOKENS, temperature=0.0)

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from contracts.cli import CLIError, flagify
+from contracts.sampling import SamplingParams
 from kvstore.layout import KV_CACHE_DTYPES
+from worker.config import ModelLoadError
 
-
-class CLIError(Exception):
-    """One line for the user, naming the flag; the command exits 2."""
+if TYPE_CHECKING:   # imports torch: the CLI imports it when a command builds an engine
+    from worker.engine import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +41,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(1 = the paper's plain accumulation)")
 
 
-def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch)
-    from worker.engine import EngineConfig
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from worker.engine import EngineConfig   # torch: only when a command builds an engine
     try:
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -51,12 +53,6 @@ def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig (impor
                             attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
-
-
-def flagify(message: str) -> str:
-    """'max_tokens=0 must be …' → '--max-tokens: max_tokens=0 must be …' (the flag a user typed)."""
-    m = re.match(r"\s*([a-z_][a-z0-9_]*)\b", message)
-    return f"--{m.group(1).replace('_', '-')}: {message}" if m else message
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,8 +70,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def sampling_params_from_args(args: argparse.Namespace):
-    from worker.sampling import SamplingParams
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, seed=args.seed,
@@ -97,9 +92,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from worker.engine import Engine, InvalidRequest
-    from worker.loader import ModelLoadError
-
+    from worker.engine import Engine, InvalidRequest   # torch: only when the command runs
     if args.prompt_file is not None:
         try:
             prompt = args.prompt_file.read_text()

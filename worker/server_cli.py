@@ -16,6 +16,9 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
+from contracts.cli import CLIError, flagify
+from worker.cli import add_engine_arguments, engine_config_from_args
+from worker.config import ModelLoadError
 from worker.server import WorkerServer, WorkerServerConfig
 
 if TYPE_CHECKING:
@@ -43,7 +46,6 @@ def rendezvous_from_env(env: Mapping[str, str]) -> Rendezvous:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    from worker.cli import add_engine_arguments
     g = p.add_argument_group("worker")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=0, help="port to bind (0 = a free port, printed when serving)")
@@ -65,7 +67,6 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 def run_worker(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then drain. Prints one line to stdout once serving:
     `kvmesh worker <id> serving on <host>:<port>`; logs go to stderr."""
-    from worker.cli import CLIError, engine_config_from_args, flagify
     engine_cfg = engine_config_from_args(args)
     try:
         env = rendezvous_from_env(os.environ)
@@ -88,8 +89,6 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_signal(engine_cfg: EngineConfig, cfg: WorkerServerConfig) -> int:
-    from worker.cli import CLIError
-    from worker.loader import ModelLoadError
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

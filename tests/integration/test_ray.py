@@ -1,5 +1,5 @@
-"""`kvmesh serve --ray` (router.ray_launch): a local Ray on CPU, 2 worker actors, the router in
-this process. The oracle is `Engine.generate` on the same model in this process.
+"""`kvmesh serve --ray` (router.ray_launch): a local Ray on CPU, 2 worker actors, Redis and the
+router as child processes of this one. The oracle is `Engine.generate` on the same model in this process.
 
 Ray hygiene on a shared machine: our own `ray.init` (no auth token, a short temp dir, a capped
 object store, no dashboard) and `ray.shutdown()` in `finally`. Never `ray stop` — it kills every
@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.launch import ServeConfig
+from router.supervise import ServeConfig
 from router.ray_launch import RayCluster, RayServeConfig, namespace_for, stop_named_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ CHAT = ({"role": "system", "content": "You answer in one short sentence."},
 
 def test_ray_flags_become_config() -> None:
     from router.cli import build_parser
-    from router.ray_launch import ray_config_from_args
+    from router.serve_cli import ray_config_from_args
     args = build_parser().parse_args(["serve", "--ray", "--ray-address", "auto", "--workers", "3",
                                       "--gpus-per-worker", "2", "--placement-strategy", "SPREAD",
                                       "--cluster-name", "c1", "--num-blocks", "64"])

@@ -158,7 +158,7 @@ def test_redis_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
 
 def test_serve_flags_become_config() -> None:
     from router.cli import build_parser
-    from router.launch import config_from_args
+    from router.serve_cli import config_from_args
     args = build_parser().parse_args(["serve", "--workers", "3", "--model", "/m", "--kv-cache-memory-gib", "0.5",
                                       "--no-enable-prefix-caching", "--grpc-port", "0", "--cluster-name", "c1"])
     cfg = config_from_args(args)

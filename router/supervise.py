@@ -1,0 +1,272 @@
+"""One process supervisor for every launcher: `kvmesh serve` (router.launch) and `kvmesh serve
+--ray` (router.ray_launch) differ only in their `WorkerPlacement`.
+
+`Cluster.start()` runs the lifecycle in order: a log dir; the placement's `prepare` (which
+says where Redis binds); a `redis-server` child on a free port (unless `redis_url` is given);
+the placement's workers (each serving when `start_workers` returns, as HOST:PORT the router
+dials); then a `kvmesh router` child in front of them. `stop()` tears down in reverse: the
+router, the placement's workers, Redis (SIGTERM, then SIGKILL after `stop_timeout_s`), the
+temp log dir. The cluster owns Redis, the router and the order; a placement owns its workers.
+
+`Supervisor.run()` is the foreground loop: start, banner, watch, stop on SIGINT/SIGTERM.
+Watching turns each part that exits into one `PartExited` event, handled in one place
+(`Supervisor.on_exit`); today the first exit ends the run with status 1.
+
+Imports no torch and no ray: the workers load their engines in their own processes.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import NamedTuple, Protocol
+
+from contracts.cli import CLIError
+from router.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
+
+_ROUTER_LINE = re.compile(r"^kvmesh router serving grpc on (\S+):(\d+) http on (\S+):(\d+)$", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What `kvmesh serve` starts, wherever its workers are placed. Ports 0 bind free ports.
+    `engine_argv` are worker engine flags passed verbatim to every worker (e.g.
+    ("--kv-cache-memory-gib", "0.25")); `model` goes to the workers and the router (its
+    tokenizer). `redis_url=None` starts an embedded redis-server. `log_dir=None` keeps child
+    logs in a temp dir removed by stop()."""
+
+    workers: int = 2
+    model: str = "smollm2"
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    redis_url: str | None = None
+    cluster_name: str = "kvmesh"
+    engine_argv: tuple[str, ...] = ()
+    routing_policy: str = "kv_aware"
+    load_factor: float = 1.25
+    log_dir: Path | None = None
+    startup_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be >= 1")
+        if not self.model:
+            raise ValueError("model is empty")
+        if not self.host:
+            raise ValueError("host is empty")
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not isinstance(port, int) or not 0 <= port <= 65535:
+                raise ValueError(f"{name}={port!r} must be in [0, 65535] (0 = a free port)")
+        if self.grpc_port and self.grpc_port == self.http_port:
+            raise ValueError(f"http_port={self.http_port} is also the grpc_port")
+        if self.redis_url is not None and not re.match(r"^rediss?://", self.redis_url):
+            raise ValueError(f"redis_url={self.redis_url!r} must start with redis:// or rediss://")
+        if not self.cluster_name or any(c.isspace() for c in self.cluster_name):
+            raise ValueError(f"cluster_name={self.cluster_name!r} must be non-empty without spaces")
+        owned = ("--model", "--worker-id", "--port", "--host", "--rank", "--world-size", "--dist-init-addr")
+        if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
+            raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
+        for name in ("startup_timeout_s", "stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+
+
+class PartExited(NamedTuple):
+    """One part of a cluster (a child process, a worker actor) is gone; `detail` says how
+    (exit code, log tail). The event the supervisor handles."""
+
+    name: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.detail}"
+
+    @classmethod
+    def of(cls, child: Child) -> PartExited | None:
+        """The event for `child` if it has exited, else None."""
+        rc = child.proc.poll()
+        return None if rc is None else cls(child.name, f"(pid {child.proc.pid}) exited with code {rc}\n{child.tail()}")
+
+
+class WorkerPlacement(Protocol):
+    """Where a cluster's workers run (local processes, Ray actors). Called by `Cluster` in
+    this order: `prepare`, `start_workers`, then `poll` while running; `stop` any time
+    (idempotent, also after a failed start). Raises LaunchError on a failed start."""
+
+    def prepare(self, cfg: ServeConfig, deadline: float) -> str:
+        """Get the workers' places ready; returns the address an embedded Redis binds."""
+        ...
+
+    def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
+        """Start every worker and wait until each serves; the HOST:PORT each is dialled at."""
+        ...
+
+    def poll(self) -> PartExited | None:
+        """The first worker found gone, else None."""
+        ...
+
+    def pids(self) -> dict[str, int]:
+        """name → pid of worker processes this launcher started (none for remote workers)."""
+        ...
+
+    def stop(self, timeout_s: float) -> None:
+        ...
+
+
+class Cluster:
+    """Redis + the placement's workers + a router child. Use as a context manager, or call
+    `start()` then `stop()` (idempotent; also after a failed start). The address attributes
+    are valid after `start()` returns."""
+
+    def __init__(self, cfg: ServeConfig, placement: WorkerPlacement) -> None:
+        self.cfg = cfg
+        self.placement = placement
+        self.grpc_target = ""
+        self.http_base_url = ""
+        self.worker_addresses: tuple[str, ...] = ()
+        self.redis_url = ""
+        self._redis: Child | None = None
+        self._router: Child | None = None
+        self._log_dir: Path | None = None
+        self._temp_dir: Path | None = None
+        self._started = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """name → pid of every local child started (redis, worker-<i>, router)."""
+        redis = {"redis": self._redis.proc.pid} if self._redis is not None else {}
+        router = {"router": self._router.proc.pid} if self._router is not None else {}
+        return redis | self.placement.pids() | router
+
+    @property
+    def log_dir(self) -> Path | None:
+        return self._log_dir
+
+    def start(self) -> Cluster:
+        """Start everything; raises LaunchError (after stopping what did start)."""
+        assert not self._started, "start() called twice"
+        self._started = True
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def poll(self) -> PartExited | None:
+        """None while every part runs; else the first one found gone."""
+        for child in (self._redis, self._router):
+            event = PartExited.of(child) if child is not None else None
+            if event is not None:
+                return event
+        return self.placement.poll()
+
+    def stop(self) -> None:
+        """Router, then workers, then Redis: SIGTERM, wait `stop_timeout_s`, SIGKILL. Idempotent."""
+        timeout = self.cfg.stop_timeout_s
+        if self._router is not None:
+            terminate([self._router], timeout)
+        self.placement.stop(timeout)
+        if self._redis is not None:
+            terminate([self._redis], timeout)
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        for flag, port in (("--grpc-port", cfg.grpc_port), ("--http-port", cfg.http_port)):
+            if port and not port_free(cfg.host, port):
+                raise LaunchError(f"{flag}: {cfg.host}:{port} is already in use (pick another port, or 0 for a free one)")
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        if cfg.log_dir is None:
+            self._temp_dir = self._log_dir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{cfg.cluster_name}-"))
+        else:
+            self._log_dir = cfg.log_dir
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+        redis_bind = self.placement.prepare(cfg, deadline)
+        if cfg.redis_url is not None:
+            self.redis_url = cfg.redis_url
+        else:
+            self.redis_url, self._redis = start_redis(self._log_dir, redis_bind, cfg.stop_timeout_s)
+        self.worker_addresses = self.placement.start_workers(cfg, self.redis_url, self._log_dir, deadline)
+        self._router = spawn(self._log_dir, "router", [
+            cfg.python, "-m", "router.cli", "router", "--host", cfg.host, "--grpc-port", str(cfg.grpc_port),
+            "--http-port", str(cfg.http_port), "--routing-policy", cfg.routing_policy,
+            "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
+            "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model])
+        m = self._router.wait_line(_ROUTER_LINE, deadline, cfg.startup_timeout_s)
+        host = dial_host(cfg.host)
+        self.grpc_target = f"{host}:{m.group(2)}"
+        self.http_base_url = f"http://{host}:{m.group(4)}/v1"
+
+
+class _Stop(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signum)
+
+
+@dataclass(eq=False)
+class Supervisor:
+    """Runs `cluster` in the foreground as `kvmesh <name>`: start, `banner()`, watch every
+    `poll_s`, and always tear it down (ignoring further signals meanwhile)."""
+
+    cluster: Cluster
+    name: str
+    banner: Callable[[], None]
+    poll_s: float
+
+    def run(self) -> int:
+        """0 after SIGINT/SIGTERM; 1 when a part exits (see `on_exit`); CLIError when the start fails."""
+        previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            try:
+                self.cluster.start()
+            except LaunchError as e:
+                raise CLIError(str(e)) from None
+            self.banner()
+            while True:
+                event = self.cluster.poll()
+                status = None if event is None else self.on_exit(event)
+                if status is not None:
+                    return status
+                time.sleep(self.poll_s)
+        except _Stop as s:
+            print(f"kvmesh {self.name}: {s} received, stopping", file=sys.stderr, flush=True)
+            return 0
+        finally:
+            for sig in previous:   # a second Ctrl-C must not cut the teardown short
+                signal.signal(sig, signal.SIG_IGN)
+            self.cluster.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def on_exit(self, event: PartExited) -> int | None:
+        """What a part's exit does to the run: the exit status to end with, or None to go on
+        watching. The one place a restart policy belongs; today any exit ends the run (1)."""
+        print(f"kvmesh {self.name}: {event}", file=sys.stderr, flush=True)
+        return 1
