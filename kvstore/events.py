@@ -24,7 +24,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NewType, Protocol
+from itertools import groupby
+from typing import NamedTuple, NewType, Protocol
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHash, block_hash_from_hex, block_hash_hex
@@ -41,6 +42,13 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+
+
+class TieredEvent(NamedTuple):
+    """A pool-style event of one tier (what `kvstore.store.KVStore.take_events` returns)."""
+
+    tier: Tier
+    event: KVEvent
 
 
 class EventType(enum.Enum):
@@ -145,6 +153,14 @@ def from_pool_events(events: Iterable[KVEvent], tier: Tier = Tier.DEVICE) -> lis
             run_type = None
             out.append(WireEvent(EventType.CLEARED, tier=tier))
     flush()
+    return out
+
+
+def from_tiered_events(events: Iterable[TieredEvent]) -> list[WireEvent]:
+    """`from_pool_events` over a mixed log: each run of one tier batched, order kept."""
+    out: list[WireEvent] = []
+    for tier, run in groupby(events, key=lambda e: e.tier):
+        out.extend(from_pool_events((e.event for e in run), tier))
     return out
 
 

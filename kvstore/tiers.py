@@ -1,11 +1,12 @@
 """The host-memory tier: a second pool of blocks, keyed by block hash, behind the device pool.
 
 The device pool (`kvstore.pool.BlockPool` + `kvstore.tensors.KVTensors`) keeps every cached
-block it can; when `allocate` must evict unreferenced cached blocks, its `on_evict` callback
-hands them here and `HostTier.offload` copies them into host memory instead of letting them
-be lost. A later request whose prefix continues past what the device pool holds asks
-`match_prefix`, and `onload` copies those blocks back into freshly allocated device blocks,
-which the scheduler then registers in the device pool's prefix cache like computed ones.
+block it can; when `allocate` must evict unreferenced cached blocks, the store
+(`kvstore.store.KVStore`, which wires the pool's `on_evict` here) has `HostTier.offload` copy
+them into host memory instead of letting them be lost. A later admission whose prefix
+continues past what the device pool holds finds them with `match_prefix`, and `onload` copies
+them back into freshly allocated device blocks, which the store then registers in the device
+pool's prefix cache like computed ones.
 
 - Storage is one CPU tensor `data` [num_blocks, L, 2, block_size, H, D | slot_bytes] (pinned
   when the device pool is on CUDA): block-major, so a host block is one contiguous run and a
@@ -24,12 +25,12 @@ which the scheduler then registers in the device pool's prefix cache like comput
 - Every change is recorded as a pool-style event (`BlockStored` / `BlockRemoved` with the host
   slot as `block_id`), for the worker to publish with `Tier.HOST`.
 
-Not thread-safe: the engine thread owns it (the peer-transfer thread hands results over).
+Not thread-safe: the store owns it, on the engine thread (blocks from peers are staged there).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -280,28 +281,3 @@ class HostTier:
         if self._record:
             self._events.append(event)
 
-
-class HostPrefixSource:
-    """The host tier as the scheduler's prefix source for the device pool `device`:
-    `load` pins the held blocks while it allocates (the allocation may evict device blocks
-    into this very tier, which must not push out the ones being loaded), then copies them
-    into the device blocks it allocated."""
-
-    def __init__(self, tier: HostTier, device: KVTensors) -> None:
-        self.tier = tier
-        self.device = device
-
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        return self.tier.match_prefix(block_hashes)
-
-    def load(self, block_hashes: Sequence[BlockHash],
-             allocate: Callable[[int], list[BlockId]]) -> list[BlockId]:
-        if not block_hashes:
-            return allocate(0)
-        self.tier.pin(block_hashes)
-        try:
-            block_ids = allocate(len(block_hashes))
-        finally:
-            self.tier.unpin(block_hashes)
-        self.tier.onload(self.device, block_hashes, block_ids)
-        return block_ids

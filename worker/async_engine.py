@@ -1,7 +1,9 @@
 """Drive one `Engine` from asyncio: a dedicated thread runs `step()`, callers await outputs.
 
-The engine is single-threaded; every mutation (add, abort) is queued to the engine thread
-and applied between steps, so requests from any number of coroutines never race it.
+The engine is single-threaded. Everything else reaches it through the closed set of typed
+commands of `worker.commands`, queued to the engine thread and applied between steps in the
+order sent (`AsyncEngine.run`, dispatched by `_apply`), so requests from any number of
+coroutines never race it and no step runs while a command reads the KV store.
 """
 from __future__ import annotations
 
@@ -11,19 +13,41 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from worker.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
+                             ReadBlocks, Snapshot, StageBlocks, Tokenize)
 from worker.engine import Engine, Prompt
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
 
 log = logging.getLogger("kvmesh.engine")
 
+R = TypeVar("R")
 
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass(frozen=True, slots=True)
+class _Open(Command[None]):
+    """`AddRequest` with the stream its outputs go to."""
+
+    add: AddRequest
+    stream: _Stream
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel(Command[bool]):
+    """Abort `request_id` if it is still the request of `stream` (its consumer went away)."""
+
+    request_id: str
+    stream: _Stream
+
+
+Reply = Callable[[Any, BaseException | None], None]
 
 
 class AsyncEngine:
@@ -36,7 +60,7 @@ class AsyncEngine:
         self.engine = engine
         self._after_step = after_step
         self._idle_tick = 0.05 if after_step is not None else 0.5
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Command[Any], Reply | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -45,15 +69,13 @@ class AsyncEngine:
 
     # -- public, called from the event loop -----------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       priority: int = 0,
-                       before_add: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
-        """`before_add` runs on the engine thread right before the request is added, with no
-        step in between (the peer plane stores fetched blocks in the host tier there)."""
+                       priority: int = 0, staged: StageBlocks | None = None) -> AsyncIterator[RequestOutput]:
+        """Send `AddRequest` and yield the request's outputs until it finishes."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         finished = False
         try:
-            await self.call(lambda: self._add(prompt, params, request_id, priority, stream, before_add))
+            await self.run(_Open(AddRequest(prompt, params, request_id, priority, staged), stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -71,28 +93,28 @@ class AsyncEngine:
                 # Cancelled, deadline passed, or the consumer stopped early. Commands run in
                 # order on the engine thread, so this abort lands after the add even when the
                 # caller was cancelled while the add was still queued: the blocks are freed.
-                self.submit(lambda: self._abort(request_id, stream))
+                self._post(_Cancel(request_id, stream), None)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.call(lambda: self._abort(request_id))
+        return await self.run(AbortRequest(request_id))
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the engine thread between steps; return its result (or raise its error)."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    async def run(self, command: Command[R]) -> R:
+        """Apply `command` on the engine thread between steps; its result (or its error)."""
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         loop = fut.get_loop()
 
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+        def reply(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                loop.call_soon_threadsafe(_set_exception, fut, error)
             else:
                 loop.call_soon_threadsafe(_set_result, fut, result)
-        self.submit(run)
+        self._post(command, reply)
         return await fut
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._commands.put(fn)
+    def _post(self, command: Command[Any], reply: Reply | None) -> None:
+        if not isinstance(command, Command):
+            raise TypeError(f"not an engine command: {command!r}")
+        self._commands.put((command, reply))
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -105,14 +127,51 @@ class AsyncEngine:
         return len(self._streams)
 
     # -- engine thread --------------------------------------------------------------------
-    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, priority: int,
-             stream: _Stream, before_add: Callable[[], None] | None = None) -> None:
-        if request_id in self._streams:
-            raise InvalidRequest(f"request_id {request_id!r} is already running")
-        if before_add is not None:
-            before_add()
-        self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
-        self._streams[request_id] = stream
+    def _apply(self, command: Command[Any]) -> Any:
+        """The dispatch: one case per command type."""
+        engine = self.engine
+        match command:
+            case _Open(add, stream):
+                return self._add(add, stream)
+            case _Cancel(request_id, stream):
+                return self._abort(request_id, stream)
+            case AbortRequest(request_id):
+                return self._abort(request_id)
+            case Tokenize(text):
+                return engine.encode(text)
+            case ApplyChatTemplate(messages):
+                return engine.apply_chat_template([{"role": r, "content": c} for r, c in messages])
+            case CountHeld(hashes):
+                return engine.store.lookup(hashes).num_blocks
+            case ReadBlocks(hashes, device):
+                return engine.store.read(hashes, device)
+            case StageBlocks(hashes, data):
+                return engine.store.stage(hashes, data)
+            case Snapshot():
+                return engine.stats()
+            case ListRequests():
+                return tuple(engine.requests)
+        raise TypeError(f"unknown engine command {type(command).__name__}")
+
+    def _run_command(self, command: Command[Any], reply: Reply | None) -> None:
+        try:
+            result = self._apply(command)
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            if reply is None:
+                log.exception("engine command %s failed", type(command).__name__)
+            else:
+                reply(None, e)
+        else:
+            if reply is not None:
+                reply(result, None)
+
+    def _add(self, add: AddRequest, stream: _Stream) -> None:
+        if add.request_id in self._streams:
+            raise InvalidRequest(f"request_id {add.request_id!r} is already running")
+        if add.staged is not None:
+            self.engine.store.stage(add.staged.block_hashes, add.staged.data)
+        self.engine.add_request(add.prompt, add.params, request_id=add.request_id, priority=add.priority)
+        self._streams[add.request_id] = stream
 
     def _abort(self, request_id: str, stream: _Stream | None = None) -> bool:
         if stream is not None and self._streams.get(request_id) is not stream:
@@ -134,7 +193,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             while True:
                 try:
-                    self._commands.get_nowait()()
+                    self._run_command(*self._commands.get_nowait())
                 except queue.Empty:
                     break
             if self.engine.has_unfinished():

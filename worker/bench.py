@@ -108,7 +108,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
 
     def kv_run(ps: list[list[int]], lens: list[int]) -> tuple[float, int]:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
-        engine.pool.reset_prefix_cache()
+        engine.store.reset_prefix_cache()
         t = time.perf_counter()
         outs = engine.generate(ps, params)
         return time.perf_counter() - t, sum(o.completion_tokens for o in outs)
@@ -167,7 +167,7 @@ def bench_prefix(args: argparse.Namespace) -> dict[str, Any]:
     ttft(_random_prompts(rng, vocab, [64])[0])  # warm-up
     cold, warm = [], []
     for _ in range(trials):
-        engine.pool.reset_prefix_cache()
+        engine.store.reset_prefix_cache()
         cold.append(ttft(prefix + _random_prompts(rng, vocab, [32])[0]))   # also fills the cache
         warm.append(ttft(prefix + _random_prompts(rng, vocab, [32])[0]))
     c, w = statistics.median(cold), statistics.median(warm)
@@ -206,11 +206,11 @@ def bench_memory(args: argparse.Namespace) -> dict[str, Any]:
     contiguous_waste = 1 - used / reserved
     final_lens = [p + o for p, o in zip(prompt_lens, out_lens)]
     mean_len = statistics.mean(final_lens)
-    budget_tokens = engine.pool.num_blocks * block_size
+    budget_tokens = engine.store.num_blocks * block_size
     mean_blocks = statistics.mean(-(-n // block_size) for n in final_lens)
     paged_max = int(budget_tokens // (mean_blocks * block_size))
     contiguous_max = budget_tokens // max_len
-    budget_bytes = engine.pool.num_blocks * engine.layout.bytes_per_block
+    budget_bytes = engine.store.num_blocks * engine.layout.bytes_per_block
     return {"paged_waste_frac": paged_waste, "contiguous_waste_frac": contiguous_waste,
             "paged_max_seqs": paged_max, "contiguous_max_seqs": contiguous_max,
             "capacity_gain": paged_max / contiguous_max,
@@ -271,7 +271,7 @@ def accuracy_text(path: Path | None = None) -> tuple[str, str]:
     try:
         return path.read_text(encoding="utf-8"), str(path)
     except (OSError, UnicodeDecodeError) as e:
-        from worker.cli import CLIError
+        from contracts.cli import CLIError
         raise CLIError(f"--text: cannot read {path}: {e}") from None
 
 
@@ -325,7 +325,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
         engine = Engine(EngineConfig(**(base | overrides)))
         ids = encode_text(engine, text)
         if len(ids) < window + 1:
-            from worker.cli import CLIError
+            from contracts.cli import CLIError
             raise CLIError(f"--text: {source} has {len(ids)} tokens; the window needs {window + 1}")
         step = (len(ids) - prompt_len) // num_prompts
         prompts = [ids[i * step:i * step + prompt_len] for i in range(num_prompts)]  # evenly spaced spans

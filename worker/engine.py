@@ -1,10 +1,14 @@
 """The engine of one worker: `step()` is the whole loop — schedule → run → postprocess.
 
-`Engine` is synchronous and single-threaded; the gRPC server drives it from one thread.
+`Engine` is synchronous and single-threaded; the gRPC server drives it from one thread
+(`worker.async_engine`). Its KV blocks — device pool, paged tensors, host tier, events — are
+one `kvstore.store.KVStore` (`engine.store`), which the scheduler and the peer plane use.
 """
 from __future__ import annotations
 
 import itertools
+import random
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -14,16 +18,14 @@ import torch.nn.functional as F
 
 from kvstore.keys import HashSalt
 from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
-from kvstore.pool import BlockPool
-from kvstore.tensors import KVTensors
-from kvstore.tiers import HostPrefixSource, HostTier
+from kvstore.store import KVStore
 from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
 from worker.eviction import EvictionConfig, EvictionPolicy, TokenEvictor
 from worker.model import LlamaModel
-from worker.request import (EngineError, FinishReason, InvalidRequest, QueueFull, Request,
-                            RequestOutput, RequestStatus)
+from worker.request import (MAX_PRIORITY, MIN_PRIORITY, EngineError, FinishReason, InvalidRequest,
+                            QueueFull, Request, RequestOutput, RequestStatus)
 from worker.sampling import Sampler, SamplingParams, check_stop_token, find_stop, make_generator
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
@@ -133,28 +135,19 @@ class Engine:
                 self.tokenizer, mc.vocab_size, context), cfg.block_size)
             self.model.set_key_scales(cal.scales, cal.shift)
             codec_id = "key-calibration:" + cal.digest()
-        self.kv = KVTensors(self.layout, num_blocks, self.device)
-        self.kv_caches = list(zip(self.kv.k_caches, self.kv.v_caches))
-        self.host: HostTier | None = None
-        on_evict = None
-        if cfg.kv_offload_gib > 0:
-            self.host = HostTier.for_budget(self.layout, int(cfg.kv_offload_gib * 2**30),
-                                            pin_memory=self.device.type == "cuda")
-            host, kv = self.host, self.kv
-            on_evict = lambda ids, hashes: host.offload(kv, ids, hashes)  # noqa: E731
-        self.pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching,
-                              on_evict=on_evict, enable_kv_cache_events=False)
+        self.store = KVStore(self.layout, num_blocks, self.device, enable_prefix_caching=cfg.enable_prefix_caching,
+                             offload_bytes=int(cfg.kv_offload_gib * 2**30))
+        self.kv_caches = list(zip(self.store.kv.k_caches, self.store.kv.v_caches))
         self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
                              block_size=cfg.block_size, kv_codec=codec_id).digest()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            cfg.enable_chunked_prefill, mc.sliding_window), self.pool, self.salt,
-            HostPrefixSource(self.host, self.kv) if self.host is not None else None)
+                            cfg.enable_chunked_prefill, mc.sliding_window), self.store, self.salt)
         ev = cfg.eviction_config()
         if ev.enabled and mc.sliding_window is not None:
             raise ValueError(f"kv_eviction={cfg.kv_eviction}: this model has a sliding window "
                              f"({mc.sliding_window}); its blocks are already released behind it")
-        self.evictor = TokenEvictor(ev, self.pool, self.kv) if ev.enabled else None
+        self.evictor = TokenEvictor(ev, self.store.pool, self.store.kv) if ev.enabled else None
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -176,7 +169,10 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0) -> str:
-        """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing."""
+        """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing.
+        Lower `priority` is admitted first (in [MIN_PRIORITY, MAX_PRIORITY])."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         ids = self.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -270,8 +266,7 @@ class Engine:
                                   self.cfg.block_size, self.device, collect_scores=collect,
                                   score_decay=self.cfg.h2o_decay)
         dev = self.device
-        if self.host is not None:
-            self.host.wait_on_device()  # evicted blocks are rewritten only after their offload
+        self.store.fence_device()  # evicted blocks are rewritten only after their offload
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     self.kv_caches, meta,
                                     None if all_positions else torch.tensor(logits_indices, dtype=torch.long, device=dev))
@@ -310,7 +305,7 @@ class Engine:
             text=text[:visible], new_text=new_text, finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
-            num_cached_tokens=max(req.num_cached_tokens, 0))
+            num_cached_tokens=max(req.num_cached_tokens, 0), timings=req.timings())
 
     # -- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -346,22 +341,29 @@ class Engine:
         raises OutOfBlocks when the pool cannot lend them now.
         """
         n = len(token_ids)
-        blocks = self.pool.allocate(self.layout.blocks_for(n))
+        blocks = self.store.allocate(self.layout.blocks_for(n))
         try:
             meta = AttnMetadata.build([n], [n], [blocks], self.cfg.block_size, self.device)
             return self.model.forward(torch.tensor(list(token_ids), device=self.device),
                                       torch.arange(n, device=self.device), self.kv_caches, meta)
         finally:
-            self.pool.free_sequence(blocks)
+            self.store.free_sequence(blocks)
 
-    def attach_host_tier(self, tier: HostTier) -> None:
-        """Put `tier` behind the pool as the admission's prefix source (a staging tier for
-        blocks fetched from peers, when the engine was built without kv_offload_gib; the
-        pool's evictions are not offloaded into it). Call while the engine is idle."""
-        if self.host is not None:
-            raise EngineError("the engine already has a host tier")
-        self.host = tier
-        self.scheduler.source = HostPrefixSource(tier, self.kv)
+    def measure_prefill(self, num_tokens: int) -> float:
+        """Prefill tokens/s: a `num_tokens` prompt of random ids run to its first token, after a
+        short warm-up. The engine must be idle and not driven by another thread; the prefix
+        cache is emptied afterwards (the probe's blocks would match nothing real)."""
+        n = max(1, min(num_tokens, self.max_model_len - 2))
+        vocab = self.model_config.vocab_size
+        rng = random.Random(0)
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        self.generate([rng.randrange(vocab // 4, vocab // 2) for _ in range(min(16, n))], one)
+        ids = [rng.randrange(vocab // 4, vocab // 2) for _ in range(n)]
+        t0 = time.perf_counter()
+        self.generate(ids, one)
+        seconds = time.perf_counter() - t0
+        self.store.reset_prefix_cache()
+        return n / seconds
 
     def score(self, token_ids: Sequence[int], chunk_size: int) -> Scores:
         """Next-token NLL and argmax [T - 1] of `token_ids`, teacher-forced `chunk_size` tokens at a time
@@ -400,25 +402,15 @@ class Engine:
         return Scores(torch.cat(nll)[:-1], torch.cat(argmax)[:-1])
 
     def stats(self) -> EngineStats:
-        s = self.pool.stats()
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.num_free_blocks,
-                           self.pool.num_used_blocks, self.pool.num_blocks, s.query_blocks, s.hit_blocks,
-                           self.scheduler.num_preemptions,
-                           self.host.num_used_blocks if self.host else 0,
-                           self.host.num_blocks if self.host else 0, self.scheduler.num_loaded_blocks)
+        u = self.store.usage()
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.num_free_blocks,
+                           u.num_used_blocks, u.num_blocks, u.prefix_query_blocks, u.prefix_hit_blocks,
+                           self.scheduler.num_preemptions, u.num_host_blocks, u.host_num_blocks,
+                           u.num_onloaded_blocks)
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
-        held: dict[int, int] = {}
-        for req in self.scheduler.running:
-            for b in req.held_block_ids:
-                held[b] = held.get(b, 0) + 1
-        for b, n in held.items():
-            assert self.pool.ref_cnt(b) == n, f"block {b}: ref_cnt {self.pool.ref_cnt(b)} but {n} requests hold it"
-        assert self.pool.num_used_blocks == len(held), (
-            f"{self.pool.num_used_blocks} blocks referenced, {len(held)} held by running requests")
+        """The store's invariants, and every device block reference held by a running request."""
+        self.store.check_integrity(req.held_block_ids for req in self.scheduler.running)
 
 
 def _has_tokenizer(model_dir: Any) -> bool:

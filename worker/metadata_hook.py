@@ -6,9 +6,9 @@ lazily, so a worker without --redis-url never loads a Redis client.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvstore.events import Tier   # pure data: no Redis, no torch
+from kvstore.events import from_tiered_events   # pure data: no Redis, no torch
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 class WorkerMetadata:
     """The worker's side of the Redis metadata: registry + heartbeat, and the KV event
-    stream of its pool. `after_step` runs on the engine thread (AsyncEngine's hook), so the
-    events and the inventory it publishes are always in step with the pool."""
+    stream of its KV store (device pool and host tier, one ordered log). `after_step` runs on
+    the engine thread (AsyncEngine's hook), so the events and the inventory it publishes are
+    always in step with the store."""
 
     def __init__(self, cfg: WorkerServerConfig, address: str, engine: Engine) -> None:
         from kvstore.events import WorkerId as EventWorkerId
@@ -31,35 +32,22 @@ class WorkerMetadata:
         worker_id = EventWorkerId(cfg.worker_id)
         epoch = self.registry.new_epoch(worker_id)
         record = WorkerRecord(worker_id=cfg.worker_id, address=address, model=engine.model_config.name,
-                              block_size=engine.cfg.block_size, num_blocks=engine.pool.num_blocks,
+                              block_size=engine.cfg.block_size, num_blocks=engine.store.num_blocks,
                               hash_salt_hex=engine.salt.hex(), epoch=epoch)
         sched = engine.scheduler
         self.heartbeater = Heartbeater(self.registry, record,
                                        load_fn=lambda: float(len(sched.running) + len(sched.waiting)))
-        self.pool = engine.pool
-        self.pool.set_event_recording(True)
-        self.host = engine.host
-        if self.host is not None:
-            self.host.set_event_recording(True)
-        self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self._inventory)
+        self.store = engine.store
+        self.store.set_event_recording(True)
+        self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self.store.inventory)
         self._next_poll = 0.0
-
-    def _inventory(self) -> dict[Any, list[Any]]:
-        inventory = {Tier.DEVICE: self.pool.cached_hashes()}
-        if self.host is not None:
-            inventory[Tier.HOST] = self.host.cached_hashes()
-        return inventory
 
     POLL_INTERVAL_S = 0.05
 
     def after_step(self) -> None:
-        events = self.pool.take_events()
+        events = self.store.take_events()
         if events:
-            self.publisher.publish(events)
-        if self.host is not None:
-            host_events = self.host.take_events()
-            if host_events:
-                self.publisher.publish(host_events, tier=Tier.HOST)
+            self.publisher.publish_wire(from_tiered_events(events))
         # Resync requests and retries need no Redis round trip on every decode step.
         now = time.monotonic()
         if now >= self._next_poll:

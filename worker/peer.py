@@ -2,28 +2,30 @@
 `SendBlocks`, and fetch-or-recompute for a request that arrives with a peer hint.
 
 Start (`PeerPlane.start`, blocking, before the engine thread runs): measure prefill tokens/s
-with a short prefill on the engine, attach a staging host tier if the engine has none, join
+with a short prefill on the engine, attach a staging host tier to its KV store if it has none
+(sized for one max_model_len prompt), join
 the transfer group (`kvstore.transfer.TransferGroup`), measure the link to every peer (all
 ranks in one order, so no two wait on each other) and the checksum rate. Real prefills
 raise the prefill figure later (`observe_prefill`: the probe may run while peers load).
 
-Pull, for a request hinted "rank R holds the first N blocks" (`fetch`):
-  1. on the engine thread, count the leading prompt blocks held here (device pool, then the
-     host tier, as admission will find them);
+Pull, for a request hinted "rank R holds the first N blocks" (`fetch`) — plan → SendBlocks →
+`store.stage` → admission:
+  1. `CountHeld` (an engine command): the leading prompt blocks the KV store holds, by the
+     same lookup admission makes (device pool, then host tier);
   2. the cost model (`kvstore.transfer_cost.CostModel`) weighs fetching the missing ones
      against prefilling their tokens; recompute unless fetching is cheaper;
   3. ask R over gRPC to send them (`AskPeer`, the server's `SendBlocks` call): R answers
      how many it sends, and only then is the receive posted — a gloo send completes only
      when its receive is posted, so this worker never asks for what it would not take;
-  4. the verified leading run of what arrived is handed back as a callback that stores it
-     in the host tier on the engine thread right before the request is added, so admission
-     onloads it like any host-tier hit.
+  4. the verified leading run of what arrived is handed back as a `StageBlocks` command that
+     the request's `AddRequest` carries: the engine thread stages the blocks in the store's
+     host tier right before adding the request, so admission onloads them like any host hit.
 Any failure (RPC error, dead peer, timeout, bad checksum) keeps only the good leading run,
 possibly nothing: the engine recomputes the rest, and the output is the same.
 
-Send, for a peer's `SendBlocks` (`serve_send`): the leading run of the asked hashes held in
-the device pool or the host tier is copied out ON THE ENGINE THREAD (no step runs meanwhile,
-so no block is evicted mid-read), then queued on the `BlockTransfer`, whose own threads wait
+Send, for a peer's `SendBlocks` (`serve_send`): `ReadBlocks` (an engine command) copies the
+leading run of the asked hashes held in the store (no step runs meanwhile, so no block is
+evicted mid-read), then the copy is queued on the `BlockTransfer`, whose own threads wait
 for the network.
 """
 from __future__ import annotations
@@ -47,11 +49,9 @@ from kvstore.transfer import (MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendRes
                               TransferError, TransferGroup)
 from kvstore.transfer_cost import CostModel, LinkEstimate, measure_checksum, measure_link
 from contracts.requests import PeerHint, SendBlocksInput
-from worker.peer_engine import (HeldBlocks, count_local_blocks, ensure_host_tier, measure_prefill,
-                                take_held_blocks)
+from worker.async_engine import AsyncEngine, CountHeld, ReadBlocks, StageBlocks
 
 if TYPE_CHECKING:
-    from worker.async_engine import AsyncEngine
     from worker.engine import Engine
 
 log = logging.getLogger("kvmesh.peer")
@@ -62,10 +62,10 @@ AskPeer = Callable[[str, Sequence[BlockHash], int, int, int], Awaitable[int]]
 
 
 class Fetched(NamedTuple):
-    """Verified blocks from a peer: `store()` puts them in the host tier (engine thread, right
-    before the request is added); they are prompt blocks `num_local .. num_local + num_blocks`."""
+    """Verified blocks from a peer: `staged` puts them in the host tier (sent with the
+    request's AddRequest); they are prompt blocks `num_local .. num_local + num_blocks`."""
 
-    store: Callable[[], None]
+    staged: StageBlocks
     num_local: int
     num_blocks: int
 
@@ -239,8 +239,10 @@ class PeerPlane:
                  checksum_bytes_s: float) -> None:
         self.group, self.transfer, self.links = group, transfer, links
         self.prefill_tokens_per_s, self.checksum_bytes_s = prefill_tokens_per_s, checksum_bytes_s
-        self.spec = BlockSpec.of(engine.kv.kv)
+        self.spec = BlockSpec.of(engine.store.kv.kv)
         self.block_size = engine.cfg.block_size
+        self.salt = engine.salt
+        self.host_num_blocks = engine.store.host_num_blocks   # the staging capacity
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._c = PeerCounters()
@@ -249,9 +251,9 @@ class PeerPlane:
     def start(cls, cfg: PeerConfig, engine: Engine) -> PeerPlane:
         """Measure, attach the staging tier, join the group (blocks until every rank joined).
         Raises TransferError when the rendezvous fails."""
-        prefill = measure_prefill(engine, cfg.prefill_probe_tokens)
+        prefill = engine.measure_prefill(cfg.prefill_probe_tokens)
         checksum = measure_checksum()
-        ensure_host_tier(engine)
+        engine.store.ensure_host_tier(engine.layout.blocks_for(engine.max_model_len))
         group = TransferGroup.form(cfg.transfer, engine.device)
         links = measure_links(group)
         transfer = BlockTransfer(group, FaultPlan(cfg.faults) if cfg.faults else None)
@@ -286,9 +288,8 @@ class PeerPlane:
         lost = self.transfer.lost_peers().get(req.dst_rank)
         if lost is not None:
             return 0, 0, f"rank {req.dst_rank} is lost: {lost}"
-        hashes = [BlockHash(h) for h in req.block_hashes]
-        engine, device = ae.engine, self.group.device
-        held: HeldBlocks = await ae.call(lambda: take_held_blocks(engine, hashes, device))
+        hashes = tuple(BlockHash(h) for h in req.block_hashes)
+        held = await ae.run(ReadBlocks(hashes, self.group.device))
         if held.blocks is None:
             return 0, 0, "none of the blocks is held here"
         if not still_wanted():
@@ -316,16 +317,14 @@ class PeerPlane:
     async def fetch(self, ae: AsyncEngine, token_ids: Sequence[int], hints: Sequence[PeerHint],
                     ask: AskPeer) -> Fetched | None:
         """Fetch what the cost model says to; None when nothing usable arrived (or was asked)."""
-        engine = ae.engine
         bs = self.block_size
         # admission recomputes at least the last prompt token: only blocks before it count
-        hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, engine.salt)
-        host = engine.host
-        assert host is not None, "PeerPlane.start attaches a host tier"
-        num_local: int = await ae.call(lambda: count_local_blocks(engine, hashes))
+        hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, self.salt)
+        assert self.host_num_blocks > 0, "PeerPlane.start attaches a host tier"
+        num_local = await ae.run(CountHeld(tuple(hashes)))
         # stage no more than the host tier holds beside this prompt's own blocks (which may
         # be there too): storing more would push the prompt's head out of its LRU
-        plan = plan_fetch(hashes, num_local, max(host.num_blocks - num_local, 0), hints, self.view())
+        plan = plan_fetch(hashes, num_local, max(self.host_num_blocks - num_local, 0), hints, self.view())
         self._record_plan(plan)
         if plan.decision is not Decision.FETCH:
             return None
@@ -339,10 +338,7 @@ class PeerPlane:
         if stored is None:
             return None
         keep, blocks = stored
-
-        def store() -> None:
-            host.store(keep, blocks)
-        return Fetched(store, plan.num_local, len(keep))
+        return Fetched(StageBlocks(tuple(keep), blocks), plan.num_local, len(keep))
 
     async def _pull(self, plan: FetchPlan, hint: PeerHint,
                     ask: AskPeer) -> tuple[list[BlockHash], torch.Tensor] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,8 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000   # the accepted `priority` range (lower runs first)
+
 NO_BLOCK = BlockId(-1)   # a block_ids entry whose block was released (outside the window)
 
 
@@ -48,6 +51,8 @@ class Request:
     future token can attend to them (wholly outside a sliding window); `block_hashes`
     cover every full block of `all_token_ids`.
     `num_computed_tokens` counts the tokens whose K/V are in the cache.
+    `priority`: lower is admitted first (ties in arrival order). The `*_time` fields are
+    `time.monotonic()` readings (see `RequestTimings`).
     """
 
     request_id: str
@@ -71,7 +76,10 @@ class Request:
     output_text: str = ""
     sent_tokens: int = 0             # how many output tokens / chars were already reported
     sent_text: int = 0
+    first_scheduled_time: float | None = None   # first admission (set by the scheduler)
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None          # set by the scheduler's finish
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -98,8 +106,54 @@ class Request:
         self.all_token_ids.append(token_id)
         assert self.history is not None
         self.history.append(token_id)
+        now = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def timings(self) -> RequestTimings:
+        return RequestTimings(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                              self.last_token_time, self.finished_time)
+
+
+class RequestTimings(NamedTuple):
+    """When one request passed each point, as `time.monotonic()` seconds (None: not yet),
+    so that a metrics layer computes latencies without engine internals. Queue time counts
+    from arrival to first admission; prefill from there to the first token (a preempted
+    request's recompute lands in decode)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def queue_s(self) -> float | None:
+        return _since(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token."""
+        return _since(self.arrival_time, self.first_token_time)
+
+    @property
+    def prefill_s(self) -> float | None:
+        return _since(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token to last token."""
+        return _since(self.first_token_time, self.last_token_time)
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Arrival to finish."""
+        return _since(self.arrival_time, self.finished_time)
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +170,4 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     num_cached_tokens: int
+    timings: RequestTimings

@@ -5,19 +5,24 @@ cache). A step schedules, per request, the next `num_tokens - num_computed_token
 under a token budget: a whole or chunked prefill, or one decode token. Running requests go
 first; when blocks run out the most recently admitted running request is preempted (its
 blocks freed, recomputed later — its own full blocks usually still sit in the prefix cache).
-Waiting requests are admitted while budget, sequence slots and blocks allow, after a
-prefix-cache lookup that sets `num_cached_tokens`.
+Waiting requests are admitted in (priority, arrival) order — lower priority value first,
+as the proto says — while budget, sequence slots and blocks allow, after one store lookup
+(device pool, then host tier) that sets `num_cached_tokens`. Priority orders admission only:
+the preemption victim is still the most recently admitted running request.
+
+All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+import bisect
+import itertools
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
-from kvstore.keys import BlockHash
-from kvstore.pool import BlockId, BlockPool
+from kvstore.store import KVStore
 from worker.request import NO_BLOCK, FinishReason, Request, RequestStatus
 
 
@@ -47,50 +52,51 @@ class ScheduledBatch(NamedTuple):
         return sum(self.num_new_tokens)
 
 
-class PrefixSource(Protocol):
-    """Blocks of a prefix held outside the device pool (the host tier): asked on admission
-    for the blocks that follow the device pool's hit."""
+class WaitingQueue:
+    """Waiting requests in admission order: (priority, arrival_time, insertion), lowest first.
+    A preempted request keeps its arrival time, so it goes back ahead of later arrivals."""
 
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading `block_hashes` it can load (a query)."""
+    def __init__(self) -> None:
+        self._items: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
 
-    def load(self, block_hashes: Sequence[BlockHash], allocate: Allocate) -> list[BlockId]:
-        """Take `len(block_hashes)` device blocks from `allocate` and fill them with those
-        blocks' K/V; returns them (owned by the caller). The source must hold what it
-        loads before calling `allocate`, whose evictions may reach the source itself."""
+    def __len__(self) -> int:
+        return len(self._items)
 
+    def __iter__(self) -> Iterator[Request]:
+        return (item[3] for item in self._items)
 
-class Allocate(Protocol):
-    def __call__(self, n: int) -> list[BlockId]: ...
+    def add(self, req: Request) -> None:
+        bisect.insort(self._items, (req.priority, req.arrival_time, next(self._seq), req),
+                      key=lambda item: item[:3])
 
+    def peek(self) -> Request:
+        return self._items[0][3]
 
-class NoPrefixSource:
-    """No tier behind the device pool: nothing is found, nothing loaded."""
+    def pop(self) -> Request:
+        return self._items.pop(0)[3]
 
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        return 0
-
-    def load(self, block_hashes: Sequence[BlockHash], allocate: Allocate) -> list[BlockId]:
-        assert not block_hashes, "NoPrefixSource holds nothing"
-        return allocate(0)
+    def remove(self, req: Request) -> None:
+        for i, item in enumerate(self._items):
+            if item[3] is req:
+                del self._items[i]
+                return
+        raise ValueError(f"request {req.request_id!r} is not waiting")
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, salt: bytes,
-                 source: PrefixSource | None = None) -> None:
+    def __init__(self, cfg: SchedulerConfig, store: KVStore, salt: bytes) -> None:
         self.cfg = cfg
-        self.pool = pool
+        self.store = store
         self.salt = salt
-        self.source: PrefixSource = source or NoPrefixSource()
-        self.num_loaded_blocks = 0  # blocks the source filled on admission
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     # -- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.update_block_hashes(self.cfg.block_size, self.salt)
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -104,6 +110,7 @@ class Scheduler:
         self._release_blocks(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.finished_time = time.monotonic()
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -125,11 +132,13 @@ class Scheduler:
 
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             n = self._admit(req, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             scheduled.append(req)
@@ -145,8 +154,8 @@ class Scheduler:
             req.num_computed_tokens += n
             after = req.num_computed_tokens // bs
             if after > before and not req.num_evicted_tokens:  # an evicted cache is no prefix
-                self.pool.cache_full_blocks(req.block_ids[before:after], req.block_hashes[before:after],
-                                            parent_hash=req.block_hashes[before - 1] if before else None)
+                self.store.cache(req.block_ids[before:after], req.block_hashes[before:after],
+                                 parent_hash=req.block_hashes[before - 1] if before else None)
             if self.cfg.sliding_window is not None:
                 self._release_outside_window(req, self.cfg.sliding_window)
 
@@ -159,7 +168,7 @@ class Scheduler:
         need = self._blocks_needed(req, n)
         while True:
             try:
-                req.block_ids.extend(self.pool.allocate(need))
+                req.block_ids.extend(self.store.allocate(need))
                 return True
             except OutOfBlocks:
                 victim = self.running[-1]
@@ -174,13 +183,13 @@ class Scheduler:
         req.num_computed_tokens = req.num_evicted_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.add(req)
         self.num_preemptions += 1
 
     def _release_blocks(self, req: Request) -> None:
         held = req.held_block_ids
         if held:
-            self.pool.free_sequence(held)
+            self.store.free_sequence(held)
         req.block_ids = []
 
     def _release_outside_window(self, req: Request, window: int) -> None:
@@ -193,7 +202,7 @@ class Scheduler:
         dead = min(max(0, req.num_computed_tokens - window + 1) // bs, len(req.block_ids))
         freed = [b for b in req.block_ids[:dead] if b != NO_BLOCK]
         if freed:
-            self.pool.free(freed)
+            self.store.free(freed)
             req.block_ids[:dead] = [NO_BLOCK] * dead
 
     def _admit(self, req: Request, budget: int) -> int:
@@ -201,26 +210,17 @@ class Scheduler:
         bs = self.cfg.block_size
         # Keep at least the last token uncached: its logits are needed to sample.
         max_cached_blocks = (req.num_tokens - 1) // bs
-        cached = self.pool.find_longest_prefix(req.block_hashes[:max_cached_blocks])
-        num_loaded = self.source.match_prefix(req.block_hashes[len(cached):max_cached_blocks])
-        num_computed = (len(cached) + num_loaded) * bs
+        hashes = req.block_hashes[:max_cached_blocks]
+        match = self.store.lookup(hashes)
+        num_computed = match.num_blocks * bs
         remaining = req.num_tokens - num_computed
         n = min(remaining, budget)
         if n < remaining and not self.cfg.enable_chunked_prefill:
             return 0
-        need = -(-(num_computed + n) // bs) - len(cached)
-        # Touching a cached block at ref 0 takes it off the free queue, so count those too.
-        reused_free = sum(1 for b in cached if self.pool.ref_cnt(b) == 0)
-        if need + reused_free > self.pool.num_free_blocks:
+        try:
+            req.block_ids = self.store.take(hashes, match, -(-(num_computed + n) // bs))
+        except OutOfBlocks:
             return 0
-        self.pool.touch(cached)
-        loaded_hashes = req.block_hashes[len(cached):len(cached) + num_loaded]
-        loaded = self.source.load(loaded_hashes, self.pool.allocate)
-        if loaded:
-            self.pool.cache_full_blocks(loaded, loaded_hashes,
-                                        parent_hash=req.block_hashes[len(cached) - 1] if cached else None)
-            self.num_loaded_blocks += len(loaded)
-        req.block_ids = list(cached) + loaded + self.pool.allocate(need - num_loaded)
         req.num_computed_tokens = num_computed
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)

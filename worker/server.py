@@ -29,6 +29,7 @@ from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_reques
                             to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from worker.commands import ApplyChatTemplate, ListRequests, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
 
 if TYPE_CHECKING:
@@ -198,7 +199,7 @@ class WorkerServer:
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _SERVING)
         log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, mc.name,
-                 engine.pool.num_blocks, engine.cfg.block_size)
+                 engine.store.num_blocks, engine.cfg.block_size)
 
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
         from kvstore.transfer import TransferConfig, TransferError
@@ -237,7 +238,7 @@ class WorkerServer:
             ae, engine = self._ae, self._engine
             assert engine is not None
             # Requests whose streams were cancelled above: free their blocks before the thread stops.
-            for rid in await ae.call(lambda: list(engine.requests)):
+            for rid in await ae.run(ListRequests()):
                 await ae.abort(rid)
             await asyncio.to_thread(ae.shutdown)
         if self._metadata is not None:
@@ -287,9 +288,7 @@ class WorkerServer:
         request_id = inp.request_id or uuid.uuid4().hex
         prompt: str | list[int]
         if inp.chat is not None:
-            messages = [{"role": m.role, "content": m.content} for m in inp.chat]
-            engine = ae.engine
-            prompt = await ae.call(lambda: engine.apply_chat_template(messages))
+            prompt = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in inp.chat)))
         elif inp.text is not None:
             prompt = inp.text                 # encoded by add_request, on the engine thread
         else:
@@ -298,11 +297,10 @@ class WorkerServer:
         fetched = None
         if inp.peer_hints and self._peer is not None:
             if isinstance(prompt, str):
-                text, engine = prompt, ae.engine
-                prompt = await ae.call(lambda: engine.encode(text))
+                prompt = await ae.run(Tokenize(prompt))
             fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer)
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
-                              before_add=fetched.store if fetched is not None else None)
+                              staged=fetched.staged if fetched is not None else None)
         t0, first = time.perf_counter(), True
         try:
             async for out in outputs:
@@ -388,7 +386,7 @@ class WorkerServer:
         return await self._guard(context, self._load_now(ae))
 
     async def _load_now(self, ae: AsyncEngine) -> pb.Load:
-        s = await ae.call(ae.engine.stats)
+        s = await ae.run(Snapshot())
         load = pb.Load(worker_id=self.cfg.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
                        num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
                        num_blocks=s.num_blocks, prefix_query_blocks=s.prefix_queries,

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from worker.async_engine import AsyncEngine
+from worker.commands import Snapshot
 from worker.engine import Engine, EngineConfig
 from worker.request import InvalidRequest
 from worker.sampling import SamplingParams
@@ -42,14 +43,14 @@ def test_concurrent_streams_match_sync_and_cancel_frees(tiny_engine):
             async for _ in ae.generate([], params, "bad"):
                 pass
         for _ in range(100):                    # the abort is applied between steps
-            if await ae.call(lambda: tiny_engine.pool.num_used_blocks) == 0:
+            if (await ae.run(Snapshot())).num_used_blocks == 0:
                 break
             await asyncio.sleep(0.01)
         return list(results)
 
     try:
         assert asyncio.run(main()) == expected
-        assert tiny_engine.pool.num_used_blocks == 0 and not tiny_engine.has_unfinished()
+        assert tiny_engine.store.pool.num_used_blocks == 0 and not tiny_engine.has_unfinished()
         assert ae.num_streams == 0
     finally:
         ae.shutdown()

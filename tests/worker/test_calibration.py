@@ -100,7 +100,7 @@ def test_shift_finds_key_offsets_and_cuts_int4_error(tiny_model_dir, tmp_path: P
     plain.model.observer = lambda layer, q, k: seen[layer].append((q.clone(), k.clone()))  # per chunk
     plain.logits(IDS)
     plain.model.observer = None
-    codec = eng.kv.k_caches[0].codec
+    codec = eng.store.kv.k_caches[0].codec
     group = cfg.num_heads // cfg.num_kv_heads
 
     def qk_error(shift: torch.Tensor) -> float:

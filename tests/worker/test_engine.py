@@ -45,7 +45,7 @@ def test_bad_requests_raise_and_engine_keeps_serving(tiny):
                 outs[o.request_id] = o
     assert outs[rid].completion_tokens == 20
     assert tiny.generate(good, GREEDY)[0].token_ids == expected
-    assert tiny.pool.num_used_blocks == 0
+    assert tiny.store.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5),
@@ -79,10 +79,10 @@ def test_abort_frees_blocks(tiny):
     rid = tiny.add_request([9] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     tiny.step()
     tiny.step()
-    assert tiny.pool.num_used_blocks > 0
+    assert tiny.store.pool.num_used_blocks > 0
     out = tiny.abort(rid)
     assert out is not None and out.finished and out.finish_reason == "abort"
-    assert tiny.pool.num_used_blocks == 0 and not tiny.has_unfinished()
+    assert tiny.store.pool.num_used_blocks == 0 and not tiny.has_unfinished()
     assert tiny.abort(rid) is None
 
 
@@ -117,7 +117,7 @@ def test_streaming_deltas_add_up_and_stop_strings(smol):
     stopped = smol.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=(word,)))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == final.text[:final.text.index(word)]
-    assert smol.pool.num_used_blocks == 0
+    assert smol.store.pool.num_used_blocks == 0
 
 
 def test_prefix_cache_hit_counts(smol):

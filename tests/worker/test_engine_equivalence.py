@@ -39,8 +39,8 @@ def smol(smollm2_dir):
 def _check(engine: Engine, hf, prompts, expected, outs) -> None:
     for p, e, o in zip(prompts, expected, outs):
         assert_greedy_match(o.token_ids, e, p, engine.logits, hf_logits_fn(hf))
-    assert engine.pool.num_used_blocks == 0, "blocks still referenced after every request finished"
-    engine.pool.check_integrity()
+    assert engine.store.pool.num_used_blocks == 0, "blocks still referenced after every request finished"
+    engine.store.pool.check_integrity()
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
@@ -116,4 +116,4 @@ def test_sliding_window_releases_blocks_and_matches_hf(tiny_model_dir):
                 outs[o.request_id] = o
     assert max_held == window // bs + 1
     _check(engine, hf, prompts, expected, [outs[i] for i in ids])
-    assert engine.pool.num_used_blocks == 0
+    assert engine.store.pool.num_used_blocks == 0

@@ -202,9 +202,9 @@ def test_evicting_sequence_stops_caching_blocks(tiny_model_dir) -> None:
     prompt = [rng.randrange(3, 200) for _ in range(5)]
     eng.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     # blocks are cached until the first compaction at budget + bs = 16 tokens, then never again
-    assert eng.pool.num_cached_blocks == (budget + bs) // bs
+    assert eng.store.pool.num_cached_blocks == (budget + bs) // bs
     assert eng.evictor is not None and eng.evictor.num_compactions > 3 and not eng.evictor.scores
-    assert eng.pool.num_used_blocks == 0
+    assert eng.store.pool.num_used_blocks == 0
 
 
 def test_score_in_chunks_equals_one_prefill_and_eviction_changes_it(tiny_model_dir) -> None:
@@ -218,11 +218,11 @@ def test_score_in_chunks_equals_one_prefill_and_eviction_changes_it(tiny_model_d
     sc = eng.score(ids, 4)
     torch.testing.assert_close(sc.nll, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(sc.argmax, logits[:-1].argmax(-1))
-    assert eng.pool.num_used_blocks == 0 and not eng.has_unfinished()
+    assert eng.store.pool.num_used_blocks == 0 and not eng.has_unfinished()
     ev = Engine(EngineConfig(model=d, block_size=4, num_blocks=64, check_integrity=True,
                              kv_eviction="streaming", kv_budget=12, attention_sinks=2))
     got = ev.score(ids, 4).nll
     assert got.shape == want.shape
     torch.testing.assert_close(got[:15], want[:15], rtol=1e-4, atol=1e-4)   # before the first eviction
     assert not torch.allclose(got, want, rtol=1e-3, atol=1e-3)
-    assert ev.evictor is not None and ev.evictor.num_compactions > 5 and ev.pool.num_used_blocks == 0
+    assert ev.evictor is not None and ev.evictor.num_compactions > 5 and ev.store.pool.num_used_blocks == 0

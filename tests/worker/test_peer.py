@@ -26,7 +26,6 @@ from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import LoopThread, collect, request
 from worker.engine import Engine, EngineConfig
 from worker.peer import Decision, FaultPlan, PeerConfig, PeerPlane, PlanView, good_leading_run, plan_fetch
-from worker.peer_engine import count_local_blocks, ensure_host_tier, measure_prefill, take_held_blocks
 from worker.sampling import SamplingParams
 from worker.server import WorkerServer, WorkerServerConfig
 
@@ -107,18 +106,18 @@ def test_held_blocks_come_from_the_pool_and_the_host_tier(tiny_model_dir: Any) -
     hashes = block_hashes(prompt, 4, eng.salt)
     for i in range(3):                                          # evicts the prompt's tail to host
         eng.generate([100 + 7 * i + j for j in range(25)], GREEDY)
-    on_device = [eng.pool.get_cached_block(h) is not None for h in hashes]
-    in_host = [h in eng.host for h in hashes]                   # type: ignore[operator]
+    on_device = [eng.store.pool.get_cached_block(h) is not None for h in hashes]
+    in_host = [h in eng.store.host for h in hashes]                   # type: ignore[operator]
     assert not all(on_device) and all(d or h for d, h in zip(on_device, in_host))
-    assert count_local_blocks(eng, hashes) == 6
-    assert count_local_blocks(eng, hashes[:3] + [BlockHash(7)] + hashes[4:]) == 3
-    held = take_held_blocks(eng, hashes + [BlockHash(7)], torch.device("cpu"))
+    assert eng.store.lookup(hashes).num_blocks == 6
+    assert eng.store.lookup(hashes[:3] + [BlockHash(7)] + hashes[4:]).num_blocks == 3
+    held = eng.store.read(hashes + [BlockHash(7)], torch.device("cpu"))
     assert held.num_blocks == 6 and held.blocks is not None
     for j, h in enumerate(hashes):                              # oracle: each tier's own copy
-        block_id = eng.pool.get_cached_block(h)
-        want = eng.kv.gather_blocks([block_id]) if block_id is not None else eng.host.read([h])  # type: ignore[union-attr]
+        block_id = eng.store.pool.get_cached_block(h)
+        want = eng.store.kv.gather_blocks([block_id]) if block_id is not None else eng.store.host.read([h])  # type: ignore[union-attr]
         assert torch.equal(held.blocks[:, :, j:j + 1], want), j
-    assert take_held_blocks(eng, [BlockHash(7)], torch.device("cpu")) == (0, None)
+    assert eng.store.read([BlockHash(7)], torch.device("cpu")) == (0, None)
 
 
 @pytest.mark.parametrize("num_stored", [6, 2])
@@ -131,12 +130,13 @@ def test_staged_blocks_are_onloaded_and_output_is_unchanged(tiny_model_dir: Any,
     want = oracle.generate(prompt, GREEDY)[0].token_ids
     assert owner.generate(prompt, GREEDY)[0].token_ids == want
     hashes = block_hashes(prompt, 4, owner.salt)
-    held = take_held_blocks(owner, hashes[:num_stored], torch.device("cpu"))
-    assert puller.host is None
-    tier = ensure_host_tier(puller)
-    assert puller.host is tier and ensure_host_tier(puller) is tier
+    held = owner.store.read(hashes[:num_stored], torch.device("cpu"))
+    assert puller.store.host is None
+    size = puller.layout.blocks_for(puller.max_model_len)
+    tier = puller.store.ensure_host_tier(size)
+    assert puller.store.host is tier and puller.store.ensure_host_tier(size) is tier
     assert tier.num_blocks == puller.layout.blocks_for(puller.max_model_len)
-    tier.store(hashes[:num_stored], held.blocks)                # type: ignore[arg-type]
+    assert puller.store.stage(hashes[:num_stored], held.blocks) == num_stored   # type: ignore[arg-type]
     out = puller.generate(prompt, GREEDY)[0]
     assert out.token_ids == want and out.num_cached_tokens == 4 * num_stored
     assert puller.stats().num_onloaded_blocks == num_stored
@@ -145,8 +145,8 @@ def test_staged_blocks_are_onloaded_and_output_is_unchanged(tiny_model_dir: Any,
 
 def test_measure_prefill_leaves_no_cached_blocks(tiny_model_dir: Any) -> None:
     eng = Engine(_cfg(tiny_model_dir))
-    assert measure_prefill(eng, 64) > 0
-    assert eng.pool.num_cached_blocks == 0 and eng.pool.num_used_blocks == 0 and not eng.has_unfinished()
+    assert eng.measure_prefill(64) > 0
+    assert eng.store.pool.num_cached_blocks == 0 and eng.store.pool.num_used_blocks == 0 and not eng.has_unfinished()
 
 
 def test_observed_prefills_raise_the_prefill_figure_only(tiny_model_dir: Any) -> None:
@@ -275,7 +275,7 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any) 
         loop.close()
     for eng in engines:
         eng.check_integrity()
-        assert eng.pool.num_used_blocks == 0
+        assert eng.store.pool.num_used_blocks == 0
 
 
 def test_send_blocks_without_a_transfer_group_is_failed_precondition(tiny_model_dir: Any) -> None:

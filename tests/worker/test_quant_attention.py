@@ -192,7 +192,7 @@ def test_tiny_engine_with_every_kv_dtype(tiny_model_dir, dtype: str) -> None:
     roomy = Engine(EngineConfig(model=path, block_size=4, num_blocks=128, kv_cache_dtype=dtype,
                                 check_integrity=True, max_model_len=64))
     assert roomy.layout.kv_cache_dtype == dtype
-    assert roomy.kv.nbytes == roomy.layout.bytes_per_block * 128
+    assert roomy.store.kv.nbytes == roomy.layout.bytes_per_block * 128
     first = _run(roomy, prompts)
     assert all(len(t) == 12 for t in first)
     assert roomy.stats().prefix_hits == 0
@@ -205,7 +205,7 @@ def test_tiny_engine_with_every_kv_dtype(tiny_model_dir, dtype: str) -> None:
                                 check_integrity=True, max_model_len=64, enable_prefix_caching=False))
     assert _run(tight, prompts) == first
     assert tight.stats().num_preemptions > 0
-    assert tight.pool.num_used_blocks == 0
+    assert tight.store.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("kind", ["mistral-swa", "llama-mqa", "qwen2-bias", "llama3-rope"])
@@ -216,7 +216,7 @@ def test_tiny_kinds_with_chunked_prefill(tiny_model_dir, kind: str, dtype: str) 
                                  check_integrity=True, max_model_len=64, max_num_batched_tokens=8))
     outs = engine.generate([list(range(5, 30)), list(range(40, 51))], GREEDY)
     assert [o.completion_tokens for o in outs] == [12, 12]
-    assert engine.pool.num_used_blocks == 0
+    assert engine.store.pool.num_used_blocks == 0
 
 
 def _agreement(reference: list[tuple[int, ...]], other: list[tuple[int, ...]]) -> float:
@@ -239,7 +239,7 @@ def test_smollm2_with_every_kv_dtype(smollm2_dir) -> None:
         ref = outputs["fp32"]
         # teacher-forced: this cache's greedy choice after each token of the fp32 continuation
         forced[dtype] = [engine.logits(p + list(r))[len(p) - 1:-1].argmax(-1).tolist() for p, r in zip(ids, ref)]
-        assert engine.pool.num_used_blocks == 0
+        assert engine.store.pool.num_used_blocks == 0
         del engine
     assert _agreement(outputs["fp32"], outputs["fp16"]) >= 0.9
     assert _agreement(forced["fp32"], forced["int8"]) >= 0.95

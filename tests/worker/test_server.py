@@ -242,7 +242,7 @@ def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
             stopping.result(10)                          # and then stop returns, well before grace
     finally:
         loop.run(server.stop(grace=0))
-    assert engine.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert engine.store.pool.num_used_blocks == 0 and not engine.has_unfinished()
 
 
 def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir):
@@ -262,7 +262,7 @@ def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir):
             assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
     finally:
         loop.run(server.stop(grace=0))
-    assert engine.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert engine.store.pool.num_used_blocks == 0 and not engine.has_unfinished()
     engine.check_integrity()
 
 

@@ -30,13 +30,13 @@ def test_evicted_prefix_is_onloaded_from_host(tiny_model_dir):
     # unrelated traffic evicts the shared prefix from the 12-block device pool
     for _ in range(3):
         eng.generate([rng.randrange(3, 200) for _ in range(30)], GREEDY)
-    assert eng.pool.find_longest_prefix(block_hashes(shared, 4, eng.salt)) == []
+    assert eng.store.pool.find_longest_prefix(block_hashes(shared, 4, eng.salt)) == []
     before = eng.stats().num_onloaded_blocks
     again = eng.generate(shared + [7, 8], GREEDY)[0]
     assert again.token_ids == first.token_ids
     assert eng.stats().num_onloaded_blocks - before == 6
     assert again.num_cached_tokens == 24
-    assert eng.pool.num_used_blocks == 0
+    assert eng.store.pool.num_used_blocks == 0
 
 
 def test_oversubscribed_pool_equals_unconstrained(tiny_model_dir):
@@ -53,7 +53,7 @@ def test_oversubscribed_pool_equals_unconstrained(tiny_model_dir):
     assert got == want
     st = small.stats()
     assert st.num_preemptions > 0 and st.num_onloaded_blocks > 0 and st.num_host_blocks > 0
-    assert small.pool.num_used_blocks == 0
+    assert small.store.pool.num_used_blocks == 0
 
 
 def test_offload_needs_prefix_caching():
@@ -87,8 +87,8 @@ def test_redis_index_reflects_tiers(tiny_model_dir, redis_server):
     eng.generate(second, GREEDY)         # evicts most of `first` to host
     meta.after_step()
     h_first, h_second = block_hashes(first, 4, eng.salt), block_hashes(second, 4, eng.salt)
-    on_host = [h for h in h_first if h in eng.host]
-    assert on_host and all(eng.pool.get_cached_block(h) is None for h in on_host)
+    on_host = [h for h in h_first if h in eng.store.host]
+    assert on_host and all(eng.store.pool.get_cached_block(h) is None for h in on_host)
 
     async def main() -> None:
         index = BlockIndex()

@@ -1,0 +1,305 @@
+"""The KV store of one worker: the device block pool, the paged KV tensors, the host tier
+and the event log behind one typed API.
+
+`KVStore` owns
+- the `BlockPool` (block ids, ref counts, LRU free queue, hash → block map; no torch),
+- the `KVTensors` the model reads and writes by block id,
+- an optional `HostTier` behind the pool: with `offload_bytes > 0` the pool's evictions are
+  copied into it (the store wires that; nobody else sees the callback), or a staging tier
+  attached later (`ensure_host_tier`) that only receives blocks staged from a peer,
+- one event log: what the pool and the host tier record, tagged with their `Tier`, in the
+  order it happened (an eviction that offloads reads: host stored, then device removed).
+
+Who calls it: the scheduler (`lookup`, `take`, `allocate`, `free*`, `cache`), the engine
+(`fence_device`, `usage`, `check_integrity`), the peer plane through engine commands
+(`lookup`, `read`, `stage`) and the metadata publisher (`take_events`, `inventory`). All of
+them on the engine thread: the store is not thread-safe, and between two engine steps no
+block is evicted or rewritten, which is what makes `read` a consistent copy.
+
+Ownership: block ids returned by `take` / `allocate` carry one reference each, owned by the
+caller until it gives them back with `free` / `free_sequence`. Only unreferenced blocks are
+ever evicted (by a later allocation). Imports no model, request or gRPC code.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvstore.errors import KVStoreError, OutOfBlocks
+from kvstore.events import Tier, TieredEvent
+from kvstore.keys import BlockHash
+from kvstore.layout import KVLayout
+from kvstore.pool import BlockId, BlockPool
+from kvstore.tensors import KVTensors
+from kvstore.tiers import HostTier
+
+
+class Match(NamedTuple):
+    """Where the leading blocks of a hash chain are: `device` are the pool's blocks caching
+    the first `len(device)` hashes (not referenced by the lookup: `take` them before the
+    next allocation, which may evict them), then `num_host` more are in the host tier."""
+
+    device: tuple[BlockId, ...]
+    num_host: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + self.num_host
+
+
+class HeldBlocks(NamedTuple):
+    """A copy of the leading run of asked blocks held here: `[L, 2, n, bs, H, D | bytes]`."""
+
+    num_blocks: int
+    blocks: torch.Tensor | None
+
+
+class StoreUsage(NamedTuple):
+    """A snapshot of the store. `prefix_*_blocks`: hashes asked / device blocks found by
+    admissions (`take`); `num_onloaded_blocks`: blocks admissions copied from the host tier."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    host_num_blocks: int
+    num_host_blocks: int
+    prefix_queries: int
+    prefix_query_blocks: int
+    prefix_hit_blocks: int
+    num_onloaded_blocks: int
+
+
+class NoHostTier(KVStoreError):
+    """Blocks were staged into a store that has no host tier."""
+
+
+class KVStore:
+    """One worker's KV blocks on the device and in host memory (see the module docstring)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", *,
+                 enable_prefix_caching: bool = True, offload_bytes: int = 0) -> None:
+        if offload_bytes < 0:
+            raise ValueError(f"offload_bytes={offload_bytes} must be >= 0")
+        if offload_bytes and not enable_prefix_caching:
+            raise ValueError("offload_bytes needs prefix caching: the host tier keys blocks by hash")
+        self.layout = layout
+        self.kv = KVTensors(layout, num_blocks, device)
+        self.device = self.kv.device
+        self.host: HostTier | None = None
+        if offload_bytes:
+            self.host = HostTier.for_budget(layout, offload_bytes, pin_memory=self.device.type == "cuda")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching,
+                              on_evict=self._offload if self.host is not None else None,
+                              enable_kv_cache_events=False)
+        self._events: list[TieredEvent] = []
+        self._recording = False
+        self._queries = self._query_blocks = self._hit_blocks = self._onloaded = 0
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def host_num_blocks(self) -> int:
+        return self.host.num_blocks if self.host is not None else 0
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> Match:
+        """The leading `block_hashes` held here: the device pool's run, then the host tier's.
+        A query: no ref count, LRU order or counter changes."""
+        device: list[BlockId] = []
+        for h in block_hashes:
+            block_id = self.pool.get_cached_block(h)
+            if block_id is None:
+                break
+            device.append(block_id)
+        rest = block_hashes[len(device):]
+        return Match(tuple(device), self.host.match_prefix(rest) if self.host is not None else 0)
+
+    def usage(self) -> StoreUsage:
+        p, h = self.pool, self.host
+        return StoreUsage(p.num_blocks, p.num_free_blocks, p.num_used_blocks, p.num_cached_blocks,
+                          h.num_blocks if h else 0, h.num_used_blocks if h else 0, self._queries,
+                          self._query_blocks, self._hit_blocks, self._onloaded)
+
+    def inventory(self) -> dict[Tier, list[BlockHash]]:
+        """Every hash the store can serve now, per tier (a full snapshot for the block index)."""
+        out = {Tier.DEVICE: self.pool.cached_hashes()}
+        if self.host is not None:
+            out[Tier.HOST] = self.host.cached_hashes()
+        return out
+
+    # -- blocks for sequences -------------------------------------------------------------
+    def take(self, block_hashes: Sequence[BlockHash], match: Match, num_blocks: int) -> list[BlockId]:
+        """The first `num_blocks` blocks of a sequence whose hash chain is `block_hashes`, given
+        `match = lookup(...)` made with no store change in between: the matched device blocks
+        are referenced, the host run is copied into new device blocks (which then cache their
+        hashes), and fresh blocks follow. All returned blocks are owned by the caller.
+        Raises `OutOfBlocks`, store unchanged, when the pool cannot give them now."""
+        cached = list(match.device)
+        if num_blocks < match.num_blocks:
+            raise ValueError(f"num_blocks={num_blocks} < the {match.num_blocks} matched blocks")
+        # touching a cached block at ref 0 takes it off the free queue: count those too
+        reused_free = sum(1 for b in cached if self.pool.ref_cnt(b) == 0)
+        if num_blocks - len(cached) + reused_free > self.pool.num_free_blocks:
+            raise OutOfBlocks(num_blocks - len(cached) + reused_free, self.pool.num_free_blocks)
+        self.pool.touch(cached)
+        loaded_hashes = list(block_hashes[len(cached):match.num_blocks])
+        loaded = self._onload(loaded_hashes)
+        if loaded:
+            self.pool.cache_full_blocks(loaded, loaded_hashes,
+                                        parent_hash=block_hashes[len(cached) - 1] if cached else None)
+        self._queries += 1
+        self._query_blocks += len(block_hashes)
+        self._hit_blocks += len(cached)
+        self._onloaded += len(loaded)
+        out = cached + loaded + self.pool.allocate(num_blocks - match.num_blocks)
+        self._drain()
+        return out
+
+    def allocate(self, n: int) -> list[BlockId]:
+        """`n` fresh blocks owned by the caller (evicting unreferenced cached ones, offloaded
+        to the host tier when it has one). Raises `OutOfBlocks`, store unchanged."""
+        out = self.pool.allocate(n)
+        self._drain()
+        return out
+
+    def free(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop one reference per block, in the order given (see `BlockPool.free`)."""
+        self.pool.free(block_ids)
+
+    def free_sequence(self, block_ids: Sequence[BlockId]) -> None:
+        """Give back a sequence's blocks in sequence order: its tail is evicted first."""
+        self.pool.free_sequence(block_ids)
+
+    def cache(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
+              parent_hash: BlockHash | None = None) -> None:
+        """Publish full blocks the caller holds under their hashes (`cache_full_blocks`)."""
+        self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash)
+        self._drain()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every device-cached hash if no block is in use (True), else nothing (False)."""
+        done = self.pool.reset_prefix_cache()
+        self._drain()
+        return done
+
+    def fence_device(self) -> None:
+        """Before a forward pass: the device stream waits for pending offload copies of the
+        blocks it may rewrite (a no-op on CPU and without a host tier)."""
+        if self.host is not None:
+            self.host.wait_on_device()
+
+    # -- blocks for peers -----------------------------------------------------------------
+    def read(self, block_hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks:
+        """A copy on `device` of the leading run of `block_hashes` held in the device pool or the
+        host tier (host blocks become the tier's youngest). Nothing is referenced: the copy
+        is consistent because no step runs while the engine thread reads."""
+        runs: list[tuple[bool, list[int]]] = []     # (from the device pool?, block ids | hashes)
+        n = 0
+        for h in block_hashes:
+            block_id = self.pool.get_cached_block(h)
+            on_device = block_id is not None
+            if not on_device and (self.host is None or h not in self.host):
+                break
+            if not runs or runs[-1][0] != on_device:
+                runs.append((on_device, []))
+            runs[-1][1].append(int(block_id) if block_id is not None else h)
+            n += 1
+        if n == 0:
+            return HeldBlocks(0, None)
+        parts = []
+        for on_device, keys in runs:
+            if on_device:
+                data = self.kv.gather_blocks(keys)
+            else:
+                assert self.host is not None
+                data = self.host.read([BlockHash(k) for k in keys])
+            parts.append(data.to(device))                        # [L, 2, run, bs, H, D]
+        return HeldBlocks(n, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2).contiguous())
+
+    def stage(self, block_hashes: Sequence[BlockHash], data: torch.Tensor) -> int:
+        """Put blocks that arrived from a peer (`data` as `read` returns it) in the host tier,
+        where the next admission finds them; returns how many were written (hashes already
+        held are only refreshed). Raises `NoHostTier` without a host tier."""
+        if self.host is None:
+            raise NoHostTier("staging blocks needs a host tier (ensure_host_tier)")
+        written = self.host.store(block_hashes, data)
+        self._drain()
+        return written
+
+    def ensure_host_tier(self, num_blocks: int) -> HostTier:
+        """The host tier, attaching a staging tier of `num_blocks` if there is none. A staging
+        tier receives only staged blocks: the pool's evictions are not offloaded into it.
+        On CPU its memory is committed as blocks arrive (pinned on CUDA: at once)."""
+        if self.host is None:
+            self.host = HostTier(self.layout, num_blocks, pin_memory=self.device.type == "cuda")
+            self.host.set_event_recording(self._recording)
+        return self.host
+
+    # -- events and checks ----------------------------------------------------------------
+    def set_event_recording(self, enabled: bool) -> None:
+        """Start or stop recording events for `take_events` (dropping what is queued)."""
+        self._recording = enabled
+        self.pool.set_event_recording(enabled)
+        if self.host is not None:
+            self.host.set_event_recording(enabled)
+        self._events = []
+
+    def take_events(self) -> list[TieredEvent]:
+        """Every event since the last call, oldest first, each tagged with its tier; clears them."""
+        self._drain()
+        events, self._events = self._events, []
+        return events
+
+    def check_integrity(self, holders: Iterable[Sequence[BlockId]] | None = None) -> None:
+        """Raise AssertionError on the first broken invariant of the pool and the host tier;
+        with `holders` (the block lists of everything holding references), also that every
+        reference is accounted for."""
+        self.pool.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
+        if holders is None:
+            return
+        held = Counter(b for blocks in holders for b in blocks)
+        for b, n in held.items():
+            assert self.pool.ref_cnt(b) == n, f"block {b}: ref_cnt {self.pool.ref_cnt(b)} but {n} holders"
+        assert self.pool.num_used_blocks == len(held), (
+            f"{self.pool.num_used_blocks} blocks referenced, {len(held)} held")
+
+    # -- internals ------------------------------------------------------------------------
+    def _onload(self, block_hashes: list[BlockHash]) -> list[BlockId]:
+        """Device blocks filled from the host tier. The held blocks are pinned while the
+        allocation runs: it may evict device blocks into this very tier."""
+        if not block_hashes:
+            return []
+        assert self.host is not None
+        self.host.pin(block_hashes)
+        try:
+            block_ids = self.pool.allocate(len(block_hashes))
+        finally:
+            self.host.unpin(block_hashes)
+        self.host.onload(self.kv, block_hashes, block_ids)
+        return block_ids
+
+    def _offload(self, block_ids: list[BlockId], block_hashes: list[BlockHash]) -> None:
+        """The pool's eviction callback: copy the evicted blocks into the host tier first."""
+        assert self.host is not None
+        self._drain()                      # what the pool recorded before comes first
+        self.host.offload(self.kv, block_ids, block_hashes)
+        self._drain()
+
+    def _drain(self) -> None:
+        if not self._recording:
+            return
+        self._events.extend(TieredEvent(Tier.DEVICE, e) for e in self.pool.take_events())
+        if self.host is not None:
+            self._events.extend(TieredEvent(Tier.HOST, e) for e in self.host.take_events())
