@@ -1,0 +1,163 @@
+"""Each scorer and the filter alone, and the weighted pick against a brute-force oracle."""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvstore.keys import block_hashes
+from router.policy import POLICIES, Policy, Weighted, make_policy
+from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
+from router.scorers import (BoundedLoadFilter, FreeKVScorer, HashRing, InverseLoadScorer, LoadScorer,
+                            PrefixCacheScorer, RingScorer, RotationScorer, load_cap, route_key)
+
+SALT = b"scorer-salt"
+SCORERS = [PrefixCacheScorer(), LoadScorer(), InverseLoadScorer(), FreeKVScorer(), RingScorer(), RotationScorer()]
+
+
+def _workers(n: int) -> list[WorkerInfo]:
+    return [WorkerInfo(WorkerId(f"w{i}"), f"127.0.0.1:{7000 + i}") for i in range(n)]
+
+
+def _route(seed: int, blocks: int = 5) -> RouteRequest:
+    ids = tuple(seed * 1000 + i for i in range(blocks * 16 + 3))
+    return RouteRequest(ids, tuple(block_hashes(ids, 16, SALT)))
+
+
+states = st.builds(
+    lambda n, loads, cached: (n, RoutingState(
+        {WorkerId(f"w{i}"): WorkerLoad(*ld) for i, ld in enumerate(loads[:n])},
+        {WorkerId(f"w{i}"): c for i, c in enumerate(cached[:n])})),
+    st.integers(1, 8),
+    st.lists(st.tuples(st.integers(0, 20), st.integers(0, 100), st.integers(0, 100)), max_size=8),
+    st.lists(st.integers(0, 10), max_size=8))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=states, seed=st.integers(0, 50))
+def test_every_scorer_scores_every_worker_in_0_1_and_never_raises_on_missing_data(data, seed):
+    n, state = data   # loads / cached lists may be shorter than n: those workers have no data
+    workers = _workers(n)
+    for scorer in SCORERS:
+        scores = scorer.score(workers, _route(seed), state)
+        assert set(scores) == {w.worker_id for w in workers}, scorer
+        assert all(0.0 <= s <= 1.0 for s in scores.values()), (scorer, scores)
+
+
+def test_missing_data_scores_zero():
+    workers, route = _workers(3), _route(1)
+    assert set(PrefixCacheScorer().score(workers, route, RoutingState()).values()) == {0.0}
+    assert set(FreeKVScorer().score(workers, route, RoutingState()).values()) == {0.0}
+
+
+def test_prefix_cache_scorer_is_the_cached_fraction():
+    workers, route = _workers(3), _route(2, blocks=5)
+    state = RoutingState(cached_blocks={"w0": 5, "w1": 2, "w2": 9})   # 9 > 5: stale index, capped
+    assert PrefixCacheScorer().score(workers, route, state) == {"w0": 1.0, "w1": 0.4, "w2": 1.0}
+
+
+def test_load_scorer_is_headroom_under_the_pool_cap():
+    workers = _workers(4)
+    loads = {"w0": WorkerLoad(0), "w1": WorkerLoad(1), "w2": WorkerLoad(2), "w3": WorkerLoad(5)}
+    cap = load_cap(8, 4, 1.25)          # ceil(1.25 × 9 / 4) = 3
+    assert cap == 3
+    scores = LoadScorer(1.25).score(workers, _route(0), RoutingState(loads))
+    assert scores == pytest.approx({"w0": 1.0, "w1": 2 / 3, "w2": 1 / 3, "w3": 0.0})
+
+
+def test_inverse_load_and_free_kv():
+    workers = _workers(3)
+    loads = {"w0": WorkerLoad(0, 0, 100), "w1": WorkerLoad(3, 5, 100), "w2": WorkerLoad(1, 60, 100)}
+    state = RoutingState(loads)
+    assert InverseLoadScorer().score(workers, _route(0), state) == {"w0": 1.0, "w1": 0.25, "w2": 0.5}
+    # saturates at 10 % free: 5 % free is half, 60 % free is full, none free is 0
+    assert FreeKVScorer(0.1).score(workers, _route(0), state) == pytest.approx({"w0": 0.0, "w1": 0.5, "w2": 1.0})
+
+
+def test_ring_scorer_follows_the_ring_clockwise_from_the_key():
+    workers, route = _workers(5), _route(7)
+    # Oracle: the ring built by hand, walked from the key of the first 4 blocks.
+    points = sorted((int.from_bytes(hashlib.blake2b(f"{w.worker_id}#{v}".encode(), digest_size=8).digest(), "big"),
+                     w.worker_id) for w in workers for v in range(64))
+    key = route_key(route, 4)
+    order: list[str] = []
+    for _, owner in [p for p in points if p[0] >= key] + [p for p in points if p[0] < key]:
+        if owner not in order:
+            order.append(owner)
+    scores = RingScorer().score(workers, route, RoutingState())
+    assert sorted(scores, key=lambda w: -scores[w]) == order
+    assert scores[order[0]] == 1.0 and scores[order[-1]] == pytest.approx(1 / 5)
+    assert HashRing().walk(list(reversed(workers)), key) == order       # worker order does not matter
+
+
+def test_rotation_scorer_turns_one_step_per_call():
+    workers, rot = _workers(3), RotationScorer()
+    tops = [max((s := rot.score(workers, _route(0), RoutingState())), key=s.__getitem__) for _ in range(6)]
+    assert tops == ["w0", "w1", "w2"] * 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 8), c=st.sampled_from([1.0, 1.25, 2.0]), loads=st.lists(st.integers(0, 12), min_size=8))
+def test_bounded_load_filter_keeps_exactly_the_workers_under_the_cap(n, c, loads):
+    workers = _workers(n)
+    state = RoutingState({w.worker_id: WorkerLoad(loads[i]) for i, w in enumerate(workers)})
+    cap = math.ceil(c * (sum(loads[:n]) + 1) / n)
+    kept = BoundedLoadFilter(c).keep(workers, _route(0), state)
+    under = [w for i, w in enumerate(workers) if loads[i] < cap]
+    assert kept == (under or workers)
+    assert under, "with c >= 1 someone is always under the cap"
+
+
+def test_bad_parameters_are_value_errors():
+    for make in (lambda: LoadScorer(0.5), lambda: BoundedLoadFilter(0.9), lambda: FreeKVScorer(0.0),
+                 lambda: RingScorer(num_prefix_blocks=0), lambda: Weighted(PrefixCacheScorer(), -1.0),
+                 lambda: make_policy("fastest"), lambda: make_policy(RoutingPolicy.KV_AWARE, 0.5)):
+        with pytest.raises(ValueError):
+            make()
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=states, seed=st.integers(0, 50), w=st.tuples(*[st.sampled_from([0.0, 0.3, 1.0])] * 3),
+       exclude=st.sets(st.integers(0, 7), max_size=3))
+def test_weighted_pick_matches_brute_force(data, seed, w, exclude):
+    """Oracle: total every weighted scorer by hand over the pool, keep the filtered workers,
+    take the highest (rounded) total, ties to the higher tie-break score."""
+    n, state = data
+    workers, route = _workers(n), _route(seed)
+    excluded = {WorkerId(f"w{i}") for i in exclude}
+    scorers = (PrefixCacheScorer(), LoadScorer(1.25), FreeKVScorer())
+    policy = Policy(RoutingPolicy.KV_AWARE, tuple(Weighted(s, x) for s, x in zip(scorers, w)),
+                    (BoundedLoadFilter(1.25),), tiebreak=RingScorer())
+    chosen = policy.pick(workers, route, state, exclude=excluded)
+    pool = [x for x in workers if x.worker_id not in excluded]
+    if not pool:
+        assert chosen is None
+        return
+    totals = {x.worker_id: 0.0 for x in pool}
+    for s, weight in zip(scorers, w):
+        for wid, v in s.score(pool, route, state).items():
+            totals[wid] += weight * v
+    ring = RingScorer().score(pool, route, state)
+    eligible = BoundedLoadFilter(1.25).keep(pool, route, state)
+    best = max(eligible, key=lambda x: (round(totals[x.worker_id], 9), ring[x.worker_id]))
+    assert chosen == best
+
+
+def test_registry_has_every_policy_and_fresh_state_per_make():
+    assert set(POLICIES) == set(RoutingPolicy)
+    assert {p.value for p in RoutingPolicy} == {"kv_aware", "prefix_hash", "least_loaded", "round_robin"}
+    for p in RoutingPolicy:
+        assert make_policy(p).name is p and make_policy(p.value).name is p
+    a, b = make_policy(RoutingPolicy.ROUND_ROBIN), make_policy(RoutingPolicy.ROUND_ROBIN)
+    workers = _workers(3)
+    assert a.pick(workers, _route(0), RoutingState()) == b.pick(workers, _route(0), RoutingState())
+
+
+def test_router_config_takes_the_cli_spelling_and_stores_the_member():
+    from router.config import RouterConfig
+    assert RouterConfig(routing_policy="prefix_hash").routing_policy is RoutingPolicy.PREFIX_HASH
+    assert RouterConfig().routing_policy is RoutingPolicy.KV_AWARE
+    with pytest.raises(ValueError, match="routing_policy='fastest'; accepted: kv_aware, prefix_hash"):
+        RouterConfig(routing_policy="fastest")
