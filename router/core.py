@@ -19,6 +19,7 @@ from typing import NamedTuple
 import grpc
 
 from contracts.requests import BadRequest, GenerateInput, PeerHint
+from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
@@ -27,7 +28,6 @@ from router.errors import NoWorkerAvailable, UpstreamError
 from router.policy import Policy, make_policy
 from router.registry import WorkerEntry, WorkerRegistry
 from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
-from router.tokenizer import RouterTokenizer, TokenizerError
 
 
 class Prepared(NamedTuple):
@@ -68,7 +68,7 @@ class Router:
     policy `cfg.routing_policy`. Runs on one event loop; owns the in-flight table (request
     id → worker) and the in-flight counts the policy reads."""
 
-    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: RouterTokenizer | None = None) -> None:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: ModelTokenizer | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.policy: Policy = make_policy(cfg.routing_policy, cfg.load_factor)

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Iterable
 
+from contracts.tokenizer import ModelTokenizer, TokenizerError
 from router.config import RouterConfig
 from router.core import Router
 from router.errors import RouterStartError
@@ -21,7 +22,6 @@ from router.grpc_front import GrpcFront
 from router.http import HttpFrontend
 from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
-from router.tokenizer import RouterTokenizer, TokenizerError
 
 log = logging.getLogger("kvmesh.router")
 
@@ -30,7 +30,7 @@ class RouterServer:
     """Owns the registry, the core and the fronts of one router; `core` is what requests go
     through (tests and the bench call `core.prepare` / `core.generate` directly)."""
 
-    def __init__(self, cfg: RouterConfig, tokenizer: RouterTokenizer | None = None) -> None:
+    def __init__(self, cfg: RouterConfig, tokenizer: ModelTokenizer | None = None) -> None:
         self.cfg = cfg
         self.registry = WorkerRegistry(cfg, self._on_ready)
         self.core = Router(cfg, self.registry, tokenizer)
@@ -86,10 +86,10 @@ class RouterServer:
         await self._grpc.set_health(ready)
 
 
-def _load_tokenizer(model: str) -> RouterTokenizer:
+def _load_tokenizer(model: str) -> ModelTokenizer:
     from worker.loader import ModelLoadError, resolve_model_dir
     try:
-        return RouterTokenizer.from_model_dir(resolve_model_dir(model, progress=False))
+        return ModelTokenizer.from_model_dir(resolve_model_dir(model, progress=False))
     except (ModelLoadError, TokenizerError) as e:
         raise RouterStartError(f"model {model!r}: {e}", "model") from None
 

@@ -26,6 +26,7 @@ import grpc
 import pytest
 
 from contracts.wire import to_generate_input
+from contracts.tokenizer import ModelTokenizer
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.metadata import MetadataUnavailable, RedisConfig, WorkerRegistry
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
@@ -34,7 +35,6 @@ from router.core import Prepared
 from router.errors import UpstreamError
 from router.launch import LocalCluster, ServeConfig
 from router.server import RouterServer
-from router.tokenizer import RouterTokenizer
 from tests.redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
@@ -95,14 +95,14 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> RouterTokenizer:
+def tokenizer() -> ModelTokenizer:
     """One tokenizer shared by every in-process router (the same files the router would load)."""
     from worker.loader import resolve_model_dir
-    return RouterTokenizer.from_model_dir(resolve_model_dir("smollm2", progress=False))
+    return ModelTokenizer.from_model_dir(resolve_model_dir("smollm2", progress=False))
 
 
 # -- the in-process router ------------------------------------------------------------------------
-async def _start_router(tokenizer: RouterTokenizer, **cfg: object) -> RouterServer:
+async def _start_router(tokenizer: ModelTokenizer, **cfg: object) -> RouterServer:
     router = RouterServer(RouterConfig(http_port=None, routing_policy="kv_aware", **cfg),  # type: ignore[arg-type]
                           tokenizer=tokenizer)
     await router.start()
@@ -194,7 +194,7 @@ def _expected_hit(shared_blocks: int, prompt_len: int, block_size: int) -> int:
 
 
 # -- 1. the index follows the workers' events; hashes agree across processes -----------------------
-def test_index_follows_events_and_hashes_agree(cluster: LocalCluster, tokenizer: RouterTokenizer) -> None:
+def test_index_follows_events_and_hashes_agree(cluster: LocalCluster, tokenizer: ModelTokenizer) -> None:
     async def main() -> None:
         router = await _start_router(tokenizer, redis_url=cluster.redis_url, cluster_name=cluster.cfg.cluster_name)
         try:
@@ -236,7 +236,7 @@ def test_index_follows_events_and_hashes_agree(cluster: LocalCluster, tokenizer:
 
 
 # -- 2. a killed worker leaves the registry and routing in time -------------------------------------
-def test_killed_worker_leaves_routing(cluster: LocalCluster, tokenizer: RouterTokenizer, tmp_path: Path) -> None:
+def test_killed_worker_leaves_routing(cluster: LocalCluster, tokenizer: ModelTokenizer, tmp_path: Path) -> None:
     name, url = cluster.cfg.cluster_name, cluster.redis_url
     rcfg = RedisConfig(url=url, cluster_name=name)
     extra = _spawn_worker(tmp_path, "w-extra", "--redis-url", url, "--cluster-name", name)
@@ -289,7 +289,7 @@ def test_killed_worker_leaves_routing(cluster: LocalCluster, tokenizer: RouterTo
 
 
 # -- 3. retry before the first token; a mid-stream failure is UNAVAILABLE ------------------------------
-def test_retry_before_first_token_and_unavailable_mid_stream(cluster: LocalCluster, tokenizer: RouterTokenizer,
+def test_retry_before_first_token_and_unavailable_mid_stream(cluster: LocalCluster, tokenizer: ModelTokenizer,
                                                               tmp_path: Path) -> None:
     victim = _spawn_worker(tmp_path, "w-victim")      # no Redis: the routers know it from their config
     addresses = (victim.address, *cluster.worker_addresses)
@@ -336,7 +336,7 @@ def test_retry_before_first_token_and_unavailable_mid_stream(cluster: LocalClust
 
 
 # -- 4. Redis goes away and comes back: routing goes on, the index is rebuilt ---------------------------
-def test_redis_restart_resyncs_index(tokenizer: RouterTokenizer, tmp_path: Path) -> None:
+def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) -> None:
     if not Path(REDIS_SERVER).exists():
         pytest.skip("redis-server is not installed")
     server = RedisServer(tmp_path)
