@@ -87,7 +87,7 @@ class BlockIndex:
                      workers: Iterable[str] | None = None) -> dict[str, int]:
         """For each of `workers` (default: every known worker), how many LEADING blocks of
         `block_hashes` it holds in any tier: the count stops at its first missing block.
-        (Plain `str` ids, so `router.policy.BlockIndexView` and its own WorkerId fit.)"""
+        (Plain `str` ids: fits `router.routing.BlockIndexView`; the router reads WorkerId keys.)"""
         counts: dict[str, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
         matching = set(counts)
         num_matched = 0

@@ -161,3 +161,11 @@ def test_router_config_takes_the_cli_spelling_and_stores_the_member():
     assert RouterConfig().routing_policy is RoutingPolicy.KV_AWARE
     with pytest.raises(ValueError, match="routing_policy='fastest'; accepted: kv_aware, prefix_hash"):
         RouterConfig(routing_policy="fastest")
+
+
+def test_router_core_and_fronts_import_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, router.core, router.registry, router.grpc_front, router.http, router.server, "
+            "router.policy, router.scorers; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
