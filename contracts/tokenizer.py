@@ -1,16 +1,20 @@
-"""The router's tokenizer: HF `tokenizer.json` + chat template, without transformers or torch.
+"""One model's tokenizer for router and worker: HF `tokenizer.json` + chat template, without
+transformers or torch.
 
-`transformers.AutoTokenizer` imports torch, and the router must not (DESIGN.md). This class
-reads the same files with `tokenizers` and renders the chat template with jinja2 the way
-transformers does, so the router and a worker turn the same text / chat into the same ids:
+Both sides load it the same way (`ModelTokenizer.from_model_dir`; the worker through
+`worker.loader.load_tokenizer`), so they turn the same text or chat into the same ids.
+`transformers.AutoTokenizer` is not used: it imports torch, which the router must not, and it
+picks a tokenizer class from the model type (a Qwen2 dir gets `Qwen2Tokenizer` whatever its
+`tokenizer.json` holds), so it can disagree with the files. This class reads the files with
+`tokenizers` and renders the chat template with jinja2 the way transformers does:
 
-- `encode(text)` == `AutoTokenizer.from_pretrained(dir).encode(text)`: special tokens are
-  added exactly as tokenizer.json's post-processor says (transformers 5 ignores
-  `add_bos_token` / `add_eos_token` in tokenizer_config.json for these tokenizers, and so
-  does this class — the tests pin that against transformers);
-- `apply_chat_template(messages)` == transformers' `apply_chat_template(messages,
-  add_generation_prompt=True, tokenize=False)` then `encode(add_special_tokens=False)`,
-  which is what the worker's `Engine.apply_chat_template` does.
+- `encode(text)`: special tokens are added exactly as tokenizer.json's post-processor says
+  (transformers 5 ignores `add_bos_token` / `add_eos_token` in tokenizer_config.json for these
+  tokenizers, and so does this class — tests/contracts/test_tokenizer.py pins that);
+- `decode(ids)`: the `tokenizers` decoder, then transformers' `clean_up_tokenization` when
+  tokenizer_config.json asks for it (never for BPE models, as transformers 5);
+- `apply_chat_template(messages)`: the template rendered with the generation prompt, then
+  `encode(add_special_tokens=False)`.
 """
 from __future__ import annotations
 
@@ -32,23 +36,26 @@ class TokenizerError(ValueError):
     """The model dir has no usable tokenizer / chat template, or the template rejected the chat."""
 
 
-class RouterTokenizer:
-    """Encode, decode and chat-template one model's text. Immutable after construction."""
+class ModelTokenizer:
+    """Encode, decode and chat-template one model's text. Immutable after construction; safe
+    to share between threads (`tokenizers` and the compiled template keep no per-call state)."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None,
-                 special_tokens: Mapping[str, str]) -> None:
+                 special_tokens: Mapping[str, str], clean_up_tokenization_spaces: bool = False) -> None:
         self._tokenizer = tokenizer
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)
         self._template = _compile(chat_template) if chat_template else None
+        # transformers 5 skips the clean-up for BPE models whatever the config says
+        self._clean_up = clean_up_tokenization_spaces and type(tokenizer.model).__name__ != "BPE"
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> RouterTokenizer:
+    def from_model_dir(cls, path: str | Path) -> ModelTokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json` (+ `special_tokens_map.json`,
         `chat_template.jinja`) from an HF model dir; raises TokenizerError if absent."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
-            raise TokenizerError(f"{path} has no tokenizer.json (the router needs a fast tokenizer)")
+            raise TokenizerError(f"{path} has no tokenizer.json (kvmesh needs an HF fast tokenizer)")
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         special: dict[str, str] = {}
@@ -62,7 +69,8 @@ class RouterTokenizer:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if not template and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        return cls(tokenizer, template or None, special)
+        return cls(tokenizer, template or None, special,
+                   clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces") is True)
 
     @property
     def vocab_size(self) -> int:
@@ -72,13 +80,28 @@ class RouterTokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of tokenizer_config's `eos_token`. The engine stops on the model's
+        `eos_token_ids` (config.json / generation_config.json), which may list more."""
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self.token_id(eos)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.special_tokens.get("bos_token")
+        return None if bos is None else self.token_id(bos)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Releases the GIL while it runs (`encode_batch` does, `encode`
         does not), so callers may run it in a thread beside an event loop."""
         return list(self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        """The text of `ids`. A multi-byte character cut at the end decodes to U+FFFD; the
+        engine holds such a tail back until the next token completes it."""
+        text = str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return _clean_up_tokenization(text) if self._clean_up else text
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages`; raises TokenizerError (no template, or the
@@ -94,6 +117,14 @@ class RouterTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Render with the generation prompt and encode without adding special tokens."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization` (spaces before punctuation and contractions)."""
+    for old, new in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                     (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(old, new)
+    return text
 
 
 def _compile(template: str) -> jinja2.Template:

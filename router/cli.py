@@ -1,6 +1,6 @@
 """`kvmesh` — the one command: the composition root of router, worker and kvstore commands.
 
-Every subcommand module imports no torch at import time (tests/router/test_tokenizer.py pins
+Every subcommand module imports no torch at import time (tests/contracts/test_tokenizer.py pins
 it); the engine is imported when a command builds one.
 """
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from contracts.tokenizer import TokenizerError
 from kvstore.keys import HashSalt
 from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.store import KVStore
@@ -162,10 +163,12 @@ class Engine:
         return [int(t) for t in prompt]
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise InvalidRequest("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except TokenizerError as e:   # the template's raise_exception (e.g. roles out of order)
+            raise InvalidRequest(str(e)) from None
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0) -> str:

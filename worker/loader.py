@@ -21,18 +21,17 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from tqdm import tqdm
 
+from contracts.tokenizer import ModelTokenizer, TokenizerError
 from worker.config import ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerBase
-_TRANSFORMERS_IMPORT_LOCK = threading.Lock()
+
 # torch and safetensors are imported where weights are read or converted, so the router can
 # resolve a model dir and load its tokenizer without torch (DESIGN.md).
 
@@ -142,17 +141,12 @@ def load_weights(
     return LoadedWeights(config=config, weights=weights, model_dir=model_dir)
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    """The fast HF tokenizer saved in `model_dir` (with its chat template, if it has one)."""
-    # transformers' lazy imports race when two threads import at once (two engines loading
-    # in one process): serialise the first import and the load.
-    with _TRANSFORMERS_IMPORT_LOCK:
-        from transformers import AutoTokenizer
-
+def load_tokenizer(model_dir: Path) -> ModelTokenizer:
+    """The tokenizer saved in `model_dir` (tokenizer.json, with its chat template if it has
+    one), loaded exactly as the router loads it (contracts.tokenizer)."""
     try:
-        with _TRANSFORMERS_IMPORT_LOCK:
-            return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError, KeyError) as e:
+        return ModelTokenizer.from_model_dir(model_dir)
+    except (OSError, TokenizerError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {model_dir}: {e}") from e
 
 
@@ -360,10 +354,10 @@ def _verify_converted(gguf_model: Any, gguf_tokenizer: Any, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    reloaded_tokenizer = load_tokenizer(out)
+    reloaded_tokenizer = load_tokenizer(out)   # as router and worker will load it
     prompt = "The capital of France is"
     ids = gguf_tokenizer(prompt, return_tensors="pt").input_ids
-    if reloaded_tokenizer(prompt, return_tensors="pt").input_ids.tolist() != ids.tolist():
+    if [reloaded_tokenizer.encode(prompt)] != ids.tolist():
         raise ModelLoadError(f"converted tokenizer in {out} encodes differently from the GGUF's")
     if reloaded_tokenizer.chat_template != gguf_tokenizer.chat_template:
         raise ModelLoadError(f"converted tokenizer in {out} lost its chat template")

@@ -168,8 +168,8 @@ def test_smollm2_config_and_load_time(smollm2_dir):
 
 def test_smollm2_tokenizer_has_chat_template(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
-    assert tok.is_fast and tok.chat_template
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok.chat_template
+    text = tok.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert text.rstrip().endswith("<|im_start|>assistant")
     assert tok.eos_token_id == 2
 
@@ -194,7 +194,7 @@ def test_smollm2_cache_matches_gguf_logits(smollm2_dir):
     assert all(torch.equal(state[n], loaded.weights[n]) for n in state)
     gguf = loader._gguf_in_package(MODEL_ALIASES["smollm2"])
     original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    ids = load_tokenizer(smollm2_dir)("Paged attention stores keys in blocks", return_tensors="pt").input_ids
+    ids = torch.tensor([load_tokenizer(smollm2_dir).encode("Paged attention stores keys in blocks")])
     with torch.no_grad():
         assert torch.equal(cached(ids).logits, original(ids).logits)
 
