@@ -1,12 +1,17 @@
-"""AsyncEngine: concurrent streams equal the sync engine; cancellation frees blocks."""
+"""AsyncEngine: concurrent streams equal the sync engine; cancellation frees blocks; typed
+commands are dispatched to the engine thread."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import torch
 
+from kvstore.keys import BlockHash, block_hashes
+from kvstore.store import NoHostTier
 from worker.async_engine import AsyncEngine
-from worker.commands import Snapshot
+from worker.commands import (AbortRequest, CountHeld, ListRequests, ReadBlocks, Snapshot, StageBlocks,
+                             Tokenize)
 from worker.engine import Engine, EngineConfig
 from worker.request import InvalidRequest
 from worker.sampling import SamplingParams
@@ -52,5 +57,47 @@ def test_concurrent_streams_match_sync_and_cancel_frees(tiny_engine):
         assert asyncio.run(main()) == expected
         assert tiny_engine.store.pool.num_used_blocks == 0 and not tiny_engine.has_unfinished()
         assert ae.num_streams == 0
+    finally:
+        ae.shutdown()
+
+
+def test_commands_are_dispatched_by_type(tiny_engine):
+    """Every command reaches the engine thread and returns its typed result; a failing one
+    raises in the caller and the engine keeps serving."""
+    ae = AsyncEngine(tiny_engine)
+    prompt = list(range(40, 57))                          # 4 full blocks + 1 token
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    hashes = tuple(block_hashes(prompt, 4, tiny_engine.salt))
+
+    async def main() -> None:
+        outs = [o async for o in ae.generate(prompt, params, "cmd-0")]
+        assert outs[-1].finished
+        assert await ae.run(CountHeld(hashes + (BlockHash(3),))) == 4
+        held = await ae.run(ReadBlocks(hashes, torch.device("cpu")))
+        device = list(tiny_engine.store.lookup(hashes).device)
+        assert held.num_blocks == 4 and torch.equal(held.blocks, tiny_engine.store.kv.gather_blocks(device))
+        with pytest.raises(NoHostTier):                   # this engine has no host tier
+            await ae.run(StageBlocks(hashes, held.blocks))
+        snap = await ae.run(Snapshot())
+        assert (snap.num_running, snap.num_waiting, snap.num_blocks) == (0, 0, 256)
+        if tiny_engine.tokenizer is None:
+            with pytest.raises(InvalidRequest, match="tokenizer"):
+                await ae.run(Tokenize("hello"))
+        else:
+            assert await ae.run(Tokenize("hello")) == tiny_engine.encode("hello")
+        with pytest.raises(TypeError, match="not an engine command"):
+            await ae.run(object())                        # type: ignore[arg-type]
+        long = ae.generate(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), "cmd-1")
+        await long.__anext__()
+        assert await ae.run(ListRequests()) == ("cmd-1",)
+        assert await ae.run(AbortRequest("cmd-1")) is True
+        assert await ae.run(AbortRequest("cmd-1")) is False
+        rest = [o async for o in long]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert await ae.run(ListRequests()) == ()
+
+    try:
+        asyncio.run(main())
+        assert tiny_engine.store.pool.num_used_blocks == 0
     finally:
         ae.shutdown()

@@ -129,3 +129,41 @@ def test_prefix_cache_hit_counts(smol):
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert second.num_cached_tokens == (common // 16) * 16 > 0
     assert first.prompt_tokens == len(a)
+
+
+def test_priority_admits_a_later_higher_priority_request_first(tiny_model_dir):
+    """One sequence slot: while it is busy, an earlier priority-0 request and a later
+    priority -5 one wait; the later one is admitted first (lower runs first)."""
+    eng = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=64,
+                              max_num_seqs=1, check_integrity=True, max_model_len=64))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first = eng.add_request([5, 6, 7], params)
+    order = [o.request_id for o in eng.step()]            # the batch is full now
+    early = eng.add_request([8, 9, 10], params, priority=0)
+    late = eng.add_request([11, 12, 13], params, priority=-5)
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id not in order:
+                order.append(o.request_id)
+            if o.finished:
+                final[o.request_id] = o
+    assert order == [first, late, early]
+    te, tl = final[early].timings, final[late].timings
+    assert te.arrival_time < tl.arrival_time and te.first_scheduled_time > tl.first_scheduled_time
+    assert te.queue_s > tl.queue_s > 0
+    for rid in (-1001, 1001, True, 1.5):
+        with pytest.raises(InvalidRequest, match="priority"):
+            eng.add_request([5, 6], params, priority=rid)
+    assert not eng.has_unfinished() and eng.store.pool.num_used_blocks == 0
+
+
+def test_outputs_carry_request_timings(tiny):
+    outs = list(tiny.stream([21, 22, 23, 24, 25], GREEDY))
+    t = outs[-1].timings
+    assert outs[-1].finished and outs[0].timings.finished_time is None
+    assert t.arrival_time <= t.first_scheduled_time <= t.first_token_time <= t.last_token_time <= t.finished_time
+    assert t.queue_s is not None and t.ttft_s is not None and t.e2e_s is not None
+    assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s
+    assert t.prefill_s == pytest.approx(t.ttft_s - t.queue_s) and t.decode_s >= 0
+    assert outs[0].timings.first_token_time == t.first_token_time
