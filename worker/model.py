@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from kvstore.quant import KVCache
 from worker.config import ModelConfig
-from worker.kernels.reference import AttnMetadata, paged_attention, write_kv
+from worker.kernels.backend import AttentionBackend, AttentionOps, attention_ops
+from worker.kernels.reference import AttnMetadata
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -151,8 +152,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str, attention: AttentionOps) -> None:
         self.cfg = cfg
+        self.attention = attention  # the backend's write_kv / paged_attention (worker.kernels.backend)
         attn = prefix + "self_attn."
         self.qkv_proj = Linear(
             torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"], w[attn + "v_proj.weight"]]),
@@ -197,8 +199,9 @@ class DecoderLayer:
         if self.k_shift is not None:
             k = k - self.k_shift                                   # softmax-invariant (see set_key_scales)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale, cfg.sliding_window).reshape(t, self.q_size)
+        self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                           cfg.sliding_window).reshape(t, self.q_size)
         if keep is not None:
             x, o = x[keep], o[keep]
         x = self.o_proj.add_to(x, o)
@@ -210,12 +213,17 @@ class DecoderLayer:
 class LlamaModel:
     """The decoder stack plus the LM head. Construct from HF-named weights (see worker.loader)."""
 
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
+                 attention: AttentionOps | None = None) -> None:
+        """`attention`: the kernels every layer runs (default: the native backend's, which
+        falls back to the torch reference wherever the native kernel does not apply)."""
         self.cfg = cfg
         self.embed = weights["model.embed_tokens.weight"]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.attention = attention or attention_ops(AttentionBackend.NATIVE)
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", self.attention)
+                       for i in range(cfg.num_layers)]
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
         self.rotary = Rotary(cfg, self.dtype, self.device)

@@ -230,7 +230,8 @@ def gather_kv(k_cache: KVCache, v_cache: KVCache, block_table_row: torch.Tensor 
 
 
 def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
-                    meta: AttnMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    meta: AttnMetadata, scale: float, sliding_window: int | None = None,
+                    allow_native: bool = True) -> torch.Tensor:
     """Attention of this step's queries over the paged cache: `[T, Hq, D] -> [T, Hq, D]`.
 
     Decode sequences (q_len == 1) run as a few batched SDPAs, grouped by length
@@ -238,6 +239,7 @@ def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
     runs its own SDPA with a causal-with-offset mask. Caches in another dtype than `query`
     are upcast after the gather; quantized caches are dequantized to `query.dtype` there.
     With `meta.score_acc` set, also adds each key's attention weight into it (in place).
+    `allow_native=False` keeps fp32 decode rows off the native kernel (the `torch` backend).
     """
     assert query.dim() == 3 and len(k_cache.shape) == 4 and k_cache.shape == v_cache.shape
     num_tokens, num_q_heads, head_dim = query.shape
@@ -253,16 +255,16 @@ def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
             # the cache holds K R and V R: softmax((q R)(K R)ᵀ) (V R) R = softmax(q Kᵀ) V;
             # rotated in fp32 (1/sqrt(D) is not exact in half precision for every D)
             q = (query.float() @ rot).to(query.dtype)
-            out = _attention(q, k_cache, v_cache, meta, scale, sliding_window)
+            out = _attention(q, k_cache, v_cache, meta, scale, sliding_window, allow_native)
             return (out.float() @ rot).to(query.dtype)
-    return _attention(query, k_cache, v_cache, meta, scale, sliding_window)
+    return _attention(query, k_cache, v_cache, meta, scale, sliding_window, allow_native)
 
 
 def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
-               meta: AttnMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+               meta: AttnMetadata, scale: float, sliding_window: int | None, allow_native: bool) -> torch.Tensor:
     acc = meta.score_acc
     # fp32 decode rows on CPU read the cache in place (worker.kernels.native) unless scores are collected
-    in_place = acc is None and native.decode_supported(query, k_cache, v_cache)
+    in_place = allow_native and acc is None and native.decode_supported(query, k_cache, v_cache)
     if in_place and meta.is_decode:
         return native.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,  # type: ignore[arg-type]
                                    sliding_window)

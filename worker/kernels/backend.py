@@ -1,0 +1,109 @@
+"""Which kernels run attention: `--attention-backend auto|torch|native|triton`.
+
+| backend | write_kv / paged_attention                                                     |
+|---------|--------------------------------------------------------------------------------|
+| torch   | `reference` (gather + SDPA): the oracle, any device and dtype                  |
+| native  | `reference`, with fp32 decode rows on CPU read in place by the C++ kernel      |
+|         | (`worker.kernels.native`); everything else the torch path                      |
+| triton  | `triton_attention`: Triton kernels reading the paged cache in place (CUDA; on  |
+|         | CPU only under `TRITON_INTERPRET=1`, the interpreter the tests use)            |
+| auto    | triton on CUDA, native on CPU when the native kernels are built, else torch    |
+
+`resolve_backend` turns a request into a concrete backend for a device once, at engine
+start (the engine reports it: `kvmesh bench engine` JSON, the worker's model info);
+`attention_ops` gives the two functions the model calls. Triton is imported only when the
+triton backend is chosen.
+"""
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from kvstore.quant import KVCache
+from worker.kernels import native, reference
+from worker.kernels.reference import AttnMetadata
+
+
+class AttentionBackend(enum.Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    NATIVE = "native"
+    TRITON = "triton"
+
+
+ATTENTION_BACKENDS = tuple(b.value for b in AttentionBackend)
+
+WriteKV = Callable[[torch.Tensor, torch.Tensor, KVCache, KVCache, torch.Tensor], None]
+PagedAttention = Callable[[torch.Tensor, KVCache, KVCache, AttnMetadata, float, "int | None"], torch.Tensor]
+
+
+class AttentionOps(NamedTuple):
+    """The attention functions of one backend (the signatures of `reference`'s)."""
+
+    backend: AttentionBackend
+    write_kv: WriteKV
+    paged_attention: PagedAttention
+
+
+def parse_backend(name: str | AttentionBackend) -> AttentionBackend:
+    """`name` as an AttentionBackend; ValueError naming the accepted values."""
+    if isinstance(name, AttentionBackend):
+        return name
+    try:
+        return AttentionBackend(name)
+    except ValueError:
+        raise ValueError(f"attention_backend={name!r}; accepted: {', '.join(ATTENTION_BACKENDS)}") from None
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels would run in the interpreter (CPU tensors), not compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(requested: str | AttentionBackend, device: torch.device) -> AttentionBackend:
+    """The concrete backend for `device`; ValueError when the request cannot run there."""
+    backend = parse_backend(requested)
+    cuda = device.type == "cuda"
+    if backend is AttentionBackend.AUTO:
+        if cuda:
+            return AttentionBackend.TRITON if triton_available() else AttentionBackend.TORCH
+        return AttentionBackend.NATIVE if native.load() is not None else AttentionBackend.TORCH
+    if backend is AttentionBackend.TRITON:
+        if not triton_available():
+            raise ValueError("attention_backend=triton: the triton package is not installed")
+        if not cuda and not triton_interpreted():
+            raise ValueError(f"attention_backend=triton needs a CUDA device (device is {device}); "
+                             "on CPU only the Triton interpreter runs it (TRITON_INTERPRET=1, for tests)")
+    if backend is AttentionBackend.NATIVE:
+        if cuda:
+            raise ValueError("attention_backend=native is the CPU kernel; on CUDA use triton or torch")
+        if native.load() is None:
+            raise ValueError("attention_backend=native: the native CPU kernels are not built "
+                             "(python -m worker.kernels.native says why)")
+    return backend
+
+
+def _torch_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata,
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    return reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, allow_native=False)
+
+
+def attention_ops(backend: AttentionBackend) -> AttentionOps:
+    """The functions of a concrete backend (resolve AUTO first)."""
+    if backend is AttentionBackend.TORCH:
+        return AttentionOps(backend, reference.write_kv, _torch_attention)
+    if backend is AttentionBackend.NATIVE:
+        return AttentionOps(backend, reference.write_kv, reference.paged_attention)
+    if backend is AttentionBackend.TRITON:
+        from worker.kernels import triton_attention
+        return AttentionOps(backend, triton_attention.write_kv, triton_attention.paged_attention)
+    raise ValueError(f"attention_ops({backend}): resolve {AttentionBackend.AUTO} with resolve_backend first")
