@@ -1,8 +1,11 @@
 """Peer-to-peer KV block transfer over torch.distributed (gloo on CPU, NCCL on GPU).
 
 A worker forms one `TransferGroup` at start (rank and world size from the launcher) and
-owns one `BlockTransfer`. The engine thread calls `send` / `recv` and gets a Future; the
-network never blocks it. Blocks travel as gathered by `KVTensors.gather_blocks`:
+owns one `BlockTransfer`. The peer plane (`worker.peer`, on the server's event loop) calls
+`send` / `recv` and gets a Future; the transfer's own threads wait for the network, so
+neither the event loop nor the engine thread ever blocks on it (the engine thread only
+copies blocks out, `KVStore.read`, and stages arriving ones, `KVStore.stage`). Blocks
+travel as gathered by `KVTensors.gather_blocks`:
 `[num_layers, 2, n, block_size, H, D | slot_bytes]`, so quantized pools move plain bytes.
 The cost model (fetch or recompute?) and the link measurements: `kvstore.transfer_cost`.
 

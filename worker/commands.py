@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.store import HeldBlocks
-    from worker.engine import EngineStats
+    from worker.engine_config import EngineStats
 
 Prompt = str | Sequence[int]
 

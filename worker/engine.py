@@ -10,7 +10,6 @@ import itertools
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -23,7 +22,8 @@ from kvstore.store import KVStore
 from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
-from worker.eviction import EvictionConfig, EvictionPolicy, TokenEvictor
+from worker.engine_config import DTYPE_NAMES, EngineConfig, EngineStats
+from worker.eviction import TokenEvictor
 from worker.model import LlamaModel
 from worker.request import (MAX_PRIORITY, MIN_PRIORITY, EngineError, FinishReason, InvalidRequest,
                             QueueFull, Request, RequestOutput, RequestStatus)
@@ -31,58 +31,9 @@ from worker.sampling import Sampler, SamplingParams, check_stop_token, find_stop
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+assert tuple(_DTYPES) == DTYPE_NAMES
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str = "smollm2"
-    dtype: str = "auto"                   # auto: fp32 on CPU, bf16 on CUDA
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_gib: float = 1.0      # KV pool size, unless num_blocks is given
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    max_model_len: int | None = None      # default: the model's max_position_embeddings
-    max_queue_len: int = 4096
-    check_integrity: bool = False         # run the pool's integrity check after every step
-    kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
-    kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
-    kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
-    attention_sinks: int = 4              # first tokens always kept under kv_eviction
-    h2o_decay: float = 0.98               # h2o: per-query decay of the attention each token received
-    kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype={self.dtype!r}; accepted: auto, fp32, fp16, bf16")
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device={self.device!r}; accepted: auto, cpu, cuda[:N]")
-        if not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks={self.num_blocks} must be positive")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError(f"max_model_len={self.max_model_len} must be > 1")
-        if not self.kv_offload_gib >= 0:
-            raise ValueError(f"kv_offload_gib={self.kv_offload_gib} must be >= 0")
-        if self.kv_offload_gib > 0 and not self.enable_prefix_caching:
-            raise ValueError("kv_offload_gib needs prefix caching: the host tier keys blocks by hash")
-        if self.kv_eviction not in ("none", "streaming", "h2o"):
-            raise ValueError(f"kv_eviction={self.kv_eviction!r}; accepted: none, streaming, h2o")
-        self.eviction_config()  # validates kv_budget / attention_sinks against the policy
-        if self.max_queue_len <= 0:
-            raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
-
-
-    def eviction_config(self) -> EvictionConfig:
-        return EvictionConfig(EvictionPolicy(self.kv_eviction), self.kv_budget, self.attention_sinks,
-                              self.block_size, self.h2o_decay)
 
 
 class Scores(NamedTuple):
@@ -90,20 +41,6 @@ class Scores(NamedTuple):
 
     nll: torch.Tensor
     argmax: torch.Tensor
-
-
-class EngineStats(NamedTuple):
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_blocks: int
-    prefix_queries: int
-    prefix_hits: int
-    num_preemptions: int
-    num_host_blocks: int = 0          # host-tier blocks in use / in all
-    host_num_blocks: int = 0
-    num_onloaded_blocks: int = 0      # blocks admitted from the host tier
 
 
 class Engine:

@@ -327,6 +327,8 @@ BAD_INPUT = {
     "unknown field": (request([5]).SerializeToString() + b"\x98\x06\x01", "unknown fields [99]"),
     "invalid UTF-8": (b"\x12\x02\xff\xfe", "bad UTF-8"),
     "text without tokenizer": (_ser(text="hello"), "no tokenizer"),
+    "priority out of range": (_ser(token_ids=pb.TokenIds(ids=[5]), priority=1001),
+                              "priority must be an integer in [-1000, 1000], got 1001"),
     "bad chat role": (_ser(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
                       "chat.role: 'robot'"),
     "hint without port": (_ser(token_ids=pb.TokenIds(ids=[5]), peer_hints=[pb.PeerHint(address="w1", rank=1)]),
