@@ -56,7 +56,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None) -> None:
         """`after_step` runs on the engine thread after every step and every idle tick
-        (~50 ms): the place to publish the pool's KV events in step with the engine."""
+        (~50 ms): the place to publish the KV store's events in step with the engine."""
         self.engine = engine
         self._after_step = after_step
         self._idle_tick = 0.05 if after_step is not None else 0.5
@@ -135,6 +135,8 @@ class AsyncEngine:
                 return self._add(add, stream)
             case _Cancel(request_id, stream):
                 return self._abort(request_id, stream)
+            case AddRequest():
+                raise TypeError("AddRequest streams outputs: send it with AsyncEngine.generate")
             case AbortRequest(request_id):
                 return self._abort(request_id)
             case Tokenize(text):
