@@ -204,6 +204,24 @@ def test_serve_subprocess_sigkill_children_follow(tmp_path: Path) -> None:
     assert survivors == []
 
 
+def test_serve_subprocess_exits_1_when_a_worker_dies(tmp_path: Path) -> None:
+    """A child's exit is one event for the supervisor: it names the child and ends the run (1),
+    stopping the rest."""
+    name = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
+    launched = _launch_serve(tmp_path, name)
+    redis_pid, worker_pid, router_pid = launched.child_pids
+    try:
+        os.kill(worker_pid, signal.SIGKILL)
+        assert launched.proc.wait(timeout=30) == 1, launched.err.read_text()
+    finally:
+        if launched.proc.poll() is None:
+            launched.proc.kill()
+            launched.proc.wait()
+    err = launched.err.read_text()
+    assert f"kvmesh serve: worker-0 (pid {worker_pid}) exited with code -9" in err, err
+    assert _wait_gone([redis_pid, router_pid], f"--cluster-name {name}", 5.0) == []
+
+
 # -- one LocalCluster for the rest --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
