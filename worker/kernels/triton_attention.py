@@ -23,7 +23,7 @@ import torch
 from kvstore.quant import KVCache, QuantizedKV
 from worker.kernels import reference
 from worker.kernels.reference import AttnMetadata
-from worker.kernels.triton_decode import Splits, decode, plan_splits
+from worker.kernels.triton_decode import TARGET_PROGRAMS, Splits, decode, plan_splits
 from worker.kernels.triton_kv_write import write_kv
 from worker.kernels.triton_prefill import prefill
 
@@ -33,7 +33,9 @@ __all__ = ["decode_splits", "paged_attention", "write_kv"]
 def decode_splits(meta: AttnMetadata, num_kv_heads: int, sliding_window: int | None) -> Splits:
     """The split-K plan of a decode step: covers min(L, W) keys of its longest sequence."""
     max_keys = meta.max_seq_len if sliding_window is None else min(meta.max_seq_len, sliding_window)
-    return plan_splits(meta.num_seqs, num_kv_heads, max_keys)
+    # the interpreter (CPU) runs programs one after another: two splits keep that path covered
+    target = TARGET_PROGRAMS if meta.seq_lens.device.type == "cuda" else 2 * meta.num_seqs * num_kv_heads
+    return plan_splits(meta.num_seqs, num_kv_heads, max_keys, target)
 
 
 def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache, meta: AttnMetadata,
