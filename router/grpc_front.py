@@ -39,26 +39,27 @@ class GrpcFront:
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        cfg = router.cfg
         self._health = health.aio.HealthServicer()
-        opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_message_bytes)]
-        self._server = grpc.aio.server(options=opts)
-        self._server.add_generic_rpc_handlers((self._router_handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self._server)
+        self._server: grpc.aio.Server | None = None   # made in `start`, on the serving loop
 
     async def start(self, host: str, port: int) -> int:
         """Bind (NOT_SERVING until `set_health(True)`) and serve; returns the bound port.
         Raises RuntimeError when the port cannot be bound."""
+        cfg = self.router.cfg
+        opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes)]
+        self._server = server = grpc.aio.server(options=opts)
+        server.add_generic_rpc_handlers((self._router_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_health(False)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
-        await self._server.start()
+        bound = server.add_insecure_port(f"{host}:{port}")
+        await server.start()
         return bound
 
     async def stop(self, grace: float | None) -> None:
-        await self._server.stop(grace)
+        if self._server is not None:
+            await self._server.stop(grace)
 
     async def set_health(self, ready: bool) -> None:
         status = _SERVING if ready and not self.router.draining else _NOT_SERVING

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from worker.eviction import EvictionConfig, EvictionPolicy
+from worker.kernels.backend import parse_backend
 
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
@@ -31,6 +32,8 @@ class EngineConfig:
     attention_sinks: int = 4              # first tokens always kept under kv_eviction
     h2o_decay: float = 0.98               # h2o: per-query decay of the attention each token received
     kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
+    attention_backend: str = "auto"       # auto | torch | native | triton (worker.kernels.backend)
+    enforce_eager: bool = False           # CUDA: no decode CUDA graphs (vLLM's flag; worker.cuda_graph)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPE_NAMES):
@@ -50,6 +53,7 @@ class EngineConfig:
         if self.kv_eviction not in ("none", "streaming", "h2o"):
             raise ValueError(f"kv_eviction={self.kv_eviction!r}; accepted: none, streaming, h2o")
         self.eviction_config()  # validates kv_budget / attention_sinks against the policy
+        parse_backend(self.attention_backend)  # the name; whether it runs on the device: Engine
         if self.max_queue_len <= 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
 

@@ -349,11 +349,11 @@ def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel
     blind = RouterServer(blind_cfg, tokenizer=cluster.router.core.tokenizer)
     blind_port, _ = cluster.lt.run(blind.start())
     try:
-        assert len(blind.live_workers()) == 2
+        assert len(blind.core.live_workers()) == 2
         cluster.lt.run(cluster.workers[i].stop(1))
         with grpc.insecure_channel(f"127.0.0.1:{blind_port}") as ch:
             assert summary(run_generate(ch, req))[2].worker_id == f"worker-{1 - i}"
-        assert [w.worker_id for w in blind.live_workers()] == [f"worker-{1 - i}"]
+        assert [w.worker_id for w in blind.core.live_workers()] == [f"worker-{1 - i}"]
         for _ in range(3):  # the main router: before and after its probes notice
             assert summary(run_generate(router_channel, req))[2].worker_id == f"worker-{1 - i}"
     finally:
