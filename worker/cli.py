@@ -39,6 +39,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--h2o-decay", type=float, default=0.98,
                    help="--kv-eviction h2o: each older query's attention counts this much less per step "
                         "(1 = the paper's plain accumulation)")
+    g.add_argument("--attention-backend", default="auto",
+                   help="auto | torch | native | triton: the attention kernels (auto: triton on CUDA, "
+                        "native on CPU when built, else torch)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="CUDA: run decode eagerly instead of replaying captured CUDA graphs")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -50,7 +55,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib,
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
-                            attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay)
+                            attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay,
+                            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

@@ -20,6 +20,8 @@ from kvstore.keys import HashSalt
 from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.store import KVStore
 from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
+from worker.cuda_graph import decode_graphs
+from worker.kernels.backend import attention_ops, resolve_backend
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
 from worker.engine_config import DTYPE_NAMES, EngineConfig, EngineStats
@@ -52,7 +54,8 @@ class Engine:
         self.model_dir = resolve_model_dir(cfg.model)
         loaded = load_weights(self.model_dir, dtype=_DTYPES[dtype_name], device=self.device)
         self.model_config = loaded.config
-        self.model = LlamaModel(loaded.config, loaded.weights)
+        self.attention_backend = resolve_backend(cfg.attention_backend, self.device)  # reported by bench / model info
+        self.model = LlamaModel(loaded.config, loaded.weights, attention_ops(self.attention_backend))
         self.tokenizer = load_tokenizer(self.model_dir) if _has_tokenizer(self.model_dir) else None
         mc = loaded.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
@@ -76,6 +79,9 @@ class Engine:
         self.store = KVStore(self.layout, num_blocks, self.device, enable_prefix_caching=cfg.enable_prefix_caching,
                              offload_bytes=int(cfg.kv_offload_gib * 2**30))
         self.kv_caches = list(zip(self.store.kv.k_caches, self.store.kv.v_caches))
+        # decode steps replay CUDA graphs (CUDA + triton backend, unless enforce_eager); None: eager
+        self.cuda_graphs = decode_graphs(self.model, self.kv_caches, cfg.enforce_eager, cfg.max_num_seqs,
+                                         self.max_model_len, cfg.block_size)
         self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
                              block_size=cfg.block_size, kv_codec=codec_id).digest()
         self.scheduler = Scheduler(
@@ -207,9 +213,13 @@ class Engine:
                                   score_decay=self.cfg.h2o_decay)
         dev = self.device
         self.store.fence_device()  # evicted blocks are rewritten only after their offload
-        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                    self.kv_caches, meta,
-                                    None if all_positions else torch.tensor(logits_indices, dtype=torch.long, device=dev))
+        ids_t, positions_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.supports(meta) and len(logits_indices) == meta.num_seqs:
+            logits = graphs.run(ids_t, positions_t, meta)  # every row samples: the graph's logits are all rows
+        else:
+            logits = self.model.forward(ids_t, positions_t, self.kv_caches, meta, None if all_positions else
+                                        torch.tensor(logits_indices, dtype=torch.long, device=dev))
         if collect:
             assert self.evictor is not None and meta.score_acc is not None
             self.evictor.accumulate(batch.requests, meta.score_acc, seq_lens, batch.num_new_tokens)
