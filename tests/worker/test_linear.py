@@ -1,31 +1,132 @@
-"""worker.model.Linear: every row count's GEMM shape (row vector, padded W · xᵀ, F.linear)
-gives F.linear's result."""
+"""worker.model.Linear: every row count's kernel (the native packed kernel, the torch row vector,
+the padded W · xᵀ GEMM, F.linear) gives F.linear's result, on every weight shape the model uses."""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from worker.kernels import native
 from worker.model import Linear
+
+TOL = {"atol": 1e-4, "rtol": 1e-5}
+
+# SmolLM2-135M: fused q/k/v, o_proj, fused gate/up, down_proj, lm_head (tied embedding)
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+# the tiny test models (hidden 64, GQA) and shapes off the 16-row panel and the 8-float vector
+ODD_SHAPES = [(128, 64), (176, 64), (48, 40), (50, 37), (3, 5), (17, 1), (1, 16)]
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Linear built with the packed native kernel, or as on a machine without it."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "linear_supported", lambda weight: False)
+    else:
+        assert native.linear_supported(torch.empty(2, 2)), "the native kernels did not build"
+    return str(request.param)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_row_count_matches_f_linear(bias: bool) -> None:
+def test_every_row_count_matches_f_linear(bias: bool, path: str) -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=gen)
     b = torch.randn(48, generator=gen) if bias else None
     lin = Linear(w, b)
-    for m in range(1, Linear.MAX_SMALL_M + 9):
+    assert (lin.packed is not None) == (path == "native") and (lin.weight_t is None) == (path == "native")
+    for m in range(1, max(Linear.MAX_SMALL_M, Linear.MAX_PACKED_M) + 9):
         x = torch.randn(m, 40, generator=gen)
         residual = torch.randn(m, 48, generator=gen)
         expected = F.linear(x, w, b)
         out = lin(x)
         assert out.shape == (m, 48) and out.is_contiguous()
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lin.add_to(residual, x), residual + expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, expected, **TOL)
+        torch.testing.assert_close(lin.add_to(residual, x), residual + expected, **TOL)
         # a strided input (a column slice) takes the same paths
         wide = torch.randn(m, 80, generator=gen)
-        torch.testing.assert_close(lin(wide[:, ::2]), F.linear(wide[:, ::2], w, b), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(wide[:, ::2]), F.linear(wide[:, ::2], w, b), **TOL)
+
+
+@pytest.mark.parametrize("shape", SMOLLM2_SHAPES + ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_packed_kernel_on_every_model_shape(shape: tuple[int, int], threads: int) -> None:
+    """The packed kernel on each weight shape, every row count it serves (1..MAX_PACKED_M)
+    for the layer shapes, with bias and residual, against F.linear."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    packed = native.pack_linear(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    rows = [1, 2, 3, 4, 7, 16] if n * k > 10**7 else range(1, Linear.MAX_PACKED_M + 1)
+    for m in rows:
+        x = torch.randn(m, k, generator=gen) / k ** 0.5   # outputs O(1), as after a norm
+        residual = torch.randn(m, n, generator=gen)
+        torch.testing.assert_close(native.packed_linear(x, packed, n), F.linear(x, w), **TOL)
+        torch.testing.assert_close(native.packed_linear(x, packed, n, b, residual), residual + F.linear(x, w, b),
+                                   **TOL)
+
+
+def test_packed_weight_is_huge_page_aligned_and_exact() -> None:
+    w = torch.randn(40, 24)
+    packed = native.pack_linear(w)
+    assert packed.data_ptr() % (1 << 21) == 0 and packed.is_contiguous()
+    # panel p, element (k, j) is W[16 p + j, k]; rows past N are zero
+    assert torch.equal(packed[1, 5, 3], w[19, 5]) and torch.equal(packed[2, :, 8:], torch.zeros(24, 8))
+    unpacked = packed.transpose(1, 2).reshape(-1, 24)[:40]
+    assert torch.equal(unpacked, w)
+
+
+def test_packed_kernel_rejects_bad_input() -> None:
+    w = torch.randn(40, 24)
+    packed = native.pack_linear(w)
+    with pytest.raises(RuntimeError, match="shapes"):
+        native.packed_linear(torch.randn(2, 23), packed, 40)
+    with pytest.raises(RuntimeError, match="shapes"):
+        native.packed_linear(torch.randn(2, 24), packed, 49)
+    with pytest.raises(RuntimeError, match="fp32"):
+        native.packed_linear(torch.randn(2, 24, dtype=torch.float64), packed, 40)
+    with pytest.raises(RuntimeError, match="residual"):
+        native.packed_linear(torch.randn(2, 24), packed, 40, None, torch.randn(3, 40))
+    with pytest.raises(RuntimeError, match="bias"):
+        native.packed_linear(torch.randn(2, 24), packed, 40, torch.randn(39))
+    misaligned = torch.empty(packed.numel() + 1)[1:].view(packed.shape).copy_(packed)
+    with pytest.raises(RuntimeError, match="aligned"):
+        native.packed_linear(torch.randn(2, 24), misaligned, 40)
+    with pytest.raises(RuntimeError, match="packed"):
+        native.packed_linear(torch.randn(2, 24), packed.transpose(1, 2), 40)
+
+
+def test_non_fp32_and_gpu_weights_keep_torch() -> None:
+    assert not native.linear_supported(torch.randn(4, 4, dtype=torch.float16))
+    assert not native.linear_supported(torch.randn(4))
+    lin = Linear(torch.randn(8, 4, dtype=torch.float64))
+    assert lin.packed is None and lin.weight_t is not None
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+
+
+def test_native_off_keeps_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVMESH_NATIVE_KERNELS=0 (or a failed build) leaves Linear on its torch shapes."""
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    native.load.cache_clear()
+    try:
+        w = torch.randn(48, 40)
+        lin = Linear(w)
+        assert lin.packed is None and lin.weight_t is not None
+        x = torch.randn(5, 40)
+        torch.testing.assert_close(lin(x), F.linear(x, w), **TOL)
+    finally:
+        native.load.cache_clear()
 
 
 def test_gemm_rows() -> None:

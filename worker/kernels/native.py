@@ -1,5 +1,8 @@
 """Native CPU kernels (C++, `csrc/`), built on first use and cached per machine.
 
+`packed_linear` is y = x Wᵀ (+ b) (+ residual) for few rows (decode) over a weight packed once
+by `pack_linear` into a layout the kernel streams near the read bandwidth (see csrc/linear.cpp);
+`worker.model.Linear` uses it and keeps F.linear for many rows and as the fallback.
 `paged_decode` is decode attention read in place from an fp32 paged cache: the torch path
 (`worker.kernels.decode`) gathers every block a step reads into a dense copy and reads it
 again in SDPA, which makes decode attention memory-bound on CPU; the kernel reads each
@@ -36,7 +39,7 @@ from kvstore.quant import KVCache, QuantizedKV
 log = logging.getLogger(__name__)
 
 NAME = "kvmesh_native"
-SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
+SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp", Path(__file__).parent / "csrc" / "linear.cpp")
 ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
 ENV_DIR = "KVMESH_KERNELS_DIR"
 
@@ -100,7 +103,8 @@ def load() -> ModuleType | None:
     try:
         return build()
     except Exception as e:  # no compiler, no ninja, a read-only cache dir, ...
-        log.warning("native CPU kernels unavailable, decode attention runs on the torch path: %s", e)
+        log.warning("native CPU kernels unavailable, decode attention and the linear layers run on the "
+                    "torch path: %s", e)
         return None
 
 
@@ -124,6 +128,32 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     module = load()
     assert module is not None, "paged_decode: the native kernels are not built"
     return module.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
+
+
+def linear_supported(weight: torch.Tensor) -> bool:
+    """Whether `pack_linear` / `packed_linear` take this weight: 2-d fp32 on CPU, and the kernel
+    built with AVX2 + FMA (its plain C++ loops are slower than torch's GEMM, so without them the
+    torch path runs)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    module = load()
+    return module is not None and bool(module.linear_vectorized)
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> packed [ceil(N / 16), K, 16] for `packed_linear` (a copy; check
+    `linear_supported` first)."""
+    module = load()
+    assert module is not None, "pack_linear: the native kernels are not built"
+    return module.pack_linear(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] against `pack_linear(W)` of a W with n rows -> [M, n] = residual + (x Wᵀ + bias)."""
+    module = load()
+    assert module is not None, "packed_linear: the native kernels are not built"
+    return module.packed_linear(x, packed, n, bias, residual)
 
 
 if __name__ == "__main__":

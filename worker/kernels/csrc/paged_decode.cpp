@@ -242,7 +242,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+void bind_linear(pybind11::module& m);  // csrc/linear.cpp: the packed-weight linear kernels
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_linear(m);
   m.def("paged_decode", &paged_decode, "decode attention over a paged fp32 KV cache (CPU)");
   m.attr("max_group") = kMaxGroup;
 }

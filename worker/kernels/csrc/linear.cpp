@@ -1,0 +1,222 @@
+// y = x Wᵀ (+ b) (+ residual) for few rows (decode), fp32 CPU, over a weight packed once at load.
+//
+// Decode is a matrix-vector problem: each step streams every weight once and does two flops per
+// weight per row, so it runs at the speed the weights are read. A GEMM library's row-vector path
+// reads a row-major W at well under the read bandwidth; this kernel reads a layout made for it.
+//
+// Packed layout (`pack_linear`): W [N, K] cut into panels of kPanel = 16 output rows, each stored
+// k-major: panel p is [K, 16] with element (k, j) = W[16 p + j, k] (rows past N are zero). A panel
+// is one contiguous run of memory, 64 bytes (one cache line, two AVX registers) per k, 2 MiB
+// aligned on huge pages. The panels are split into one contiguous range per thread, and each
+// thread reads its range as a few streams side by side (see `streams_for`), once per call.
+//
+// For M rows (2..~32) every panel is read from memory once for all of them: the rows are taken
+// up to kMaxRows at a time against the panel, which stays in L1/L2 between those passes. Each
+// output is a plain k-ordered fp32 sum of products (fused multiply-add), so it differs from a
+// GEMM library's result only by rounding order.
+//
+// Built with the other native kernels by worker/kernels/native.py; without AVX2 + FMA the same
+// loops run as plain C++ (native.py then keeps the torch path, see `linear_vectorized`).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <sys/mman.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVMESH_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output rows per panel: two 8-float AVX registers
+constexpr int kMaxRows = 6;     // x rows per pass over a panel: 12 accumulators + 2 weights + 1 broadcast
+constexpr int kMaxStreams = 4;  // panels read side by side (separate memory streams) for one x row
+
+// Panels read side by side for M rows. One sequential stream per thread reads W at well under
+// the read bandwidth (the hardware prefetcher runs only so far ahead of one stream); a few
+// streams per thread keep more reads in flight. Measured on a 2-core Zen 3 (SmolLM2's lm_head,
+// one thread): 1 stream ~17 GB/s, 3-6 streams ~20-25 GB/s. Every stream uses 2 accumulators per
+// row, so streams x rows stays within kMaxRows.
+inline int streams_for(int64_t M) { return M == 1 ? 4 : M == 2 ? 3 : M == 3 ? 2 : 1; }
+
+#ifdef KVMESH_AVX2
+// R rows of x against S panels: acc[s][r][:] = sum_k x[r, k] * panel_s[k, :]. The two weight
+// registers of each panel and k are loaded once and used by every row.
+template <int S, int R>
+void rows_panels(const float* x, int64_t ldx, const float* const* ws, int64_t K, float* acc) {
+  __m256 a[S][R][2];
+  const float* w[S];
+  for (int s = 0; s < S; ++s) {
+    w[s] = ws[s];
+    for (int r = 0; r < R; ++r) a[s][r][0] = a[s][r][1] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + k);
+    for (int s = 0; s < S; ++s) {
+      const __m256 w0 = _mm256_load_ps(w[s]), w1 = _mm256_load_ps(w[s] + 8);
+      for (int r = 0; r < R; ++r) {
+        a[s][r][0] = _mm256_fmadd_ps(xr[r], w0, a[s][r][0]);
+        a[s][r][1] = _mm256_fmadd_ps(xr[r], w1, a[s][r][1]);
+      }
+      w[s] += kPanel;
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + (s * R + r) * kPanel, a[s][r][0]);
+      _mm256_storeu_ps(acc + (s * R + r) * kPanel + 8, a[s][r][1]);
+    }
+}
+#endif
+
+// the same in plain C++ (no AVX2 + FMA)
+void rows_panels_plain(const float* x, int64_t ldx, const float* const* ws, int64_t K, int S, int R, float* acc) {
+  std::fill(acc, acc + S * R * kPanel, 0.f);
+  for (int s = 0; s < S; ++s)
+    for (int64_t k = 0; k < K; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < kPanel; ++j) acc[(s * R + r) * kPanel + j] += x[r * ldx + k] * ws[s][k * kPanel + j];
+}
+
+void rows_against_panels(const float* x, int64_t ldx, const float* const* ws, int64_t K, int S, int R, float* acc) {
+#ifdef KVMESH_AVX2
+  switch (S * 8 + R) {
+    case 4 * 8 + 1: return rows_panels<4, 1>(x, ldx, ws, K, acc);
+    case 3 * 8 + 2: return rows_panels<3, 2>(x, ldx, ws, K, acc);
+    case 2 * 8 + 3: return rows_panels<2, 3>(x, ldx, ws, K, acc);
+    case 1 * 8 + 1: return rows_panels<1, 1>(x, ldx, ws, K, acc);
+    case 1 * 8 + 2: return rows_panels<1, 2>(x, ldx, ws, K, acc);
+    case 1 * 8 + 3: return rows_panels<1, 3>(x, ldx, ws, K, acc);
+    case 1 * 8 + 4: return rows_panels<1, 4>(x, ldx, ws, K, acc);
+    case 1 * 8 + 5: return rows_panels<1, 5>(x, ldx, ws, K, acc);
+    case 1 * 8 + 6: return rows_panels<1, 6>(x, ldx, ws, K, acc);
+    default: break;
+  }
+#endif
+  rows_panels_plain(x, ldx, ws, K, S, R, acc);
+}
+
+struct Problem {
+  const float* x;         // [M, K], row stride ldx
+  int64_t ldx, M, K, N;
+  const float* w;         // packed [P, K, 16]
+  const float* bias;      // [N] or null
+  const float* residual;  // [M, N] with row stride ldr, or null
+  int64_t ldr;
+  float* out;             // [M, N] contiguous
+};
+
+// out[r, n0 + j] = residual[r, n0 + j] + (acc[r, j] + bias[n0 + j]) for rows m0 .. m0 + R - 1
+void store(const Problem& pr, const float* acc, int R, int64_t m0, int64_t panel) {
+  const int64_t n0 = panel * kPanel, cols = std::min(kPanel, pr.N - n0);
+  for (int r = 0; r < R; ++r) {
+    const float* a = acc + r * kPanel;
+    float* o = pr.out + (m0 + r) * pr.N + n0;
+    const float* res = pr.residual ? pr.residual + (m0 + r) * pr.ldr + n0 : nullptr;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = pr.bias ? a[j] + pr.bias[n0 + j] : a[j];
+      o[j] = res ? res[j] + v : v;
+    }
+  }
+}
+
+// every row against panels first, first + step, ..., first + (S - 1) step
+void run_panels(const Problem& pr, int64_t first, int64_t step, int S) {
+  alignas(32) float acc[kMaxRows * kPanel];
+  const float* ws[kMaxStreams];
+  for (int s = 0; s < S; ++s) ws[s] = pr.w + (first + s * step) * pr.K * kPanel;
+  const int rows = kMaxRows / S;
+  for (int64_t m0 = 0; m0 < pr.M; m0 += rows) {
+    const int R = static_cast<int>(std::min<int64_t>(rows, pr.M - m0));
+    rows_against_panels(pr.x + m0 * pr.ldx, pr.ldx, ws, pr.K, S, R, acc);
+    for (int s = 0; s < S; ++s) store(pr, acc + s * R * kPanel, R, m0, first + s * step);
+  }
+}
+
+// Packed weights are allocated 2 MiB-aligned and marked for transparent huge pages: the
+// kernel streams hundreds of MB, and with 4 KiB pages the TLB misses cost ~20% of the read
+// speed (measured, SmolLM2's lm_head). Where the kernel does not honour the advice, the memory
+// is ordinary pages.
+torch::Tensor empty_huge(at::IntArrayRef sizes) {
+  constexpr size_t kHuge = size_t(1) << 21;
+  int64_t numel = 1;
+  for (const int64_t s : sizes) numel *= s;
+  const size_t bytes = std::max<size_t>(kHuge, (numel * sizeof(float) + kHuge - 1) / kHuge * kHuge);
+  void* ptr = std::aligned_alloc(kHuge, bytes);
+  TORCH_CHECK(ptr != nullptr, "pack_linear: cannot allocate ", bytes, " bytes");
+#ifdef MADV_HUGEPAGE
+  madvise(ptr, bytes, MADV_HUGEPAGE);  // advice only: failing it leaves ordinary pages
+#endif
+  return torch::from_blob(ptr, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kFloat));
+}
+
+}  // namespace
+
+// W [N, K] fp32 -> packed [ceil(N / 16), K, 16] (see the layout above)
+torch::Tensor pack_linear(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_linear: a 2-d fp32 CPU weight");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(N > 0 && K > 0, "pack_linear: an empty weight");
+  auto padded = at::constant_pad_nd(weight, {0, 0, 0, P * kPanel - N});  // [P * 16, K]
+  auto packed = empty_huge({P, K, kPanel});
+  packed.copy_(padded.view({P, kPanel, K}).transpose(1, 2));              // [P, K, 16]
+  return packed;
+}
+
+// x [M, K] against packed [P, K, 16] of a weight with N rows; bias [N] and residual [M, N]
+// optional. Returns [M, N] = residual + (x Wᵀ + bias).
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
+                            c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel, "packed_linear: x [M, K], packed [P, K, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                  packed.device().is_cpu(), "packed_linear: fp32 CPU tensors");
+  TORCH_CHECK(packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
+              "packed_linear: a contiguous, 32-byte aligned packed weight (from pack_linear)");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && N > (P - 1) * kPanel && N <= P * kPanel, "packed_linear: shapes");
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  torch::Tensor b, res;
+  if (bias) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N && b.device().is_cpu(), "packed_linear: bias [N] fp32");
+  }
+  if (residual) {
+    res = residual->stride(-1) == 1 ? *residual : residual->contiguous();
+    TORCH_CHECK(res.scalar_type() == at::kFloat && res.dim() == 2 && res.size(0) == M && res.size(1) == N &&
+                    res.device().is_cpu(), "packed_linear: residual [M, N] fp32");
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const Problem pr{xc.data_ptr<float>(), xc.stride(0), M, K, N, packed.data_ptr<float>(),
+                   bias ? b.data_ptr<float>() : nullptr, residual ? res.data_ptr<float>() : nullptr,
+                   residual ? res.stride(0) : 0, out.data_ptr<float>()};
+  const int S = streams_for(M);
+  // one contiguous range of panels per thread, read as S streams side by side
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), P));
+  at::parallel_for(0, P, (P + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    const int64_t len = (end - begin) / S;
+    for (int64_t i = 0; i < len; ++i) run_panels(pr, begin + i, len, S);
+    for (int64_t p = begin + len * S; p < end; ++p) run_panels(pr, p, 0, 1);
+  });
+  return out;
+}
+
+void bind_linear(pybind11::module& m) {
+  m.def("pack_linear", &pack_linear, "pack an fp32 weight [N, K] into 16-row panels for packed_linear");
+  m.def("packed_linear", &packed_linear, "residual + (x Wᵀ + bias) over a packed weight (CPU, few rows)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("residual") = pybind11::none());
+  m.attr("linear_panel") = kPanel;
+#ifdef KVMESH_AVX2
+  m.attr("linear_vectorized") = true;
+#else
+  m.attr("linear_vectorized") = false;
+#endif
+}
