@@ -26,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--quick", action="store_true", help="a small run (under a minute)")
         p.add_argument("--model", default="smollm2")
         p.add_argument("--seed", type=int, default=0)
+        if name == "engine":
+            p.add_argument("--device", default="cpu",
+                           help="cpu (fp32, the default) | cuda[:N] (bf16; HF on the same GPU in bf16)")
+            p.add_argument("--attention-backend", default="auto", help="auto | torch | native | triton")
+            p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
         if name == "accuracy":
             p.add_argument("--text", type=Path, default=None,
                            help="score this UTF-8 text file instead of the interpreter's LICENSE.txt")
@@ -65,23 +70,31 @@ def _random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[
 
 
 # -- engine ---------------------------------------------------------------------------------
-def measure_roofline(weight_bytes: int, num_params: int) -> dict[str, float]:
-    """Decode roofline of this machine: min(memory bandwidth / weight bytes, matmul flops / 2N)."""
+def measure_roofline(weight_bytes: int, num_params: int, device: str = "cpu") -> dict[str, float]:
+    """Decode roofline of this machine: min(memory bandwidth / weight bytes, matmul flops / 2N)
+    (on a GPU: its copy bandwidth over 2 GiB and a bf16 4096^3 matmul)."""
     import torch
-    src = torch.empty(64 * 2**20, dtype=torch.float32)       # 256 MiB, beyond any cache
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    src = torch.empty((512 if cuda else 64) * 2**20, dtype=torch.float32, device=device)  # beyond any cache
     dst = torch.empty_like(src)
     dst.copy_(src)
+    sync()
     t = time.perf_counter()
     for _ in range(5):
         dst.copy_(src)
+    sync()
     bw = 5 * 2 * src.numel() * 4 / (time.perf_counter() - t)   # read + write bytes / s
-    a = torch.randn(1024, 1024)
-    b = torch.randn(1024, 1024)
+    n = 4096 if cuda else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    b = torch.randn_like(a)
     a @ b
+    sync()
     t = time.perf_counter()
     for _ in range(10):
         a @ b
-    flops = 10 * 2 * 1024**3 / (time.perf_counter() - t)
+    sync()
+    flops = 10 * 2 * n**3 / (time.perf_counter() - t)
     return {"mem_bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": flops / 1e9,
             "batch1_tok_s": min(bw / weight_bytes, flops / (2 * num_params)),
             "batch16_tok_s": min(16 * bw / weight_bytes, flops / (2 * num_params))}
@@ -95,8 +108,13 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     from worker.kernels import native
     from worker.sampling import SamplingParams
 
-    engine = Engine(EngineConfig(model=args.model, dtype="fp32"))
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    device = getattr(args, "device", "cpu")
+    cuda = device.startswith("cuda")
+    dtype_name, dtype = ("bf16", torch.bfloat16) if cuda else ("fp32", torch.float32)
+    engine = Engine(EngineConfig(model=args.model, dtype=dtype_name, device=device,
+                                 attention_backend=getattr(args, "attention_backend", "auto"),
+                                 enforce_eager=getattr(args, "enforce_eager", False)))
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=dtype).to(device).eval()
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
     n1 = 32 if args.quick else 128
@@ -118,12 +136,14 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         # only the tokens each request asked for count as useful.
         width = max(len(p) for p in ps)
         pad = engine.model_config.eos_token_ids[0]
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
         t = time.perf_counter()
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
                         do_sample=False, pad_token_id=pad)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t, sum(lens)
 
     kv_run([p1], [4])       # warm-up both
@@ -136,11 +156,13 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
                          "kvmesh_s": kt, "hf_s": ht, "tokens": kn}
     mc = engine.model_config
     num_params = sum(w.numel() for w in hf.parameters())
-    weight_bytes = num_params * 4
-    roof = measure_roofline(weight_bytes, num_params)
+    weight_bytes = num_params * (2 if cuda else 4)
+    roof = measure_roofline(weight_bytes, num_params, device)
     results["roofline_tok_s"] = roof["batch1_tok_s"]
     results["roofline"] = roof
-    results["config"] = {"model": mc.name, "dtype": "fp32", "batch1_new_tokens": n1,
+    results["config"] = {"model": mc.name, "dtype": dtype_name, "device": str(engine.device), "batch1_new_tokens": n1,
+                         "attention_backend": engine.attention_backend.value,
+                         "cuda_graphs": engine.cuda_graphs is not None,
                          "native_decode_attention": native.load() is not None,
                          "batch16_prompt_lens": prompt_lens, "batch16_output_lens": out_lens}
     return results

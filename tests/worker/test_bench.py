@@ -52,6 +52,7 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert finite(row["kvmesh_tok_s"], row["hf_tok_s"], row["speedup"]) and row["tokens"] > 0
     assert finite(r["roofline_tok_s"]) and r["roofline_tok_s"] > 0
     assert r["config"]["batch1_new_tokens"] == 32
+    assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
 
 
 def test_bench_prefix(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
