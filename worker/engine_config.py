@@ -25,7 +25,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_queue_len: int = 4096
-    check_integrity: bool = False         # run the pool's integrity check after every step
+    check_integrity: bool = False         # run the KV store's integrity check after every step
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
     kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
     kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
