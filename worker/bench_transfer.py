@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from worker.bench import emit, machine_info
     if args.prefix_tokens is not None and args.prefix_tokens < 16:
-        from worker.cli import CLIError
+        from contracts.cli import CLIError
         raise CLIError(f"--prefix-tokens: {args.prefix_tokens} must be >= 16")
     result = bench_transfer(args)
     result["machine"] = machine_info()
