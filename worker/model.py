@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kvstore.quant import KVCache
 from worker.config import ModelConfig
+from worker.kernels import native
 from worker.kernels.backend import AttentionBackend, AttentionOps, attention_ops
 from worker.kernels.reference import AttnMetadata
 
@@ -79,25 +80,35 @@ class Rotary:
 
 
 class Linear:
-    """y = x Wᵀ + b, with the GEMM shape that is fastest on CPU for the number of rows.
+    """y = x Wᵀ + b, with the kernel that is fastest on CPU for the number of rows.
 
-    Measured on a 2-core x86 CPU with weights streaming from DRAM (SmolLM2 shapes): one row
-    (batch-1 decode) is ~35% faster against a contiguous Wᵀ [in, out]; 2..32 rows are
-    20-60% faster as W · xᵀ (then transposed back); wider batches use F.linear. On GPU it
-    is always F.linear and no transposed copy is kept.
+    fp32 on CPU with the native kernels built: up to MAX_PACKED_M rows (decode) run
+    `native.packed_linear` over a copy of W packed once here, which streams the weights near the
+    machine's read bandwidth and reads them once for all rows (see csrc/linear.cpp); more rows
+    (prefill) run F.linear, the GEMM library at its matmul peak. Without the native kernels
+    (`KVMESH_NATIVE_KERNELS=0`, no compiler, no AVX2) the torch shapes measured on a 2-core
+    x86 CPU: one row against a contiguous Wᵀ [in, out] (~35% faster than F.linear), 2..32 rows
+    as W · xᵀ (20-60% faster), wider batches F.linear. On GPU it is always F.linear and no
+    copy of W is kept.
     """
 
     MAX_SMALL_M = 32
+    MAX_PACKED_M = 32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.contiguous()                         # [out, in]
         self.bias = bias
+        self.out_features = weight.shape[0]
         self.cpu = weight.device.type == "cpu"
-        self.weight_t = self.weight.t().contiguous() if self.cpu else None   # [in, out]
+        packed = native.linear_supported(self.weight) and (bias is None or bias.dtype == torch.float32)
+        self.packed = native.pack_linear(self.weight) if packed else None   # [ceil(out / 16), in, 16]
+        self.weight_t = self.weight.t().contiguous() if self.cpu and not packed else None   # [in, out]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if not self.cpu or m > self.MAX_SMALL_M:
+        if self.packed is not None and m <= self.MAX_PACKED_M:
+            return native.packed_linear(x, self.packed, self.out_features, self.bias)
+        if self.weight_t is None or m > self.MAX_SMALL_M:
             return F.linear(x, self.weight, self.bias)
         if m == 1:
             y = x @ self.weight_t                                 # [1, out]
@@ -107,7 +118,7 @@ class Linear:
 
     @staticmethod
     def gemm_rows(m: int) -> int:
-        """How many rows the W · xᵀ GEMM runs for m rows (2..MAX_SMALL_M).
+        """How many rows the W · xᵀ GEMM runs for m rows (2..MAX_SMALL_M) on the torch path.
 
         The GEMM's time is not monotone in its row count. Measured over SmolLM2's 121 decode
         GEMMs (same CPU): 15 rows take ~1.8x as long as 16, 23 ~1.6x as long as 24, 12 ~1.1x;
@@ -128,10 +139,12 @@ class Linear:
         return y if rows == m else y[:, :m]
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + (x Wᵀ + b); on the W · xᵀ path the add reads the transposed product
-        directly instead of copying it back first."""
+        """residual + (x Wᵀ + b); the packed kernel adds in its epilogue, and on the W · xᵀ path
+        the add reads the transposed product directly instead of copying it back first."""
         m = x.shape[0]
-        if not self.cpu or not 1 < m <= self.MAX_SMALL_M:
+        if self.packed is not None and m <= self.MAX_PACKED_M:
+            return native.packed_linear(x, self.packed, self.out_features, self.bias, residual)
+        if self.weight_t is None or not 1 < m <= self.MAX_SMALL_M:
             return residual + self(x)
         y = self._w_xt(x)                                         # [out, M]
         if self.bias is not None:
