@@ -189,7 +189,8 @@ class WorkerServer:
         self._model_info = pb.ModelInfo(
             model=mc.name, vocab_size=mc.vocab_size, max_model_len=engine.max_model_len,
             block_size=engine.cfg.block_size, kv_cache_dtype=engine.layout.kv_cache_dtype,
-            eos_token_ids=sorted(engine.eos_token_ids), hash_salt_hex=engine.salt.hex())
+            eos_token_ids=sorted(engine.eos_token_ids), hash_salt_hex=engine.salt.hex(),
+            attention_backend=engine.attention_backend.value)
         self._engine = engine
         if self.cfg.redis_url is not None:
             self._metadata = await asyncio.to_thread(_Metadata, self.cfg, self.address, engine)

@@ -171,6 +171,7 @@ def test_model_info(channel, tiny_engine):
     assert info.model == tiny_engine.model_config.name and info.vocab_size == 256
     assert (info.max_model_len, info.block_size, info.kv_cache_dtype) == (512, 4, tiny_engine.layout.kv_cache_dtype)
     assert list(info.eos_token_ids) == [2] and info.hash_salt_hex == tiny_engine.salt.hex()
+    assert info.attention_backend == tiny_engine.attention_backend.value  # native or torch on CPU
 
 
 def test_health_and_reflection(channel):

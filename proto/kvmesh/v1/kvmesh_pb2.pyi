@@ -137,7 +137,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "kv_cache_dtype", "eos_token_ids", "hash_salt_hex")
+    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "kv_cache_dtype", "eos_token_ids", "hash_salt_hex", "attention_backend")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HASH_SALT_HEX_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -152,7 +153,8 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hash_salt_hex: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hash_salt_hex: _Optional[str] = ...) -> None: ...
+    attention_backend: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hash_salt_hex: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
