@@ -305,7 +305,7 @@ def test_retry_before_first_token_and_unavailable_mid_stream(cluster: LocalClust
                 retried = await _prompt_for(stale, "w-victim", "retried")
 
                 async def stream_then_kill() -> None:
-                    async with contextlib.aclosing(mid.generate(long_req, 120)) as stream:
+                    async with contextlib.aclosing(mid.core.generate(long_req, 120)) as stream:
                         async for r in stream:
                             assert r.worker_id == "w-victim" and not r.finished
                             if victim.proc.poll() is None:
