@@ -11,10 +11,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from contracts.wire import to_generate_input
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.launch import LocalCluster, ServeConfig
 from router.routing import RoutingPolicy
+from router.server import RouterServer
 from router.sim import SimConfig, make_trace, oracle_hit_rate, simulate
 from worker.bench import emit
 
@@ -46,13 +56,6 @@ def run_service(args: argparse.Namespace) -> int:
 async def service_load(model: str, quick: bool, seed: int) -> dict[str, Any]:
     """The same closed-loop load (C concurrent clients, short chat requests) once through the
     router of a 2-worker cluster and once straight to one of its workers, same run."""
-    import statistics
-    import time
-
-    import grpc
-
-    from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-    from router.launch import LocalCluster, ServeConfig
 
     rng = random.Random(seed)
     num_requests, concurrency, max_tokens = (24, 4, 8) if quick else (96, 8, 16)
@@ -122,12 +125,6 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
 
 async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
     """Same kind of trace, real processes: cached prompt-token fraction per policy."""
-    from collections import Counter
-
-    from proto.kvmesh.v1 import kvmesh_pb2 as pb
-    from router.launch import LocalCluster, ServeConfig
-    from router.config import RouterConfig
-    from router.server import RouterServer
 
     rng = random.Random(seed)
     num_prompts, num_requests = (8, 32) if quick else (12, 96)
@@ -180,15 +177,11 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
     return out
 
 
-def _to_input(req: Any) -> Any:
-    from contracts.wire import to_generate_input
+def _to_input(req: pb.GenerateRequest) -> Any:
     return to_generate_input(req)
 
 
 async def _worker_counters(addresses: list[str]) -> list[tuple[int, int]]:
-    import grpc
-
-    from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
     out = []
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as ch:
