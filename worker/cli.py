@@ -114,6 +114,8 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(cfg)
     except ModelLoadError as e:
         raise CLIError(f"--model: {e}") from None
+    except ValueError as e:  # a setting this model or device cannot run, e.g. --attention-backend triton on CPU
+        raise CLIError(flagify(str(e))) from None
     try:
         ids = engine.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else engine.encode(prompt)
         if args.json:
