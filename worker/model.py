@@ -95,18 +95,23 @@ class Linear:
     MAX_SMALL_M = 32
     MAX_PACKED_M = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 packed_rows: torch.Tensor | None = None) -> None:
+        """`packed_rows`: the order of W's rows in the packed copy (GatedLinear's interleaving;
+        then only the caller that knows the order runs the packed kernel)."""
         self.weight = weight.contiguous()                         # [out, in]
         self.bias = bias
         self.out_features = weight.shape[0]
         self.cpu = weight.device.type == "cpu"
-        packed = native.linear_supported(self.weight) and (bias is None or bias.dtype == torch.float32)
-        self.packed = native.pack_linear(self.weight) if packed else None   # [ceil(out / 16), in, 16]
-        self.weight_t = self.weight.t().contiguous() if self.cpu and not packed else None   # [in, out]
+        supported = native.linear_supported(self.weight) and (bias is None or bias.dtype == torch.float32)
+        self.packed = native.pack_linear(self.weight if packed_rows is None else self.weight[packed_rows]) \
+            if supported else None                                # [ceil(out / 16), in, 16]
+        self.packed_in_order = self.packed is not None and packed_rows is None
+        self.weight_t = self.weight.t().contiguous() if self.cpu and self.packed is None else None   # [in, out]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.packed is not None and m <= self.MAX_PACKED_M:
+        if self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias)
         if self.weight_t is None or m > self.MAX_SMALL_M:
             return F.linear(x, self.weight, self.bias)
@@ -138,11 +143,18 @@ class Linear:
         y = torch.mm(self.weight, x.t())                          # [out, rows]
         return y if rows == m else y[:, :m]
 
+    def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x, norm_weight, eps)); the packed kernel normalises x itself (one call
+        instead of the norm's ops: at batch 1 each op costs as much as a small GEMV)."""
+        if self.packed_in_order and x.shape[0] <= self.MAX_PACKED_M:
+            return native.packed_linear(x, self.packed, self.out_features, self.bias, norm_weight=norm_weight, eps=eps)
+        return self(rms_norm(x, norm_weight, eps))
+
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + (x Wᵀ + b); the packed kernel adds in its epilogue, and on the W · xᵀ path
         the add reads the transposed product directly instead of copying it back first."""
         m = x.shape[0]
-        if self.packed is not None and m <= self.MAX_PACKED_M:
+        if self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, residual)
         if self.weight_t is None or not 1 < m <= self.MAX_SMALL_M:
             return residual + self(x)
@@ -150,6 +162,39 @@ class Linear:
         if self.bias is not None:
             y = y + self.bias[:, None]
         return residual + y.t()                                   # [M, out], contiguous like residual
+
+
+class GatedLinear:
+    """silu(x W_gateᵀ) * (x W_upᵀ), [M, I]: the MLP's gate and up projections as one weight.
+
+    For the packed kernel the rows are packed interleaved, 8 gate rows then the 8 up rows of the
+    same channels, so each 16-row panel yields 8 finished outputs and the kernel applies
+    silu(gate) * up in its epilogue; otherwise one GEMM over [gate; up], then chunk, silu, mul.
+    """
+
+    GROUP = 8
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
+        assert gate.shape == up.shape, (gate.shape, up.shape)
+        i = gate.shape[0]
+        # packed rows g0..g7, u0..u7, g8..g15, u8..u15, ...: [2, I / 8, 8] -> [I / 8, 2, 8]
+        order = torch.arange(2 * i).view(2, i // self.GROUP, self.GROUP).transpose(0, 1).flatten() \
+            if i % self.GROUP == 0 else None
+        self.proj = Linear(torch.cat([gate, up]), packed_rows=order)   # [2 I, in]
+        self.gated_kernel = order is not None and self.proj.packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated_kernel and x.shape[0] <= Linear.MAX_PACKED_M:
+            return native.packed_linear(x, self.proj.packed, self.proj.out_features, gated=True)
+        gate, up = self.proj(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x, norm_weight, eps)), in one kernel call on the packed path."""
+        if self.gated_kernel and x.shape[0] <= Linear.MAX_PACKED_M:
+            return native.packed_linear(x, self.proj.packed, self.proj.out_features, norm_weight=norm_weight,
+                                        eps=eps, gated=True)
+        return self(rms_norm(x, norm_weight, eps))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -175,7 +220,7 @@ class DecoderLayer:
             if cfg.attention_bias else None)
         self.o_proj = Linear(w[attn + "o_proj.weight"])
         mlp = prefix + "mlp."
-        self.gate_up_proj = Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]))
+        self.gate_up_proj = GatedLinear(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"])
         self.down_proj = Linear(w[mlp + "down_proj.weight"])
         self.ln1 = w[prefix + "input_layernorm.weight"]
         self.ln2 = w[prefix + "post_attention_layernorm.weight"]
@@ -200,8 +245,7 @@ class DecoderLayer:
         """
         cfg = self.cfg
         t = x.shape[0]
-        h = rms_norm(x, self.ln1, cfg.rms_norm_eps)
-        qkv = self.qkv_proj(h)                                    # [T, q + 2 kv]
+        qkv = self.qkv_proj.normed(x, self.ln1, cfg.rms_norm_eps)  # [T, q + 2 kv]
         # q and k are adjacent in each row: rotate them as one [T, Hq + Hkv, D] view
         qk = Rotary.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *rope)
         if observe is not None:
@@ -218,9 +262,7 @@ class DecoderLayer:
         if keep is not None:
             x, o = x[keep], o[keep]
         x = self.o_proj.add_to(x, o)
-        h = rms_norm(x, self.ln2, cfg.rms_norm_eps)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj.add_to(x, F.silu(gate) * up)
+        return self.down_proj.add_to(x, self.gate_up_proj.normed(x, self.ln2, cfg.rms_norm_eps))
 
 
 class LlamaModel:

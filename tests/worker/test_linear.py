@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import native
-from worker.model import Linear
+from worker.model import GatedLinear, Linear, rms_norm
 
 TOL = {"atol": 1e-4, "rtol": 1e-5}
 
@@ -74,6 +74,45 @@ def test_packed_kernel_on_every_model_shape(shape: tuple[int, int], threads: int
         torch.testing.assert_close(native.packed_linear(x, packed, n), F.linear(x, w), **TOL)
         torch.testing.assert_close(native.packed_linear(x, packed, n, b, residual), residual + F.linear(x, w, b),
                                    **TOL)
+
+
+@pytest.mark.parametrize("shape", [(1536, 576), (64, 40), (16, 3)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gated_and_normed_match_torch(shape: tuple[int, int], path: str, threads: int) -> None:
+    """GatedLinear = silu(x W_gateᵀ) * (x W_upᵀ) and `normed` = the same after rms_norm, for
+    every row count (packed kernel up to MAX_PACKED_M, the torch path above)."""
+    inter, k = shape
+    gen = torch.Generator().manual_seed(inter + k)
+    gate, up = torch.randn(inter, k, generator=gen) / k ** 0.5, torch.randn(inter, k, generator=gen) / k ** 0.5
+    norm_w = 1 + 0.1 * torch.randn(k, generator=gen)
+    mlp = GatedLinear(gate, up)
+    qkv = Linear(torch.cat([gate, up]))
+    assert mlp.gated_kernel == (path == "native")
+    for m in [1, 2, 3, 5, 6, 7, 16, 31, Linear.MAX_PACKED_M, Linear.MAX_PACKED_M + 3]:
+        x = 3 * torch.randn(m, k, generator=gen)
+        expected = F.silu(F.linear(x, gate)) * F.linear(x, up)
+        torch.testing.assert_close(mlp(x), expected, **TOL)
+        h = rms_norm(x, norm_w, 1e-5)
+        torch.testing.assert_close(mlp.normed(x, norm_w, 1e-5), F.silu(F.linear(h, gate)) * F.linear(h, up), **TOL)
+        torch.testing.assert_close(qkv.normed(x, norm_w, 1e-5), F.linear(h, qkv.weight), **TOL)
+
+
+def test_gated_kernel_with_bias_and_odd_width() -> None:
+    """The kernel's gated epilogue adds the (interleaved) bias before the activation; an
+    intermediate size off the 8-row group keeps the chunk path."""
+    k, inter = 24, 32
+    w = torch.randn(2 * inter, k)
+    b = torch.randn(2 * inter)
+    order = torch.arange(2 * inter).view(2, inter // 8, 8).transpose(0, 1).flatten()
+    x = torch.randn(3, k)
+    y = F.linear(x, w, b)
+    out = native.packed_linear(x, native.pack_linear(w[order]), 2 * inter, b[order], gated=True)
+    torch.testing.assert_close(out, F.silu(y[:, :inter]) * y[:, inter:], **TOL)
+    with pytest.raises(RuntimeError, match="gated"):
+        native.packed_linear(x, native.pack_linear(w[order]), 2 * inter, residual=torch.zeros(3, 2 * inter), gated=True)
+    odd = GatedLinear(torch.randn(12, k), torch.randn(12, k))
+    assert not odd.gated_kernel
+    gate, up = odd.proj.weight.chunk(2)
+    torch.testing.assert_close(odd(x), F.silu(F.linear(x, gate)) * F.linear(x, up), **TOL)
 
 
 def test_packed_weight_is_huge_page_aligned_and_exact() -> None:

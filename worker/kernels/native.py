@@ -149,11 +149,16 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] against `pack_linear(W)` of a W with n rows -> [M, n] = residual + (x Wᵀ + bias)."""
+                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
+    """x [M, K] against `pack_linear(W)` of a W with n rows -> [M, n] = residual + (x Wᵀ + bias).
+
+    `norm_weight` [K]: x is RMS-normalised first (`worker.model.rms_norm`'s arithmetic, `eps`).
+    `gated`: W's rows are interleaved 8 gate rows, 8 up rows (`worker.model.GatedLinear`) and
+    the result is silu(gate) * up, [M, n // 2]."""
     module = load()
     assert module is not None, "packed_linear: the native kernels are not built"
-    return module.packed_linear(x, packed, n, bias, residual)
+    return module.packed_linear(x, packed, n, bias, residual, norm_weight, eps, gated)
 
 
 if __name__ == "__main__":

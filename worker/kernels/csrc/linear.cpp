@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
@@ -102,19 +103,64 @@ void rows_against_panels(const float* x, int64_t ldx, const float* const* ws, in
   rows_panels_plain(x, ldx, ws, K, S, R, acc);
 }
 
+// silu(g) * u = g / (1 + e^-g) * u, for the 8 gate / up channels of a gated panel
+#ifdef KVMESH_AVX2
+// e^x, x clamped to [-87, 88] (beyond: 0 or inf within float, and silu needs neither): x = n ln2
+// + r, e^r by a degree-6 polynomial (Cephes expf coefficients), 2^n through the exponent bits.
+// Relative error ~1e-7.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+inline void silu_mul8(const float* g, const float* u, float* out) {
+  const __m256 gv = _mm256_loadu_ps(g);
+  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(u)));
+}
+#else
+inline void silu_mul8(const float* g, const float* u, float* out) {
+  for (int j = 0; j < 8; ++j) out[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+}
+#endif
+
 struct Problem {
   const float* x;         // [M, K], row stride ldx
-  int64_t ldx, M, K, N;
+  int64_t ldx, M, K, N;   // N: rows of W (for a gated weight, 2 x the output columns)
   const float* w;         // packed [P, K, 16]
   const float* bias;      // [N] or null
   const float* residual;  // [M, N] with row stride ldr, or null
   int64_t ldr;
-  float* out;             // [M, N] contiguous
+  bool gated;             // W's rows interleaved 8 gate, 8 up: out = silu(gate) * up, [M, N / 2]
+  float* out;             // [M, N] (gated: [M, N / 2]) contiguous
 };
 
-// out[r, n0 + j] = residual[r, n0 + j] + (acc[r, j] + bias[n0 + j]) for rows m0 .. m0 + R - 1
-void store(const Problem& pr, const float* acc, int R, int64_t m0, int64_t panel) {
+// out[r, n0 + j] = residual[r, n0 + j] + (acc[r, j] + bias[n0 + j]) for rows m0 .. m0 + R - 1;
+// gated: out[r, 8 panel + j] = silu(gate_j) * up_j, with gate_j = acc[r, j] + bias[n0 + j] and
+// up_j = acc[r, 8 + j] + bias[n0 + 8 + j]
+void store(const Problem& pr, float* acc, int R, int64_t m0, int64_t panel) {
   const int64_t n0 = panel * kPanel, cols = std::min(kPanel, pr.N - n0);
+  if (pr.gated) {
+    for (int r = 0; r < R; ++r) {
+      float* a = acc + r * kPanel;
+      if (pr.bias)
+        for (int64_t j = 0; j < kPanel; ++j) a[j] += pr.bias[n0 + j];
+      silu_mul8(a, a + 8, pr.out + (m0 + r) * (pr.N / 2) + panel * 8);
+    }
+    return;
+  }
   for (int r = 0; r < R; ++r) {
     const float* a = acc + r * kPanel;
     float* o = pr.out + (m0 + r) * pr.N + n0;
@@ -128,7 +174,7 @@ void store(const Problem& pr, const float* acc, int R, int64_t m0, int64_t panel
 
 // every row against panels first, first + step, ..., first + (S - 1) step
 void run_panels(const Problem& pr, int64_t first, int64_t step, int S) {
-  alignas(32) float acc[kMaxRows * kPanel];
+  alignas(32) float acc[kMaxRows * kPanel];  // S * R <= kMaxRows
   const float* ws[kMaxStreams];
   for (int s = 0; s < S; ++s) ws[s] = pr.w + (first + s * step) * pr.K * kPanel;
   const int rows = kMaxRows / S;
@@ -170,10 +216,46 @@ torch::Tensor pack_linear(torch::Tensor weight) {
   return packed;
 }
 
-// x [M, K] against packed [P, K, 16] of a weight with N rows; bias [N] and residual [M, N]
-// optional. Returns [M, N] = residual + (x Wᵀ + bias).
+namespace {
+
+// h = weight * (x * rsqrt(mean(x²) + eps)) row by row (HF LlamaRMSNorm's order of operations), [M, K]
+torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.device().is_cpu(), "packed_linear: norm weight [K] fp32");
+  const auto w = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  auto h = torch::empty({M, K}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * ldx;
+    float* hr = hp + m * K;
+    int64_t k = 0;
+    float ss = 0.f;
+#ifdef KVMESH_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(xr + k), acc);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (const float l : lanes) ss += l;
+#endif
+    for (; k < K; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
+    for (k = 0; k < K; ++k) hr[k] = wp[k] * (xr[k] * inv);
+  }
+  return h;
+}
+
+}  // namespace
+
+// x [M, K] against packed [P, K, 16] of a weight with N rows -> [M, N] = residual + (x Wᵀ + bias).
+// Optional: bias [N]; residual [M, N]; norm_weight [K]: x is first RMS-normalised row by row
+// (weight * x * rsqrt(mean(x²) + eps)); gated: W's rows are interleaved 8 gate, 8 up (see
+// worker.model.GatedLinear) and the result is silu(gate) * up, [M, N / 2] (no residual).
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                            c10::optional<torch::Tensor> residual) {
+                            c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> norm_weight,
+                            double eps, bool gated) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel, "packed_linear: x [M, K], packed [P, K, 16]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && x.device().is_cpu() &&
                   packed.device().is_cpu(), "packed_linear: fp32 CPU tensors");
@@ -181,7 +263,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c1
               "packed_linear: a contiguous, 32-byte aligned packed weight (from pack_linear)");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && N > (P - 1) * kPanel && N <= P * kPanel, "packed_linear: shapes");
-  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  TORCH_CHECK(!gated || (N % kPanel == 0 && !residual), "packed_linear: a gated weight has 16k rows and no residual");
+  auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  if (norm_weight) xc = rms_norm_rows(xc, *norm_weight, eps);
   torch::Tensor b, res;
   if (bias) {
     b = bias->contiguous();
@@ -192,11 +276,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c1
     TORCH_CHECK(res.scalar_type() == at::kFloat && res.dim() == 2 && res.size(0) == M && res.size(1) == N &&
                     res.device().is_cpu(), "packed_linear: residual [M, N] fp32");
   }
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, gated ? N / 2 : N}, x.options());
   if (M == 0) return out;
   const Problem pr{xc.data_ptr<float>(), xc.stride(0), M, K, N, packed.data_ptr<float>(),
                    bias ? b.data_ptr<float>() : nullptr, residual ? res.data_ptr<float>() : nullptr,
-                   residual ? res.stride(0) : 0, out.data_ptr<float>()};
+                   residual ? res.stride(0) : 0, gated, out.data_ptr<float>()};
   const int S = streams_for(M);
   // one contiguous range of panels per thread, read as S streams side by side
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), P));
@@ -212,7 +296,8 @@ void bind_linear(pybind11::module& m) {
   m.def("pack_linear", &pack_linear, "pack an fp32 weight [N, K] into 16-row panels for packed_linear");
   m.def("packed_linear", &packed_linear, "residual + (x Wᵀ + bias) over a packed weight (CPU, few rows)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("residual") = pybind11::none());
+        pybind11::arg("residual") = pybind11::none(), pybind11::arg("norm_weight") = pybind11::none(),
+        pybind11::arg("eps") = 1e-6, pybind11::arg("gated") = false);
   m.attr("linear_panel") = kPanel;
 #ifdef KVMESH_AVX2
   m.attr("linear_vectorized") = true;
