@@ -49,7 +49,6 @@ class Quant(enum.IntEnum):
 
 
 _QUANT = {KVQuant.INT8: Quant.INT8, KVQuant.FP8: Quant.FP8, KVQuant.INT4: Quant.INT4}
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 class CacheArgs(NamedTuple):
@@ -90,10 +89,6 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     cores like fp16. The operands are the same bf16-rounded values either way.
     """
     return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def tl_dtype(dtype: torch.dtype) -> tl.dtype:
-    return _TL_DTYPES[dtype]
 
 
 @functools.lru_cache(maxsize=32)
