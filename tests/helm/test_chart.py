@@ -30,7 +30,7 @@ ALL_VALUES: Doc = {
                "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
-               "h2oDecay": 0.9},
+               "h2oDecay": 0.9, "attentionBackend": "triton", "enforceEager": True},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
                "terminationGracePeriodSeconds": 40},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
