@@ -17,6 +17,7 @@ import torch
 from kvstore.layout import KVLayout
 from router.cli import main
 from worker.bench import accuracy_text, capacity_per_dtype
+from worker.bench_engine import MachineSpeed, ModelCost, decode_roofline, workload_roofline
 
 DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 
@@ -52,7 +53,35 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert finite(row["kvmesh_tok_s"], row["hf_tok_s"], row["speedup"]) and row["tokens"] > 0
     assert finite(r["roofline_tok_s"]) and r["roofline_tok_s"] > 0
     assert r["config"]["batch1_new_tokens"] == 32
+    for batch in ("batch1", "batch16"):
+        row = r[batch]
+        assert finite(row["roofline_tok_s"], row["roofline_frac"], row["linear_gb_s"]) and row["linear_gb_s"] > 0
+        assert row["roofline_frac"] == pytest.approx(row["kvmesh_tok_s"] / row["roofline_tok_s"])
+    assert r["batch1"]["roofline_tok_s"] == r["roofline_tok_s"] == r["roofline"]["batch1_tok_s"]
+    roof = r["roofline"]
+    assert finite(roof["read_gb_s"], roof["copy_gb_s"], roof["matmul_gflop_s"]) and roof["weight_bytes"] > 0
+    pre = r["prefill"]
+    assert pre["tokens"] == 1024 and finite(pre["tok_s"], pre["peak_frac"]) and pre["tok_s"] > 0
+    assert pre["peak_frac"] == pytest.approx(pre["gflop_s"] / roof["matmul_gflop_s"])
+    assert r["config"]["native_linear"] and {"roofline_frac", "prefill"} <= set(r["notes"])
     assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
+
+
+def test_roofline_formulas() -> None:
+    """The workload roofline against the cases it reduces to: all memory-bound steps, and all
+    compute-bound (every step's flops at the peak)."""
+    cost = ModelCost(weight_bytes=1000, layer_params=100, head_params=20, attn_flops_per_pair=4)
+    assert cost.decode_flops(0) == 240 and cost.decode_flops(10) == 280
+    assert cost.prefill_flops(3) == 2 * 100 * 3 + 2 * 20 + 4 * 6
+    slow_memory = MachineSpeed(read_gb_s=1e-9, copy_gb_s=1e-9, matmul_gflop_s=1e9)   # 1 byte/s, 1e18 flop/s
+    assert decode_roofline(slow_memory, cost) == pytest.approx(1 / 1000)
+    # prefill costs one weight read, then one read per decode step: 1 + (max(out) - 1) reads
+    assert workload_roofline(slow_memory, cost, [5, 9], [4, 2]) == pytest.approx(6 / (4 * 1000))
+    slow_compute = MachineSpeed(read_gb_s=1e9, copy_gb_s=1e9, matmul_gflop_s=1e-9)   # 1 flop/s
+    assert decode_roofline(slow_compute, cost) == pytest.approx(1 / 240)
+    flops = cost.prefill_flops(5) + cost.prefill_flops(9)
+    flops += sum(cost.decode_flops(p + s) for p, n in ((5, 4), (9, 2)) for s in range(1, n))
+    assert workload_roofline(slow_compute, cost, [5, 9], [4, 2]) == pytest.approx(6 / flops)
 
 
 def test_bench_prefix(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
