@@ -28,10 +28,11 @@ from kvstore.quant import KVCache  # noqa: E402
 from kvstore.tensors import KVTensors  # noqa: E402
 from worker.kernels import reference, triton_attention  # noqa: E402
 from worker.kernels.reference import AttnMetadata  # noqa: E402
-from worker.kernels.triton_decode import BLOCK_N, Splits, decode, plan_splits  # noqa: E402
+from worker.kernels.triton_decode import Splits, block_n, decode, plan_splits  # noqa: E402
 from worker.kernels.triton_kv_write import write_kv  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TILE = block_n()  # keys per decode tile (32 interpreted, 64 compiled)
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
 if DEVICE == "cuda":
@@ -137,7 +138,7 @@ def test_decode_sliding_window(window: int, kv_dtype: str, q_dtype: str) -> None
     check(make_case([(1, n) for n in (1, 3, 16, 17, 41, 90)], (4, 2), 16, 4, kv_dtype, q_dtype, seed=window), window)
 
 
-@pytest.mark.parametrize("split_tokens", [BLOCK_N, 2 * BLOCK_N, 8 * BLOCK_N])
+@pytest.mark.parametrize("split_tokens", [TILE, 2 * TILE, 8 * TILE])
 def test_decode_split_k_equals_one_split(split_tokens: int) -> None:
     """Batch 1 over a long context: any split of the keys gives the reference's output; splits
     past a sequence's end (as in a captured graph sized for max_model_len) are empty."""
@@ -151,14 +152,16 @@ def test_decode_split_k_equals_one_split(split_tokens: int) -> None:
 
 
 def test_plan_splits_fills_the_gpu_and_covers_the_keys() -> None:
-    assert plan_splits(1, 8, 4096) == Splits(2 * BLOCK_N, 4096 // (2 * BLOCK_N))  # batch 1: 8 x 64 programs
-    big = plan_splits(64, 8, 4096)
-    assert big.split_tokens % BLOCK_N == 0 and big.num_splits * big.split_tokens >= 4096
-    assert 64 * 8 * big.num_splits >= 512 // 2
-    assert plan_splits(256, 8, 100) == Splits(128, 1)  # enough programs already: one split
-    for batch, heads, keys in [(1, 1, 1), (3, 3, 1000), (64, 8, 32768), (7, 2, 33)]:
-        s = plan_splits(batch, heads, keys)
-        assert s.num_splits * s.split_tokens >= keys > (s.num_splits - 1) * s.split_tokens
+    assert plan_splits(1, 8, 4096, tile=32) == Splits(64, 64)  # batch 1: 8 x 64 programs
+    assert plan_splits(1, 8, 4096, tile=64) == Splits(64, 64)
+    big = plan_splits(64, 8, 4096, tile=32)
+    assert big == Splits(4096, 1)  # 512 programs already
+    assert plan_splits(256, 8, 100, tile=32) == Splits(128, 1)  # enough programs: one split
+    for tile in (32, 64):
+        for batch, heads, keys in [(1, 1, 1), (3, 3, 1000), (64, 8, 32768), (7, 2, 33)]:
+            s = plan_splits(batch, heads, keys, tile=tile)
+            assert s.split_tokens % tile == 0
+            assert s.num_splits * s.split_tokens >= keys > (s.num_splits - 1) * s.split_tokens
 
 
 # -- prefill / extend -------------------------------------------------------------------------
@@ -185,6 +188,17 @@ def test_prefill_sliding_window(window: int) -> None:
 def test_prefill_long_chunk_over_prefix() -> None:
     """A chunk spanning several query tiles over a cached prefix (chunked prefill)."""
     check(make_case([(40, 90), (33, 33)], (4, 2), 16, 16, "int8", "fp32", seed=11))
+
+
+@pytest.mark.parametrize(("kv_dtype", "q_dtype", "window"), [("bf16", "bf16", None), ("int4", "fp16", 9)])
+def test_compiled_tile_sizes(monkeypatch: pytest.MonkeyPatch, kv_dtype: str, q_dtype: str, window: int | None) -> None:
+    """The tiles the compiled kernels use on a GPU (64 x 64 prefill, 64-key decode tiles),
+    checked here too: a prefill chunk over several tiles and a decode step over several splits."""
+    from worker.kernels import triton_decode, triton_prefill
+    monkeypatch.setattr(triton_prefill, "tile_sizes", lambda: (64, 64))
+    monkeypatch.setattr(triton_decode, "block_n", lambda: 64)
+    check(make_case([(70, 150), (1, 40), (5, 5)], (4, 2), 16, 16, kv_dtype, q_dtype, seed=13), window)
+    check(make_case([(1, 150), (1, 40), (1, 5)], (4, 2), 16, 16, kv_dtype, q_dtype, seed=14), window)
 
 
 # -- H2O scores -------------------------------------------------------------------------------

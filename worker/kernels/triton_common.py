@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -37,6 +36,7 @@ import triton.language as tl
 
 from kvstore.layout import KVQuant
 from kvstore.quant import INT4_LEVELS, KVCache, QuantizedKV
+from worker.kernels.backend import triton_interpreted
 
 
 class Quant(enum.IntEnum):
@@ -88,7 +88,7 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     `tl.dot` multiplies bf16 as raw uint16 bit patterns; compiled, bf16 goes to the tensor
     cores like fp16. The operands are the same bf16-rounded values either way.
     """
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and triton_interpreted())
 
 
 @functools.lru_cache(maxsize=32)

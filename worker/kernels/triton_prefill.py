@@ -20,10 +20,13 @@ import triton
 import triton.language as tl
 
 from kvstore.quant import KVCache
-from worker.kernels.triton_common import cache_args, dot_in_fp32, levels, load_kv_tile, next_pow2
+from worker.kernels.triton_common import cache_args, dot_in_fp32, levels, load_kv_tile, next_pow2, triton_interpreted
 
-BLOCK_M = 16  # new tokens per program
-BLOCK_N = 32  # keys per tile
+
+def tile_sizes() -> tuple[int, int]:
+    """(BLOCK_M new tokens per program, BLOCK_N keys per tile): 64 x 64 compiled (tensor-core
+    sized), 16 x 32 in the interpreter (where padded rows cost time)."""
+    return (16, 32) if triton_interpreted() else (64, 64)
 
 
 @triton.jit
@@ -104,12 +107,13 @@ def prefill(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache, block_table
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    grid = (num_seqs, num_q_heads, -(-max_query_len // BLOCK_M))
+    block_m, block_n = tile_sizes()
+    grid = (num_seqs, num_q_heads, -(-max_query_len // block_m))
     _prefill_kernel[grid](
         query, kc.data, vc.data, out, block_tables, seq_lens, query_start_loc, levels(query.dtype, query.device),
         scale, sliding_window or 0, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kc.stride_block, kc.stride_token, kc.stride_head, block_tables.stride(0),
-        G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=next_pow2(head_dim, 16), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        G=num_q_heads // num_kv_heads, D=head_dim, D_PAD=next_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], QUANT=int(kc.quant), HEAD_BYTES=kc.head_bytes, GROUP=kc.group,
         DOT_F32=dot_in_fp32(query.dtype))
     return out
