@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvstore.quant import KVCache, QuantizedKV
-from worker.kernels.triton_common import Quant, cache_args, fp8_encode, int4_midpoints, next_pow2, rne
+from worker.kernels.triton_common import cache_args, fp8_encode, int4_midpoints, next_pow2, rne
 
 
 @triton.jit
