@@ -14,6 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest  # noqa: E402
 
+pytest.importorskip("triton", reason="Triton is installed by `make setup` (Linux only)")
+
 from worker.cuda_graph import StaticDecode, bucket_for, capture_sizes  # noqa: E402
 from worker.kernels import native  # noqa: E402
 from worker.kernels.backend import (AttentionBackend, attention_ops, parse_backend,  # noqa: E402

@@ -23,6 +23,8 @@ from typing import NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
 
+pytest.importorskip("triton", reason="Triton is installed by `make setup` (Linux only)")
+
 from kvstore.layout import KVLayout  # noqa: E402
 from kvstore.quant import KVCache  # noqa: E402
 from kvstore.tensors import KVTensors  # noqa: E402
