@@ -38,6 +38,7 @@ class Ctx:
     model: str
     log: Any
     tmp: Path
+    deadline: float = float("inf")  # time.monotonic() by which the whole run should end
     model_dir: Path | None = None
     model_note: str = ""
 
@@ -50,6 +51,7 @@ class Ctx:
 
 def run_logged(ctx: Ctx, argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> int:
     """Run a command with the repo on PYTHONPATH, its output into the log; its exit status."""
+    timeout_s = max(10.0, min(timeout_s, ctx.deadline - time.monotonic()))  # within the run's budget
     ctx.say("$", " ".join(argv))
     full_env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"} | (env or {})
     try:
@@ -269,7 +271,7 @@ def _peer_pair(ctx: Ctx, devices: tuple[str, str], backend: str) -> dict[str, An
     outputs = []
     for p in procs:
         try:
-            outputs.append(p.communicate(timeout=240)[0])
+            outputs.append(p.communicate(timeout=max(10.0, min(240.0, ctx.deadline - time.monotonic())))[0])
         except subprocess.TimeoutExpired:
             p.kill()
             outputs.append(p.communicate()[0] + "\n[timed out]")
