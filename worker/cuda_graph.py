@@ -104,19 +104,28 @@ class StaticDecode:
 
 class _Graph(NamedTuple):
     static: StaticDecode
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [size, vocab], written by every replay
+    graph: torch.cuda.CUDAGraph | None  # None: not captured (`capture=False`), the forward runs eagerly
+    logits: torch.Tensor | None  # [size, vocab], written by every replay
 
 
 class CudaGraphRunner:
-    """Captured decode steps, one per bucket of `capture_sizes(max_num_seqs)` (CUDA only)."""
+    """Captured decode steps, one per bucket of `capture_sizes(max_num_seqs)`.
+
+    `capture=False` builds the same buckets and static buffers without capturing, and `run`
+    then calls the bucket's forward eagerly: the engine's graph path, padding included, on a
+    device without CUDA graphs (the CPU tests use it with the Triton interpreter).
+    """
 
     def __init__(self, model: LlamaModel, kv_caches: Sequence[tuple[KVCache, KVCache]], max_num_seqs: int,
-                 max_model_len: int, block_size: int) -> None:
-        assert model.device.type == "cuda", "CUDA graphs need a CUDA model"
+                 max_model_len: int, block_size: int, capture: bool = True) -> None:
+        assert not capture or model.device.type == "cuda", "CUDA graphs need a CUDA model"
         assert model.attention.backend is AttentionBackend.TRITON, "only the Triton backend is capturable"
         self.sizes = capture_sizes(max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
+        if not capture:
+            for size in self.sizes:
+                self.graphs[size] = _Graph(StaticDecode(model, kv_caches, size, max_model_len, block_size), None, None)
+            return
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
             static = StaticDecode(model, kv_caches, size, max_model_len, block_size)
@@ -144,7 +153,10 @@ class CudaGraphRunner:
         assert size is not None and self.supports(meta), (meta.num_seqs, self.sizes)
         g = self.graphs[size]
         g.static.load(input_ids, positions, meta)
+        if g.graph is None:
+            return g.static.forward()[:meta.num_seqs]
         g.graph.replay()
+        assert g.logits is not None
         return g.logits[:meta.num_seqs]
 
 

@@ -153,6 +153,30 @@ def test_capture_sizes_and_buckets() -> None:
 
 # -- the engine -----------------------------------------------------------------------------
 @needs_triton_device
+def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
+    """The engine's graph path without the capture (`capture=False`): every decode step goes
+    through a padded bucket's static buffers (batches of 3, 2 and 1 in buckets of 4, 2, 1 as
+    requests finish) and generates the eager engine's tokens."""
+    from worker.cuda_graph import CudaGraphRunner
+    from worker.engine import Engine, EngineConfig
+    from worker.sampling import SamplingParams
+
+    path = str(tiny_model_dir("llama-gqa"))
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 101, 102, 103, 104, 105, 106]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5, 7)]
+    outs = {}
+    for padded in (True, False):
+        engine = Engine(EngineConfig(model=path, device=DEVICE.type, dtype="fp32", block_size=4, num_blocks=64,
+                                     max_num_seqs=4, attention_backend="triton", enforce_eager=True))
+        if padded:
+            engine.cuda_graphs = CudaGraphRunner(engine.model, engine.kv_caches, 4, engine.max_model_len, 4,
+                                                 capture=False)
+        outs[padded] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs[True] == outs[False]
+
+
+
+@needs_triton_device
 def test_engine_on_the_triton_backend_generates_the_torch_tokens(tiny_model_dir) -> None:
     """Greedy generation (prefill, prefix hit, decode) on the Triton backend equals the torch
     backend's, token for token; on CUDA the Triton engine also replays its decode graphs."""
