@@ -30,11 +30,11 @@ from kvstore.quant import KVCache  # noqa: E402
 from kvstore.tensors import KVTensors  # noqa: E402
 from worker.kernels import reference, triton_attention  # noqa: E402
 from worker.kernels.reference import AttnMetadata  # noqa: E402
-from worker.kernels.triton_decode import Splits, block_n, decode, plan_splits  # noqa: E402
+from worker.kernels.triton_decode import BLOCK_N, Splits, decode, plan_splits  # noqa: E402
 from worker.kernels.triton_kv_write import write_kv  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-TILE = block_n()  # keys per decode tile (32 interpreted, 64 compiled)
+TILE = BLOCK_N  # keys per decode tile
 DEVICE = "cpu" if INTERPRET else "cuda"
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
 if DEVICE == "cuda":
@@ -194,11 +194,10 @@ def test_prefill_long_chunk_over_prefix() -> None:
 
 @pytest.mark.parametrize(("kv_dtype", "q_dtype", "window"), [("bf16", "bf16", None), ("int4", "fp16", 9)])
 def test_compiled_tile_sizes(monkeypatch: pytest.MonkeyPatch, kv_dtype: str, q_dtype: str, window: int | None) -> None:
-    """The tiles the compiled kernels use on a GPU (64 x 64 prefill, 64-key decode tiles),
-    checked here too: a prefill chunk over several tiles and a decode step over several splits."""
-    from worker.kernels import triton_decode, triton_prefill
-    monkeypatch.setattr(triton_prefill, "tile_sizes", lambda: (64, 64))
-    monkeypatch.setattr(triton_decode, "block_n", lambda: 64)
+    """The prefill tiles the compiled kernels use on a GPU (64 x 32), checked here too: a chunk
+    over several tiles, next to a decode step over several splits."""
+    from worker.kernels import triton_prefill
+    monkeypatch.setattr(triton_prefill, "tile_sizes", lambda: (64, 32))
     check(make_case([(70, 150), (1, 40), (5, 5)], (4, 2), 16, 16, kv_dtype, q_dtype, seed=13), window)
     check(make_case([(1, 150), (1, 40), (1, 5)], (4, 2), 16, 16, kv_dtype, q_dtype, seed=14), window)
 

@@ -161,13 +161,14 @@ def load_fp16_bytes(ptr, mask):
 @triton.jit
 def load_kv_tile(base_ptr, row, row_mask, offs_d, d_mask, levels_ptr,
                  QUANT: tl.constexpr, HEAD_BYTES: tl.constexpr, GROUP: tl.constexpr):
-    """Cached head vectors as fp32 `[N, D_PAD]`: `row` [N] int64 offset of each slot,
-    `row_mask` [N], `offs_d` and `d_mask` [D_PAD]; masked elements are 0."""
+    """Cached head vectors `[N, D_PAD]`: `row` [N] int64 offset of each slot, `row_mask` [N],
+    `offs_d` and `d_mask` [D_PAD]; masked elements are 0. A plain cache's values come in its
+    own dtype (no fp32 copy of a tile in registers); quantized ones are dequantized to fp32."""
     r = row[:, None]
     d = offs_d[None, :]
     mask = row_mask[:, None] & d_mask[None, :]
     if QUANT == 0:
-        x = tl.load(base_ptr + r + d, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(base_ptr + r + d, mask=mask, other=0.0)
     elif QUANT == 3:
         byte = tl.load(base_ptr + r + d // 2, mask=mask, other=0).to(tl.int32)
         nib = (byte >> ((d % 2) * 4)) & 0xF

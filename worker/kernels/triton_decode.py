@@ -34,28 +34,26 @@ import triton
 import triton.language as tl
 
 from kvstore.quant import KVCache
-from worker.kernels.triton_common import cache_args, dot_in_fp32, levels, load_kv_tile, next_pow2, triton_interpreted
+from worker.kernels.triton_common import Quant, cache_args, dot_in_fp32, levels, load_kv_tile, next_pow2
 
 TARGET_PROGRAMS = 512  # ~4 programs per SM of an H100/H200 (132 SMs)
-
-
-def block_n() -> int:
-    """Keys per tile: 64 compiled (16 KiB of K and V per tile at head_dim 128 in bf16, to keep
-    enough bytes in flight), 32 in the interpreter (where padding costs time)."""
-    return 32 if triton_interpreted() else 64
+# Keys per tile. Compiled for sm_90 (Triton 3.7.1, ptxas -v; no GPU run yet): at head_dim 128
+# in bf16, 32 keys with 4 warps use 232 registers and no spills and pipeline 13 KiB of K/V
+# through shared memory; 64 keys spill with 4 warps and need 8 (one CTA per SM). Quantized
+# caches take 8 warps (4 spill: int4's dequantization holds more per element).
+BLOCK_N = 32
 
 
 class Splits(NamedTuple):
-    split_tokens: int  # keys per split (a multiple of block_n())
+    split_tokens: int  # keys per split (a multiple of BLOCK_N)
     num_splits: int
 
 
 def plan_splits(batch: int, num_kv_heads: int, max_keys: int, target_programs: int = TARGET_PROGRAMS,
-                tile: int | None = None) -> Splits:
+                tile: int = BLOCK_N) -> Splits:
     """How to cut up to `max_keys` keys per sequence so B * Hkv * splits ~ `target_programs`
-    (never fewer than one tile of `tile` keys, default `block_n()`, per split)."""
+    (never fewer than one tile of `tile` keys per split)."""
     assert batch > 0 and num_kv_heads > 0 and max_keys > 0, (batch, num_kv_heads, max_keys)
-    tile = tile or block_n()
     want = max(1, -(-target_programs // (batch * num_kv_heads)))
     tiles = -(-max_keys // tile)
     per_split = -(-tiles // min(want, tiles))
@@ -159,8 +157,7 @@ def decode(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache, block_tables
     group = num_q_heads // num_kv_heads
     assert group * num_kv_heads == num_q_heads and k_cache.shape[3] == head_dim, (query.shape, k_cache.shape)
     assert block_tables.shape[0] == num_seqs and seq_lens.shape == (num_seqs,), (block_tables.shape, seq_lens.shape)
-    bn = block_n()
-    assert splits.split_tokens % bn == 0, (splits, bn)
+    assert splits.split_tokens % BLOCK_N == 0, splits
     query = query if query.stride(2) == 1 else query.contiguous()
     d_pad = next_pow2(head_dim, 16)
     part_out = torch.empty(num_seqs, num_q_heads, splits.num_splits, d_pad, dtype=torch.float32, device=query.device)
@@ -174,9 +171,9 @@ def decode(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache, block_tables
         part_lse if logits is None else logits,
         scale, sliding_window or 0, splits.split_tokens, splits.num_splits, 0 if logits is None else logits.shape[2],
         query.stride(0), query.stride(1), kc.stride_block, kc.stride_token, kc.stride_head, block_tables.stride(0),
-        G=group, G_PAD=next_pow2(group, 16), D=head_dim, D_PAD=d_pad, BLOCK_N=bn, BLOCK_SIZE=k_cache.shape[1],
+        G=group, G_PAD=next_pow2(group, 16), D=head_dim, D_PAD=d_pad, BLOCK_N=BLOCK_N, BLOCK_SIZE=k_cache.shape[1],
         QUANT=int(kc.quant), HEAD_BYTES=kc.head_bytes, GROUP=kc.group, STORE_LOGITS=logits is not None,
-        DOT_F32=dot_in_fp32(query.dtype))
+        DOT_F32=dot_in_fp32(query.dtype), num_warps=4 if kc.quant is Quant.NONE else 8)
     _decode_reduce_kernel[(num_seqs, num_q_heads)](
         part_out, part_lse, out, lse, splits.num_splits, out.stride(0), out.stride(1),
         D=head_dim, D_PAD=d_pad, S_PAD=next_pow2(splits.num_splits, 2))
