@@ -48,7 +48,9 @@ def test_without_cuda_the_real_run_refuses(tmp_path: Path) -> None:
 @pytest.mark.multiproc
 def test_whole_dry_run_goes_to_the_end(tmp_path: Path) -> None:
     steps = dry_run(tmp_path)["steps"]
-    assert list(steps) == ["env", "gpu_tests", "bench_engine", "attention_bw", "graph_vs_eager", "peer_transfer"]
+    assert list(steps) == ["env", "compile", "gpu_tests", "bench_engine", "attention_bw", "graph_vs_eager",
+                           "peer_transfer"]
+    assert steps["compile"]["arch"] == "sm_90" and all("error" not in r for r in steps["compile"]["variants"])
     assert all(s["status"] in ("ok", "skipped") for s in steps.values()), steps
     assert steps["peer_transfer"]["gloo"]["bytes_equal"] is True
     assert "CUDA graphs need CUDA" in steps["graph_vs_eager"]["skipped"]

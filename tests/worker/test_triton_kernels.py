@@ -19,6 +19,10 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
@@ -227,3 +231,16 @@ def test_mixed_step_collecting_scores_runs_the_reference() -> None:
     assert torch.equal(out, want)
     assert ours.meta.score_acc is not None and ref.meta.score_acc is not None
     assert torch.equal(ours.meta.score_acc, ref.meta.score_acc)
+
+
+# -- compiled, without a GPU ------------------------------------------------------------------
+def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+    """Every kernel variant (each QUANT path, fp32 and bf16 queries, the launch tiles and warps)
+    compiles to an sm_90 cubin with the LLVM and ptxas in the triton wheel: no GPU needed."""
+    out = tmp_path / "compile.json"
+    proc = subprocess.run([sys.executable, "-m", "worker.kernels.triton_compile", "--arch", "90", "--json", str(out)],
+                          env=os.environ | {"TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert {r["name"].split("-q")[0] for r in rows} >= {"decode", "prefill", "kv-write"} and len(rows) == 17
+    assert all(r["registers"] is None or r["registers"] <= 255 for r in rows)
