@@ -43,7 +43,7 @@ constexpr int kMaxStreams = 4;  // panels read side by side (separate memory str
 // streams per thread keep more reads in flight. Measured on a 2-core Zen 3 (SmolLM2's lm_head,
 // one thread): 1 stream ~17 GB/s, 3-6 streams ~20-25 GB/s. Every stream uses 2 accumulators per
 // row, so streams x rows stays within kMaxRows.
-inline int streams_for(int64_t M) { return M == 1 ? 4 : M == 2 ? 3 : M == 3 ? 2 : 1; }
+inline int streams_for(int64_t M) { return M == 1 ? 4 : M == 2 ? 3 : M <= 6 ? 2 : 1; }
 
 #ifdef KVMESH_AVX2
 // R rows of x against S panels: acc[s][r][:] = sum_k x[r, k] * panel_s[k, :]. The two weight
@@ -56,14 +56,15 @@ void rows_panels(const float* x, int64_t ldx, const float* const* ws, int64_t K,
     w[s] = ws[s];
     for (int r = 0; r < R; ++r) a[s][r][0] = a[s][r][1] = _mm256_setzero_ps();
   }
+  // 2 S R accumulators + 2 weights + 1 broadcast <= 15 of the 16 AVX registers: each x value is
+  // broadcast right before its two FMAs (a load; holding R broadcasts would spill)
   for (int64_t k = 0; k < K; ++k) {
-    __m256 xr[R];
-    for (int r = 0; r < R; ++r) xr[r] = _mm256_broadcast_ss(x + r * ldx + k);
     for (int s = 0; s < S; ++s) {
       const __m256 w0 = _mm256_load_ps(w[s]), w1 = _mm256_load_ps(w[s] + 8);
       for (int r = 0; r < R; ++r) {
-        a[s][r][0] = _mm256_fmadd_ps(xr[r], w0, a[s][r][0]);
-        a[s][r][1] = _mm256_fmadd_ps(xr[r], w1, a[s][r][1]);
+        const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
+        a[s][r][0] = _mm256_fmadd_ps(xr, w0, a[s][r][0]);
+        a[s][r][1] = _mm256_fmadd_ps(xr, w1, a[s][r][1]);
       }
       w[s] += kPanel;
     }
@@ -90,6 +91,9 @@ void rows_against_panels(const float* x, int64_t ldx, const float* const* ws, in
   switch (S * 8 + R) {
     case 4 * 8 + 1: return rows_panels<4, 1>(x, ldx, ws, K, acc);
     case 3 * 8 + 2: return rows_panels<3, 2>(x, ldx, ws, K, acc);
+    case 3 * 8 + 1: return rows_panels<3, 1>(x, ldx, ws, K, acc);
+    case 2 * 8 + 1: return rows_panels<2, 1>(x, ldx, ws, K, acc);
+    case 2 * 8 + 2: return rows_panels<2, 2>(x, ldx, ws, K, acc);
     case 2 * 8 + 3: return rows_panels<2, 3>(x, ldx, ws, K, acc);
     case 1 * 8 + 1: return rows_panels<1, 1>(x, ldx, ws, K, acc);
     case 1 * 8 + 2: return rows_panels<1, 2>(x, ldx, ws, K, acc);
@@ -177,11 +181,14 @@ void run_panels(const Problem& pr, int64_t first, int64_t step, int S) {
   alignas(32) float acc[kMaxRows * kPanel];  // S * R <= kMaxRows
   const float* ws[kMaxStreams];
   for (int s = 0; s < S; ++s) ws[s] = pr.w + (first + s * step) * pr.K * kPanel;
-  const int rows = kMaxRows / S;
-  for (int64_t m0 = 0; m0 < pr.M; m0 += rows) {
-    const int R = static_cast<int>(std::min<int64_t>(rows, pr.M - m0));
+  // rows in passes of at most kMaxRows / S, as even as possible: a pass of 1-2 rows has too few
+  // accumulators to hide the FMA latency (M = 8 runs 4 + 4, not 6 + 2)
+  const int64_t passes = (pr.M + kMaxRows / S - 1) / (kMaxRows / S);
+  for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
+    const int R = static_cast<int>((pr.M - m0 + (passes - pass) - 1) / (passes - pass));
     rows_against_panels(pr.x + m0 * pr.ldx, pr.ldx, ws, pr.K, S, R, acc);
     for (int s = 0; s < S; ++s) store(pr, acc + s * R * kPanel, R, m0, first + s * step);
+    m0 += R;
   }
 }
 
