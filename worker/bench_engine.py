@@ -37,7 +37,8 @@ class ModelCost(NamedTuple):
 
     def prefill_flops(self, tokens: int) -> float:
         """Flops of a cold `tokens`-token prompt (causal attention, one sampled row)."""
-        return 2 * self.layer_params * tokens + 2 * self.head_params + self.attn_flops_per_pair * tokens * (tokens + 1) / 2
+        attention = self.attn_flops_per_pair * tokens * (tokens + 1) / 2
+        return 2 * self.layer_params * tokens + 2 * self.head_params + attention
 
 
 def _best(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:

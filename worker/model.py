@@ -111,7 +111,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.packed_in_order and m <= self.MAX_PACKED_M:
+        if self.packed is not None and self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias)
         if self.weight_t is None or m > self.MAX_SMALL_M:
             return F.linear(x, self.weight, self.bias)
@@ -146,7 +146,7 @@ class Linear:
     def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """self(rms_norm(x, norm_weight, eps)); the packed kernel normalises x itself (one call
         instead of the norm's ops: at batch 1 each op costs as much as a small GEMV)."""
-        if self.packed_in_order and x.shape[0] <= self.MAX_PACKED_M:
+        if self.packed is not None and self.packed_in_order and x.shape[0] <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, norm_weight=norm_weight, eps=eps)
         return self(rms_norm(x, norm_weight, eps))
 
@@ -154,7 +154,7 @@ class Linear:
         """residual + (x Wᵀ + b); the packed kernel adds in its epilogue, and on the W · xᵀ path
         the add reads the transposed product directly instead of copying it back first."""
         m = x.shape[0]
-        if self.packed_in_order and m <= self.MAX_PACKED_M:
+        if self.packed is not None and self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, residual)
         if self.weight_t is None or not 1 < m <= self.MAX_SMALL_M:
             return residual + self(x)
@@ -181,18 +181,19 @@ class GatedLinear:
         order = torch.arange(2 * i).view(2, i // self.GROUP, self.GROUP).transpose(0, 1).flatten() \
             if i % self.GROUP == 0 else None
         self.proj = Linear(torch.cat([gate, up]), packed_rows=order)   # [2 I, in]
-        self.gated_kernel = order is not None and self.proj.packed is not None
+        self.packed = self.proj.packed if order is not None else None   # interleaved rows
+        self.gated_kernel = self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated_kernel and x.shape[0] <= Linear.MAX_PACKED_M:
-            return native.packed_linear(x, self.proj.packed, self.proj.out_features, gated=True)
+        if self.packed is not None and x.shape[0] <= Linear.MAX_PACKED_M:
+            return native.packed_linear(x, self.packed, self.proj.out_features, gated=True)
         gate, up = self.proj(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """self(rms_norm(x, norm_weight, eps)), in one kernel call on the packed path."""
-        if self.gated_kernel and x.shape[0] <= Linear.MAX_PACKED_M:
-            return native.packed_linear(x, self.proj.packed, self.proj.out_features, norm_weight=norm_weight,
+        if self.packed is not None and x.shape[0] <= Linear.MAX_PACKED_M:
+            return native.packed_linear(x, self.packed, self.proj.out_features, norm_weight=norm_weight,
                                         eps=eps, gated=True)
         return self(rms_norm(x, norm_weight, eps))
 
