@@ -201,10 +201,11 @@ void run_panels(const Problem& pr, int64_t first, int64_t step, int S) {
   const int64_t passes = (pr.M + kMaxRows / S - 1) / (kMaxRows / S);
   for (int64_t pass = 0, m0 = 0; pass < passes; ++pass) {
     const int R = static_cast<int>((pr.M - m0 + (passes - pass) - 1) / (passes - pass));
-    // the second pass reads this panel from cache: meanwhile pull the next one into L2, so memory
-    // and FMAs overlap when the rows make the kernel compute-bound (measured, 2 threads: +8-15%
-    // at 12-16 rows; with two streams it was slower, so only one)
-    const float* const* pf = pass == 1 && S == 1 && has_next ? next : nullptr;
+    // one stream (7+ rows, compute-bound): while the passes run, pull the next panel into L2 (every
+    // pass issues it; after the first they hit), so its memory reads overlap these FMAs. Measured,
+    // 2 threads, lm_head: 8 rows 70 -> 85, 12-16 rows 110 -> 125-130 GFLOP/s; with two streams
+    // (4-6 rows) prefetching was slower, so only here
+    const float* const* pf = S == 1 && has_next ? next : nullptr;
     rows_against_panels(pr.x + m0 * pr.ldx, pr.ldx, ws, pr.K, S, R, pf, acc);
     for (int s = 0; s < S; ++s) store(pr, acc + s * R * kPanel, R, m0, first + s * step);
     m0 += R;
