@@ -85,7 +85,8 @@ class Linear:
     fp32 on CPU with the native kernels built: up to MAX_PACKED_M rows (decode) run
     `native.packed_linear` over a copy of W packed once here, which streams the weights near the
     machine's read bandwidth and reads them once for all rows (see csrc/linear.cpp); more rows
-    (prefill) run F.linear, the GEMM library at its matmul peak. Without the native kernels
+    (prefill) run F.linear, the GEMM library at its matmul peak, with the residual add inside
+    the GEMM (addmm) and the input norm in one native pass. Without the native kernels
     (`KVMESH_NATIVE_KERNELS=0`, no compiler, no AVX2) the torch shapes measured on a 2-core
     x86 CPU: one row against a contiguous Wᵀ [in, out] (~35% faster than F.linear), 2..32 rows
     as W · xᵀ (20-60% faster), wider batches F.linear. On GPU it is always F.linear and no
@@ -148,6 +149,8 @@ class Linear:
         instead of the norm's ops: at batch 1 each op costs as much as a small GEMV)."""
         if self.packed is not None and self.packed_in_order and x.shape[0] <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, norm_weight=norm_weight, eps=eps)
+        if self.packed is not None:  # a long prefill: the norm in one native pass, then the GEMM
+            return self(native.rms_norm(x, norm_weight, eps))
         return self(rms_norm(x, norm_weight, eps))
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +159,8 @@ class Linear:
         m = x.shape[0]
         if self.packed is not None and self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, residual)
+        if self.packed is not None and self.bias is None:  # a long prefill: the add inside the GEMM
+            return torch.addmm(residual, x, self.weight.t())
         if self.weight_t is None or not 1 < m <= self.MAX_SMALL_M:
             return residual + self(x)
         y = self._w_xt(x)                                         # [out, M]
@@ -187,6 +192,8 @@ class GatedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= Linear.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.proj.out_features, gated=True)
+        if self.proj.packed is not None:  # a long prefill: silu(gate) * up in one native pass
+            return native.silu_mul(self.proj(x))
         gate, up = self.proj(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -195,6 +202,8 @@ class GatedLinear:
         if self.packed is not None and x.shape[0] <= Linear.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.proj.out_features, norm_weight=norm_weight,
                                         eps=eps, gated=True)
+        if self.proj.packed is not None:
+            return self(native.rms_norm(x, norm_weight, eps))
         return self(rms_norm(x, norm_weight, eps))
 
 

@@ -115,6 +115,21 @@ def test_gated_kernel_with_bias_and_odd_width() -> None:
     torch.testing.assert_close(odd(x), F.silu(F.linear(x, gate)) * F.linear(x, up), **TOL)
 
 
+def test_native_norm_and_silu_mul_on_long_prefills(threads: int) -> None:
+    """The one-pass norm and silu(gate) * up the long-prefill path uses, over the threads."""
+    gen = torch.Generator().manual_seed(3)
+    x = 3 * torch.randn(300, 576, generator=gen)
+    w = 1 + 0.1 * torch.randn(576, generator=gen)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), **TOL)
+    torch.testing.assert_close(native.rms_norm(x[:, ::2], w[:288], 1e-5), rms_norm(x[:, ::2], w[:288], 1e-5), **TOL)
+    y = 4 * torch.randn(300, 2 * 1539, generator=gen)   # a width off the 8-float vector
+    gate, up = y.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(y), F.silu(gate) * up, **TOL)
+    y[0, 0], y[1, 0] = 1e4, -1e4                        # far outside the exp polynomial's range
+    out = native.silu_mul(y)
+    assert torch.isfinite(out).all() and out[0, 0] == y[0, 1539] * 1e4 and abs(out[1, 0]) < 1e-30
+
+
 def test_packed_weight_is_huge_page_aligned_and_exact() -> None:
     w = torch.randn(40, 24)
     packed = native.pack_linear(w)

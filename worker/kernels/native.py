@@ -161,6 +161,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     return module.packed_linear(x, packed, n, bias, residual, norm_weight, eps, gated)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x²) + eps)) row by row, x [M, K] fp32 on CPU (one pass; rows
+    over the threads from 64 rows up). Check `linear_supported` first."""
+    module = load()
+    assert module is not None, "rms_norm: the native kernels are not built"
+    return module.rms_norm(x, weight, eps)
+
+
+def silu_mul(y: torch.Tensor) -> torch.Tensor:
+    """[gate | up] [M, 2 I] fp32 on CPU -> silu(gate) * up [M, I], in one pass."""
+    module = load()
+    assert module is not None, "silu_mul: the native kernels are not built"
+    return module.silu_mul(y)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -248,30 +248,53 @@ namespace {
 // h = weight * (x * rsqrt(mean(x²) + eps)) row by row (HF LlamaRMSNorm's order of operations), [M, K]
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == x.size(1) &&
-                  weight.device().is_cpu(), "packed_linear: norm weight [K] fp32");
+                  weight.device().is_cpu(), "rms_norm: norm weight [K] fp32");
   const auto w = weight.contiguous();
   const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
   auto h = torch::empty({M, K}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = xp + m * ldx;
-    float* hr = hp + m * K;
-    int64_t k = 0;
-    float ss = 0.f;
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {  // serial up to 64 rows (decode)
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr = xp + m * ldx;
+      float* hr = hp + m * K;
+      int64_t k = 0;
+      float ss = 0.f;
 #ifdef KVMESH_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(xr + k), acc);
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (const float l : lanes) ss += l;
+      __m256 acc = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(xr + k), acc);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc);
+      for (const float l : lanes) ss += l;
 #endif
-    for (; k < K; ++k) ss += xr[k] * xr[k];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
-    for (k = 0; k < K; ++k) hr[k] = wp[k] * (xr[k] * inv);
-  }
+      for (; k < K; ++k) ss += xr[k] * xr[k];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
+      for (k = 0; k < K; ++k) hr[k] = wp[k] * (xr[k] * inv);
+    }
+  });
   return h;
+}
+
+// y [M, 2 I] = [gate | up] -> silu(gate) * up [M, I] (the MLP between a wide GEMM and down_proj)
+torch::Tensor silu_mul_rows(const torch::Tensor& y) {
+  TORCH_CHECK(y.dim() == 2 && y.size(1) % 2 == 0 && y.scalar_type() == at::kFloat && y.device().is_cpu(),
+              "silu_mul: y [M, 2 I] fp32 CPU");
+  const auto yc = y.stride(1) == 1 ? y : y.contiguous();
+  const int64_t M = yc.size(0), I = yc.size(1) / 2, ldy = yc.stride(0);
+  auto out = torch::empty({M, I}, yc.options());
+  const float* yp = yc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* g = yp + m * ldy;
+      float* o = op + m * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) silu_mul8(g + i, g + I + i, o + i);
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -326,6 +349,11 @@ void bind_linear(pybind11::module& m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("residual") = pybind11::none(), pybind11::arg("norm_weight") = pybind11::none(),
         pybind11::arg("eps") = 1e-6, pybind11::arg("gated") = false);
+  m.def("rms_norm", [](torch::Tensor x, torch::Tensor weight, double eps) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "rms_norm: x [M, K] fp32 CPU");
+    return rms_norm_rows(x.stride(1) == 1 ? x : x.contiguous(), weight, eps);
+  }, "weight * (x * rsqrt(mean(x²) + eps)) row by row (CPU fp32)");
+  m.def("silu_mul", &silu_mul_rows, "[gate | up] [M, 2 I] -> silu(gate) * up [M, I] (CPU fp32)");
   m.attr("linear_panel") = kPanel;
 #ifdef KVMESH_AVX2
   m.attr("linear_vectorized") = true;
