@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from worker.bench_engine import bench_engine as run_engine_bench, random_prompts
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     for name, fn, help_ in (("engine", bench_engine, "kvmesh vs HF transformers generate, batch 1 and 16"),
@@ -64,15 +66,9 @@ def machine_info() -> dict[str, Any]:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def _random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
-    # Token ids from the middle of the vocabulary (no special tokens), deterministic per seed.
-    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
-
-
 # -- engine ---------------------------------------------------------------------------------
 def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
-    from worker.bench_engine import bench_engine as run
-    return run(args)
+    return run_engine_bench(args)
 
 
 # -- prefix ---------------------------------------------------------------------------------
@@ -85,7 +81,7 @@ def bench_prefix(args: argparse.Namespace) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     prefix_len = 1024
     trials = 2 if args.quick else 5
-    prefix = _random_prompts(rng, vocab, [prefix_len])[0]
+    prefix = random_prompts(rng, vocab, [prefix_len])[0]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def ttft(prompt: list[int]) -> float:
@@ -93,12 +89,12 @@ def bench_prefix(args: argparse.Namespace) -> dict[str, Any]:
         engine.generate(prompt, one)
         return time.perf_counter() - t
 
-    ttft(_random_prompts(rng, vocab, [64])[0])  # warm-up
+    ttft(random_prompts(rng, vocab, [64])[0])  # warm-up
     cold, warm = [], []
     for _ in range(trials):
         engine.store.reset_prefix_cache()
-        cold.append(ttft(prefix + _random_prompts(rng, vocab, [32])[0]))   # also fills the cache
-        warm.append(ttft(prefix + _random_prompts(rng, vocab, [32])[0]))
+        cold.append(ttft(prefix + random_prompts(rng, vocab, [32])[0]))   # also fills the cache
+        warm.append(ttft(prefix + random_prompts(rng, vocab, [32])[0]))
     c, w = statistics.median(cold), statistics.median(warm)
     return {"cold_ttft_s": c, "warm_ttft_s": w, "speedup": c / w,
             "config": {"prefix_tokens": prefix_len, "suffix_tokens": 32, "trials": trials,
@@ -120,7 +116,7 @@ def bench_memory(args: argparse.Namespace) -> dict[str, Any]:
     prompt_lens = [min(max_len - 64, int(rng.lognormvariate(5.0, 0.7))) + 8 for _ in range(n_req)]
     out_lens = [rng.randrange(8, 64 if args.quick else 128) for _ in range(n_req)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
-    for p, sp in zip(_random_prompts(rng, vocab, prompt_lens), params):
+    for p, sp in zip(random_prompts(rng, vocab, prompt_lens), params):
         engine.add_request(p, sp)
     # Summed over every step: slots holding K/V, slots the pool allocated, and slots a
     # contiguous allocator would have reserved (max_len per running sequence).

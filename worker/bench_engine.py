@@ -41,6 +41,11 @@ class ModelCost(NamedTuple):
         return 2 * self.layer_params * tokens + 2 * self.head_params + attention
 
 
+def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
+    """Token ids from the middle of the vocabulary (no special tokens), deterministic per seed."""
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
+
+
 def _best(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
     fn()
     sync()
@@ -136,7 +141,6 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from worker.bench import _random_prompts
     from worker.engine import Engine, EngineConfig
     from worker.kernels import native
     from worker.sampling import SamplingParams
@@ -154,7 +158,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     batch_n = 16
     prompt_lens = [rng.randrange(16, 128 if args.quick else 256) for _ in range(batch_n)]
     out_lens = [rng.randrange(8, 32 if args.quick else 128) for _ in range(batch_n)]
-    prompts = _random_prompts(rng, vocab, [64] + prompt_lens)
+    prompts = random_prompts(rng, vocab, [64] + prompt_lens)
     p1, pb = prompts[0], prompts[1:]
 
     def kv_run(ps: list[list[int]], lens: list[int]) -> tuple[float, int]:
@@ -182,7 +186,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     def prefill_s(n: int) -> float:
         # a cold prompt of n tokens run to its first token
         engine.store.reset_prefix_cache()
-        prompt = _random_prompts(rng, vocab, [n])[0]
+        prompt = random_prompts(rng, vocab, [n])[0]
         t = time.perf_counter()
         engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         return time.perf_counter() - t

@@ -6,13 +6,23 @@ lazily, so a worker without --redis-url never loads a Redis client.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvstore.events import from_tiered_events   # pure data: no Redis, no torch
+from kvstore.events import WorkerId as EventWorkerId, from_tiered_events   # pure data: no Redis, no torch
 
 if TYPE_CHECKING:
     from worker.engine import Engine
-    from worker.server import WorkerServerConfig
+
+
+class MetadataConfig(Protocol):
+    """What the hook reads of the worker's config (WorkerServerConfig satisfies it)."""
+
+    @property
+    def redis_url(self) -> str | None: ...
+    @property
+    def cluster_name(self) -> str: ...
+    @property
+    def worker_id(self) -> str: ...
 
 
 class WorkerMetadata:
@@ -21,8 +31,7 @@ class WorkerMetadata:
     the engine thread (AsyncEngine's hook), so the events and the inventory it publishes are
     always in step with the store."""
 
-    def __init__(self, cfg: WorkerServerConfig, address: str, engine: Engine) -> None:
-        from kvstore.events import WorkerId as EventWorkerId
+    def __init__(self, cfg: MetadataConfig, address: str, engine: Engine) -> None:
         from kvstore.metadata import Heartbeater, RedisConfig, WorkerRecord, WorkerRegistry
         from kvstore.streams import EventPublisher
 
