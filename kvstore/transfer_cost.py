@@ -22,9 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.transfer import (
-    BlockSpec, BlockTransfer, TransferConfig, TransferGroup, block_checksums, free_port,
-)
+from kvstore.transfer import BlockSpec, BlockTransfer, block_checksums
+from kvstore.transfer_group import TransferConfig, TransferGroup, free_port
 
 _GO_TAG, _DATA_TAG, _ACK_TAG, _FIGURES_TAG = ((1 << 31) - 1 - i for i in range(4))  # above transfer tags
 

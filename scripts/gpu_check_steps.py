@@ -231,7 +231,8 @@ def peer_rank_main(rank: int, port: int, device: str, backend: str, out: Path, d
     every byte and writes the timings to `out`."""
     import torch
 
-    from kvstore.transfer import BlockSpec, BlockTransfer, TransferConfig, TransferGroup
+    from kvstore.transfer import BlockSpec, BlockTransfer
+    from kvstore.transfer_group import TransferConfig, TransferGroup
     layers, blocks = (2, 8) if dry else (30, PEER_BLOCKS)
     spec = BlockSpec(layers, 16, 3, 64, torch.bfloat16)
     group = TransferGroup.form(TransferConfig(rank=rank, world_size=2, master_port=port, backend=backend,
@@ -260,7 +261,7 @@ def peer_rank_main(rank: int, port: int, device: str, backend: str, out: Path, d
 
 
 def _peer_pair(ctx: Ctx, devices: tuple[str, str], backend: str) -> dict[str, Any]:
-    from kvstore.transfer import free_port
+    from kvstore.transfer_group import free_port
     port, out = free_port(), ctx.tmp / f"peer-{backend}.json"
     out.unlink(missing_ok=True)
     argv = [sys.executable, str(SCRIPT), "--out", str(ctx.out), "--peer-port", str(port),

@@ -128,7 +128,7 @@ def bench_offload(layout: Any, num_blocks: int, repeats: int, seed: int) -> dict
 def bench_ttft(model: str, prefix_tokens: int, seed: int, vocab: int) -> dict[str, Any]:
     import grpc
 
-    from kvstore.transfer import free_port
+    from kvstore.transfer_group import free_port
     from proto.kvmesh.v1 import kvmesh_pb2 as pb
     from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 

@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.transfer import (MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendResult, TransferConfig,
-                              TransferError, TransferGroup)
+from kvstore.transfer import MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendResult
+from kvstore.transfer_group import TransferConfig, TransferError, TransferGroup
 from kvstore.transfer_cost import CostModel, LinkEstimate, measure_checksum, measure_link
 from contracts.requests import PeerHint, SendBlocksInput
 from worker.async_engine import AsyncEngine, CountHeld, ReadBlocks, StageBlocks

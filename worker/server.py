@@ -203,7 +203,7 @@ class WorkerServer:
                  engine.store.num_blocks, engine.cfg.block_size)
 
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
-        from kvstore.transfer import TransferConfig, TransferError
+        from kvstore.transfer_group import TransferConfig, TransferError
         from worker.peer import PeerConfig, PeerPlane
         assert self.cfg.dist_init_addr is not None
         host, _, port = self.cfg.dist_init_addr.rpartition(":")

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 
-from kvstore.transfer import free_port
+from kvstore.transfer_group import free_port
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 

@@ -19,9 +19,8 @@ import torch
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
-from kvstore.transfer import (
-    BlockSpec, BlockTransfer, TransferConfig, TransferError, TransferGroup, block_checksums, free_port,
-)
+from kvstore.transfer import BlockSpec, BlockTransfer, block_checksums
+from kvstore.transfer_group import TransferConfig, TransferError, TransferGroup, free_port
 from kvstore.transfer_cost import CostModel, LinkEstimate, peer_vs_raw
 from tests.kvstore.transfer_peer import CORRUPT_INDEX, HASHES, LAYOUTS, SEND_IDS, TRANSFER_IDS, make_pool
 

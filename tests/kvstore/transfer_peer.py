@@ -21,7 +21,8 @@ import torch
 
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
-from kvstore.transfer import _MAGIC, BlockSpec, BlockTransfer, TransferConfig, TransferGroup
+from kvstore.transfer import _MAGIC, BlockSpec, BlockTransfer
+from kvstore.transfer_group import TransferConfig, TransferGroup
 
 SEND_IDS = [3, 7, 1, 5]  # pool block ids the sender gathers, in wire order
 HASHES = [0, (1 << 128) - 1, 1 << 127, 0x0123456789ABCDEF_FEDCBA9876543210]

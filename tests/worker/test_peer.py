@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.transfer import MAX_TRANSFER_ID, BlockTransfer, TransferConfig, TransferGroup, free_port
+from kvstore.transfer import MAX_TRANSFER_ID, BlockTransfer
+from kvstore.transfer_group import TransferConfig, TransferGroup, free_port
 from kvstore.transfer_cost import LinkEstimate
 from contracts.requests import PeerHint, SendBlocksInput
 from contracts.wire import to_send_blocks_request
