@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from contracts.bench_report import emit
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
@@ -26,7 +27,6 @@ from router.launch import LocalCluster, ServeConfig
 from router.routing import RoutingPolicy
 from router.server import RouterServer
 from router.sim import SimConfig, make_trace, oracle_hit_rate, simulate
-from worker.bench import emit
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 

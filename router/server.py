@@ -11,9 +11,11 @@ import argparse
 import asyncio
 import logging
 import signal
+import subprocess
 import sys
 from collections.abc import Iterable
 
+from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from router.config import RouterConfig
 from router.core import Router
@@ -24,6 +26,8 @@ from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
 
 log = logging.getLogger("kvmesh.router")
+# Converting the GGUF model once (in a child process) takes ~25 s; a bound, not a guess.
+_PREPARE_TIMEOUT_S = 600
 
 
 class RouterServer:
@@ -87,11 +91,27 @@ class RouterServer:
 
 
 def _load_tokenizer(model: str) -> ModelTokenizer:
-    from worker.loader import ModelLoadError, resolve_model_dir
+    """The model's tokenizer. A GGUF (alias) not converted yet is converted by a child
+    `python -m worker.loader prepare`, so the router process never imports torch."""
     try:
-        return ModelTokenizer.from_model_dir(resolve_model_dir(model, progress=False))
-    except (ModelLoadError, TokenizerError) as e:
+        try:
+            model_dir = find_model_dir(model)
+        except ModelNotPrepared:
+            _prepare_in_child(model)
+            model_dir = find_model_dir(model)
+        return ModelTokenizer.from_model_dir(model_dir)
+    except (ModelLocateError, OSError, TokenizerError) as e:
         raise RouterStartError(f"model {model!r}: {e}", "model") from None
+
+
+def _prepare_in_child(model: str) -> None:
+    argv = [sys.executable, "-m", "worker.loader", "prepare", "--no-progress", model]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_PREPARE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise RouterStartError(f"model {model!r}: conversion took over {_PREPARE_TIMEOUT_S} s", "model") from None
+    if done.returncode != 0:
+        raise RouterStartError(f"model {model!r}: {done.stderr.strip() or 'conversion failed'}", "model")
 
 
 # -- `kvmesh router` ----------------------------------------------------------------------

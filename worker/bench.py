@@ -6,7 +6,6 @@ keeps each under a minute on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from contracts.bench_report import emit
 from worker.bench_engine import bench_engine as run_engine_bench, random_prompts
 
 
@@ -45,16 +45,6 @@ def _runner(fn: Callable[[argparse.Namespace], dict[str, Any]]) -> Callable[[arg
         result["machine"] = machine_info()
         return emit(result, args.json)
     return run
-
-
-def emit(result: dict[str, Any], path: Path | None) -> int:
-    """Print a benchmark's JSON and, with --json PATH, write it there (torch-free)."""
-    text = json.dumps(result, indent=2)
-    print(text)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-    return 0
 
 
 def machine_info() -> dict[str, Any]:

