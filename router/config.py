@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.auth import ApiKey
 from router.routing import RoutingPolicy
 
 
@@ -26,10 +27,14 @@ class RouterConfig:
     cluster_name: str = "kvmesh"
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     load_factor: float = 1.25
+    api_keys: tuple[ApiKey, ...] = ()       # client keys (router/auth.py); () = no authentication
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
         object.__setattr__(self, "routing_policy", RoutingPolicy.parse(self.routing_policy))
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if not all(isinstance(k, ApiKey) for k in self.api_keys):
+            raise ValueError("api_keys: every entry must be an ApiKey")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
         for a in self.worker_addresses:

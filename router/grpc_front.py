@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from contracts.requests import BadRequest
 from contracts.wire import ParsedRequest, parse_generate_request, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.auth import Authenticator
 from router.core import Router
 from router.errors import NoWorkerAvailable, RouterError, UpstreamError
 
@@ -48,7 +49,8 @@ class GrpcFront:
         cfg = self.router.cfg
         opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes)]
-        self._server = server = grpc.aio.server(options=opts)
+        auth = Authenticator(cfg.api_keys)
+        self._server = server = grpc.aio.server(options=opts, interceptors=[auth.grpc_interceptor()])
         server.add_generic_rpc_handlers((self._router_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

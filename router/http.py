@@ -24,6 +24,7 @@ from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
 from contracts.wire import FINISH_REASON_NAMES, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.auth import Authenticator
 from router.core import Router
 from router.errors import NoWorkerAvailable, UpstreamError
 
@@ -72,7 +73,8 @@ class HttpFrontend:
         self.router = router
         self.created = int(time.time())
         self._active: set[asyncio.Task[Any]] = set()
-        app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=[self._track, _errors])
+        middlewares = [Authenticator(router.cfg.api_keys).http_middleware(), self._track, _errors]
+        app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health)])

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tokenizer import ModelTokenizer, TokenizerError
+from router.auth import add_auth_arguments, keys_from_args, warn_if_open
 from router.config import RouterConfig
 from router.core import Router
 from router.errors import RouterStartError
@@ -129,6 +130,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a request picks its worker (see README: Routing)")
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
+    add_auth_arguments(p)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -141,10 +143,12 @@ def run_router(args: argparse.Namespace) -> int:
                            http_port=None if args.no_http else args.http_port, model=args.model,
                            served_model_name=args.served_model_name,
                            redis_url=args.redis_url, cluster_name=args.cluster_name,
-                           routing_policy=args.routing_policy, load_factor=args.load_factor)
+                           routing_policy=args.routing_policy, load_factor=args.load_factor,
+                           api_keys=keys_from_args(args))
     except ValueError as e:
-        raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker")) from None
+        raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warn_if_open(cfg.host, cfg.api_keys)
     return asyncio.run(_serve_until_signal(cfg))
 
 

@@ -50,6 +50,7 @@ class ServeConfig:
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
     engine_argv: tuple[str, ...] = ()
+    router_argv: tuple[str, ...] = ()       # extra `kvmesh router` flags (auth: --api-key, --api-keys-file)
     routing_policy: str = "kv_aware"
     load_factor: float = 1.25
     log_dir: Path | None = None
@@ -59,6 +60,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
+        object.__setattr__(self, "router_argv", tuple(self.router_argv))
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be >= 1")
         if not self.model:
@@ -213,7 +215,8 @@ class Cluster:
             cfg.python, "-m", "router.cli", "router", "--host", cfg.host, "--grpc-port", str(cfg.grpc_port),
             "--http-port", str(cfg.http_port), "--routing-policy", cfg.routing_policy,
             "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
-            "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model])
+            "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model,
+            *cfg.router_argv])
         m = self._router.wait_line(_ROUTER_LINE, deadline, cfg.startup_timeout_s)
         host = dial_host(cfg.host)
         self.grpc_target = f"{host}:{m.group(2)}"

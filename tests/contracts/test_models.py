@@ -56,3 +56,18 @@ def test_router_loads_the_tokenizer_without_torch(smollm2_dir: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
+
+
+def test_router_converts_in_a_child_and_reports_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unconverted GGUF makes the router run `python -m worker.loader prepare` in a child;
+    the child's error (here: not a GGUF) becomes the router's start error on --model."""
+    from router.errors import RouterStartError
+    from router.server import _load_tokenizer
+
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf")
+    with pytest.raises(RouterStartError, match="GGUF magic") as e:
+        _load_tokenizer(str(gguf))
+    assert e.value.field == "model"
+    assert not converted_dir(gguf.resolve()).exists()
