@@ -1,4 +1,4 @@
-"""HF transformers as the oracle for greedy decoding, with the near-tie rule of DESIGN.md.
+"""HF transformers as the oracle for greedy decoding, with the near-tie rule of docs/ARCHITECTURE.md.
 
 Two greedy runs may part only where fp32 rounding decides a near-tie: at the first
 divergence, the top-2 logits of BOTH models must lie within `tol` and be exactly the two

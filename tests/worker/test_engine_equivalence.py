@@ -1,4 +1,4 @@
-"""Greedy tokens of the engine equal HF transformers, on every cache path (DESIGN.md)."""
+"""Greedy tokens of the engine equal HF transformers, on every cache path (docs/ARCHITECTURE.md, "The correctness bar")."""
 from __future__ import annotations
 
 import random
