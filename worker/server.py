@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
     from worker.peer import Fetched, PeerFigures, PeerPlane
+    from worker.metrics import MetricsHTTP, WorkerMetrics
     from worker.request import RequestOutput
 
 log = logging.getLogger("kvmesh.worker")
@@ -68,6 +69,7 @@ class WorkerServerConfig:
     dist_init_addr: str | None = None
     transfer_timeout_s: float = 10.0
     transfer_faults: tuple[str, ...] = ()
+    metrics_port: int | None = None      # Prometheus /metrics (worker/metrics.py); None = off, 0 = a free port
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_faults", tuple(self.transfer_faults))
@@ -93,6 +95,8 @@ class WorkerServerConfig:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be positive")
         if not self.cluster_name:
             raise ValueError("cluster_name is empty")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port={self.metrics_port} must be in [0, 65535] (0 = a free port)")
 
     @property
     def peer_transfer(self) -> bool:
@@ -128,6 +132,9 @@ class WorkerServer:
         self._metadata: _Metadata | None = None
         self._peer: PeerPlane | None = None
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self.metrics: WorkerMetrics | None = None       # set once loaded, with cfg.metrics_port
+        self._metrics_http: MetricsHTTP | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -197,10 +204,26 @@ class WorkerServer:
         self._ae = AsyncEngine(engine, after_step=self._metadata.after_step if self._metadata else None)
         if self._metadata is not None:
             self._metadata.heartbeater.start()
+        if self.cfg.metrics_port is not None:
+            await self._start_metrics(engine, self._ae, self.cfg.metrics_port)
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _SERVING)
         log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, mc.name,
                  engine.store.num_blocks, engine.cfg.block_size)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound /metrics port once loaded (None: metrics off or not loaded yet)."""
+        return self._metrics_http.port if self._metrics_http is not None else None
+
+    async def _start_metrics(self, engine: Engine, ae: AsyncEngine, port: int) -> None:
+        from worker.metrics import MetricsHTTP, WorkerMetrics, refresh_forever
+        self.metrics = WorkerMetrics(engine.model_config.name, self.cfg.worker_id, engine.layout.kv_cache_dtype)
+        self._metrics_http = await asyncio.to_thread(MetricsHTTP, self.metrics.registry, self.cfg.host, port)
+        self._metrics_task = asyncio.create_task(refresh_forever(self.metrics, ae, self._peer),
+                                                 name=f"metrics-{self.cfg.worker_id}")
+        log.info("worker %s metrics on http://%s:%d/metrics", self.cfg.worker_id, self.cfg.host,
+                 self._metrics_http.port)
 
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
         from kvstore.transfer_group import TransferConfig, TransferError
@@ -231,6 +254,11 @@ class WorkerServer:
             log.warning("worker %s: %d stream(s) still running after %.1f s; cancelling",
                         self.cfg.worker_id, self._num_inflight, grace)
         await self._server.stop(None)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            await asyncio.gather(self._metrics_task, return_exceptions=True)
+        if self._metrics_http is not None:
+            await asyncio.to_thread(self._metrics_http.close)
         assert self._load_task is not None
         if not self._load_task.done():
             self._load_task.cancel()   # the loading thread finishes on its own; its engine is dropped
@@ -329,6 +357,8 @@ class WorkerServer:
                 resp.peer_cached_tokens = min(max(out.num_cached_tokens - fetched.num_local * bs, 0),
                                               fetched.num_blocks * bs)
             self._prompt_tokens += out.prompt_tokens
+            if self.metrics is not None:
+                self.metrics.observe_finished(out)
             self._cached_prompt_tokens += out.num_cached_tokens
         return resp
 

@@ -53,6 +53,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
     g.add_argument("--redis-url", default=None, help="metadata Redis (worker registry)")
     g.add_argument("--cluster-name", default="kvmesh")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics port (default: --port + 1000, or a free one when --port is 0; "
+                        "0 = a free port; -1 = off); logged to stderr when serving")
     g.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
     g = p.add_argument_group("peer transfer (a torch.distributed group of the workers)")
@@ -62,6 +65,14 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                    help="rendezvous of the group, where rank 0 listens (default: $KVMESH_DIST_INIT_ADDR)")
     add_engine_arguments(p)
+
+
+def metrics_port_for(port: int, metrics_port: int | None) -> int | None:
+    """--metrics-port as WorkerServerConfig.metrics_port: default gRPC port + 1000 (a free
+    port when that is 0 or past 65535), -1 = off."""
+    if metrics_port is None:
+        return port + 1000 if 0 < port <= 65535 - 1000 else 0
+    return None if metrics_port == -1 else metrics_port
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -80,7 +91,8 @@ def run_worker(args: argparse.Namespace) -> int:
                                  rank=env.rank if args.rank is None else args.rank,
                                  world_size=env.world_size if args.world_size is None else args.world_size,
                                  dist_init_addr=args.dist_init_addr or env.dist_init_addr,
-                                 transfer_faults=tuple(a for a in faults.split(",") if a))
+                                 transfer_faults=tuple(a for a in faults.split(",") if a),
+                                 metrics_port=metrics_port_for(args.port, args.metrics_port))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,

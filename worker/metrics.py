@@ -1,0 +1,188 @@
+"""Prometheus metrics of one worker (issue #19), under vLLM's names with the `kvmesh:` prefix.
+
+Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `CollectorRegistry`
+(no module globals, so tests build as many as they like) and feeds it from two places:
+- `observe_finished(out)`: every finished `RequestOutput` (counters of tokens, prefix-cache
+  queries/hits in tokens as vLLM counts them, success by finish reason, and the latency
+  histograms from its `RequestTimings`);
+- `update_stats(stats, peer)`: the latest engine `Snapshot` (`EngineStats`) and peer-plane
+  counters, read by a collector at scrape time (gauges, and counters the engine keeps cumulative).
+`MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread).
+Torch-free: the server imports it before the engine is loaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NamedTuple
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.commands import Snapshot
+
+if TYPE_CHECKING:
+    from worker.async_engine import AsyncEngine
+    from worker.engine_config import EngineStats
+    from worker.peer import PeerCounters, PeerPlane
+    from worker.request import RequestOutput
+
+LABELS = ("model_name", "worker_id")
+# vLLM's buckets for request-level latencies (seconds)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class PeerTotals(NamedTuple):
+    """The peer plane's cumulative counters, as the metrics need them."""
+
+    fetched: int          # fetch decisions whose blocks arrived
+    recomputed: int       # decisions to recompute instead of fetching
+    checksum_failed: int  # blocks that failed their checksum
+    peer_lost: int        # fetches that failed (peer unreachable / timed out)
+    bytes_fetched: int
+    fetch_seconds: float
+
+    @classmethod
+    def from_counters(cls, c: PeerCounters) -> PeerTotals:
+        return cls(max(c.fetch_decisions - c.fetch_failures, 0), c.recompute_decisions, c.blocks_bad,
+                   c.fetch_failures, c.bytes_fetched, c.fetch_seconds)
+
+
+class WorkerMetrics:
+    """Every worker metric of issue #19 that the engine can feed, in one registry.
+    `observe_finished` is called from the serving loop; `update_stats` from the same loop;
+    scrapes run on the HTTP thread, so the shared snapshot is swapped under a lock."""
+
+    def __init__(self, model_name: str, worker_id: str, kv_cache_dtype: str,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.labels = (model_name, worker_id)
+        self.kv_cache_dtype = kv_cache_dtype
+        self._lock = threading.Lock()
+        self._stats: EngineStats | None = None
+        self._peer: PeerTotals | None = None
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"kvmesh:{name}", doc, LABELS + extra, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvmesh:{name}", doc, LABELS, buckets=buckets, registry=r)
+
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests")
+        self.success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _REQUEST_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Mean time between output tokens, one observation per request", _TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first admission", _REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First admission to first token",
+                                 _REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
+        r.register(_StatsCollector(self))
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Count one finished request (call once, with its final output)."""
+        assert out.finished, "observe_finished takes the final output of a request"
+        lv = self.labels
+        self.prefix_queries.labels(*lv).inc(out.prompt_tokens)
+        self.prefix_hits.labels(*lv).inc(max(out.num_cached_tokens, 0))
+        self.prompt_tokens.labels(*lv).inc(out.prompt_tokens)
+        self.generation_tokens.labels(*lv).inc(out.completion_tokens)
+        self.success.labels(*lv, out.finish_reason or "unknown").inc()
+        t = out.timings
+        for hist, value in ((self.ttft, t.ttft_s), (self.e2e, t.e2e_s), (self.queue, t.queue_s),
+                            (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
+            if value is not None:
+                hist.labels(*lv).observe(value)
+        if t.decode_s is not None and out.completion_tokens > 1:
+            self.itl.labels(*lv).observe(t.decode_s / (out.completion_tokens - 1))
+
+    def update_stats(self, stats: EngineStats, peer: PeerTotals | None = None) -> None:
+        """The latest engine snapshot (and peer counters), read at the next scrape."""
+        with self._lock:
+            self._stats, self._peer = stats, peer
+
+    def snapshot(self) -> tuple[EngineStats | None, PeerTotals | None]:
+        with self._lock:
+            return self._stats, self._peer
+
+
+class _StatsCollector(Collector):
+    """Gauges and engine-kept counters from the latest `update_stats` (nothing before the first)."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        lv = list(m.labels)
+        info = GaugeMetricFamily("kvmesh:kv_cache_dtype_info", "The KV cache dtype (value 1)",
+                                 labels=[*LABELS, "kv_cache_dtype"])
+        info.add_metric([*lv, m.kv_cache_dtype], 1.0)
+        yield info
+        stats, peer = m.snapshot()
+        if stats is None:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting for admission", stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)",
+                    stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+        yield gauge("host_tier_usage_perc", "Fraction of host-tier KV blocks in use (0-1)",
+                    stats.num_host_blocks / stats.host_num_blocks if stats.host_num_blocks else 0.0)
+        yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later)",
+                      stats.num_preemptions)
+        yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",
+                      stats.num_onloaded_blocks)
+        if peer is None:
+            return
+        outcomes = CounterMetricFamily("kvmesh:peer_fetch", "Peer-fetch decisions by outcome",
+                                       labels=[*LABELS, "outcome"])
+        for outcome, value in (("fetched", peer.fetched), ("recomputed", peer.recomputed),
+                               ("checksum_failed", peer.checksum_failed), ("peer_lost", peer.peer_lost)):
+            outcomes.add_metric([*lv, outcome], value)
+        yield outcomes
+        yield counter("peer_fetch_bytes", "Bytes fetched from peers", peer.bytes_fetched)
+        yield counter("peer_fetch_seconds", "Seconds spent fetching from peers", peer.fetch_seconds)
+
+
+class MetricsHTTP:
+    """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        self._server: WSGIServer = server
+        self._thread = thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+async def refresh_forever(metrics: WorkerMetrics, ae: AsyncEngine, peer: PeerPlane | None,
+                          interval_s: float = 0.5) -> None:
+    """Feed `metrics.update_stats` from an engine `Snapshot` every `interval_s` until cancelled."""
+    while True:
+        stats = await ae.run(Snapshot())
+        metrics.update_stats(stats, PeerTotals.from_counters(peer.figures().counters) if peer else None)
+        await asyncio.sleep(interval_s)
