@@ -27,6 +27,7 @@ class LocalPlacement:
 
     def __init__(self) -> None:
         self._workers: list[Child] = []
+        self._ports: list[int] = []     # where each worker serves (and is restarted)
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         return _LOOPBACK
@@ -42,10 +43,20 @@ class LocalPlacement:
         for w in self._workers:
             m = w.wait_line(_WORKER_LINE, deadline, cfg.startup_timeout_s)
             addresses.append(f"{m.group(2)}:{m.group(3)}")
+            self._ports.append(int(m.group(3)))
         return tuple(addresses)
 
-    def poll(self) -> PartExited | None:
-        return next((e for w in self._workers if (e := PartExited.of(w)) is not None), None)
+    def poll(self, ignore: frozenset[str]) -> PartExited | None:
+        return next((e for w in self._workers if w.name not in ignore and (e := PartExited.of(w)) is not None), None)
+
+    def restart(self, name: str, cfg: ServeConfig, redis_url: str, log_dir: Path) -> None:
+        """`name` again on its port, out of the peer-transfer group: the group's world is fixed
+        at start, so a restarted worker serves without peer transfer (it recomputes instead)."""
+        i = next(i for i, w in enumerate(self._workers) if w.name == name)
+        self._workers[i] = spawn(log_dir, name, [
+            cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(self._ports[i]),
+            "--worker-id", name, "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
+            "--model", cfg.model, *cfg.engine_argv], append=True)
 
     def pids(self) -> dict[str, int]:
         return {w.name: w.proc.pid for w in self._workers}
@@ -69,8 +80,9 @@ def _rank_argv(rank: int, world_size: int, dist_init_addr: str) -> list[str]:
 
 
 def run_serve(cfg: ServeConfig) -> int:
-    """Start the cluster, print where to connect, run until SIGINT/SIGTERM (exit 0) or until a
-    child dies (exit 1); always stop every child."""
+    """Start the cluster, print where to connect, run until SIGINT/SIGTERM (exit 0), restarting
+    children that die per `cfg.restart_policy` (policy never: the first death ends the run with
+    exit 1); always stop every child."""
     cluster = LocalCluster(cfg)
     redis_note = "" if cfg.redis_url else " (embedded redis-server)"
     print(f"kvmesh serve: starting redis, {cfg.workers} worker(s) on {cfg.model} and a router "

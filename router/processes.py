@@ -68,11 +68,13 @@ class Child:
             time.sleep(0.1)
 
 
-def spawn(log_dir: Path, name: str, argv: Sequence[str]) -> Child:
-    """Start `argv` in its own process group, stdout/stderr to `log_dir`/<name>.out/.log."""
+def spawn(log_dir: Path, name: str, argv: Sequence[str], append: bool = False) -> Child:
+    """Start `argv` in its own process group, stdout/stderr to `log_dir`/<name>.out/.log
+    (appended to with `append`, as a restart does, so the earlier run's log stays)."""
     stdout, stderr = log_dir / f"{name}.out", log_dir / f"{name}.log"
     parent, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)
-    with open(stdout, "wb") as out, open(stderr, "wb") as err:
+    mode = "ab" if append else "wb"
+    with open(stdout, mode) as out, open(stderr, mode) as err:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 process_group=0, preexec_fn=lambda: _die_with_parent(parent, libc),
                                 env=os.environ | {"PYTHONUNBUFFERED": "1"})
@@ -100,18 +102,22 @@ def terminate(children: Sequence[Child], timeout: float) -> None:
             c.proc.wait()
 
 
-def start_redis(log_dir: Path, bind: str = "127.0.0.1", stop_timeout_s: float = 10.0) -> tuple[str, Child]:
-    """A `redis-server` child on a free port of `bind` (no persistence), its logs in `log_dir`;
-    returns (redis_url, child) once it answers PING. Raises LaunchError. The caller stops it."""
+def start_redis(log_dir: Path, bind: str = "127.0.0.1", stop_timeout_s: float = 10.0,
+                port: int | None = None) -> tuple[str, Child]:
+    """A `redis-server` child on `port` (default: a free port) of `bind` (no persistence), its
+    logs in `log_dir` (appended to when `port` is given: a restart); returns (redis_url, child)
+    once it answers PING. Raises LaunchError. The caller stops it."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise LaunchError(_INSTALL_REDIS)
     data_dir = log_dir / "redis"
     data_dir.mkdir(exist_ok=True)
+    fixed = port
     for _attempt in range(3):   # a free port may be taken between the probe and the bind
-        port = free_port(bind)
+        port = free_port(bind) if fixed is None else fixed
         child = spawn(log_dir, "redis", [exe, "--port", str(port), "--bind", bind, "--save", "",
-                                         "--appendonly", "no", "--daemonize", "no", "--dir", str(data_dir)])
+                                         "--appendonly", "no", "--daemonize", "no", "--dir", str(data_dir)],
+                      append=fixed is not None)
         url = f"redis://{bind}:{port}/0"
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and child.proc.poll() is None:

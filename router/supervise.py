@@ -10,7 +10,9 @@ temp log dir. The cluster owns Redis, the router and the order; a placement owns
 
 `Supervisor.run()` is the foreground loop: start, banner, watch, stop on SIGINT/SIGTERM.
 Watching turns each part that exits into one `PartExited` event, handled in one place
-(`Supervisor.on_exit`); today the first exit ends the run with status 1.
+(`Supervisor.on_exit`) by the restart policy (router.restarts): the part is restarted after a
+backoff on the same port (a worker, the embedded Redis, the router) while the rest keep
+serving; one that keeps dying is given up on; `--restart-policy never` ends the run (status 1).
 
 Imports no torch and no ray: the workers load their engines in their own processes.
 """
@@ -23,13 +25,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import NamedTuple, Protocol
 
 from contracts.cli import CLIError
 from router.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
+from router.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
 
 _ROUTER_LINE = re.compile(r"^kvmesh router serving grpc on (\S+):(\d+) http on (\S+):(\d+)$", re.M)
 
@@ -57,8 +60,10 @@ class ServeConfig:
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
     python: str = sys.executable
+    restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
 
     def __post_init__(self) -> None:
+        RestartConfig(policy=self.restart_policy)   # raises ValueError naming restart_policy
         object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
         object.__setattr__(self, "router_argv", tuple(self.router_argv))
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -91,6 +96,7 @@ class PartExited(NamedTuple):
 
     name: str
     detail: str
+    returncode: int | None = None    # None: unknown (a Ray actor), counted as a failure
 
     def __str__(self) -> str:
         return f"{self.name} {self.detail}"
@@ -99,7 +105,8 @@ class PartExited(NamedTuple):
     def of(cls, child: Child) -> PartExited | None:
         """The event for `child` if it has exited, else None."""
         rc = child.proc.poll()
-        return None if rc is None else cls(child.name, f"(pid {child.proc.pid}) exited with code {rc}\n{child.tail()}")
+        return None if rc is None else cls(child.name, f"(pid {child.proc.pid}) exited with code {rc}\n{child.tail()}",
+                                           rc)
 
 
 class WorkerPlacement(Protocol):
@@ -115,8 +122,13 @@ class WorkerPlacement(Protocol):
         """Start every worker and wait until each serves; the HOST:PORT each is dialled at."""
         ...
 
-    def poll(self) -> PartExited | None:
-        """The first worker found gone, else None."""
+    def poll(self, ignore: frozenset[str]) -> PartExited | None:
+        """The first worker found gone whose name is not in `ignore`, else None."""
+        ...
+
+    def restart(self, name: str, cfg: ServeConfig, redis_url: str, log_dir: Path) -> None:
+        """Start worker `name` again where it was dialled (returns once started, not serving);
+        LaunchError if it cannot be."""
         ...
 
     def pids(self) -> dict[str, int]:
@@ -144,6 +156,7 @@ class Cluster:
         self._log_dir: Path | None = None
         self._temp_dir: Path | None = None
         self._started = False
+        self._gone: set[str] = set()    # parts reported exited and not (yet) restarted
 
     @property
     def pids(self) -> dict[str, int]:
@@ -168,12 +181,36 @@ class Cluster:
         return self
 
     def poll(self) -> PartExited | None:
-        """None while every part runs; else the first one found gone."""
+        """None while every part runs; else the first one found gone, reported once (until
+        `restart` brings it back)."""
+        event = None
         for child in (self._redis, self._router):
-            event = PartExited.of(child) if child is not None else None
-            if event is not None:
-                return event
-        return self.placement.poll()
+            if child is not None and child.name not in self._gone:
+                event = event or PartExited.of(child)
+        event = event or self.placement.poll(frozenset(self._gone))
+        if event is not None:
+            self._gone.add(event.name)
+        return event
+
+    def restart(self, name: str) -> int | None:
+        """Start part `name` again on the address it had (Redis on its port, the router on its
+        ports, a worker where the router dials it); its pid (None for a remote worker).
+        Returns once started (Redis: answering PING); LaunchError if it cannot be."""
+        assert self._log_dir is not None and name in self._gone, name
+        child: Child | None = None
+        if name == "redis":
+            bind, port = self.redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+            _, self._redis = start_redis(self._log_dir, bind, self.cfg.stop_timeout_s, port=int(port))
+            child = self._redis
+        elif name == "router":
+            grpc_port = int(self.grpc_target.rsplit(":", 1)[1])
+            http_port = int(self.http_base_url.rsplit(":", 1)[1].split("/", 1)[0])
+            self._router = child = spawn(self._log_dir, "router", self._router_argv(grpc_port, http_port),
+                                         append=True)
+        else:
+            self.placement.restart(name, self.cfg, self.redis_url, self._log_dir)
+        self._gone.discard(name)
+        return child.proc.pid if child is not None else self.placement.pids().get(name)
 
     def stop(self) -> None:
         """Router, then workers, then Redis: SIGTERM, wait `stop_timeout_s`, SIGKILL. Idempotent."""
@@ -211,16 +248,19 @@ class Cluster:
         else:
             self.redis_url, self._redis = start_redis(self._log_dir, redis_bind, cfg.stop_timeout_s)
         self.worker_addresses = self.placement.start_workers(cfg, self.redis_url, self._log_dir, deadline)
-        self._router = spawn(self._log_dir, "router", [
-            cfg.python, "-m", "router.cli", "router", "--host", cfg.host, "--grpc-port", str(cfg.grpc_port),
-            "--http-port", str(cfg.http_port), "--routing-policy", cfg.routing_policy,
-            "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
-            "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model,
-            *cfg.router_argv])
+        self._router = spawn(self._log_dir, "router", self._router_argv(cfg.grpc_port, cfg.http_port))
         m = self._router.wait_line(_ROUTER_LINE, deadline, cfg.startup_timeout_s)
         host = dial_host(cfg.host)
         self.grpc_target = f"{host}:{m.group(2)}"
         self.http_base_url = f"http://{host}:{m.group(4)}/v1"
+
+    def _router_argv(self, grpc_port: int, http_port: int) -> list[str]:
+        cfg = self.cfg
+        return [cfg.python, "-m", "router.cli", "router", "--host", cfg.host, "--grpc-port", str(grpc_port),
+                "--http-port", str(http_port), "--routing-policy", cfg.routing_policy,
+                "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
+                "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model,
+                *cfg.router_argv]
 
 
 class _Stop(BaseException):
@@ -236,15 +276,22 @@ def _raise_stop(signum: int, frame: object) -> None:
 @dataclass(eq=False)
 class Supervisor:
     """Runs `cluster` in the foreground as `kvmesh <name>`: start, `banner()`, watch every
-    `poll_s`, and always tear it down (ignoring further signals meanwhile)."""
+    `poll_s`, restart parts that exit (per `cluster.cfg.restart_policy`, see router.restarts),
+    and always tear it down (ignoring further signals meanwhile)."""
 
     cluster: Cluster
     name: str
     banner: Callable[[], None]
     poll_s: float
+    tracker: RestartTracker = field(init=False)
+    _due: dict[str, float] = field(init=False, default_factory=dict)   # name -> monotonic restart time
+
+    def __post_init__(self) -> None:
+        self.tracker = RestartTracker(RestartConfig(policy=self.cluster.cfg.restart_policy))
 
     def run(self) -> int:
-        """0 after SIGINT/SIGTERM; 1 when a part exits (see `on_exit`); CLIError when the start fails."""
+        """0 after SIGINT/SIGTERM; 1 when a part exits under policy never (see `on_exit`);
+        CLIError when the start fails."""
         previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
@@ -257,9 +304,10 @@ class Supervisor:
                 status = None if event is None else self.on_exit(event)
                 if status is not None:
                     return status
+                self._restart_due()
                 time.sleep(self.poll_s)
         except _Stop as s:
-            print(f"kvmesh {self.name}: {s} received, stopping", file=sys.stderr, flush=True)
+            self._say(f"{s} received, stopping")
             return 0
         finally:
             for sig in previous:   # a second Ctrl-C must not cut the teardown short
@@ -269,7 +317,36 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def on_exit(self, event: PartExited) -> int | None:
-        """What a part's exit does to the run: the exit status to end with, or None to go on
-        watching. The one place a restart policy belongs; today any exit ends the run (1)."""
-        print(f"kvmesh {self.name}: {event}", file=sys.stderr, flush=True)
-        return 1
+        """What a part's exit does to the run: the exit status to end with (policy never: 1),
+        or None to go on watching (the part is scheduled for a restart, or left down)."""
+        self._say(str(event))
+        decision = self.tracker.on_exit(event.name, event.returncode, time.monotonic())
+        cfg = self.tracker.cfg
+        if decision.verdict is Verdict.END_RUN:
+            return 1
+        if decision.verdict is Verdict.LEAVE:
+            self._say(f"{event.name} exited cleanly; not restarted (--restart-policy {cfg.policy.value}); "
+                      "the rest keep serving")
+        elif decision.verdict is Verdict.GIVE_UP:
+            self._say(f"GIVING UP on {event.name}: it died {decision.deaths} times within {cfg.window_s:.0f} s; "
+                      "it stays down, the rest keep serving")
+        else:
+            self._say(f"restarting {event.name} in {decision.delay_s:.1f} s (exit status "
+                      f"{event.returncode if event.returncode is not None else 'unknown'}; death "
+                      f"{decision.deaths} of {cfg.max_deaths} allowed within {cfg.window_s:.0f} s)")
+            self._due[event.name] = time.monotonic() + decision.delay_s
+        return None
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for name in [n for n, t in self._due.items() if t <= now]:
+            del self._due[name]
+            try:
+                pid = self.cluster.restart(name)
+            except LaunchError as e:   # counted as one more death: retried with a longer backoff
+                self.on_exit(PartExited(name, f"could not be restarted: {e}"))
+                continue
+            self._say(f"restarted {name}" + (f" (pid {pid})" if pid is not None else ""))
+
+    def _say(self, line: str) -> None:
+        print(f"kvmesh {self.name}: {line}", file=sys.stderr, flush=True)

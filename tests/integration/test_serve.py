@@ -79,12 +79,12 @@ class Launched(NamedTuple):
     child_pids: list[int]
 
 
-def _launch_serve(tmp_path: Path, cluster_name: str) -> Launched:
-    """`kvmesh serve --workers 1` on free ports; waits for its ready banner."""
+def _launch_serve(tmp_path: Path, cluster_name: str, *flags: str, workers: int = 1) -> Launched:
+    """`kvmesh serve --workers N` on free ports (plus `flags`); waits for its ready banner."""
     out, err = tmp_path / f"{cluster_name}.out", tmp_path / f"{cluster_name}.err"
-    argv = [sys.executable, "-m", "router.cli", "serve", "--workers", "1", "--grpc-port", "0", "--http-port", "0",
-            "--cluster-name", cluster_name, "--log-dir", str(tmp_path / f"{cluster_name}-logs"),
-            "--kv-cache-memory-gib", KV_GIB]
+    argv = [sys.executable, "-m", "router.cli", "serve", "--workers", str(workers), "--grpc-port", "0",
+            "--http-port", "0", "--cluster-name", cluster_name, "--log-dir", str(tmp_path / f"{cluster_name}-logs"),
+            "--kv-cache-memory-gib", KV_GIB, *flags]
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
     deadline = time.monotonic() + 120
@@ -99,7 +99,7 @@ def _launch_serve(tmp_path: Path, cluster_name: str) -> Launched:
     pids = re.search(r"^\s+pids\s+(.+)$", text, re.M)
     assert target and pids, text
     child_pids = [int(p.split("=")[1]) for p in pids.group(1).split()]
-    assert len(child_pids) == 3, text     # redis, worker-0, router
+    assert len(child_pids) == 2 + workers, text     # redis, worker-0.., router
     return Launched(proc, out, err, target.group(1), child_pids)
 
 
@@ -204,11 +204,11 @@ def test_serve_subprocess_sigkill_children_follow(tmp_path: Path) -> None:
     assert survivors == []
 
 
-def test_serve_subprocess_exits_1_when_a_worker_dies(tmp_path: Path) -> None:
-    """A child's exit is one event for the supervisor: it names the child and ends the run (1),
-    stopping the rest."""
+def test_serve_restart_policy_never_exits_1_when_a_worker_dies(tmp_path: Path) -> None:
+    """Under --restart-policy never a child's exit names the child and ends the run (1), stopping
+    the rest (the default, on-failure, restarts it: tests/integration/test_faults.py)."""
     name = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    launched = _launch_serve(tmp_path, name)
+    launched = _launch_serve(tmp_path, name, "--restart-policy", "never")
     redis_pid, worker_pid, router_pid = launched.child_pids
     try:
         os.kill(worker_pid, signal.SIGKILL)

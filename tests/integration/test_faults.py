@@ -1,0 +1,104 @@
+"""Faults a user meets on `kvmesh serve --workers 2` (real processes on 127.0.0.1): `kill -9`
+of a worker or of the embedded Redis. The supervisor restarts the dead child on its port while
+the cluster keeps serving (issue #18 item 1). One `kvmesh serve` for the whole file.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from tests.integration.test_serve import Launched, _alive, _launch_serve
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    launched = _launch_serve(tmp_path_factory.mktemp("faults"), f"kvmesh-test-{uuid.uuid4().hex[:8]}",
+                             "--routing-policy", "round_robin", workers=2)
+    try:
+        yield launched
+    finally:
+        launched.proc.send_signal(signal.SIGTERM)
+        try:
+            launched.proc.wait(timeout=30)
+        except Exception:
+            launched.proc.kill()
+            launched.proc.wait()
+            raise
+
+
+def _generate(target: str, i: int) -> pb.GenerateResponse:
+    """One greedy request through the router; its last (finished) response."""
+    req = pb.GenerateRequest(text=f"Request {i}: the number after {i} is",
+                             sampling=pb.SamplingParams(max_tokens=4, temperature=0.0))
+    with grpc.insecure_channel(target) as ch:
+        last = None
+        for r in pb_grpc.RouterStub(ch).Generate(req, timeout=60):
+            last = r
+    assert last is not None and last.finished
+    return last
+
+
+def _wait_for_line(launched: Launched, pattern: str, timeout: float) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while (m := re.search(pattern, launched.err.read_text(), re.M)) is None:
+        assert launched.proc.poll() is None, launched.err.read_text()
+        assert time.monotonic() < deadline, launched.err.read_text()
+        time.sleep(0.2)
+    return m
+
+
+def test_killed_worker_is_restarted_and_serves_again(served: Launched) -> None:
+    worker_pid = served.child_pids[1]
+    os.kill(worker_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # meanwhile the router sends every request to the healthy worker
+    assert all(_generate(served.grpc_target, i).worker_id == "worker-1" for i in range(3))
+    m = _wait_for_line(served, r"^kvmesh serve: restarted worker-0 \(pid (\d+)\)$", 30)
+    assert "worker-0 (pid %d) exited with code -9" % worker_pid in served.err.read_text()
+    assert "restarting worker-0 in 0.5 s (exit status -9" in served.err.read_text()
+    new_pid = int(m.group(1))
+    assert new_pid != worker_pid and _alive(new_pid)
+    deadline = time.monotonic() + 120
+    seen: set[str] = set()
+    i = 100
+    while "worker-0" not in seen:      # back in routing: round robin reaches it again
+        assert time.monotonic() < deadline, f"worker-0 not back in routing; served by {seen}"
+        seen.add(_generate(served.grpc_target, i).worker_id)
+        i += 1
+        time.sleep(0.2)
+    print(f"worker-0 back in routing {time.monotonic() - killed_at:.1f} s after kill -9")
+    assert served.proc.poll() is None and _alive(served.child_pids[0]) and _alive(served.child_pids[3])
+
+
+def test_killed_redis_is_restarted_on_its_port_and_requests_keep_succeeding(served: Launched) -> None:
+    banner = (served.out.read_text())
+    redis_url = re.search(r"^\s+redis\s+(\S+)", banner, re.M)
+    assert redis_url, banner
+    os.kill(served.child_pids[0], signal.SIGKILL)
+    for i in range(200, 204):        # the router routes without Redis
+        assert _generate(served.grpc_target, i).finished
+    _wait_for_line(served, r"^kvmesh serve: restarted redis \(pid \d+\)$", 30)
+    with redis.Redis.from_url(redis_url.group(1), socket_timeout=2.0) as client:
+        assert client.ping()
+    for i in range(300, 304):
+        assert _generate(served.grpc_target, i).finished
+    assert served.proc.poll() is None
+
+
+def test_sigterm_still_stops_everything(served: Launched, tmp_path: Path) -> None:
+    """Only SIGINT/SIGTERM ends a supervised run, with status 0 (runs last: it ends the cluster)."""
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=30) == 0, served.err.read_text()
+    assert "restarting" not in served.err.read_text().split("SIGTERM received")[-1]
