@@ -28,6 +28,8 @@ class RouterConfig:
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     load_factor: float = 1.25
     api_keys: tuple[ApiKey, ...] = ()       # client keys (router/auth.py); () = no authentication
+    http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/http_guard.py)
+    http_idle_timeout_s: float = 75.0       # an idle HTTP keep-alive connection is closed after this
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
@@ -44,7 +46,7 @@ class RouterConfig:
             port = getattr(self, name)
             if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
                 raise ValueError(f"{name}={port!r} must be in [0, 65535]")
-        for name in ("request_timeout_s", "health_interval_s"):
+        for name in ("request_timeout_s", "health_interval_s", "http_read_timeout_s", "http_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes <= 0:

@@ -6,9 +6,11 @@ The one place in router/ that maps errors to gRPC status codes (`_status_for`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -74,10 +76,10 @@ class GrpcFront:
                 self._generate, request_deserializer=parse_generate_request,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "Abort": grpc.unary_unary_rpc_method_handler(
-                self._abort, request_deserializer=pb.AbortRequest.FromString,
+                self._abort, request_deserializer=_parse_or_none(pb.AbortRequest),
                 response_serializer=pb.AbortResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self._model_info, request_deserializer=pb.ModelInfoRequest.FromString,
+                self._model_info, request_deserializer=_parse_or_none(pb.ModelInfoRequest),
                 response_serializer=pb.ModelInfo.SerializeToString),
         })
 
@@ -93,15 +95,35 @@ class GrpcFront:
         except (BadRequest, RouterError) as e:
             await context.abort(*_status_for(e))
 
-    async def _abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def _abort(self, request: pb.AbortRequest | None, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed AbortRequest")
+            raise AssertionError("unreachable")
         try:
             return pb.AbortResponse(found=await self.router.abort(request.request_id))
         except RouterError as e:
             await context.abort(*_status_for(e))
             raise AssertionError("unreachable") from None
 
-    async def _model_info(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def _model_info(self, request: pb.ModelInfoRequest | None,
+                          context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed ModelInfoRequest")
         info = self.router.model_info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         return info  # type: ignore[return-value]
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _parse_or_none(cls: type[M]) -> Callable[[bytes], M | None]:
+    """A request deserializer that yields None for bytes that are not a `cls` (the handler
+    answers INVALID_ARGUMENT) instead of raising inside grpc (UNKNOWN and a logged traceback)."""
+    def parse(data: bytes) -> M | None:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, RuntimeWarning, ValueError):
+            return None
+    return parse

@@ -26,6 +26,7 @@ from contracts.wire import FINISH_REASON_NAMES, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import Authenticator
 from router.core import Router
+from router.http_guard import guard_middleware
 from router.errors import NoWorkerAvailable, UpstreamError
 
 Json = dict[str, Any]
@@ -73,13 +74,15 @@ class HttpFrontend:
         self.router = router
         self.created = int(time.time())
         self._active: set[asyncio.Task[Any]] = set()
-        middlewares = [Authenticator(router.cfg.api_keys).http_middleware(), self._track, _errors]
+        middlewares = [Authenticator(router.cfg.api_keys).http_middleware(),
+                       guard_middleware(router.cfg.http_read_timeout_s), self._track, _errors]
         app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health)])
         # A client that disconnects cancels its handler, which cancels the upstream call.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     keepalive_timeout=router.cfg.http_idle_timeout_s)
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()

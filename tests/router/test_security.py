@@ -7,8 +7,11 @@ and one with keys (`--api-key` style and a keys file with a tenant).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
+import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -45,7 +48,8 @@ def keyed(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     keys = (ApiKey(KEY), *parse_keys_file(keys_file))
     c = start_cluster(smollm2_dir, 1, http=True)
     cfg = RouterConfig(worker_addresses=tuple(c.worker_addresses), model=str(smollm2_dir),
-                       served_model_name="smollm2", http_port=0, health_interval_s=0.2, api_keys=keys)
+                       served_model_name="smollm2", http_port=0, health_interval_s=0.2, api_keys=keys,
+                       http_read_timeout_s=2.0, http_idle_timeout_s=2.0)
 
     async def start() -> tuple[RouterServer, int, int | None]:
         router = RouterServer(cfg)
@@ -149,3 +153,109 @@ def test_warns_when_binding_non_loopback_without_keys(caplog: pytest.LogCaptureF
         assert "WITHOUT client authentication" in caplog.text
         assert warn_if_open("127.0.0.1", ()) is False and warn_if_open("::1", ()) is False
         assert warn_if_open("0.0.0.0", (ApiKey("k"),)) is False
+
+
+# -- hostile input (#17 item 7): 4xx with an OpenAI-style body, then the next request served --
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None,
+         method: str = "POST") -> tuple[int, dict[str, object]]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+def assert_served(port: int) -> None:
+    status, body = post(port, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+    assert status == 200, body
+
+
+def assert_4xx(status: int, body: object, want: int | None = None) -> None:
+    assert 400 <= status < 500 and (want is None or status == want), (status, body)
+    assert isinstance(body, dict) and isinstance(body["error"], dict) and body["error"]["message"], body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_json_bodies_are_4xx(keyed: Keyed, path: str) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    bodies = [
+        deep,
+        b'{"prompt": ' + deep + b', "messages": ' + deep + b"}",
+        b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+        b'{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}',
+        b"\xff\xfe\x00garbage",
+        b"",
+        b"null",
+        b'{"prompt": 1e999999}',
+    ]
+    for body in bodies:
+        status, parsed = post(keyed.http_port, path, body)
+        assert_4xx(status, parsed)
+    for ctype in ("text/plain", "multipart/form-data; boundary=x", "application/x-www-form-urlencoded"):
+        status, parsed = post(keyed.http_port, path, b"a=b&c=d", {"Content-Type": ctype})
+        assert_4xx(status, parsed)
+    assert_served(keyed.http_port)
+
+
+def test_wrong_methods_and_paths_are_openai_json(keyed: Keyed) -> None:
+    for method, path in (("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("DELETE", "/v1/models")):
+        status, body = post(keyed.http_port, path, b"", method=method)
+        assert_4xx(status, body, 405)
+        assert body["error"]["code"] == "method_not_allowed"  # type: ignore[index]
+    status, body = post(keyed.http_port, "/v1/nope", b"{}")
+    assert_4xx(status, body, 404)
+    assert_served(keyed.http_port)
+
+
+def test_body_shorter_than_content_length_times_out(keyed: Keyed) -> None:
+    with socket.create_connection(("127.0.0.1", keyed.http_port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: 500\r\n\r\n".encode() + b'{"prompt": "hi"')
+        t0 = time.monotonic()
+        head = s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert time.monotonic() - t0 < 15
+    assert_served(keyed.http_port)
+
+
+def test_idle_keepalive_connection_is_closed(keyed: Keyed) -> None:
+    with socket.create_connection(("127.0.0.1", keyed.http_port), timeout=20) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        assert s.recv(4096) == b""          # closed by the server after http_idle_timeout_s (2 s)
+        assert time.monotonic() - t0 < 15
+
+
+def test_zero_token_prompt_is_rejected(keyed: Keyed) -> None:
+    status, body = post(keyed.http_port, "/v1/completions", b'{"prompt": "", "max_tokens": 2}')
+    assert_4xx(status, body, 400)
+    status, body = post(keyed.http_port, "/v1/completions", b'{"prompt": [], "max_tokens": 2}')
+    assert_4xx(status, body, 400)
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.RouterStub(ch).Generate(pb.GenerateRequest(text="", sampling=greedy(2)), timeout=30,
+                                                 metadata=(("authorization", f"Bearer {KEY}"),)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_served(keyed.http_port)
+
+
+def test_grpc_garbage_bytes_on_every_router_method(keyed: Keyed) -> None:
+    md = (("authorization", f"Bearer {KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        for method, streaming in (("Generate", True), ("Abort", False), ("GetModelInfo", False)):
+            path = f"/kvmesh.v1.Router/{method}"
+            call = ch.unary_stream(path) if streaming else ch.unary_unary(path)
+            with pytest.raises(grpc.RpcError) as e:
+                out = call(b"\xff\xff\xff\xff garbage", timeout=30, metadata=md)
+                if streaming:
+                    list(out)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+        out = list(pb_grpc.RouterStub(ch).Generate(pb.GenerateRequest(text=PROMPT, sampling=greedy(2)),
+                                                   timeout=60, metadata=md))
+        assert out[-1].finished
