@@ -10,6 +10,7 @@ from contracts.cli import CLIError, flagify
 from router.auth import add_auth_arguments, auth_argv
 from router.launch import run_serve
 from router.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
+from router.restarts import RestartPolicy
 from router.supervise import ServeConfig
 from worker.cli import add_engine_arguments
 
@@ -27,6 +28,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor c (>= 1)")
     g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
     g.add_argument("--startup-timeout-s", type=float, default=180.0)
+    g.add_argument("--restart-policy", default=RestartPolicy.ON_FAILURE.value, choices=[p.value for p in RestartPolicy],
+                   help="restart a child that exits: always, on-failure (non-zero status; default), or never "
+                        "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
     add_auth_arguments(g)
     add_engine_arguments(p)
     add_ray_arguments(p)
@@ -68,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                            http_port=args.http_port, redis_url=args.redis_url, cluster_name=args.cluster_name,
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
-                           startup_timeout_s=args.startup_timeout_s, router_argv=auth_argv(args))
+                           startup_timeout_s=args.startup_timeout_s,
+                           restart_policy=RestartPolicy(args.restart_policy), router_argv=auth_argv(args))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 
