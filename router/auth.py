@@ -29,7 +29,7 @@ KEYS_FILE_ENV = "KVMESH_API_KEYS_FILE"
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
-_OPEN_HTTP_PATHS = frozenset({"/health"})
+_OPEN_HTTP_PATHS = frozenset({"/health", "/live"})
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 log = logging.getLogger("kvmesh.router.auth")

@@ -79,7 +79,8 @@ class HttpFrontend:
         app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
-                        web.get("/v1/models", self.models), web.get("/health", self.health)])
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/live", self.live)])
         # A client that disconnects cancels its handler, which cancels the upstream call.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      keepalive_timeout=router.cfg.http_idle_timeout_s)
@@ -113,6 +114,11 @@ class HttpFrontend:
         return self.router.cfg.served_model_name or self.router.cfg.model
 
     # -- endpoints ------------------------------------------------------------------------
+    async def live(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process answers, whether or not a worker is ready (`/health`
+        is readiness: 503 until one is, and while draining)."""
+        return web.json_response({"status": "live"})
+
     async def health(self, request: web.Request) -> web.Response:
         ok = self.router.serving
         return web.json_response({"status": "serving" if ok else "not serving"}, status=200 if ok else 503)

@@ -102,3 +102,38 @@ def test_sigterm_still_stops_everything(served: Launched, tmp_path: Path) -> Non
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(timeout=30) == 0, served.err.read_text()
     assert "restarting" not in served.err.read_text().split("SIGTERM received")[-1]
+
+
+def test_router_is_live_but_not_ready_without_a_ready_worker(tmp_path: Path) -> None:
+    """Readiness is not liveness: a `kvmesh router` whose only worker is unreachable answers
+    /live 200, /health 503 and gRPC health NOT_SERVING (load balancers send it nothing)."""
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.integration.test_serve import ROOT
+    out = tmp_path / "router.out"
+    with open(out, "wb") as fo:
+        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "router", "--worker", "127.0.0.1:1",
+                                 "--grpc-port", "0", "--http-port", "0"], cwd=ROOT, stdout=fo,
+                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while (m := re.search(r"serving grpc on \S+:(\d+) http on \S+:(\d+)", out.read_text())) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        grpc_port, http_port = m.groups()
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/live", timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10)
+        assert err.value.code == 503
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
