@@ -20,7 +20,7 @@ import grpc
 
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from contracts.wire import from_sampling_params, to_peer_hint
+from contracts.wire import FINISH_REASON_NAMES, from_sampling_params, to_peer_hint
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
@@ -63,6 +63,23 @@ class RoutingStats:
         self.mismatches += predicted != actual
 
 
+class RouteObserver:
+    """What the core tells a metrics layer (router/metrics.py) about each request; this base
+    is the null observer. Called on the router's loop; must not block."""
+
+    def decided(self, seconds: float) -> None:
+        """A pick took `seconds`."""
+
+    def first_response(self, worker_id: str, seconds: float) -> None:
+        """The first response from `worker_id` came `seconds` after `generate` began."""
+
+    def finished(self, worker_id: str, finish_reason: str) -> None:
+        """`worker_id` finished the request with `finish_reason`."""
+
+    def failed(self, worker_id: str) -> None:
+        """The call to `worker_id` failed."""
+
+
 class Router:
     """Routes requests over `registry` (its live workers and its block index) with the
     policy `cfg.routing_policy`. Runs on one event loop; owns the in-flight table (request
@@ -73,6 +90,7 @@ class Router:
         self.registry = registry
         self.policy: Policy = make_policy(cfg.routing_policy, cfg.load_factor)
         self.stats = RoutingStats()
+        self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
         self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
         self._inflight: dict[str, WorkerEntry | None] = {}
         self.draining = False
@@ -130,9 +148,11 @@ class Router:
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
         self._inflight[rid] = None
         tried: set[WorkerId] = set()
+        started = time.perf_counter()
         try:
             for attempt in range(2):
                 pick = self.pick(prepared.route, tried)
+                self.observer.decided(time.perf_counter() - started if attempt == 0 else 0.0)
                 worker = pick.worker
                 assert worker.info is not None
                 tried.add(worker.info.worker_id)
@@ -143,13 +163,18 @@ class Router:
                 worker.in_flight += 1
                 try:
                     async for response in call:
+                        if not streamed:
+                            self.observer.first_response(worker.info.worker_id, time.perf_counter() - started)
                         streamed = True
                         if response.finished:   # what came from a peer is no index mismatch
                             self.stats.record(pick.predicted_tokens,
                                               response.cached_tokens - response.peer_cached_tokens)
+                            self.observer.finished(worker.info.worker_id,
+                                                   FINISH_REASON_NAMES.get(response.finish_reason, "unknown"))
                         yield response
                     return
                 except grpc.aio.AioRpcError as e:
+                    self.observer.failed(worker.info.worker_id)
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise UpstreamError(e.code(), e.details() or "") from None
                     self.registry.mark_down(worker, e.details() or "")

@@ -23,6 +23,7 @@ from router.core import Router
 from router.errors import RouterStartError
 from router.grpc_front import GrpcFront
 from router.http import HttpFrontend
+from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
 
@@ -39,6 +40,8 @@ class RouterServer:
         self.cfg = cfg
         self.registry = WorkerRegistry(cfg, self._on_ready)
         self.core = Router(cfg, self.registry, tokenizer)
+        self.metrics = RouterMetrics(self.core)      # served on the HTTP port's /metrics
+        self.core.observer = self.metrics
         self._grpc = GrpcFront(self.core)
         self._http: HttpFrontend | None = None
         self._stopped = False
@@ -57,6 +60,7 @@ class RouterServer:
         try:
             if self.cfg.http_port is not None:
                 self._http = HttpFrontend(self.core)
+                self.metrics.add_routes(self._http.app)
                 http_port = await self._http.start(self.cfg.host, self.cfg.http_port)
             errors = await self.registry.start()
             if errors:

@@ -1,0 +1,85 @@
+"""Prometheus metrics of the router (issue #19), served on the router HTTP port's `/metrics`.
+
+Owner: `RouterServer` builds one `RouterMetrics` per router (its own `CollectorRegistry`, no
+globals), sets it as the core's `observer` (router/core.py `RouteObserver`: the core calls it
+on each decision, first response, finish and failure) and adds the `/metrics` route to the
+HTTP app. Gauges the core already keeps (`RoutingStats`, live workers) are read at scrape time.
+torch-free.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.core import RouteObserver, Router
+
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class RouterMetrics(RouteObserver):
+    """Counters and histograms fed by the core, plus a collector over its `RoutingStats`."""
+
+    def __init__(self, router: Router, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.policy = router.cfg.routing_policy.value
+        r = self.registry
+        self.requests = Counter("kvmesh:router_requests", "Requests by worker, routing policy and outcome",
+                                ("worker_id", "policy", "outcome"), registry=r)
+        self.decision = Histogram("kvmesh:router_routing_decision_seconds", "Time to pick a worker",
+                                  buckets=_DECISION_BUCKETS, registry=r)
+        self.ttft = Histogram("kvmesh:router_time_to_first_token_seconds",
+                              "Router receipt of a request to its first streamed response, as clients see it",
+                              ("worker_id",), buckets=_TTFT_BUCKETS, registry=r)
+        r.register(_CoreCollector(router))
+
+    # -- RouteObserver --------------------------------------------------------------------
+    def decided(self, seconds: float) -> None:
+        self.decision.observe(seconds)
+
+    def first_response(self, worker_id: str, seconds: float) -> None:
+        self.ttft.labels(worker_id).observe(seconds)
+
+    def finished(self, worker_id: str, finish_reason: str) -> None:
+        self.requests.labels(worker_id, self.policy, finish_reason).inc()
+
+    def failed(self, worker_id: str) -> None:
+        self.requests.labels(worker_id, self.policy, "error").inc()
+
+    # -- HTTP -----------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def add_routes(self, app: web.Application) -> None:
+        app.add_routes([web.get("/metrics", self.handle)])
+
+
+class _CoreCollector(Collector):
+    """Predicted vs served hit tokens and mismatches (`Router.stats`), and which workers are up
+    (a worker once seen live and now not reads 0)."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self._seen: set[str] = set()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._router.stats
+        for name, doc, value in (
+                ("router_predicted_hit_tokens", "Prompt tokens the block index said the chosen worker holds",
+                 s.routed_hit_tokens),
+                ("router_served_hit_tokens", "Prompt tokens the worker found in its own cache",
+                 s.actual_hit_tokens),
+                ("router_hit_mismatches", "Requests where predicted and served hit tokens differ", s.mismatches),
+                ("router_peer_hints", "Requests forwarded with a peer hint", s.peer_hints)):
+            yield CounterMetricFamily(f"kvmesh:{name}", doc, value=value)
+        live = {w.info.worker_id for w in self._router.registry.live() if w.info is not None}
+        self._seen |= live
+        up = GaugeMetricFamily("kvmesh:router_worker_up", "1 while the worker is ready", labels=["worker_id"])
+        for worker_id in sorted(self._seen):
+            up.add_metric([worker_id], 1.0 if worker_id in live else 0.0)
+        yield up

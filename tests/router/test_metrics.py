@@ -1,0 +1,67 @@
+"""The router's /metrics (router/metrics.py) on its HTTP port, scraped over real HTTP from a
+real router over one real SmolLM2 worker: after a known sequence of gRPC requests (two with a
+shared prefix) the counters equal what the clients were told."""
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, start_cluster, stop_cluster, summary
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def web(smollm2_dir: Path) -> Iterator[Cluster]:
+    c = start_cluster(smollm2_dir, 1, http=True)
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def scrape(port: int | None) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    found = [v for (n, ls), v in samples.items() if n == name and dict(ls) == labels]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples in {sorted(n for n, _ in samples)}"
+    return found[0]
+
+
+def test_router_counters_equal_what_the_clients_were_told(web: Cluster) -> None:
+    prompts = [LONG_PREFIX + "What is the capital of France?", LONG_PREFIX + "Which river flows through Vienna?",
+               "Hi"]
+    finals: list[pb.GenerateResponse] = []
+    with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+        for text in prompts:
+            finals.append(summary(run_generate(ch, pb.GenerateRequest(text=text, sampling=greedy(3))))[2])
+    served = [f.cached_tokens - f.peer_cached_tokens for f in finals]
+    assert served[1] > 0, "the shared prefix was not served from the worker's cache"
+    worker_id = finals[0].worker_id
+    policy = web.router.cfg.routing_policy.value
+    s = scrape(web.http_port)
+    reasons = [pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower() for f in finals]
+    for reason in set(reasons):
+        assert value(s, "kvmesh:router_requests_total", worker_id=worker_id, policy=policy,
+                     outcome=reason) == reasons.count(reason)
+    assert value(s, "kvmesh:router_served_hit_tokens_total") == sum(served)
+    # No Redis here, so no block index: the router predicts no hit, and every served hit is a mismatch.
+    assert value(s, "kvmesh:router_predicted_hit_tokens_total") == 0
+    assert value(s, "kvmesh:router_hit_mismatches_total") == sum(n != 0 for n in served)
+    assert value(s, "kvmesh:router_routing_decision_seconds_count") == 3
+    assert value(s, "kvmesh:router_routing_decision_seconds_bucket", le="+Inf") == 3
+    assert 0 <= value(s, "kvmesh:router_routing_decision_seconds_sum") < 1
+    assert value(s, "kvmesh:router_time_to_first_token_seconds_count", worker_id=worker_id) == 3
+    assert value(s, "kvmesh:router_worker_up", worker_id=worker_id) == 1
