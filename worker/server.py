@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -281,7 +282,11 @@ class WorkerServer:
     # -- RPCs -----------------------------------------------------------------------------
     def _handlers(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], req: Any, resp: Any) -> Any:
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+            async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if request is None:   # bytes that are not a `req`: INVALID_ARGUMENT, no traceback
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req.DESCRIPTOR.name}")
+                return await fn(request, context)
+            return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=_parse_or_none(req),
                                                        response_serializer=resp.SerializeToString)
         return grpc.method_handlers_generic_handler(WORKER_SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(
@@ -472,3 +477,14 @@ def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {error}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+
+
+def _parse_or_none(cls: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that yields None for bytes that are not a `cls` instead of
+    raising inside grpc (UNKNOWN and a logged traceback)."""
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return None
+    return parse

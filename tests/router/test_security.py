@@ -259,3 +259,19 @@ def test_grpc_garbage_bytes_on_every_router_method(keyed: Keyed) -> None:
         out = list(pb_grpc.RouterStub(ch).Generate(pb.GenerateRequest(text=PROMPT, sampling=greedy(2)),
                                                    timeout=60, metadata=md))
         assert out[-1].finished
+
+
+def test_grpc_garbage_bytes_on_every_worker_method(keyed: Keyed, caplog: pytest.LogCaptureFixture) -> None:
+    with grpc.insecure_channel(keyed.open.worker_addresses[0]) as ch, caplog.at_level(logging.ERROR):
+        for method, streaming in (("Generate", True), ("Abort", False), ("GetModelInfo", False),
+                                  ("GetLoad", False), ("SendBlocks", False)):
+            path = f"/kvmesh.v1.Worker/{method}"
+            call = ch.unary_stream(path) if streaming else ch.unary_unary(path)
+            with pytest.raises(grpc.RpcError) as e:
+                out = call(b"\xff\xff\xff\xff garbage", timeout=30)
+                if streaming:
+                    list(out)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+        assert not [r for r in caplog.records if "Traceback" in r.getMessage() or r.exc_info], caplog.text
+        info = pb_grpc.WorkerStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+        assert info.model
