@@ -159,7 +159,7 @@ class Router:
                 self._inflight[rid] = worker
                 call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
                                             timeout=max(deadline - time.monotonic(), 0.001))
-                streamed = False
+                streamed = finished = False
                 worker.in_flight += 1
                 try:
                     async for response in call:
@@ -171,8 +171,13 @@ class Router:
                                               response.cached_tokens - response.peer_cached_tokens)
                             self.observer.finished(worker.info.worker_id,
                                                    FINISH_REASON_NAMES.get(response.finish_reason, "unknown"))
+                        finished = finished or response.finished
                         yield response
-                    return
+                    if finished:
+                        return
+                    # No silent truncation: a stream that ends without a finished response is an error.
+                    raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
+                                        f"worker {worker.address} closed the stream before it finished")
                 except grpc.aio.AioRpcError as e:
                     self.observer.failed(worker.info.worker_id)
                     if e.code() != grpc.StatusCode.UNAVAILABLE:

@@ -238,9 +238,10 @@ class HttpFrontend:
                                 | ({"delta": {"content": r.text}} if chat else {"text": r.text})])
                 r = await anext(upstream, None)  # type: ignore[arg-type]
         except (BadRequest, NoWorkerAvailable, UpstreamError) as e:
+            # No silent truncation: headers are sent, so the error is the stream's last event.
             await resp.write(f"data: {json.dumps(_http_error(e).body())}\n\n".encode())
         else:
-            assert last is not None and last.finished, "a worker stream ends with a finished response"
+            assert last is not None and last.finished, "Router.generate ends with a finished response or raises"
             tail = {"kvmesh": {"worker_id": last.worker_id}}
             await send([{"index": 0, "logprobs": None, "finish_reason": _finish(last)}
                         | ({"delta": {}} if chat else {"text": ""})], **tail)

@@ -97,6 +97,47 @@ def test_killed_redis_is_restarted_on_its_port_and_requests_keep_succeeding(serv
     assert served.proc.poll() is None
 
 
+def _busy_worker(served: Launched) -> int:
+    """The index (0, 1) of the worker that holds KV blocks now, from each worker's GetLoad."""
+    addresses = re.search(r"^\s+workers\s+(.+)$", served.out.read_text(), re.M)
+    assert addresses, served.out.read_text()
+    for i, address in enumerate(addresses.group(1).split()):
+        with grpc.insecure_channel(address) as ch:
+            if pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10).num_used_blocks > 0:
+                return i
+    raise AssertionError("no worker holds the stream's blocks")
+
+
+def test_http_stream_cut_by_a_dead_worker_ends_with_an_error_chunk_and_done(served: Launched) -> None:
+    """No silent truncation: the worker under a streaming completion is killed -9; the client's
+    stream still ends with an OpenAI-style error chunk and `data: [DONE]`."""
+    import http.client
+    import json
+    _wait_for_line(served, r"^kvmesh serve: restarted worker-0", 5)   # the first test's restart is done
+    http_port = re.search(r"^\s+HTTP\s+http://127\.0\.0\.1:(\d+)/v1$", served.out.read_text(), re.M)
+    assert http_port, served.out.read_text()
+    conn = http.client.HTTPConnection("127.0.0.1", int(http_port.group(1)), timeout=60)
+    body = {"model": "smollm2", "prompt": "Write a very long story about a lighthouse keeper.", "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = []
+    while len(events) < 3:
+        line = resp.readline().decode().strip()
+        if line:
+            events.append(line)
+    os.kill(served.child_pids[1 + _busy_worker(served)], signal.SIGKILL)
+    while (line := resp.readline().decode()) != "":
+        if line.strip():
+            events.append(line.strip())
+    conn.close()
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["type"] == "server_error" and "unavailable" in error["error"]["message"], error
+    assert served.proc.poll() is None
+
+
 def test_sigterm_still_stops_everything(served: Launched, tmp_path: Path) -> None:
     """Only SIGINT/SIGTERM ends a supervised run, with status 0 (runs last: it ends the cluster)."""
     served.proc.send_signal(signal.SIGTERM)
