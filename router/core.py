@@ -155,7 +155,8 @@ class Router:
                 self.observer.decided(time.perf_counter() - started if attempt == 0 else 0.0)
                 worker = pick.worker
                 assert worker.info is not None
-                tried.add(worker.info.worker_id)
+                worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
+                tried.add(worker_id)
                 self._inflight[rid] = worker
                 call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
                                             timeout=max(deadline - time.monotonic(), 0.001))
@@ -164,12 +165,12 @@ class Router:
                 try:
                     async for response in call:
                         if not streamed:
-                            self.observer.first_response(worker.info.worker_id, time.perf_counter() - started)
+                            self.observer.first_response(worker_id, time.perf_counter() - started)
                         streamed = True
                         if response.finished:   # what came from a peer is no index mismatch
                             self.stats.record(pick.predicted_tokens,
                                               response.cached_tokens - response.peer_cached_tokens)
-                            self.observer.finished(worker.info.worker_id,
+                            self.observer.finished(worker_id,
                                                    FINISH_REASON_NAMES.get(response.finish_reason, "unknown"))
                         finished = finished or response.finished
                         yield response
@@ -179,7 +180,7 @@ class Router:
                     raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
                                         f"worker {worker.address} closed the stream before it finished")
                 except grpc.aio.AioRpcError as e:
-                    self.observer.failed(worker.info.worker_id)
+                    self.observer.failed(worker_id)
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise UpstreamError(e.code(), e.details() or "") from None
                     self.registry.mark_down(worker, e.details() or "")
