@@ -34,8 +34,11 @@ def is_real(value: object) -> bool:
 class SamplingParams:
     """Per-request sampling settings, spelled as in vLLM / the OpenAI API.
 
-    `top_k` of 0 or -1 disables top-k. `stop` and `stop_token_ids` accept lists (or a
-    single stop string) and are stored as tuples so the object stays hashable.
+    `top_k` of 0 or -1 disables top-k. Before `min_tokens` output tokens, EOS and
+    `stop_token_ids` cannot be sampled and stop strings are not checked (vLLM's meaning).
+    `truncate_prompt_tokens` keeps only the last N prompt tokens. `stop` and `stop_token_ids`
+    accept lists (or a single stop string) and are stored as tuples so the object stays
+    hashable. `spaces_between_special_tokens` is accepted and carried but changes nothing yet.
     """
 
     max_tokens: int = 16
@@ -52,6 +55,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    min_tokens: int = 0
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -83,6 +89,15 @@ class SamplingParams:
             if not is_int(t) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "a sequence of integers >= 0")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not is_int(tpt) or tpt < 1):
+            raise _bad("truncate_prompt_tokens", tpt, "None or an integer >= 1")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "a boolean")
 
     @property
     def is_greedy(self) -> bool:

@@ -28,7 +28,9 @@ FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 
 # SamplingParams fields carried by the proto; unset `optional` fields keep the dataclass default.
 _SCALAR_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos",
-                    "repetition_penalty", "presence_penalty", "frequency_penalty")
+                    "repetition_penalty", "presence_penalty", "frequency_penalty",
+                    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                    "min_tokens", "truncate_prompt_tokens")
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,6 +126,8 @@ class Router:
                     raise BadRequest(f"token_ids: {bad} is outside the vocabulary [0, {info.vocab_size})")
         except TokenizerError as e:
             raise BadRequest(f"chat: {e}") from None
+        if inp.params.truncate_prompt_tokens is not None:
+            ids = ids[-inp.params.truncate_prompt_tokens:]  # vLLM: keep the last N
         if not ids:
             raise BadRequest("input: the prompt is empty after tokenization")
         if len(ids) >= info.max_model_len:

@@ -3,8 +3,9 @@
 
 A request body becomes the same `GenerateRequest` → `GenerateInput` → `Router.prepare` →
 `Router.generate` path (router/core.py) as gRPC; only the JSON shapes differ. Every field OpenAI
-documents for these endpoints is accepted; fields that would change the output in ways
-kvmesh cannot honour (n > 1, logprobs, echo, tools, …) are 400s, unknown fields are 400s.
+documents for these endpoints is accepted, and vLLM's extras (router/vllm_fields.py); fields
+that would change the output in ways kvmesh cannot honour (n > 1, logprobs, echo, tools, …) are
+400s; unknown fields are ignored with a warning (at most once per name per minute), as vLLM does.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,18 +24,20 @@ from aiohttp import web
 
 from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
+from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import FINISH_REASON_NAMES, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import Authenticator
 from router.core import Router
 from router.http_guard import guard_middleware
 from router.errors import NoWorkerAvailable, UpstreamError
+from router.vllm_fields import VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields
 
 Json = dict[str, Any]
 
 _SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 _COMMON = {"model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
-           "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"}
+           "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"} | VLLM_FIELDS
 _COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON | {
     "messages", "audio", "function_call", "functions", "max_completion_tokens", "metadata", "modalities",
@@ -50,6 +54,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v in (None, ["text"]), "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
 }
+_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
            "NOT_FOUND": 404}
 
@@ -74,6 +79,7 @@ class HttpFrontend:
         self.router = router
         self.created = int(time.time())
         self._active: set[asyncio.Task[Any]] = set()
+        self._unknown_fields = UnknownFieldLog()
         middlewares = [Authenticator(router.cfg.api_keys).http_middleware(),
                        guard_middleware(router.cfg.http_read_timeout_s), self._track, _errors]
         app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
@@ -84,6 +90,11 @@ class HttpFrontend:
         # A client that disconnects cancels its handler, which cancels the upstream call.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      keepalive_timeout=router.cfg.http_idle_timeout_s)
+
+    @property
+    def app(self) -> web.Application:
+        """The aiohttp app, for modules that add their own routes (router/metrics.py) before `start()`."""
+        return self._runner.app
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()
@@ -109,6 +120,12 @@ class HttpFrontend:
         finally:
             self._active.discard(task)
 
+    def _tokenizer(self) -> ModelTokenizer:
+        tok = self.router.tokenizer
+        if tok is None:
+            raise NoWorkerAvailable("no worker is ready")
+        return tok
+
     @property
     def model_name(self) -> str:
         return self.router.cfg.served_model_name or self.router.cfg.model
@@ -133,7 +150,13 @@ class HttpFrontend:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and body.get("add_special_tokens") is not None:
+            add = body["add_special_tokens"]  # vLLM: default True for completions
+            if not isinstance(add, bool):
+                raise HttpError(400, f"add_special_tokens: must be a boolean, got {add!r}", "add_special_tokens")
+            ids = await asyncio.to_thread(self._tokenizer().encode, prompt, add)
+            _set(lambda: msg.token_ids.ids.extend(ids), "prompt")
+        elif isinstance(prompt, str):
             msg.text = prompt
         elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             _set(lambda: msg.token_ids.ids.extend(prompt), "prompt")
@@ -149,7 +172,16 @@ class HttpFrontend:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages: must be a non-empty list", "messages")
-        msg.chat.messages.extend(_chat_message(m, i) for i, m in enumerate(messages))
+        chat = [_chat_message(m, i) for i, m in enumerate(messages)]
+        if body.get("add_special_tokens") is True:  # vLLM: default False for chat
+            tok = self._tokenizer()
+            try:
+                text = tok.render_chat([{"role": m.role, "content": m.content} for m in chat])
+            except TokenizerError as e:
+                raise HttpError(400, f"messages: {e}", "messages") from None
+            msg.token_ids.ids.extend(await asyncio.to_thread(tok.encode, text, True))
+        else:
+            msg.chat.messages.extend(chat)
         if body.get("max_completion_tokens") is not None:
             body["max_tokens"] = body["max_completion_tokens"]
         info = self.router.model_info
@@ -175,7 +207,7 @@ class HttpFrontend:
             raise HttpError(400, "request body must be a JSON object")
         unknown = sorted(set(body) - allowed)
         if unknown:
-            raise HttpError(400, f"unknown fields: {', '.join(unknown)}", unknown[0])
+            self._unknown_fields.warn([name[:64] for name in unknown])
         for name, ok in _UNSUPPORTED.items():
             if name in body and not ok(body[name]):
                 raise HttpError(400, f"{name}={body[name]!r} is not supported by kvmesh", name, "unsupported")
@@ -190,9 +222,14 @@ class HttpFrontend:
     async def _serve(self, request: web.Request, body: Json, msg: pb.GenerateRequest, *, chat: bool,
                      default_max_tokens: int) -> web.StreamResponse:
         _sampling(body, msg.sampling)
+        try:
+            apply_vllm_fields(body, msg)
+        except FieldError as e:
+            raise HttpError(400, str(e), e.field) from None
         stream_options = body.get("stream_options") or {}
-        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage", "include_obfuscation"}:
-            raise HttpError(400, "stream_options: accepted keys are include_usage", "stream_options")
+        if not isinstance(stream_options, dict) or set(stream_options) - _STREAM_OPTIONS:
+            raise HttpError(400, f"stream_options: accepted keys are {', '.join(sorted(_STREAM_OPTIONS))}",
+                            "stream_options")
         try:
             prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
         except BadRequest as e:
@@ -202,8 +239,10 @@ class HttpFrontend:
         async with contextlib.aclosing(self.router.generate(prepared, None)) as upstream:
             first = await _first(upstream)
             if body.get("stream"):
-                return await self._stream(request, head, chat, first, upstream,
-                                          bool(stream_options.get("include_usage")))
+                usage = _UsageMode(bool(stream_options.get("include_usage")),
+                                   bool(stream_options.get("continuous_usage_stats")),
+                                   len(prepared.request.token_ids.ids))
+                return await self._stream(request, head, chat, first, upstream, usage)
             pieces, last = [first.text], first
             async for r in upstream:
                 pieces.append(r.text)
@@ -215,14 +254,18 @@ class HttpFrontend:
                                          "kvmesh": {"worker_id": last.worker_id}})
 
     async def _stream(self, request: web.Request, head: Json, chat: bool, first: pb.GenerateResponse,
-                      upstream: AsyncIterator[pb.GenerateResponse], include_usage: bool) -> web.StreamResponse:
+                      upstream: AsyncIterator[pb.GenerateResponse], usage: _UsageMode) -> web.StreamResponse:
         head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
+        include_usage = usage.final
         extra: Json = {"usage": None} if include_usage else {}
+        completion_tokens = 0
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(choices: list[Json], **more: Any) -> None:
             data = head | {"choices": choices} | extra | more
+            if usage.continuous and "usage" not in more:  # vLLM: usage in every chunk
+                data["usage"] = _usage_counts(usage.prompt_tokens, completion_tokens)
             await resp.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
 
         if chat:
@@ -233,6 +276,7 @@ class HttpFrontend:
             r: pb.GenerateResponse | None = first
             while r is not None:
                 last = r
+                completion_tokens += len(r.token_ids)
                 if r.text:
                     await send([{"index": 0, "logprobs": None, "finish_reason": None}
                                 | ({"delta": {"content": r.text}} if chat else {"text": r.text})])
@@ -329,6 +373,25 @@ def _chat_message(m: object, i: int) -> pb.ChatMessage:
     if not isinstance(content, str):
         raise HttpError(400, f"{param}.content: must be a string or a list of text parts", param)
     return pb.ChatMessage(role=role, content=content)
+
+
+@dataclass(frozen=True, slots=True)
+class _UsageMode:
+    """stream_options: usage in a final chunk (`final`), and in every chunk (`continuous`,
+    vLLM's continuous_usage_stats, honoured with include_usage as in vLLM)."""
+
+    final: bool
+    continuous_requested: bool
+    prompt_tokens: int
+
+    @property
+    def continuous(self) -> bool:
+        return self.final and self.continuous_requested
+
+
+def _usage_counts(prompt_tokens: int, completion_tokens: int) -> Json:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _usage(last: pb.GenerateResponse) -> Json:

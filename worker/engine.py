@@ -29,7 +29,7 @@ from worker.eviction import TokenEvictor
 from worker.model import LlamaModel
 from worker.request import (MAX_PRIORITY, MIN_PRIORITY, EngineError, FinishReason, InvalidRequest,
                             QueueFull, Request, RequestOutput, RequestStatus)
-from worker.sampling import Sampler, SamplingParams, check_stop_token, find_stop, make_generator
+from worker.sampling import Sampler, SamplingParams, check_stop_token, find_stop, make_generator, suppress_stop_tokens
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -120,6 +120,8 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
@@ -166,6 +168,8 @@ class Engine:
         sample_reqs, logits = self._execute(batch)
         outputs: list[RequestOutput] = []
         if sample_reqs:
+            logits = suppress_stop_tokens(logits, [r.params for r in sample_reqs],
+                                          [len(r.output_token_ids) for r in sample_reqs], self.eos_token_ids)
             tokens = self.sampler(logits, [r.params for r in sample_reqs],
                                   [r.history for r in sample_reqs], [r.generator for r in sample_reqs])
             for req, token in zip(sample_reqs, tokens.tolist()):
@@ -232,7 +236,7 @@ class Engine:
             reason = "length"
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
-            if req.params.stop:
+            if req.params.stop and len(req.output_token_ids) >= req.params.min_tokens:
                 at = find_stop(text, req.sent_text, req.params.stop)
                 if at is not None:
                     stop_len = next(len(s) for s in req.params.stop if text.startswith(s, at))

@@ -221,11 +221,31 @@ def check_stop_token(token_id: int, num_output_tokens: int, params: SamplingPara
                      eos_token_ids: Collection[int]) -> Literal["stop", "length"] | None:
     """The finish reason after sampling `token_id`, the `num_output_tokens`-th output token.
 
-    "stop" when it is an EOS token (unless `ignore_eos`) or in `stop_token_ids`; otherwise
-    "length" when `num_output_tokens >= max_tokens`; otherwise None.
+    "stop" when it is an EOS token (unless `ignore_eos`) or in `stop_token_ids`, once at least
+    `min_tokens` tokens are out; otherwise "length" when `num_output_tokens >= max_tokens`;
+    otherwise None.
     """
+    if num_output_tokens < params.min_tokens:
+        return "length" if num_output_tokens >= params.max_tokens else None
     if (token_id in eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
         return "stop"
     if num_output_tokens >= params.max_tokens:
         return "length"
     return None
+
+
+def suppress_stop_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                         num_output_tokens: Sequence[int], eos_token_ids: Collection[int]) -> torch.Tensor:
+    """`logits` [B, V] with EOS (unless `ignore_eos`) and `stop_token_ids` set to -inf on rows
+    that have fewer than `min_tokens` output tokens (vLLM's min_tokens). Returns the input
+    itself when no row needs it, else a masked copy: the caller's tensor is never modified."""
+    rows = [i for i, (p, n) in enumerate(zip(params, num_output_tokens)) if n < p.min_tokens]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        banned = set(params[i].stop_token_ids) | (set() if params[i].ignore_eos else set(eos_token_ids))
+        ids = [t for t in banned if t < out.shape[1]]
+        if ids:
+            out[i, torch.tensor(ids, dtype=torch.long, device=out.device)] = float("-inf")
+    return out

@@ -141,17 +141,32 @@ BAD: dict[str, tuple[str, bytes, int]] = {
     "n 2": (COMPLETIONS, _j(prompt="hi", n=2), 400),
     "echo": (COMPLETIONS, _j(prompt="hi", echo=True), 400),
     "logprobs": (COMPLETIONS, _j(prompt="hi", logprobs=2), 400),
-    "unknown field": (COMPLETIONS, _j(prompt="hi", frobnicate=1), 400),
     "stream not bool": (COMPLETIONS, _j(prompt="hi", stream="yes"), 400),
     "empty stop string": (COMPLETIONS, _j(prompt="hi", stop=[""]), 400),
     "unknown model": (COMPLETIONS, json.dumps({"model": "gpt-9", "prompt": "hi"}).encode(), 404),
     "no messages": (CHAT, _j(messages=[]), 400),
     "bad role": (CHAT, _j(messages=[{"role": "wizard", "content": "hi"}]), 400),
     "tools": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}]), 400),
-    "chat unknown field": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], prompt="x"), 400),
     "image part": (CHAT, _j(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400),
     "over 4 MiB": (COMPLETIONS, _j(prompt="x" * (5 * 2**20)), 413),
+    # vLLM's extras: invalid values of known fields are 400s naming the field.
+    "top_k -5": (COMPLETIONS, _j(prompt="hi", top_k=-5), 400),
+    "min_p 2": (COMPLETIONS, _j(prompt="hi", min_p=2), 400),
+    "repetition_penalty 0": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], repetition_penalty=0), 400),
+    "stop_token_ids strings": (COMPLETIONS, _j(prompt="hi", stop_token_ids=["a"]), 400),
+    "stop_token_ids outside vocab": (COMPLETIONS, _j(prompt="hi", stop_token_ids=[10**6]), 400),
+    "min_tokens over max_tokens": (COMPLETIONS, _j(prompt="hi", max_tokens=2, min_tokens=3), 400),
+    "ignore_eos string": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], ignore_eos="yes"), 400),
+    "priority string": (COMPLETIONS, _j(prompt="hi", priority="high"), 400),
+    "cache_salt number": (COMPLETIONS, _j(prompt="hi", cache_salt=5), 400),
+    "truncate_prompt_tokens 0": (COMPLETIONS, _j(prompt="hi", truncate_prompt_tokens=0), 400),
+    "add_special_tokens string": (COMPLETIONS, _j(prompt="hi", add_special_tokens="no"), 400),
+    "stream_options bad key": (COMPLETIONS, _j(prompt="hi", stream=True, stream_options={"x": 1}), 400),
 }
+BAD_PARAM = {"top_k -5": "top_k", "min_p 2": "min_p", "repetition_penalty 0": "repetition_penalty",
+             "stop_token_ids strings": "stop_token_ids", "min_tokens over max_tokens": "min_tokens",
+             "ignore_eos string": "ignore_eos", "priority string": "priority", "cache_salt number": "cache_salt",
+             "truncate_prompt_tokens 0": "truncate_prompt_tokens", "add_special_tokens string": "add_special_tokens"}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -162,6 +177,8 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(web: Cluster, case
     error = payload["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error"
+    if case in BAD_PARAM:
+        assert error["param"] == BAD_PARAM[case], error
     ok, answer = post(web.http_port or 0, COMPLETIONS, _j(prompt="Hi", max_tokens=2, temperature=0))
     assert ok == 200 and answer["usage"]["completion_tokens"] == 2
 
@@ -195,3 +212,108 @@ def test_no_worker_is_503(web: Cluster) -> None:
         assert err.value.code == 503
     finally:
         web.lt.run(router.stop(0))
+
+
+# -- vLLM's extra fields (issue #22) -----------------------------------------------------
+def grpc_ids(web: Cluster, req: pb.GenerateRequest) -> tuple[list[int], str, pb.GenerateResponse]:
+    with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+        return summary(run_generate(ch, req))
+
+
+def test_vllm_sampling_fields_take_effect_over_grpc_and_http(web: Cluster) -> None:
+    """Each field's effect, with the plain greedy continuation as the oracle."""
+    port = web.http_port or 0
+    base, base_text, _ = grpc_ids(web, pb.GenerateRequest(text=PROMPT, sampling=greedy(12)))
+    first = base[0]
+    # stop_token_ids: ends at the first occurrence, finish "stop" (gRPC and HTTP agree).
+    ids, _, last = grpc_ids(web, pb.GenerateRequest(text=PROMPT, sampling=greedy(12, stop_token_ids=[first])))
+    assert ids == [first] and pb.FinishReason.Name(last.finish_reason) == "FINISH_REASON_STOP"
+    _, r = post(port, COMPLETIONS, _j(prompt=PROMPT, max_tokens=12, temperature=0, stop_token_ids=[first]))
+    assert r["usage"]["completion_tokens"] == 1 and r["choices"][0]["finish_reason"] == "stop"
+    # min_tokens: the stop token cannot be sampled before N outputs.
+    ids, _, last = grpc_ids(web, pb.GenerateRequest(
+        text=PROMPT, sampling=greedy(12, stop_token_ids=[first], min_tokens=4)))
+    assert len(ids) >= 4 and first not in ids[:4]
+    _, r = post(port, COMPLETIONS, _j(prompt=PROMPT, max_tokens=12, temperature=0, stop_token_ids=[first],
+                                      min_tokens=4))
+    assert r["usage"]["completion_tokens"] == len(ids)
+    # ignore_eos: an EOS as a stop would end at once; with ignore_eos exactly max_tokens.
+    eos = sorted(web.engines[0].eos_token_ids)
+    ids, _, last = grpc_ids(web, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[*web.engines[0].encode(PROMPT)]),
+                                                    sampling=greedy(7, ignore_eos=True)))
+    assert len(ids) == 7 and pb.FinishReason.Name(last.finish_reason) == "FINISH_REASON_LENGTH" and eos
+    chat = _j(messages=[{"role": "user", "content": "Hi!"}], max_tokens=40, temperature=0)
+    _, plain = post(port, CHAT, chat)
+    _, forced = post(port, CHAT, chat[:-1] + b', "ignore_eos": true}')
+    assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] < 40
+    assert forced["usage"]["completion_tokens"] == 40 and forced["choices"][0]["finish_reason"] == "length"
+    # include_stop_str_in_output keeps the stop string; without it the text ends before it.
+    stop = base_text.strip().split()[1]
+    _, cut = post(port, COMPLETIONS, _j(prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]))
+    _, kept = post(port, COMPLETIONS, _j(prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+                                         include_stop_str_in_output=True))
+    assert kept["choices"][0]["text"] == cut["choices"][0]["text"] + stop
+    assert kept["choices"][0]["text"].endswith(stop) and stop not in cut["choices"][0]["text"]
+    # truncate_prompt_tokens keeps the last N prompt tokens.
+    _, r = post(port, COMPLETIONS, _j(prompt=PROMPT, max_tokens=2, temperature=0, truncate_prompt_tokens=3))
+    tail = web.engines[0].encode(PROMPT)[-3:]
+    _, want = post(port, COMPLETIONS, _j(prompt=tail, max_tokens=2, temperature=0))
+    assert r["usage"]["prompt_tokens"] == 3 and r["choices"][0]["text"] == want["choices"][0]["text"]
+    # add_special_tokens false vs true on completions: the token count differs iff the
+    # tokenizer adds any (SmolLM2 adds none): both are 200 and agree with the tokenizer.
+    for add in (False, True):
+        _, r = post(port, COMPLETIONS, _j(prompt=PROMPT, max_tokens=1, temperature=0, add_special_tokens=add))
+        assert r["usage"]["prompt_tokens"] == len(web.router.core.tokenizer.encode(PROMPT, add_special_tokens=add))
+
+
+def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert len({c.usage.prompt_tokens for c in chunks if c.usage is not None}) == 1
+
+
+def test_openai_sdk_extra_body_and_unknown_fields(client: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
+    extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
+             "stop_token_ids": [2], "skip_special_tokens": True, "spaces_between_special_tokens": True,
+             "include_stop_str_in_output": False, "priority": 0, "cache_salt": "tenant-a",
+             "truncate_prompt_tokens": 50, "frobnicate": {"x": 1}}
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, seed=7, temperature=0.8,
+                                  extra_body=extra | {"add_special_tokens": True})
+    assert r.usage is not None and r.usage.completion_tokens == 5
+    again = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, seed=7, temperature=0.8,
+                                      extra_body=extra | {"add_special_tokens": True})
+    assert again.choices[0].text == r.choices[0].text  # seeded
+    c = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,  # type: ignore[arg-type]
+                                       extra_body=extra)
+    assert c.usage is not None and c.usage.completion_tokens == 4
+
+
+ISSUE_BODIES = [  # the requests quoted in issue #22, as load tools send them: all 200
+    (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}),
+    (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": False}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True, "stream": True}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": False}),
+    (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "stream": True,
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 2, "top_k": 10, "min_p": 0.1,
+                   "repetition_penalty": 1.2, "stop_token_ids": [0], "add_special_tokens": True}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 2, "top_k": 10,
+            "min_p": 0.1, "repetition_penalty": 1.2, "stop_token_ids": [0]}),
+]
+
+
+@pytest.mark.parametrize("i", range(len(ISSUE_BODIES)))
+def test_issue_bodies_replay_200(web: Cluster, i: int) -> None:
+    path, body = ISSUE_BODIES[i]
+    req = urllib.request.Request(f"http://127.0.0.1:{web.http_port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        raw = r.read()
+    assert b'"error"' not in raw
