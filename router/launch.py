@@ -28,15 +28,18 @@ class LocalPlacement:
     def __init__(self) -> None:
         self._workers: list[Child] = []
         self._ports: list[int] = []     # where each worker serves (and is restarted)
+        self.metrics_ports: list[int] = []   # each worker's Prometheus /metrics (worker/metrics.py)
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         return _LOOPBACK
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
         group = f"{_LOOPBACK}:{free_port(_LOOPBACK)}"   # the transfer group's rendezvous (rank 0 binds it)
+        self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.workers)]
         for i in range(cfg.workers):
             self._workers.append(spawn(log_dir, f"worker-{i}", [
                 cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", "0",
+                "--metrics-port", str(self.metrics_ports[i]),
                 "--worker-id", f"worker-{i}", "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
                 "--model", cfg.model, *_rank_argv(i, cfg.workers, group), *cfg.engine_argv]))
         addresses = []
@@ -55,6 +58,7 @@ class LocalPlacement:
         i = next(i for i, w in enumerate(self._workers) if w.name == name)
         self._workers[i] = spawn(log_dir, name, [
             cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(self._ports[i]),
+            "--metrics-port", str(self.metrics_ports[i]),
             "--worker-id", name, "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
             "--model", cfg.model, *cfg.engine_argv], append=True)
 
@@ -69,7 +73,8 @@ class LocalCluster(Cluster):
     """Redis + N local worker processes + a router; see `router.supervise.Cluster`."""
 
     def __init__(self, cfg: ServeConfig | None = None) -> None:
-        super().__init__(cfg if cfg is not None else ServeConfig(), LocalPlacement())
+        self.local_placement = LocalPlacement()
+        super().__init__(cfg if cfg is not None else ServeConfig(), self.local_placement)
 
 
 def _rank_argv(rank: int, world_size: int, dist_init_addr: str) -> list[str]:
@@ -101,6 +106,9 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
         f"  HTTP     {cluster.http_base_url}",
         f"  redis    {cluster.redis_url}{redis_note}",
         f"  workers  {' '.join(cluster.worker_addresses)}",
+        f"  metrics  {cluster.http_base_url.removesuffix('/v1')}/metrics (router)",
+        *(f"           http://{_LOOPBACK}:{port}/metrics (worker-{i})"
+          for i, port in enumerate(cluster.local_placement.metrics_ports)),
         f"  logs     {cluster.log_dir}",
         f"  pids     {pids}",
         "  try:",
