@@ -15,6 +15,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ PRIORITY_FLAG = "priority"
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
 _OPEN_HTTP_PATHS = frozenset({"/health", "/live"})
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_LIMITED_HTTP_PREFIX = "/v1/"                     # POSTs here generate: counted per tenant
+_LIMITED_GRPC_METHODS = frozenset({"/kvmesh.v1.Router/Generate"})
 
 log = logging.getLogger("kvmesh.router.auth")
 
@@ -80,6 +83,9 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept this client key (repeatable; tenant 'default')")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                    help=f"'KEY TENANT [{PRIORITY_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
+    p.add_argument("--max-concurrent-per-tenant", type=int, default=None, metavar="N",
+                   help="requests in flight per tenant (429 / RESOURCE_EXHAUSTED beyond; without keys: all "
+                        "clients are one tenant); default unlimited")
 
 
 def keys_from_args(args: argparse.Namespace) -> tuple[ApiKey, ...]:
@@ -98,6 +104,8 @@ def auth_argv(args: argparse.Namespace) -> tuple[str, ...]:
         argv += ["--api-key", k]
     if args.api_keys_file is not None:
         argv += ["--api-keys-file", str(args.api_keys_file)]
+    if args.max_concurrent_per_tenant is not None:
+        argv += ["--max-concurrent-per-tenant", str(args.max_concurrent_per_tenant)]
     return tuple(argv)
 
 
@@ -120,12 +128,40 @@ def warn_if_open(host: str, keys: Iterable[ApiKey]) -> bool:
     return True
 
 
+class TenantLimiter:
+    """Requests in flight per tenant, shared by both fronts of one router (one event loop):
+    `acquire` is False when the tenant is at `limit` (None: unlimited)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self._in_flight: dict[TenantId, int] = {}
+
+    def acquire(self, tenant: TenantId) -> bool:
+        n = self._in_flight.get(tenant, 0)
+        if self.limit is not None and n >= self.limit:
+            return False
+        self._in_flight[tenant] = n + 1
+        return True
+
+    def release(self, tenant: TenantId) -> None:
+        n = self._in_flight.get(tenant, 0) - 1
+        if n > 0:
+            self._in_flight[tenant] = n
+        else:
+            self._in_flight.pop(tenant, None)
+
+    def too_many(self, tenant: TenantId) -> str:
+        return f"tenant {tenant!r} has {self.limit} requests in flight (--max-concurrent-per-tenant)"
+
+
 class Authenticator:
     """The key check shared by both fronts. Compares the presented key against every
-    configured key with `hmac.compare_digest` (no early exit on a match)."""
+    configured key with `hmac.compare_digest` (no early exit on a match). With a
+    `TenantLimiter`, also caps each tenant's requests in flight on the generating paths."""
 
-    def __init__(self, keys: Iterable[ApiKey]) -> None:
+    def __init__(self, keys: Iterable[ApiKey], limiter: TenantLimiter | None = None) -> None:
         self.keys = tuple(keys)
+        self.limiter = limiter or TenantLimiter(None)
 
     @property
     def enabled(self) -> bool:
@@ -150,13 +186,21 @@ class Authenticator:
         @web.middleware
         async def authenticate(request: web.Request,
                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-            if not self.enabled or request.path in _OPEN_HTTP_PATHS:
+            if request.path in _OPEN_HTTP_PATHS:
                 return await handler(request)
-            key = self.check(request.headers.get("Authorization"))
+            key = self.check(request.headers.get("Authorization")) if self.enabled else ApiKey("anonymous")
             if key is None:
                 return unauthorized_response()
             request[TENANT_KEY] = key
-            return await handler(request)
+            if request.method != "POST" or not request.path.startswith(_LIMITED_HTTP_PREFIX):
+                return await handler(request)
+            if not self.limiter.acquire(key.tenant):
+                return _error_response(429, self.limiter.too_many(key.tenant), "too_many_requests",
+                                       "rate_limit_error")
+            try:
+                return await handler(request)
+            finally:
+                self.limiter.release(key.tenant)
         return authenticate
 
     # -- gRPC ---------------------------------------------------------------------------------
@@ -164,10 +208,29 @@ class Authenticator:
         return _GrpcAuth(self)
 
 
+_PER_ROUTER: weakref.WeakKeyDictionary[Any, Authenticator] = weakref.WeakKeyDictionary()
+
+
+def authenticator_for(router: Any) -> Authenticator:
+    """The one Authenticator (keys + tenant limiter) of a routing core, shared by its gRPC and
+    HTTP fronts so a tenant's in-flight count spans both. `router.cfg` is its RouterConfig."""
+    auth = _PER_ROUTER.get(router)
+    if auth is None:
+        cfg = router.cfg
+        auth = _PER_ROUTER[router] = Authenticator(cfg.api_keys, TenantLimiter(cfg.max_concurrent_per_tenant))
+    return auth
+
+
 def unauthorized_response() -> web.Response:
-    body = {"error": {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                      "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-    return web.json_response(body, status=401, headers={"WWW-Authenticate": 'Bearer realm="kvmesh"'})
+    return _error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           "invalid_api_key", "invalid_request_error",
+                           headers={"WWW-Authenticate": 'Bearer realm="kvmesh"'})
+
+
+def _error_response(status: int, message: str, code: str, kind: str,
+                    headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
 
 
 class _GrpcAuth(grpc.aio.ServerInterceptor):
@@ -179,25 +242,49 @@ class _GrpcAuth(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
-        if not self._auth.enabled or details.method.startswith(_OPEN_GRPC_PREFIXES):
+        if details.method.startswith(_OPEN_GRPC_PREFIXES):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
         value = metadata.get("authorization")
-        if isinstance(value, str) and self._auth.check(value) is not None:
-            return await continuation(details)
+        if not self._auth.enabled:
+            key: ApiKey | None = ApiKey("anonymous")
+        else:
+            key = self._auth.check(value) if isinstance(value, str) else None
         handler = await continuation(details)
-        return _denying(handler)
+        if key is None:
+            return _denying(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid API key (authorization: Bearer <key>)")
+        if details.method in _LIMITED_GRPC_METHODS and handler is not None and handler.response_streaming:
+            return _limited_stream(handler, self._auth.limiter, key.tenant)
+        return handler
 
 
-async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer <key>)")
+def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter,
+                    tenant: TenantId) -> grpc.RpcMethodHandler:
+    """`handler` (unary-stream) counted against `tenant` for as long as its stream runs."""
+    inner = handler.unary_stream
+
+    async def behavior(request: object, context: grpc.aio.ServicerContext) -> Any:
+        if not limiter.acquire(tenant):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limiter.too_many(tenant))
+        try:
+            async for response in inner(request, context):
+                yield response
+        finally:
+            limiter.release(tenant)
+    return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+                                                response_serializer=handler.response_serializer)
 
 
-def _denying(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
-    """A handler of the same shape as `handler` that aborts UNAUTHENTICATED without
+def _denying(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
+             details: str) -> grpc.RpcMethodHandler | None:
+    """A handler of the same shape as `handler` that aborts with `code` without
     deserializing the request (bytes stay bytes)."""
     if handler is None:
         return None
+
+    async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, details)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(_deny)
     if handler.request_streaming:

@@ -30,6 +30,7 @@ class RouterConfig:
     api_keys: tuple[ApiKey, ...] = ()       # client keys (router/auth.py); () = no authentication
     http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/http_guard.py)
     http_idle_timeout_s: float = 75.0       # an idle HTTP keep-alive connection is closed after this
+    max_concurrent_per_tenant: int | None = None   # requests in flight per tenant; None = unlimited
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
@@ -37,6 +38,9 @@ class RouterConfig:
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if not all(isinstance(k, ApiKey) for k in self.api_keys):
             raise ValueError("api_keys: every entry must be an ApiKey")
+        m = self.max_concurrent_per_tenant
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_concurrent_per_tenant={m!r} must be a positive integer")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
         for a in self.worker_addresses:

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from contracts.requests import BadRequest
 from contracts.wire import ParsedRequest, parse_generate_request, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.auth import Authenticator
+from router.auth import authenticator_for
 from router.core import Router
 from router.errors import NoWorkerAvailable, RouterError, UpstreamError
 
@@ -51,7 +51,7 @@ class GrpcFront:
         cfg = self.router.cfg
         opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes)]
-        auth = Authenticator(cfg.api_keys)
+        auth = authenticator_for(self.router)
         self._server = server = grpc.aio.server(options=opts, interceptors=[auth.grpc_interceptor()])
         server.add_generic_rpc_handlers((self._router_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -148,7 +148,7 @@ def run_router(args: argparse.Namespace) -> int:
                            served_model_name=args.served_model_name,
                            redis_url=args.redis_url, cluster_name=args.cluster_name,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
-                           api_keys=keys_from_args(args))
+                           api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

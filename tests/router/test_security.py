@@ -49,7 +49,7 @@ def keyed(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     c = start_cluster(smollm2_dir, 1, http=True)
     cfg = RouterConfig(worker_addresses=tuple(c.worker_addresses), model=str(smollm2_dir),
                        served_model_name="smollm2", http_port=0, health_interval_s=0.2, api_keys=keys,
-                       http_read_timeout_s=2.0, http_idle_timeout_s=2.0)
+                       http_read_timeout_s=2.0, http_idle_timeout_s=2.0, max_concurrent_per_tenant=1)
 
     async def start() -> tuple[RouterServer, int, int | None]:
         router = RouterServer(cfg)
@@ -275,3 +275,40 @@ def test_grpc_garbage_bytes_on_every_worker_method(keyed: Keyed, caplog: pytest.
         assert not [r for r in caplog.records if "Traceback" in r.getMessage() or r.exc_info], caplog.text
         info = pb_grpc.WorkerStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
         assert info.model
+
+
+def test_max_concurrent_per_tenant(keyed: Keyed) -> None:
+    """Limit 1: while tenant-a streams, its next request (HTTP or gRPC) is refused; the other
+    tenant is served; after the stream ends tenant-a is served again."""
+    a, other = sdk(keyed.http_port, TENANT_KEY), sdk(keyed.http_port, KEY)
+    stream = a.completions.create(model="smollm2", prompt=PROMPT, max_tokens=200, stream=True, temperature=0)
+    first = next(iter(stream))
+    assert first.choices
+    with pytest.raises(openai.RateLimitError) as e:
+        a.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 429 and e.value.response.json()["error"]["code"] == "too_many_requests"
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        with pytest.raises(grpc.RpcError) as g:
+            list(pb_grpc.RouterStub(ch).Generate(pb.GenerateRequest(text=PROMPT, sampling=greedy(2)), timeout=30,
+                                                 metadata=(("authorization", f"Bearer {TENANT_KEY}"),)))
+        assert g.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    r = other.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
+    assert r.usage is not None and r.usage.completion_tokens == 2
+    stream.close()
+    deadline = time.monotonic() + 20
+    while True:   # the server notices the closed stream and releases the slot
+        try:
+            r = a.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+def test_config_rejects_bad_limits() -> None:
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_concurrent_per_tenant"):
+            RouterConfig(max_concurrent_per_tenant=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="http_read_timeout_s"):
+        RouterConfig(http_read_timeout_s=0)
