@@ -59,6 +59,21 @@ def _wait_for_line(launched: Launched, pattern: str, timeout: float) -> re.Match
     return m
 
 
+def _wait_both_routed(served: Launched, first_id: int) -> None:
+    """Until round robin has reached both workers (a restarted one is back in routing)."""
+    deadline = time.monotonic() + 120
+    seen: set[str] = set()
+    i = first_id
+    while seen != {"worker-0", "worker-1"}:
+        assert time.monotonic() < deadline, f"not both workers in routing; served by {seen}"
+        try:
+            seen.add(_generate(served.grpc_target, i).worker_id)
+        except grpc.RpcError as e:    # the only live worker may be restarting too
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+        i += 1
+        time.sleep(0.2)
+
+
 def test_killed_worker_is_restarted_and_serves_again(served: Launched) -> None:
     worker_pid = served.child_pids[1]
     os.kill(worker_pid, signal.SIGKILL)
@@ -70,14 +85,7 @@ def test_killed_worker_is_restarted_and_serves_again(served: Launched) -> None:
     assert "restarting worker-0 in 0.5 s (exit status -9" in served.err.read_text()
     new_pid = int(m.group(1))
     assert new_pid != worker_pid and _alive(new_pid)
-    deadline = time.monotonic() + 120
-    seen: set[str] = set()
-    i = 100
-    while "worker-0" not in seen:      # back in routing: round robin reaches it again
-        assert time.monotonic() < deadline, f"worker-0 not back in routing; served by {seen}"
-        seen.add(_generate(served.grpc_target, i).worker_id)
-        i += 1
-        time.sleep(0.2)
+    _wait_both_routed(served, 100)
     print(f"worker-0 back in routing {time.monotonic() - killed_at:.1f} s after kill -9")
     assert served.proc.poll() is None and _alive(served.child_pids[0]) and _alive(served.child_pids[3])
 
@@ -136,6 +144,29 @@ def test_http_stream_cut_by_a_dead_worker_ends_with_an_error_chunk_and_done(serv
     error = json.loads(events[-2].removeprefix("data: "))
     assert error["error"]["type"] == "server_error" and "unavailable" in error["error"]["message"], error
     assert served.proc.poll() is None
+
+
+def test_sigterm_to_a_worker_drains_its_stream_then_it_stays_down(served: Launched) -> None:
+    """Graceful drain: SIGTERM to the worker under a gRPC stream; the stream finishes normally
+    (finish reason, all its tokens), the worker exits 0 and, under on-failure, is not restarted
+    while the router keeps serving on the other worker."""
+    _wait_both_routed(served, 500)
+    req = pb.GenerateRequest(text="Count slowly from one to one hundred:",
+                             sampling=pb.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(served.grpc_target) as ch:
+        stream = pb_grpc.RouterStub(ch).Generate(req, timeout=120)
+        first = next(stream)
+        busy = int(first.worker_id.split("-")[1])
+        pids = [int(p.split("=")[1]) for p in re.findall(r"worker-\d=\d+", served.out.read_text())]
+        restarted = re.findall(rf"restarted worker-{busy} \(pid (\d+)\)", served.err.read_text())
+        pid = int(restarted[-1]) if restarted else pids[busy]
+        os.kill(pid, signal.SIGTERM)
+        rest = list(stream)
+    tokens = len(first.token_ids) + sum(len(r.token_ids) for r in rest)
+    assert rest[-1].finished and tokens == 48
+    _wait_for_line(served, rf"^kvmesh serve: worker-{busy} exited cleanly; not restarted", 30)
+    for i in range(400, 403):
+        assert _generate(served.grpc_target, i).worker_id == f"worker-{1 - busy}"
 
 
 def test_sigterm_still_stops_everything(served: Launched, tmp_path: Path) -> None:
