@@ -317,3 +317,29 @@ def test_issue_bodies_replay_200(web: Cluster, i: int) -> None:
         assert r.status == 200
         raw = r.read()
     assert b'"error"' not in raw
+
+
+def get(port: int, path: str) -> tuple[int, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return r.status, json.loads(r.read())
+
+
+def test_utility_endpoints_tokenize_detokenize_version_models(web: Cluster) -> None:
+    port, tok = web.http_port or 0, web.router.core.tokenizer
+    status, r = post(port, "/tokenize", json.dumps({"model": "smollm2", "prompt": PROMPT}).encode())
+    want = tok.encode(PROMPT)
+    assert status == 200 and r["tokens"] == want and r["count"] == len(want)
+    assert r["max_model_len"] == web.router.core.model_info.max_model_len and r["token_strs"] is None
+    status, r = post(port, "/tokenize", json.dumps({"messages": MESSAGES}).encode())
+    assert status == 200 and r["tokens"] == tok.apply_chat_template(MESSAGES)
+    # The ids /tokenize returns are the ids a generation counts.
+    _, gen = post(port, CHAT, _j(messages=MESSAGES, max_tokens=1, temperature=0))
+    assert gen["usage"]["prompt_tokens"] == r["count"]
+    status, d = post(port, "/detokenize", json.dumps({"tokens": want}).encode())
+    assert status == 200 and d["prompt"] == tok.decode(want) == PROMPT
+    assert post(port, "/detokenize", json.dumps({"tokens": [10**7]}).encode())[0] == 400
+    assert post(port, "/tokenize", json.dumps({"prompt": 5}).encode())[0] == 400
+    status, v = get(port, "/version")
+    assert status == 200 and isinstance(v["version"], str) and v["version"]
+    _, models = get(port, "/v1/models")
+    assert models["data"][0]["max_model_len"] == web.router.core.model_info.max_model_len
