@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.cluster_view import ClusterView
 from router.core import RouteObserver, Router
 
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -36,6 +37,8 @@ class RouterMetrics(RouteObserver):
                               "Router receipt of a request to its first streamed response, as clients see it",
                               ("worker_id",), buckets=_TTFT_BUCKETS, registry=r)
         r.register(_CoreCollector(router))
+        self.request_counts: dict[tuple[str, str, str], int] = {}   # (worker_id, policy, outcome), for /v1/cluster
+        self.cluster = ClusterView(router, self.request_counts)
 
     # -- RouteObserver --------------------------------------------------------------------
     def decided(self, seconds: float) -> None:
@@ -45,10 +48,15 @@ class RouterMetrics(RouteObserver):
         self.ttft.labels(worker_id).observe(seconds)
 
     def finished(self, worker_id: str, finish_reason: str) -> None:
-        self.requests.labels(worker_id, self.policy, finish_reason).inc()
+        self._count(worker_id, finish_reason)
 
     def failed(self, worker_id: str) -> None:
-        self.requests.labels(worker_id, self.policy, "error").inc()
+        self._count(worker_id, "error")
+
+    def _count(self, worker_id: str, outcome: str) -> None:
+        self.requests.labels(worker_id, self.policy, outcome).inc()
+        key = (worker_id, self.policy, outcome)
+        self.request_counts[key] = self.request_counts.get(key, 0) + 1
 
     # -- HTTP -----------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.Response:
@@ -56,7 +64,7 @@ class RouterMetrics(RouteObserver):
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def add_routes(self, app: web.Application) -> None:
-        app.add_routes([web.get("/metrics", self.handle)])
+        app.add_routes([web.get("/metrics", self.handle), web.get("/v1/cluster", self.cluster.handle)])
 
 
 class _CoreCollector(Collector):

@@ -3,9 +3,11 @@ real router over one real SmolLM2 worker: after a known sequence of gRPC request
 shared prefix) the counters equal what the clients were told."""
 from __future__ import annotations
 
+import json
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -65,3 +67,27 @@ def test_router_counters_equal_what_the_clients_were_told(web: Cluster) -> None:
     assert 0 <= value(s, "kvmesh:router_routing_decision_seconds_sum") < 1
     assert value(s, "kvmesh:router_time_to_first_token_seconds_count", worker_id=worker_id) == 3
     assert value(s, "kvmesh:router_worker_up", worker_id=worker_id) == 1
+
+
+def cluster_doc(port: int | None) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/cluster", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_cluster_json_moves_by_what_one_request_did(web: Cluster) -> None:
+    before = cluster_doc(web.http_port)
+    with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+        final = summary(run_generate(ch, pb.GenerateRequest(text=LONG_PREFIX + "Name a Swiss river.",
+                                                            sampling=greedy(2))))[2]
+    after = cluster_doc(web.http_port)
+    assert [w["worker_id"] for w in after["workers"]] == [final.worker_id]
+    w0, w1 = before["workers"][0], after["workers"][0]
+    assert w1["up"] and w1["num_running"] == w1["num_waiting"] == 0
+    assert w1["prompt_tokens"] - w0["prompt_tokens"] == final.prompt_tokens
+    assert w1["cached_prompt_tokens"] - w0["cached_prompt_tokens"] == final.cached_tokens > 0
+    assert w1["hit_rate"] == w1["cached_prompt_tokens"] / w1["prompt_tokens"]
+    assert 0 <= w1["kv_cache_usage"] <= 1
+    r0, r1 = before["router"], after["router"]
+    assert r1["served_hit_tokens"] - r0["served_hit_tokens"] == final.cached_tokens - final.peer_cached_tokens
+    assert sum(r["count"] for r in r1["requests"]) - sum(r["count"] for r in r0["requests"]) == 1
+    assert after["policy"] == web.router.cfg.routing_policy.value
