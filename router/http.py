@@ -31,6 +31,7 @@ from router.auth import authenticator_for
 from router.core import Router
 from router.http_guard import guard_middleware
 from router.errors import NoWorkerAvailable, UpstreamError
+from router.utility_routes import add_utility_routes
 from router.vllm_fields import VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields
 
 Json = dict[str, Any]
@@ -87,6 +88,7 @@ class HttpFrontend:
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/live", self.live)])
+        add_utility_routes(app, router)  # /tokenize, /detokenize, /version
         # A client that disconnects cancels its handler, which cancels the upstream call.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      keepalive_timeout=router.cfg.http_idle_timeout_s)
@@ -141,8 +143,11 @@ class HttpFrontend:
         return web.json_response({"status": "serving" if ok else "not serving"}, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
+        info = self.router.model_info
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvmesh"}]})
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvmesh",
+             "root": self.router.cfg.model, "parent": None,
+             "max_model_len": info.max_model_len if info is not None else None}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, _COMPLETION_FIELDS)
