@@ -56,7 +56,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics port (default: --port + 1000, or a free one when --port is 0; "
                         "0 = a free port; -1 = off); logged to stderr when serving")
-    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+    g.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
     g = p.add_argument_group("peer transfer (a torch.distributed group of the workers)")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $KVMESH_RANK, else 0)")
