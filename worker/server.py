@@ -364,6 +364,11 @@ class WorkerServer:
             self._prompt_tokens += out.prompt_tokens
             if self.metrics is not None:
                 self.metrics.observe_finished(out)
+            t = out.timings
+            log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+                     "ttft_s=%.4f e2e_s=%.4f finish_reason=%s", out.request_id, self.cfg.worker_id,
+                     out.prompt_tokens, out.num_cached_tokens, out.completion_tokens, t.ttft_s or 0.0,
+                     t.e2e_s or 0.0, out.finish_reason)
             self._cached_prompt_tokens += out.num_cached_tokens
         return resp
 

@@ -3,6 +3,8 @@ known sequence of gRPC requests (one with a shared prefix, one stopped by a stop
 counters equal what the client was told, and the histograms counted every request."""
 from __future__ import annotations
 
+import logging
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -103,3 +105,15 @@ def test_metrics_port_flag_default():
     assert metrics_port_for(50051, -1) is None
     with pytest.raises(ValueError, match="metrics_port"):
         WorkerServerConfig(metrics_port=70000)
+
+
+def test_one_access_log_line_per_finished_request(worker, caplog):
+    _, channel = worker
+    with caplog.at_level(logging.INFO, logger="kvmesh.worker"):
+        _, _, msgs = collect(pb_grpc.WorkerStub(channel).Generate(
+            request([1, 2, 3, 4, 5], request_id="trace-me-1", max_tokens=3, ignore_eos=True)))
+    lines = [r.getMessage() for r in caplog.records if "trace-me-1" in r.getMessage()]
+    f = msgs[-1]
+    assert lines == [f"request trace-me-1 finished on w-metrics: prompt_tokens=5 cached_tokens={f.cached_tokens} "
+                     f"completion_tokens=3 " + lines[0].split("completion_tokens=3 ", 1)[1]]
+    assert re.search(r"ttft_s=\d+\.\d{4} e2e_s=\d+\.\d{4} finish_reason=length$", lines[0])
