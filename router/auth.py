@@ -27,6 +27,7 @@ from aiohttp import web
 TenantId = NewType("TenantId", str)
 
 KEYS_FILE_ENV = "KVMESH_API_KEYS_FILE"
+PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file marks the tenants that may)"
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
@@ -55,6 +56,10 @@ class ApiKey:
 
     def __repr__(self) -> str:
         return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority})"
+
+
+# Without keys every client is this one tenant, trusted like the loopback default it is.
+ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True)
 
 
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
@@ -188,7 +193,7 @@ class Authenticator:
                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
             if request.path in _OPEN_HTTP_PATHS:
                 return await handler(request)
-            key = self.check(request.headers.get("Authorization")) if self.enabled else ApiKey("anonymous")
+            key = self.check(request.headers.get("Authorization")) if self.enabled else ANONYMOUS
             if key is None:
                 return unauthorized_response()
             request[TENANT_KEY] = key
@@ -247,7 +252,7 @@ class _GrpcAuth(grpc.aio.ServerInterceptor):
         metadata = dict(details.invocation_metadata or ())
         value = metadata.get("authorization")
         if not self._auth.enabled:
-            key: ApiKey | None = ApiKey("anonymous")
+            key: ApiKey | None = ANONYMOUS
         else:
             key = self._auth.check(value) if isinstance(value, str) else None
         handler = await continuation(details)
@@ -255,16 +260,19 @@ class _GrpcAuth(grpc.aio.ServerInterceptor):
             return _denying(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "missing or invalid API key (authorization: Bearer <key>)")
         if details.method in _LIMITED_GRPC_METHODS and handler is not None and handler.response_streaming:
-            return _limited_stream(handler, self._auth.limiter, key.tenant)
+            return _limited_stream(handler, self._auth.limiter, key)
         return handler
 
 
-def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter,
-                    tenant: TenantId) -> grpc.RpcMethodHandler:
-    """`handler` (unary-stream) counted against `tenant` for as long as its stream runs."""
-    inner = handler.unary_stream
+def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter, key: ApiKey) -> grpc.RpcMethodHandler:
+    """`handler` (unary-stream Generate) counted against the key's tenant for as long as its
+    stream runs; a `priority` from a tenant not flagged for it is PERMISSION_DENIED."""
+    inner, tenant = handler.unary_stream, key.tenant
 
     async def behavior(request: object, context: grpc.aio.ServicerContext) -> Any:
+        message = getattr(request, "message", None)   # a ParsedRequest (contracts.wire)
+        if not key.priority and message is not None and message.priority:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, PRIORITY_DENIED)
         if not limiter.acquire(tenant):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limiter.too_many(tenant))
         try:

@@ -9,16 +9,21 @@ Owns one aiohttp middleware (`guard_middleware`), placed right after authenticat
   OpenAI-style JSON;
 - maps input the JSON decoder or protobuf cannot hold (nesting too deep for the decoder, lone
   surrogates in strings) to 400.
+- refuses (403) a non-zero `priority` from a tenant the keys file does not flag (router/auth.py
+  does the same on gRPC).
 Handler-level validation (fields, types) stays in router/http.py.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+from router.auth import PRIORITY_DENIED, TENANT_KEY
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -47,6 +52,8 @@ def guard_middleware(read_timeout_s: float) -> Callable[..., Awaitable[web.Strea
                     return openai_error(408, f"request body not received within {read_timeout_s:g} s "
                                         "(shorter than its Content-Length?)", code="request_timeout",
                                         headers={"Connection": "close"})
+                if _priority_refused(request, await request.read()):
+                    return openai_error(403, PRIORITY_DENIED, "priority", "priority_not_allowed")
             return await handler(request)
         except web.HTTPException as e:
             if e.status < 400:
@@ -58,6 +65,18 @@ def guard_middleware(read_timeout_s: float) -> Callable[..., Awaitable[web.Strea
             return openai_error(400, f"request holds text that is not valid Unicode (lone surrogate?): {e.reason}",
                                 code="invalid_unicode")
     return guard
+
+
+def _priority_refused(request: web.Request, raw: bytes) -> bool:
+    """A body asking for a non-zero `priority` from a tenant the keys file does not flag."""
+    key = request.get(TENANT_KEY)
+    if key is None or key.priority or b"priority" not in raw:
+        return False
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False          # the handler answers 400 for the body itself
+    return isinstance(body, dict) and body.get("priority") not in (None, 0)
 
 
 def _from_aiohttp(request: web.Request, e: web.HTTPException) -> web.Response:

@@ -312,3 +312,22 @@ def test_config_rejects_bad_limits() -> None:
             RouterConfig(max_concurrent_per_tenant=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="http_read_timeout_s"):
         RouterConfig(http_read_timeout_s=0)
+
+
+def test_priority_only_for_flagged_tenants(keyed: Keyed) -> None:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "priority": 1}).encode()
+    status, parsed = post(keyed.http_port, "/v1/completions", body)          # KEY: tenant 'default', not flagged
+    assert_4xx(status, parsed, 403)
+    assert parsed["error"]["param"] == "priority"  # type: ignore[index]
+    status, parsed = post(keyed.http_port, "/v1/completions", body, {"Authorization": f"Bearer {TENANT_KEY}"})
+    assert status == 200, parsed
+    status, parsed = post(keyed.open.http_port or 0, "/v1/completions", body)   # no keys: loopback trust
+    assert status == 200, parsed
+    req = pb.GenerateRequest(text=PROMPT, sampling=greedy(2), priority=1)
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        stub = pb_grpc.RouterStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=30, metadata=(("authorization", f"Bearer {KEY}"),)))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        out = list(stub.Generate(req, timeout=60, metadata=(("authorization", f"Bearer {TENANT_KEY}"),)))
+        assert out[-1].finished
