@@ -32,7 +32,8 @@ from router.core import Router
 from router.http_guard import guard_middleware
 from router.errors import NoWorkerAvailable, UpstreamError
 from router.utility_routes import add_utility_routes
-from router.vllm_fields import VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields
+from router.vllm_fields import (VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields,
+                                generation_default_temperature)
 
 Json = dict[str, Any]
 
@@ -81,6 +82,7 @@ class HttpFrontend:
         self.created = int(time.time())
         self._active: set[asyncio.Task[Any]] = set()
         self._unknown_fields = UnknownFieldLog()
+        self.default_temperature = generation_default_temperature(router.cfg.model)  # vLLM's default
         middlewares = [authenticator_for(router).http_middleware(),
                        guard_middleware(router.cfg.http_read_timeout_s), self._track, _errors]
         app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
@@ -227,6 +229,8 @@ class HttpFrontend:
     async def _serve(self, request: web.Request, body: Json, msg: pb.GenerateRequest, *, chat: bool,
                      default_max_tokens: int) -> web.StreamResponse:
         _sampling(body, msg.sampling)
+        if body.get("temperature") is None:
+            msg.sampling.temperature = self.default_temperature
         try:
             apply_vllm_fields(body, msg)
         except FieldError as e:

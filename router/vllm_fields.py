@@ -8,11 +8,15 @@ is the same 400 through HTTP and gRPC. Type errors are caught here, naming the f
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from contracts.models import ModelLocateError, find_model_dir
 from contracts.sampling import is_int, is_real
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
@@ -108,3 +112,29 @@ class UnknownFieldLog:
         if due:
             log.warning("ignoring unknown request fields: %s", ", ".join(due))
         return due
+
+
+def generation_default_temperature(model: str) -> float:
+    """The `temperature` of the model's generation_config.json, else 1.0: vLLM's server takes
+    its default sampling settings from there. `model` is an alias, GGUF or HF dir; a model
+    that cannot be located here (the router then fails on its tokenizer) falls back to 1.0."""
+    try:
+        path = find_model_dir(model) / "generation_config.json"
+    except ModelLocateError:
+        return 1.0
+    return read_default_temperature(path)
+
+
+def read_default_temperature(path: Path) -> float:
+    """`temperature` from one generation_config.json; 1.0 when absent; ValueError when the
+    file is not JSON or the value is not a finite number >= 0."""
+    if not path.is_file():
+        return 1.0
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    value = config.get("temperature", 1.0) if isinstance(config, dict) else 1.0
+    if not is_real(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{path}: temperature must be a finite number >= 0, got {value!r}")
+    return float(value)

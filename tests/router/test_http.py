@@ -343,3 +343,19 @@ def test_utility_endpoints_tokenize_detokenize_version_models(web: Cluster) -> N
     assert status == 200 and isinstance(v["version"], str) and v["version"]
     _, models = get(port, "/v1/models")
     assert models["data"][0]["max_model_len"] == web.router.core.model_info.max_model_len
+
+
+def test_default_temperature_from_generation_config(web: Cluster, tmp_path: Path) -> None:
+    from router.vllm_fields import generation_default_temperature, read_default_temperature
+    cfg = tmp_path / "generation_config.json"
+    assert read_default_temperature(cfg) == 1.0  # no file
+    cfg.write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    assert read_default_temperature(cfg) == 0.6
+    cfg.write_text(json.dumps({"eos_token_id": 2}))
+    assert read_default_temperature(cfg) == 1.0
+    cfg.write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="temperature"):
+        read_default_temperature(cfg)
+    # SmolLM2's generation_config.json names no temperature: the front's default is 1.0.
+    assert generation_default_temperature(str(web.model_dir)) == 1.0
+    assert web.router._http is not None and web.router._http.default_temperature == 1.0
