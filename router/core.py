@@ -20,7 +20,7 @@ import grpc
 
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from contracts.wire import FINISH_REASON_NAMES, from_sampling_params, to_peer_hint
+from contracts.wire import from_sampling_params, to_peer_hint
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
@@ -70,13 +70,15 @@ class RouteObserver:
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
 
-    def first_response(self, worker_id: str, seconds: float) -> None:
+    def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
 
-    def finished(self, worker_id: str, finish_reason: str) -> None:
-        """`worker_id` finished the request with `finish_reason`."""
+    def finished(self, request_id: str, worker_id: str, final: pb.GenerateResponse, ttft_s: float,
+                 total_s: float) -> None:
+        """`worker_id` sent its first response `ttft_s` and the `final` one `total_s` after
+        `generate` began."""
 
-    def failed(self, worker_id: str) -> None:
+    def failed(self, request_id: str, worker_id: str) -> None:
         """The call to `worker_id` failed."""
 
 
@@ -163,17 +165,18 @@ class Router:
                 call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
                                             timeout=max(deadline - time.monotonic(), 0.001))
                 streamed = finished = False
+                ttft_s = 0.0
                 worker.in_flight += 1
                 try:
                     async for response in call:
                         if not streamed:
-                            self.observer.first_response(worker_id, time.perf_counter() - started)
+                            ttft_s = time.perf_counter() - started
+                            self.observer.first_response(rid, worker_id, ttft_s)
                         streamed = True
                         if response.finished:   # what came from a peer is no index mismatch
                             self.stats.record(pick.predicted_tokens,
                                               response.cached_tokens - response.peer_cached_tokens)
-                            self.observer.finished(worker_id,
-                                                   FINISH_REASON_NAMES.get(response.finish_reason, "unknown"))
+                            self.observer.finished(rid, worker_id, response, ttft_s, time.perf_counter() - started)
                         finished = finished or response.finished
                         yield response
                     if finished:
@@ -182,7 +185,7 @@ class Router:
                     raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
                                         f"worker {worker.address} closed the stream before it finished")
                 except grpc.aio.AioRpcError as e:
-                    self.observer.failed(worker_id)
+                    self.observer.failed(rid, worker_id)
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         raise UpstreamError(e.code(), e.details() or "") from None
                     self.registry.mark_down(worker, e.details() or "")

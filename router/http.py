@@ -153,7 +153,7 @@ class HttpFrontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, _COMPLETION_FIELDS)
-        msg = pb.GenerateRequest(request_id=f"cmpl-{uuid.uuid4().hex}")
+        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -175,7 +175,7 @@ class HttpFrontend:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, _CHAT_FIELDS)
-        msg = pb.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}")
+        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages: must be a non-empty list", "messages")
@@ -422,3 +422,17 @@ def _set(fn: Callable[[], object], param: str) -> None:
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
+
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")    # printable ASCII, no spaces
+
+
+def _request_id(request: web.Request, prefix: str) -> str:
+    """The client's `x-request-id` (the id in the router's and the worker's log lines and in the
+    response), else a fresh `<prefix>-<hex>`; a malformed header is a 400."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not _REQUEST_ID.fullmatch(given):
+        raise HttpError(400, "x-request-id: must be 1-128 printable ASCII characters without spaces", None)
+    return given

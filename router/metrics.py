@@ -8,6 +8,7 @@ torch-free.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from aiohttp import web
@@ -15,9 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from contracts.wire import FINISH_REASON_NAMES
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.cluster_view import ClusterView
 from router.core import RouteObserver, Router
 
+log = logging.getLogger("kvmesh.router")
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -44,13 +48,19 @@ class RouterMetrics(RouteObserver):
     def decided(self, seconds: float) -> None:
         self.decision.observe(seconds)
 
-    def first_response(self, worker_id: str, seconds: float) -> None:
+    def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         self.ttft.labels(worker_id).observe(seconds)
 
-    def finished(self, worker_id: str, finish_reason: str) -> None:
-        self._count(worker_id, finish_reason)
+    def finished(self, request_id: str, worker_id: str, final: pb.GenerateResponse, ttft_s: float,
+                 total_s: float) -> None:
+        """Count it, and write the request's one access-log line."""
+        reason = FINISH_REASON_NAMES.get(final.finish_reason, "unknown")
+        self._count(worker_id, reason)
+        log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+                 "ttft_s=%.4f total_s=%.4f finish_reason=%s", request_id, worker_id, final.prompt_tokens,
+                 final.cached_tokens, final.completion_tokens, ttft_s, total_s, reason)
 
-    def failed(self, worker_id: str) -> None:
+    def failed(self, request_id: str, worker_id: str) -> None:
         self._count(worker_id, "error")
 
     def _count(self, worker_id: str, outcome: str) -> None:

@@ -4,6 +4,8 @@ shared prefix) the counters equal what the clients were told."""
 from __future__ import annotations
 
 import json
+import logging
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,3 +93,24 @@ def test_cluster_json_moves_by_what_one_request_did(web: Cluster) -> None:
     assert r1["served_hit_tokens"] - r0["served_hit_tokens"] == final.cached_tokens - final.peer_cached_tokens
     assert sum(r["count"] for r in r1["requests"]) - sum(r["count"] for r in r0["requests"]) == 1
     assert after["policy"] == web.router.cfg.routing_policy.value
+
+
+def test_x_request_id_names_the_request_in_router_and_worker_logs(web: Cluster, caplog: Any) -> None:
+    body = json.dumps({"model": "smollm2", "prompt": "Hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{web.http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", "x-request-id": "trace-abc-42"})
+    with caplog.at_level(logging.INFO):
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            answer = json.loads(resp.read())
+    assert answer["id"] == "trace-abc-42"
+    lines = {r.name: r.getMessage() for r in caplog.records if "trace-abc-42" in r.getMessage()}
+    usage = answer["usage"]
+    for logger, worker_id in (("kvmesh.router", "worker-0"), ("kvmesh.worker", "worker-0")):
+        assert lines[logger].startswith(f"request trace-abc-42 finished on {worker_id}: "
+                                        f"prompt_tokens={usage['prompt_tokens']} "), lines
+        assert f"completion_tokens={usage['completion_tokens']} " in lines[logger]
+    bad = urllib.request.Request(f"http://127.0.0.1:{web.http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", "x-request-id": "has space"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bad, timeout=60)
+    assert e.value.code == 400
