@@ -9,7 +9,6 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,11 @@ import openai
 import pytest
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from tests.router.test_router import (LONG_PREFIX, Cluster, greedy, run_generate, start_cluster, stop_cluster,
+from tests.router.test_router import (LONG_PREFIX, Cluster, greedy, run_generate,
                                       summary, used_blocks, wait_until)
 
 PROMPT = "The best thing about living near the sea is"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où se trouve Zürich ? 🏔"}]
-
-
-@pytest.fixture(scope="module")
-def web(smollm2_dir: Path) -> Iterator[Cluster]:
-    c = start_cluster(smollm2_dir, 1, http=True)
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,18 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, start_cluster, stop_cluster, summary
+from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-@pytest.fixture(scope="module")
-def web(smollm2_dir: Path) -> Iterator[Cluster]:
-    c = start_cluster(smollm2_dir, 1, http=True)
-    try:
-        yield c
-    finally:
-        stop_cluster(c)
 
 
 def scrape(port: int | None) -> Samples:
