@@ -186,6 +186,22 @@ class KVStore:
         self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash)
         self._drain()
 
+    def share(self, block_ids: Sequence[BlockId]) -> None:
+        """One more reference per block: a forked sequence (n > 1) shares its parent's blocks."""
+        self.pool.touch(block_ids)
+
+    def is_shared(self, block_id: BlockId) -> bool:
+        return self.pool.ref_cnt(block_id) > 1
+
+    def copy_on_write(self, block_id: BlockId) -> BlockId:
+        """A private copy of a shared block for a sequence about to write into it: a fresh
+        block with the same K/V; the caller's reference to `block_id` is dropped. Raises
+        `OutOfBlocks`, store unchanged."""
+        (copy,) = self.allocate(1)
+        self.kv.copy_blocks([block_id], [copy])
+        self.pool.free([block_id])
+        return copy
+
     def reset_prefix_cache(self) -> bool:
         """Drop every device-cached hash if no block is in use (True), else nothing (False)."""
         done = self.pool.reset_prefix_cache()

@@ -82,7 +82,7 @@ class AsyncEngine:
                     finished = True
                     raise item
                 yield item
-                if item.finished:
+                if item.finished and item.group_finished:
                     finished = True
                     return
         except (InvalidRequest, QueueFull):
@@ -187,7 +187,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.finished:
+            if out.finished and out.group_finished:
                 del self._streams[out.request_id]
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 

@@ -276,25 +276,33 @@ class WorkerServer:
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
                               staged=fetched.staged if fetched is not None else None)
         t0, first = time.perf_counter(), True
+        completion_tokens = 0          # over every sequence (n / best_of)
         try:
             async for out in outputs:
                 if first and self._peer is not None:
                     self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False
-                await context.write(self._response(out, fetched))
+                completion_tokens += out.completion_tokens if out.finished else 0
+                await context.write(self._response(out, fetched, completion_tokens))
         finally:
             # Client cancelled or deadline passed (CancelledError here): closing the iterator
             # aborts the request and frees its blocks.
             await outputs.aclose()
 
-    def _response(self, out: RequestOutput, fetched: Fetched | None = None) -> pb.GenerateResponse:
+    def _response(self, out: RequestOutput, fetched: Fetched | None = None,
+                  completion_tokens: int = 0) -> pb.GenerateResponse:
+        from worker.logprobs import to_pb
         resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
-                                   text=out.new_text, worker_id=self.cfg.worker_id)
+                                   text=out.new_text, worker_id=self.cfg.worker_id, index=out.index,
+                                   logprobs=to_pb(out.new_logprobs), prompt_logprobs=to_pb(out.prompt_logprobs or ()),
+                                   cumulative_logprob=out.cumulative_logprob or 0.0)
         if out.finished:
-            resp.finished = True
+            resp.sequence_finished = True
             resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        if out.finished and out.group_finished:
+            resp.finished = True
             resp.prompt_tokens = out.prompt_tokens
-            resp.completion_tokens = out.completion_tokens
+            resp.completion_tokens = max(completion_tokens, out.completion_tokens)
             resp.cached_tokens = out.num_cached_tokens
             if fetched is not None:   # the fetched blocks follow the local ones, if admission used them
                 assert self._engine is not None
