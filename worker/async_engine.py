@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from worker.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
-                             ReadBlocks, Snapshot, StageBlocks, Tokenize)
+                             ReadBlocks, ResetPrefixCache, Snapshot, StageBlocks, Tokenize)
 from worker.engine import Engine, Prompt
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
@@ -153,6 +153,8 @@ class AsyncEngine:
                 return engine.stats()
             case ListRequests():
                 return tuple(engine.requests)
+            case ResetPrefixCache():
+                return engine.store.reset_prefix_cache()
         raise TypeError(f"unknown engine command {type(command).__name__}")
 
     def _run_command(self, command: Command[Any], reply: Reply | None) -> None:

@@ -29,7 +29,7 @@ from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_reques
                             to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from worker.commands import ApplyChatTemplate, ListRequests, Snapshot, Tokenize
+from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.server_config import WorkerServerConfig
 
@@ -238,6 +238,8 @@ class WorkerServer:
             "SendBlocks": grpc.unary_unary_rpc_method_handler(
                 self._send_blocks, request_deserializer=parse_send_blocks_request,
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
+            "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
+                                      pb.ResetPrefixCacheResponse),
         })
 
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -364,6 +366,11 @@ class WorkerServer:
         except grpc.aio.AioRpcError as e:
             raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
         return int(response.num_blocks)
+
+    async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        ae = await self._ready(context)
+        return pb.ResetPrefixCacheResponse(reset=await self._guard(context, ae.run(ResetPrefixCache())))
 
     async def _get_model_info(self, request: pb.ModelInfoRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelInfo:

@@ -317,3 +317,13 @@ class SendBlocksResponse(_message.Message):
     num_bytes: int
     reason: str
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: _Optional[bool] = ...) -> None: ...
