@@ -261,7 +261,8 @@ class Engine:
         if reason is None and req.num_tokens >= req.max_total_tokens:
             reason = "length"
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens,
+                                         spaces_between_special_tokens=req.params.spaces_between_special_tokens)
             if req.params.stop and len(req.output_token_ids) >= req.params.min_tokens:
                 at = find_stop(text, req.sent_text, req.params.stop)
                 if at is not None:
