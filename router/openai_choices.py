@@ -54,11 +54,12 @@ def choice_options(body: Json, sp: pb.SamplingParams, chat: bool) -> ChoiceOptio
         if wanted is not None and not isinstance(wanted, bool):
             raise FieldError("logprobs", f"must be a boolean, got {wanted!r}")
         top = _int_field(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
-        if body.get("top_logprobs") is not None and not wanted:
+        if top > 0 and not wanted:
             raise FieldError("top_logprobs", "needs logprobs: true")
         logprobs = top if wanted else None
     else:
-        logprobs = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS) if body.get("logprobs") is not None else None
+        wanted = body.get("logprobs")    # false: none, as OpenAI's clients sometimes send it
+        logprobs = None if wanted is None or wanted is False else _int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = body.get("echo", False) if not chat else False
     if echo is None:
         echo = False

@@ -226,3 +226,33 @@ def test_spaces_between_special_tokens_over_http_and_grpc(web: Cluster) -> None:
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi!")])
     sampling = greedy(24, ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(m.text for m in grpc_all(web, pb.GenerateRequest(chat=chat, sampling=sampling))) == a
+
+
+BAD_GRPC = {  # the same validation as HTTP (contracts.sampling), as INVALID_ARGUMENT naming the field
+    "n": pb.SamplingParams(n=17),
+    "best_of": pb.SamplingParams(n=3, best_of=2),
+    "logprobs": pb.SamplingParams(logprobs=21),
+    "prompt_logprobs": pb.SamplingParams(prompt_logprobs=-1),
+    "max_tokens": pb.SamplingParams(max_tokens=0),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_GRPC))
+def test_grpc_rejects_the_same_values(web: Cluster, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_all(web, pb.GenerateRequest(text=PROMPT, sampling=BAD_GRPC[field]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in (err.value.details() or "")
+    assert grpc_all(web, pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
+        max_tokens=0, prompt_logprobs=0)))[-1].finished        # max_tokens 0 is fine with prompt logprobs
+
+
+def test_keys_file_admin_flag(tmp_path: Path) -> None:
+    from router.auth import parse_keys_file
+    f = tmp_path / "keys"
+    f.write_text("k1 ops admin\nk2 team priority admin\nk3 team priority\nk4 plain\n")
+    assert [(k.priority, k.admin) for k in parse_keys_file(f)] == [
+        (False, True), (True, True), (True, False), (False, False)]
+    for bad in ("k1 ops root\n", "k1 ops admin admin\n", "k1\n"):
+        f.write_text(bad)
+        with pytest.raises(ValueError, match="admin"):
+            parse_keys_file(f)
