@@ -21,6 +21,7 @@ from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.store import KVStore
 from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
 from worker.cuda_graph import decode_graphs
+from worker.kernels import native
 from worker.kernels.backend import attention_ops, resolve_backend
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
@@ -80,7 +81,7 @@ class Engine:
             self.model.set_key_scales(cal.scales, cal.shift)
             codec_id = "key-calibration:" + cal.digest()
         self.store = KVStore(self.layout, num_blocks, self.device, enable_prefix_caching=cfg.enable_prefix_caching,
-                             offload_bytes=int(cfg.kv_offload_gib * 2**30))
+                             offload_bytes=int(cfg.kv_offload_gib * 2**30), copy_blocks=native.block_copier() if cfg.kv_offload_gib else None)
         self.kv_caches = list(zip(self.store.kv.k_caches, self.store.kv.v_caches))
         # decode steps replay CUDA graphs (CUDA + triton backend, unless enforce_eager); None: eager
         self.cuda_graphs = decode_graphs(self.model, self.kv_caches, cfg.enforce_eager, cfg.max_num_seqs,
