@@ -134,6 +134,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if self.evictor is not None and params.num_sequences > 1:   # evicted caches are per sequence
+            raise InvalidRequest(f"n / best_of: {params.num_sequences} sequences with kv_eviction on; use 1")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
