@@ -217,14 +217,14 @@ def test_choice_bodies_replay_200(web: Cluster, i: int) -> None:
 
 
 def test_spaces_between_special_tokens_over_http_and_grpc(web: Cluster) -> None:
-    body: dict[str, Any] = dict(messages=[{"role": "user", "content": "Hi!"}], max_tokens=24, temperature=0,
+    body: dict[str, Any] = dict(messages=[{"role": "user", "content": "Hi!"}], max_tokens=12, temperature=0,
                                 ignore_eos=True, skip_special_tokens=False)
     _, joined = post(web.http_port or 0, CHAT, _j(**body, spaces_between_special_tokens=False))
     _, spaced = post(web.http_port or 0, CHAT, _j(**body))          # vLLM's default: true
     a, b = joined["choices"][0]["message"]["content"], spaced["choices"][0]["message"]["content"]
     assert "<|im_end|>" in a and " <|im_end|>" in b and a != b and a.replace(" ", "") == b.replace(" ", "")
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi!")])
-    sampling = greedy(24, ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False)
+    sampling = greedy(12, ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(m.text for m in grpc_all(web, pb.GenerateRequest(chat=chat, sampling=sampling))) == a
 
 
