@@ -36,7 +36,7 @@ from worker.server_config import WorkerServerConfig
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
-    from worker.peer import Fetched, PeerFigures, PeerPlane
+    from worker.peer import AskAnswer, Fetched, PeerFigures, PeerPlane
     from worker.metrics import MetricsHTTP, WorkerMetrics
     from worker.request import RequestOutput
 
@@ -169,11 +169,11 @@ class WorkerServer:
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
         from kvstore.transfer_group import TransferConfig, TransferError
         from worker.peer import PeerConfig, PeerPlane
-        assert self.cfg.dist_init_addr is not None
-        host, _, port = self.cfg.dist_init_addr.rpartition(":")
-        cfg = PeerConfig(TransferConfig(rank=self.cfg.rank, world_size=self.cfg.world_size, master_port=int(port),
-                                        master_addr=host, timeout_s=self.cfg.transfer_timeout_s,
-                                        rendezvous_timeout_s=180.0), faults=self.cfg.transfer_faults)
+        advertise_host = self.cfg.advertise_address.rpartition(":")[0] if self.cfg.advertise_address else None
+        timeout = self.cfg.transfer_timeout_s
+        cfg = PeerConfig(self.cfg.worker_id, TransferConfig(timeout_s=timeout, connect_timeout_s=timeout),
+                         store_host=self.cfg.host, store_port=self.cfg.transfer_port,
+                         advertise_host=advertise_host, faults=self.cfg.transfer_faults)
         try:
             return PeerPlane.start(cfg, engine)
         except TransferError as e:
@@ -343,29 +343,30 @@ class WorkerServer:
         from worker.peer import PeerTransferOff
         inp = to_send_blocks_input(request)
         if self._peer is None:
-            raise PeerTransferOff(f"worker {self.cfg.worker_id} is in no transfer group")
+            raise PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off")
 
         def still_wanted() -> bool:    # the answer must reach the caller before its deadline
             remaining = context.time_remaining()
             return not context.done() and (remaining is None or remaining > _SEND_MARGIN_S)
-        num_blocks, num_bytes, reason = await self._peer.serve_send(ae, inp, still_wanted)
-        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason)
+        num_blocks, num_bytes, reason, unknown = await self._peer.serve_send(ae, inp, still_wanted)
+        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
+                                     generation=self._peer.me.generation, pair_unknown=unknown)
 
-    async def _ask_peer(self, address: str, block_hashes: Sequence[int], dst_rank: int, src_rank: int,
-                        transfer_id: int) -> int:
+    async def _ask_peer(self, address: str, block_hashes: Sequence[int], transfer_id: int,
+                        pair: dict[str, Any]) -> AskAnswer:
         """The control-plane call of a fetch (worker.peer.AskPeer)."""
-        from worker.peer import PeerUnavailable
+        from worker.peer import AskAnswer, PeerUnavailable
         channel = self._peer_channels.get(address)
         if channel is None:
             limit = self.cfg.max_message_bytes
             channel = self._peer_channels[address] = grpc.aio.insecure_channel(
                 address, options=[("grpc.max_send_message_length", limit)])
-        request = to_send_blocks_request(block_hashes, dst_rank, src_rank, transfer_id)
+        request = to_send_blocks_request(block_hashes, transfer_id, **pair)
         try:
             response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
-        return int(response.num_blocks)
+        return AskAnswer(int(response.num_blocks), int(response.generation), bool(response.pair_unknown))
 
     async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
                                   context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
@@ -418,12 +419,14 @@ class WorkerServer:
 
 
 def _peer_stats(f: PeerFigures) -> pb.PeerStats:
-    links = [pb.PeerLink(rank=r, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
-                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(r, ""))
-             for r, e in sorted(f.links.items())]
+    links = [pb.PeerLink(worker_id=w, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
+                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(w, ""))
+             for w in sorted(f.links.keys() | f.lost.keys()) for e in (f.links.get(w),)]
     return pb.PeerStats(
-        rank=f.rank, world_size=f.world_size, backend=f.backend, prefill_tokens_per_s=f.prefill_tokens_per_s,
-        checksum_bytes_s=f.checksum_bytes_s, links=links, **dataclasses.asdict(f.counters))
+        worker_id=f.me.worker_id, generation=f.me.generation, store_address=f.store_address,
+        pairs_formed=f.pairs_formed, pairs_broken=f.pairs_broken, backend=f.backend,
+        prefill_tokens_per_s=f.prefill_tokens_per_s, checksum_bytes_s=f.checksum_bytes_s, links=links,
+        **dataclasses.asdict(f.counters))
 
 
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
