@@ -281,3 +281,19 @@ class SendBlocksResponse(_message.Message):
     num_bytes: int
     reason: str
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AttestRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttestResponse(_message.Message):
+    __slots__ = ("worker_id", "address", "mac")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    mac: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
