@@ -103,7 +103,8 @@ class HttpFrontend:
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        tls = self.router.cfg.tls
+        await web.TCPSite(self._runner, host, port, ssl_context=tls.http_ssl_context() if tls.serves_tls else None).start()
         return int(self._runner.addresses[0][1])
 
     async def stop(self, grace: float | None) -> None:

@@ -29,6 +29,7 @@ from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_reques
                             to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from worker import cluster_auth
 from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.server_config import WorkerServerConfig
@@ -100,19 +101,20 @@ class WorkerServer:
             await self._health.set(service, _NOT_SERVING)
         limit = self.cfg.max_message_bytes
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit)])
+                                          ("grpc.max_send_message_length", limit)],
+                                 interceptors=cluster_auth.server_interceptors(self.cfg))
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        self._port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self._port = cluster_auth.bind(server, self.cfg)
         await server.start()
         self._server = server
         self._idle.set()
         self._load_task = asyncio.create_task(self._load(), name=f"load-{self.cfg.worker_id}")
-        log.info("worker %s listening on %s:%d, loading %s", self.cfg.worker_id, self.cfg.host,
-                 self._port, self.engine_cfg.model)
+        log.info("worker %s listening on %s:%d (%s), loading %s", self.cfg.worker_id, self.cfg.host,
+                 self._port, ", ".join(cluster_auth.describe(self.cfg)), self.engine_cfg.model)
         return self._port
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -240,6 +242,8 @@ class WorkerServer:
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
             "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
                                       pb.ResetPrefixCacheResponse),
+            "Attest": unary(lambda r, c: cluster_auth.attest(self.cfg, self.address, r, c),
+                            pb.AttestRequest, pb.AttestResponse),
         })
 
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -358,9 +362,7 @@ class WorkerServer:
         from worker.peer import AskAnswer, PeerUnavailable
         channel = self._peer_channels.get(address)
         if channel is None:
-            limit = self.cfg.max_message_bytes
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", limit)])
+            channel = self._peer_channels[address] = cluster_auth.peer_channel(self.cfg, address)
         request = to_send_blocks_request(block_hashes, transfer_id, **pair)
         try:
             response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)

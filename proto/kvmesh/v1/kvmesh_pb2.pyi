@@ -357,3 +357,19 @@ class ResetPrefixCacheResponse(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class AttestRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttestResponse(_message.Message):
+    __slots__ = ("worker_id", "address", "mac")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    mac: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
