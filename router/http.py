@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from contracts.logs import REQUEST_ID
 from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
 from contracts.tokenizer import ModelTokenizer, TokenizerError
@@ -432,7 +433,8 @@ def _request_id(request: web.Request, prefix: str) -> str:
     response), else a fresh `<prefix>-<hex>`; a malformed header is a 400."""
     given = request.headers.get("x-request-id")
     if given is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    if not _REQUEST_ID.fullmatch(given):
+        given = f"{prefix}-{uuid.uuid4().hex}"
+    elif not _REQUEST_ID.fullmatch(given):
         raise HttpError(400, "x-request-id: must be 1-128 printable ASCII characters without spaces", None)
+    REQUEST_ID.set(given)    # on every log line of this request (contracts/logs.py)
     return given

@@ -39,7 +39,7 @@ class LocalPlacement:
         for i in range(cfg.workers):
             self._workers.append(spawn(log_dir, f"worker-{i}", [
                 cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", "0",
-                "--metrics-port", str(self.metrics_ports[i]),
+                "--metrics-port", str(self.metrics_ports[i]), "--log-format", cfg.log_format,
                 "--worker-id", f"worker-{i}", "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
                 "--model", cfg.model, *_rank_argv(i, cfg.workers, group), *cfg.engine_argv]))
         addresses = []
@@ -58,7 +58,7 @@ class LocalPlacement:
         i = next(i for i, w in enumerate(self._workers) if w.name == name)
         self._workers[i] = spawn(log_dir, name, [
             cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(self._ports[i]),
-            "--metrics-port", str(self.metrics_ports[i]),
+            "--metrics-port", str(self.metrics_ports[i]), "--log-format", cfg.log_format,
             "--worker-id", name, "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
             "--model", cfg.model, *cfg.engine_argv], append=True)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
+from contracts.logs import add_log_format_argument, configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from router.auth import add_auth_arguments, keys_from_args, warn_if_open
@@ -135,6 +136,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
     add_auth_arguments(p)
+    add_log_format_argument(p)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -151,7 +153,7 @@ def run_router(args: argparse.Namespace) -> int:
                            api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     warn_if_open(cfg.host, cfg.api_keys)
     return asyncio.run(_serve_until_signal(cfg))
 

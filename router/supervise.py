@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import NamedTuple, Protocol
 
 from contracts.cli import CLIError
+from contracts.logs import LogFormat
 from router.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
 from router.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
 
@@ -61,9 +62,12 @@ class ServeConfig:
     stop_timeout_s: float = 10.0
     python: str = sys.executable
     restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
+    log_format: str = "text"                # every child's --log-format (contracts/logs.py)
 
     def __post_init__(self) -> None:
         RestartConfig(policy=self.restart_policy)   # raises ValueError naming restart_policy
+        if self.log_format not in [f.value for f in LogFormat]:
+            raise ValueError(f"log_format={self.log_format!r}; accepted: {', '.join(f.value for f in LogFormat)}")
         object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
         object.__setattr__(self, "router_argv", tuple(self.router_argv))
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -260,7 +264,7 @@ class Cluster:
                 "--http-port", str(http_port), "--routing-policy", cfg.routing_policy,
                 "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
                 "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model,
-                *cfg.router_argv]
+                "--log-format", cfg.log_format, *cfg.router_argv]
 
 
 class _Stop(BaseException):

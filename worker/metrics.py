@@ -5,6 +5,9 @@ Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `Colle
 - `observe_finished(out)`: every finished `RequestOutput` (counters of tokens, prefix-cache
   queries/hits in tokens as vLLM counts them, success by finish reason, and the latency
   histograms from its `RequestTimings`);
+- `token_gaps()`: one `TokenGaps` per request stream, fed every output: one inter-token
+  latency observation per generated token after the first, as vLLM observes them per step;
+- `observe_peer_fetch(s)`: the duration of each peer fetch (the peer plane's `fetch_observer`);
 - `update_stats(stats, peer)`: the latest engine `Snapshot` (`EngineStats`) and peer-plane
   counters, read by a collector at scrape time (gauges, and counters the engine keeps cumulative).
 `MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread).
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -26,6 +29,7 @@ from worker.commands import Snapshot
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
+    from worker.engine import Engine
     from worker.engine_config import EngineStats
     from worker.peer import PeerCounters, PeerPlane
     from worker.request import RequestOutput
@@ -44,12 +48,11 @@ class PeerTotals(NamedTuple):
     checksum_failed: int  # blocks that failed their checksum
     peer_lost: int        # fetches that failed (peer unreachable / timed out)
     bytes_fetched: int
-    fetch_seconds: float
 
     @classmethod
     def from_counters(cls, c: PeerCounters) -> PeerTotals:
         return cls(max(c.fetch_decisions - c.fetch_failures, 0), c.recompute_decisions, c.blocks_bad,
-                   c.fetch_failures, c.bytes_fetched, c.fetch_seconds)
+                   c.fetch_failures, c.bytes_fetched)
 
 
 class WorkerMetrics:
@@ -58,10 +61,13 @@ class WorkerMetrics:
     scrapes run on the HTTP thread, so the shared snapshot is swapped under a lock."""
 
     def __init__(self, model_name: str, worker_id: str, kv_cache_dtype: str,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *, block_size: int = 16,
+                 eviction_policy: str = "none") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.labels = (model_name, worker_id)
         self.kv_cache_dtype = kv_cache_dtype
+        self.block_size = block_size
+        self.eviction_policy = eviction_policy   # the engine's kv_eviction (token eviction)
         self._lock = threading.Lock()
         self._stats: EngineStats | None = None
         self._peer: PeerTotals | None = None
@@ -80,13 +86,30 @@ class WorkerMetrics:
         self.success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _REQUEST_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",
-                             "Mean time between output tokens, one observation per request", _TOKEN_BUCKETS)
+                             "Time between consecutive output tokens, one observation per token gap",
+                             _TOKEN_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first admission", _REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First admission to first token",
                                  _REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
+        self.peer_fetch = histogram("peer_fetch_seconds", "Duration of one peer fetch (plan to blocks staged)",
+                                    _REQUEST_BUCKETS)
+        self._itl_child = self.itl.labels(*self.labels)
         r.register(_StatsCollector(self))
+
+    @classmethod
+    def for_engine(cls, engine: Engine, worker_id: str) -> WorkerMetrics:
+        """The metrics of `engine` (its model, KV dtype, block size and eviction policy)."""
+        return cls(engine.model_config.name, worker_id, engine.layout.kv_cache_dtype,
+                   block_size=engine.cfg.block_size, eviction_policy=engine.cfg.kv_eviction)
+
+    def token_gaps(self) -> TokenGaps:
+        """The inter-token observer of one request stream (feed it every output)."""
+        return TokenGaps(self._itl_child)
+
+    def observe_peer_fetch(self, seconds: float) -> None:
+        self.peer_fetch.labels(*self.labels).observe(seconds)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Count one finished request (call once, with its final output)."""
@@ -102,8 +125,6 @@ class WorkerMetrics:
                             (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
             if value is not None:
                 hist.labels(*lv).observe(value)
-        if t.decode_s is not None and out.completion_tokens > 1:
-            self.itl.labels(*lv).observe(t.decode_s / (out.completion_tokens - 1))
 
     def update_stats(self, stats: EngineStats, peer: PeerTotals | None = None) -> None:
         """The latest engine snapshot (and peer counters), read at the next scrape."""
@@ -113,6 +134,31 @@ class WorkerMetrics:
     def snapshot(self) -> tuple[EngineStats | None, PeerTotals | None]:
         with self._lock:
             return self._stats, self._peer
+
+
+class TokenGaps:
+    """Inter-token latency of one request: each output's new tokens after the first token
+    are each one gap of (this output's token time - the previous one's) / their number (one
+    token per decode step, so one observation per step, as vLLM observes it)."""
+
+    __slots__ = ("_hist", "_last")
+
+    def __init__(self, hist: Any) -> None:
+        self._hist = hist
+        self._last: float | None = None
+
+    def output(self, out: RequestOutput) -> None:
+        n, now = len(out.new_token_ids), out.timings.last_token_time
+        if n == 0 or now is None:
+            return
+        if self._last is None:       # the first token: TTFT's, not a gap; later ones in it are
+            n -= 1
+            self._last = out.timings.first_token_time
+        if n > 0 and self._last is not None:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self._hist.observe(gap)
+        self._last = now
 
 
 class _StatsCollector(Collector):
@@ -152,6 +198,15 @@ class _StatsCollector(Collector):
                       stats.num_preemptions)
         yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",
                       stats.num_onloaded_blocks)
+        yield counter("kv_blocks_offloaded", "Blocks copied from the device pool into the host tier",
+                      stats.num_offloaded_blocks)
+        evicted = CounterMetricFamily("kvmesh:kv_evicted_tokens", "Tokens of KV dropped, by eviction policy "
+                                      "(lru: cached device blocks reused; streaming/h2o: token eviction)",
+                                      labels=[*LABELS, "policy"])
+        evicted.add_metric([*lv, "lru"], stats.num_lru_evicted_blocks * m.block_size)
+        if m.eviction_policy != "none":
+            evicted.add_metric([*lv, m.eviction_policy], stats.num_evicted_tokens)
+        yield evicted
         if peer is None:
             return
         outcomes = CounterMetricFamily("kvmesh:peer_fetch", "Peer-fetch decisions by outcome",
@@ -161,7 +216,6 @@ class _StatsCollector(Collector):
             outcomes.add_metric([*lv, outcome], value)
         yield outcomes
         yield counter("peer_fetch_bytes", "Bytes fetched from peers", peer.bytes_fetched)
-        yield counter("peer_fetch_seconds", "Seconds spent fetching from peers", peer.fetch_seconds)
 
 
 class MetricsHTTP:

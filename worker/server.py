@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from contracts.logs import REQUEST_ID, trace_id
 from contracts.requests import BadRequest
 from contracts.sampling import SamplingParamsError
 from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_request, parse_send_blocks_request,
@@ -159,7 +160,9 @@ class WorkerServer:
 
     async def _start_metrics(self, engine: Engine, ae: AsyncEngine, port: int) -> None:
         from worker.metrics import MetricsHTTP, WorkerMetrics, refresh_forever
-        self.metrics = WorkerMetrics(engine.model_config.name, self.cfg.worker_id, engine.layout.kv_cache_dtype)
+        self.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id)
+        if self._peer is not None:
+            self._peer.fetch_observer = self.metrics.observe_peer_fetch
         self._metrics_http = await asyncio.to_thread(MetricsHTTP, self.metrics.registry, self.cfg.host, port)
         self._metrics_task = asyncio.create_task(refresh_forever(self.metrics, ae, self._peer),
                                                  name=f"metrics-{self.cfg.worker_id}")
@@ -260,6 +263,7 @@ class WorkerServer:
     async def _stream(self, ae: AsyncEngine, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         inp = to_generate_input(msg)
         request_id = inp.request_id or uuid.uuid4().hex
+        REQUEST_ID.set(trace_id(context, request_id))   # on every log line of this request
         prompt: str | list[int]
         if inp.chat is not None:
             prompt = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in inp.chat)))
@@ -276,8 +280,11 @@ class WorkerServer:
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
                               staged=fetched.staged if fetched is not None else None)
         t0, first = time.perf_counter(), True
+        gaps = self.metrics.token_gaps() if self.metrics is not None else None
         try:
             async for out in outputs:
+                if gaps is not None:
+                    gaps.output(out)
                 if first and self._peer is not None:
                     self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from contracts.cli import CLIError, flagify
+from contracts.logs import add_log_format_argument, configure_logging
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.config import ModelLoadError
 from worker.server import WorkerServer, WorkerServerConfig
@@ -58,6 +59,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "0 = a free port; -1 = off); logged to stderr when serving")
     g.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
+    add_log_format_argument(g)
     g = p.add_argument_group("peer transfer (a torch.distributed group of the workers)")
     g.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $KVMESH_RANK, else 0)")
     g.add_argument("--world-size", type=int, default=None,
@@ -95,8 +97,7 @@ def run_worker(args: argparse.Namespace) -> int:
                                  metrics_port=metrics_port_for(args.port, args.metrics_port))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     return asyncio.run(_serve_until_signal(engine_cfg, cfg))
 
 
