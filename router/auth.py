@@ -31,7 +31,7 @@ PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file mar
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
-_OPEN_HTTP_PATHS = frozenset({"/health", "/live"})
+_OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/dashboard"})   # /dashboard: a page without data
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _LIMITED_HTTP_PREFIX = "/v1/"                     # POSTs here generate: counted per tenant
 _LIMITED_GRPC_METHODS = frozenset({"/kvmesh.v1.Router/Generate"})
@@ -140,12 +140,16 @@ class TenantLimiter:
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self._in_flight: dict[TenantId, int] = {}
+        self.admitted: dict[TenantId, int] = {}   # requests per tenant since start (router/metrics.py)
+        self.rejected: dict[TenantId, int] = {}
 
     def acquire(self, tenant: TenantId) -> bool:
         n = self._in_flight.get(tenant, 0)
         if self.limit is not None and n >= self.limit:
+            self.rejected[tenant] = self.rejected.get(tenant, 0) + 1
             return False
         self._in_flight[tenant] = n + 1
+        self.admitted[tenant] = self.admitted.get(tenant, 0) + 1
         return True
 
     def release(self, tenant: TenantId) -> None:

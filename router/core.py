@@ -71,6 +71,9 @@ class RouteObserver:
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
 
+    def picked(self, route: RouteRequest, worker_id: str) -> None:
+        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/cluster_view.py)."""
+
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
 
@@ -163,6 +166,7 @@ class Router:
                 assert worker.info is not None
                 worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
+                self.observer.picked(prepared.route, worker_id)
                 self._inflight[rid] = worker
                 call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
                                             timeout=max(deadline - time.monotonic(), 0.001),

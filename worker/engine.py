@@ -363,7 +363,8 @@ class Engine:
                            u.num_onloaded_blocks,
                            self.store.host.stats().offloaded if self.store.host is not None else 0,
                            self.store.pool.stats().evictions,
-                           self.evictor.num_evicted_tokens if self.evictor is not None else 0)
+                           self.evictor.num_evicted_tokens if self.evictor is not None else 0,
+                           u.num_cached_blocks)
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""

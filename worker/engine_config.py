@@ -77,3 +77,4 @@ class EngineStats(NamedTuple):
     num_offloaded_blocks: int = 0     # blocks copied into the host tier from the device pool
     num_lru_evicted_blocks: int = 0   # cached device blocks dropped (reused) by allocations
     num_evicted_tokens: int = 0       # tokens dropped by token eviction (kv_eviction)
+    num_cached_blocks: int = 0        # device blocks holding a cached prefix (in use or free)

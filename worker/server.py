@@ -381,7 +381,8 @@ class WorkerServer:
                        prefix_hit_blocks=s.prefix_hits, prompt_tokens=self._prompt_tokens,
                        cached_prompt_tokens=self._cached_prompt_tokens, num_preemptions=s.num_preemptions,
                        num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
-                       num_onloaded_blocks=s.num_onloaded_blocks)
+                       num_onloaded_blocks=s.num_onloaded_blocks,
+                       num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks)
         if self._peer is not None:
             load.peer.CopyFrom(_peer_stats(self._peer.figures()))
         return load
