@@ -153,8 +153,8 @@ class HttpFrontend:
              "max_model_len": info.max_model_len if info is not None else None}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))  # first: its id on every log line
         body = await self._body(request, _COMPLETION_FIELDS)
-        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -175,8 +175,8 @@ class HttpFrontend:
         return await self._serve(request, body, msg, chat=False, default_max_tokens=16)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))  # first: its id on every log line
         body = await self._body(request, _CHAT_FIELDS)
-        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages: must be a non-empty list", "messages")
