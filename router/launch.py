@@ -106,6 +106,7 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
         f"  HTTP     {cluster.http_base_url}",
         f"  redis    {cluster.redis_url}{redis_note}",
         f"  workers  {' '.join(cluster.worker_addresses)}",
+        f"  dashboard {cluster.http_base_url.removesuffix('/v1')}/dashboard",
         f"  metrics  {cluster.http_base_url.removesuffix('/v1')}/metrics (router)",
         *(f"           http://{_LOOPBACK}:{port}/metrics (worker-{i})"
           for i, port in enumerate(cluster.local_placement.metrics_ports)),

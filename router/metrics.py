@@ -11,10 +11,12 @@ worker's event stream. torch-free.
 from __future__ import annotations
 
 import logging
+import urllib.request
 from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,6 +43,8 @@ class RouterMetrics(RouteObserver):
         r = self.registry
         self.requests = Counter("kvmesh:router_requests", "Requests by worker, routing policy and outcome",
                                 ("worker_id", "policy", "outcome"), registry=r)
+        self.prompt_tokens = Counter("kvmesh:router_prompt_tokens", "Prompt tokens of finished requests, by worker "
+                                     "(router_served_hit_tokens_total / this: the hit rate)", ("worker_id",), registry=r)
         self.decision = Histogram("kvmesh:router_routing_decision_seconds", "Time to pick a worker",
                                   buckets=_DECISION_BUCKETS, registry=r)
         self.ttft = Histogram("kvmesh:router_time_to_first_token_seconds",
@@ -71,6 +75,7 @@ class RouterMetrics(RouteObserver):
         """Count it, and write the request's one access-log line."""
         reason = FINISH_REASON_NAMES.get(final.finish_reason, "unknown")
         self._count(worker_id, reason)
+        self.prompt_tokens.labels(worker_id).inc(final.prompt_tokens)
         log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
                  "ttft_s=%.4f total_s=%.4f finish_reason=%s", request_id, worker_id, final.prompt_tokens,
                  final.cached_tokens, final.completion_tokens, ttft_s, total_s, reason)
@@ -104,6 +109,22 @@ class RouterMetrics(RouteObserver):
     def add_routes(self, app: web.Application) -> None:
         app.add_routes([web.get("/metrics", self.handle), web.get("/v1/cluster", self.cluster.handle)])
         add_dashboard_routes(app)
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> Samples:
+    """GET a Prometheus text endpoint: (sample name, labels) -> value (for `make demo` and people)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sample_sum(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items())
 
 
 class _CoreCollector(Collector):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 from wsgiref.simple_server import WSGIServer
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from worker.engine_config import EngineStats
     from worker.peer import PeerCounters, PeerPlane
     from worker.request import RequestOutput
+    from worker.sampling import SamplingParams
 
 LABELS = ("model_name", "worker_id")
 # vLLM's buckets for request-level latencies (seconds)
@@ -240,3 +242,42 @@ async def refresh_forever(metrics: WorkerMetrics, ae: AsyncEngine, peer: PeerPla
         stats = await ae.run(Snapshot())
         metrics.update_stats(stats, PeerTotals.from_counters(peer.figures().counters) if peer else None)
         await asyncio.sleep(interval_s)
+
+
+def generate_metered(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                     metrics: WorkerMetrics | None, refresh_s: float = 0.5) -> tuple[float, int]:
+    """Run `prompts` to completion as one batch, feeding `metrics` (None: no metrics) as the
+    server does: every output to its request's `TokenGaps`, every final one to
+    `observe_finished`, an engine snapshot every `refresh_s`. Returns (seconds, tokens made)."""
+    t0 = last = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    gaps = {rid: metrics.token_gaps() for rid in ids} if metrics is not None else {}
+    done = tokens = 0
+    while done < len(ids):
+        for out in engine.step():
+            if metrics is not None:
+                gaps[out.request_id].output(out)
+                if out.finished:
+                    metrics.observe_finished(out)
+            if out.finished:
+                done += 1
+                tokens += out.completion_tokens
+        if metrics is not None and time.perf_counter() - last >= refresh_s:
+            metrics.update_stats(engine.stats())
+            last = time.perf_counter()
+    return time.perf_counter() - t0, tokens
+
+
+def metrics_cost(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], runs: int) -> dict[str, Any]:
+    """Decode throughput of one workload with metrics off and on, interleaved, best of `runs`
+    each (issue #19: on must be within 3% of off)."""
+    metrics = WorkerMetrics.for_engine(engine, "bench")
+    best = {"off": 0.0, "on": 0.0}
+    for _ in range(runs):
+        for mode in ("off", "on"):
+            engine.store.reset_prefix_cache()
+            seconds, tokens = generate_metered(engine, prompts, params, metrics if mode == "on" else None)
+            best[mode] = max(best[mode], tokens / seconds)
+    ratio = best["on"] / best["off"]
+    return {"off_tok_s": best["off"], "on_tok_s": best["on"], "on_vs_off": ratio, "within_3pct": ratio >= 0.97,
+            "runs": runs}

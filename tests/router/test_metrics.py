@@ -8,6 +8,7 @@ import json
 import logging
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.logs import make_handler
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from tests.prometheus_server import Prometheus, needs_prometheus
 from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -150,3 +152,26 @@ def test_request_id_on_every_router_and_worker_json_line(web: Cluster) -> None:
     assert all(d.get("request_id") == "json-trace-9" for d in lines if "json-trace-9" in d["msg"])
     unknown = [d for d in lines if "no_such_field" in d["msg"]]      # logged before routing, by the front
     assert unknown and all(d.get("request_id") == "json-trace-9" for d in unknown), lines
+
+
+@needs_prometheus
+def test_real_prometheus_scrapes_the_router_and_promql_gives_the_hit_rate(web: Cluster, tmp_path: Path) -> None:
+    """Debian's prometheus scrapes the router's /metrics every second (generated config); a PromQL
+    query over its HTTP API returns the hit rate the clients were told: served cached tokens over
+    prompt tokens."""
+    prom = Prometheus(tmp_path, [f"http://127.0.0.1:{web.http_port}/metrics"])
+    try:
+        prom.wait(prom.targets_up, "the router target up")
+        with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+            for q in ("Name a lake in Italy.", "Name a lake in Austria."):
+                summary(run_generate(ch, pb.GenerateRequest(text=LONG_PREFIX + q, sampling=greedy(1))))
+        s = scrape(web.http_port)          # everything this module's requests did, as the router counts it
+        served = sum(v for (n, _), v in s.items() if n == "kvmesh:router_served_hit_tokens_total")
+        prompt = sum(v for (n, _), v in s.items() if n == "kvmesh:router_prompt_tokens_total")
+        assert served > 0 and prompt > served
+        hit_rate = "sum(kvmesh:router_served_hit_tokens_total) / sum(kvmesh:router_prompt_tokens_total)"
+        got = prom.wait(lambda: prom.scalar(hit_rate) == served / prompt or None, "the expected hit rate")
+        assert got is True
+        assert prom.scalar('kvmesh:router_worker_up{worker_id="worker-0"}') == 1.0
+    finally:
+        prom.stop()
