@@ -20,9 +20,10 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -221,18 +222,30 @@ class _StatsCollector(Collector):
 
 
 class MetricsHTTP:
-    """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread."""
+    """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread, always in
+    the Prometheus text format: prometheus_client's OpenMetrics output (what a Prometheus server
+    asks for first) writes `kvmesh:x_total` as `kvmesh_x_total`, so the Accept header is ignored
+    and the names stay vLLM-style, as on the router."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        server, thread = start_http_server(port, addr=host, registry=registry)
-        self._server: WSGIServer = server
-        self._thread = thread
-        self.port: int = server.server_port
+        app = make_wsgi_app(registry)
+
+        def text_only(environ: dict[str, Any], start_response: Any) -> Any:
+            return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
+        self._server: WSGIServer = make_server(host, port, text_only, ThreadingWSGIServer, handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        self.port: int = self._server.server_port
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:   # no access line per scrape on stderr
+        pass
 
 
 async def refresh_forever(metrics: WorkerMetrics, ae: AsyncEngine, peer: PeerPlane | None,

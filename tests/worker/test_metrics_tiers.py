@@ -2,7 +2,8 @@
 prefix pushed out by unrelated prompts (device LRU evictions offloaded to the host tier), the
 prefix again (onloaded: exactly its 6 blocks, 24 cached tokens), then three concurrent requests
 that do not fit (preemptions). Counters are compared with what the engine and the clients saw;
-the request id of gRPC metadata names the worker's JSON log lines."""
+the request id of gRPC metadata names the worker's JSON log lines; a real Prometheus reads the
+same names and values."""
 from __future__ import annotations
 
 import io
@@ -20,6 +21,7 @@ import pytest
 from contracts.logs import JsonFormatter, make_handler
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from tests.prometheus_server import Prometheus, needs_prometheus
 from tests.worker.test_metrics import scrape
 from tests.worker.test_server import LoopThread, collect, request, serving, wait_idle
 from worker.engine import Engine, EngineConfig
@@ -113,3 +115,21 @@ def test_metadata_request_id_on_every_worker_json_line(tiered):
         assert set(d) >= {"ts", "level", "logger", "msg"} and d["logger"].startswith("kvmesh.")
     assert not [d for d in lines if "engine-id-1" in d["msg"] and d.get("request_id") != "trace-meta-7"]
     assert isinstance(handler.formatter, JsonFormatter)
+
+
+@needs_prometheus
+def test_real_prometheus_sees_the_vllm_style_names(tiered, tmp_path):
+    """Debian's prometheus (which asks for OpenMetrics first) scrapes the worker and finds the
+    `kvmesh:` names with the values /metrics shows, and the cluster hit rate via PromQL."""
+    server, channel, _ = tiered
+    s = settled(server, channel)
+    prom = Prometheus(tmp_path, [f"http://127.0.0.1:{server.metrics_port}/metrics"])
+    try:
+        prom.wait(prom.targets_up, "the worker target up")
+        hits, queries = (value(s, f"kvmesh:prefix_cache_{k}_total") for k in ("hits", "queries"))
+        rate = "sum(kvmesh:prefix_cache_hits_total) / sum(kvmesh:prefix_cache_queries_total)"
+        assert prom.wait(lambda: prom.scalar(rate), "the hit rate in PromQL") == hits / queries
+        assert prom.scalar("sum(kvmesh:kv_blocks_onloaded_total)") == value(s, "kvmesh:kv_blocks_onloaded_total")
+        assert not prom.query('{__name__=~"kvmesh_.*"}'), "names lost their colon"
+    finally:
+        prom.stop()
