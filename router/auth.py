@@ -30,6 +30,7 @@ KEYS_FILE_ENV = "KVMESH_API_KEYS_FILE"
 PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file marks the tenants that may)"
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
+ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
 _OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/dashboard"})   # /dashboard: a page without data
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -47,6 +48,7 @@ class ApiKey:
     key: str
     tenant: TenantId = DEFAULT_TENANT
     priority: bool = False
+    admin: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key or any(c.isspace() for c in self.key):
@@ -55,15 +57,15 @@ class ApiKey:
             raise ValueError(f"api_keys: tenant {self.tenant!r} must be a non-empty word")
 
     def __repr__(self) -> str:
-        return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority})"
+        return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority}, admin={self.admin})"
 
 
 # Without keys every client is this one tenant, trusted like the loopback default it is.
-ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True)
+ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True, admin=True)
 
 
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
-    """`key tenant [priority]` per line; blank lines and `#` comments ignored. Raises
+    """`key tenant [priority] [admin]` per line; blank lines and `#` comments ignored. Raises
     ValueError naming the file and line (never echoing a key)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -74,9 +76,10 @@ def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
         words = raw.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) not in (2, 3) or (len(words) == 3 and words[2] != PRIORITY_FLAG):
-            raise ValueError(f"api_keys_file: {path}:{n}: expected 'KEY TENANT [{PRIORITY_FLAG}]'")
-        keys.append(ApiKey(words[0], TenantId(words[1]), priority=len(words) == 3))
+        flags = words[2:]
+        if len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags):
+            raise ValueError(f"api_keys_file: {path}:{n}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]'")
+        keys.append(ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags))
     if not keys:
         raise ValueError(f"api_keys_file: {path} holds no keys")
     return tuple(keys)
@@ -87,7 +90,7 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this client key (repeatable; tenant 'default')")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
-                   help=f"'KEY TENANT [{PRIORITY_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
+                   help=f"'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
     p.add_argument("--max-concurrent-per-tenant", type=int, default=None, metavar="N",
                    help="requests in flight per tenant (429 / RESOURCE_EXHAUSTED beyond; without keys: all "
                         "clients are one tenant); default unlimited")

@@ -2,8 +2,9 @@
 
 `LocalCluster` is a `router.supervise.Cluster` whose workers are `kvmesh worker` children of
 this process (`LocalPlacement`): started in parallel, each learning its port from the worker's
-stdout line; with N > 1 they form one peer-transfer group, ranks 0..N-1, meeting on a free
-loopback port. Workers bind 127.0.0.1; Redis and the router are the cluster's (supervise.py).
+stdout line; with N > 1 each runs with --peer-transfer (pairs of workers form on demand, so a
+restarted worker takes part again). Workers bind 127.0.0.1; Redis and the router are the
+cluster's (supervise.py).
 
 This module imports no torch: the workers load their engines in their own processes.
 """
@@ -34,14 +35,13 @@ class LocalPlacement:
         return _LOOPBACK
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
-        group = f"{_LOOPBACK}:{free_port(_LOOPBACK)}"   # the transfer group's rendezvous (rank 0 binds it)
         self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.workers)]
         for i in range(cfg.workers):
             self._workers.append(spawn(log_dir, f"worker-{i}", [
                 cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", "0",
                 "--metrics-port", str(self.metrics_ports[i]), "--log-format", cfg.log_format,
                 "--worker-id", f"worker-{i}", "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
-                "--model", cfg.model, *_rank_argv(i, cfg.workers, group), *cfg.engine_argv]))
+                "--model", cfg.model, *_peer_argv(cfg.workers), *cfg.engine_argv]))
         addresses = []
         for w in self._workers:
             m = w.wait_line(_WORKER_LINE, deadline, cfg.startup_timeout_s)
@@ -53,14 +53,14 @@ class LocalPlacement:
         return next((e for w in self._workers if w.name not in ignore and (e := PartExited.of(w)) is not None), None)
 
     def restart(self, name: str, cfg: ServeConfig, redis_url: str, log_dir: Path) -> None:
-        """`name` again on its port, out of the peer-transfer group: the group's world is fixed
-        at start, so a restarted worker serves without peer transfer (it recomputes instead)."""
+        """`name` again on its port; with peer transfer, as a new peer (a new generation): its
+        old pairs are gone, and the next fetch with it forms new ones."""
         i = next(i for i, w in enumerate(self._workers) if w.name == name)
         self._workers[i] = spawn(log_dir, name, [
             cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(self._ports[i]),
             "--metrics-port", str(self.metrics_ports[i]), "--log-format", cfg.log_format,
             "--worker-id", name, "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
-            "--model", cfg.model, *cfg.engine_argv], append=True)
+            "--model", cfg.model, *_peer_argv(cfg.workers), *cfg.engine_argv], append=True)
 
     def pids(self) -> dict[str, int]:
         return {w.name: w.proc.pid for w in self._workers}
@@ -77,11 +77,9 @@ class LocalCluster(Cluster):
         super().__init__(cfg if cfg is not None else ServeConfig(), self.local_placement)
 
 
-def _rank_argv(rank: int, world_size: int, dist_init_addr: str) -> list[str]:
-    """Flags of one local worker's place in the peer-transfer group (none for a lone worker)."""
-    if world_size == 1:
-        return []
-    return ["--rank", str(rank), "--world-size", str(world_size), "--dist-init-addr", dist_init_addr]
+def _peer_argv(num_workers: int) -> list[str]:
+    """Peer transfer for a cluster of more than one worker."""
+    return ["--peer-transfer"] if num_workers > 1 else []
 
 
 def run_serve(cfg: ServeConfig) -> int:

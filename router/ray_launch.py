@@ -35,7 +35,7 @@ from router.processes import LaunchError
 from router.supervise import Cluster, PartExited, ServeConfig, Supervisor
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.server import WorkerServer, WorkerServerConfig
-from worker.server_cli import rendezvous_from_env
+from worker.server_cli import peer_flags_from_env
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _LOOPBACK = "127.0.0.1"
@@ -121,10 +121,10 @@ class WorkerActor:
         add_engine_arguments(parser)
         engine_cfg = engine_config_from_args(parser.parse_args(["--model", spec.model, *spec.engine_argv]))
         host = self.host(spec.loopback)
-        rdv = rendezvous_from_env(os.environ)   # the peer-transfer group (KVMESH_* set for this actor)
+        peer = peer_flags_from_env(os.environ)   # peer transfer on with KVMESH_WORLD_SIZE > 1 (legacy)
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
             host=host, port=0, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
-            rank=rdv.rank, world_size=rdv.world_size, dist_init_addr=rdv.dist_init_addr))
+            peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port))
 
         async def go() -> int:
             port = await server.start()

@@ -44,7 +44,7 @@ class WorkerEntry:
     in_flight: int = 0                      # streams the router has open on it
     free_blocks: int = 0                    # from its last GetLoad
     num_blocks: int = 0
-    rank: int | None = None                 # in the peer-transfer group (from GetLoad), if any
+    rank: int | None = None                 # set (legacy 0) when it has a peer plane (from GetLoad)
     world_size: int = 0
     refused: str | None = None              # why it may never serve (logged once)
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -189,7 +189,7 @@ class WorkerRegistry:
                     return None
                 load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
-                in_group = load.HasField("peer") and load.peer.world_size > 1
+                in_group = load.HasField("peer")     # a peer plane: pairs form on demand
                 w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
                 if w.info is not None:
                     return None

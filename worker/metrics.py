@@ -114,14 +114,16 @@ class WorkerMetrics:
     def observe_peer_fetch(self, seconds: float) -> None:
         self.peer_fetch.labels(*self.labels).observe(seconds)
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Count one finished request (call once, with its final output)."""
+    def observe_finished(self, out: RequestOutput, completion_tokens: int | None = None) -> None:
+        """Count one finished request (call once, with its final output; `completion_tokens`:
+        over all its sequences, default the output's own)."""
         assert out.finished, "observe_finished takes the final output of a request"
         lv = self.labels
         self.prefix_queries.labels(*lv).inc(out.prompt_tokens)
         self.prefix_hits.labels(*lv).inc(max(out.num_cached_tokens, 0))
         self.prompt_tokens.labels(*lv).inc(out.prompt_tokens)
-        self.generation_tokens.labels(*lv).inc(out.completion_tokens)
+        self.generation_tokens.labels(*lv).inc(out.completion_tokens if completion_tokens is None
+                                               else completion_tokens)
         self.success.labels(*lv, out.finish_reason or "unknown").inc()
         t = out.timings
         for hist, value in ((self.ttft, t.ttft_s), (self.e2e, t.e2e_s), (self.queue, t.queue_s),
@@ -140,28 +142,30 @@ class WorkerMetrics:
 
 
 class TokenGaps:
-    """Inter-token latency of one request: each output's new tokens after the first token
-    are each one gap of (this output's token time - the previous one's) / their number (one
-    token per decode step, so one observation per step, as vLLM observes it)."""
+    """Inter-token latency of one request, per sequence (`out.index`, n / best_of): each
+    output's new tokens after the sequence's first are each one gap of (this output's token
+    time - the previous one's) / their number (one token per decode step, so one observation
+    per step, as vLLM observes it)."""
 
     __slots__ = ("_hist", "_last")
 
     def __init__(self, hist: Any) -> None:
         self._hist = hist
-        self._last: float | None = None
+        self._last: dict[int, float] = {}
 
     def output(self, out: RequestOutput) -> None:
         n, now = len(out.new_token_ids), out.timings.last_token_time
         if n == 0 or now is None:
             return
-        if self._last is None:       # the first token: TTFT's, not a gap; later ones in it are
+        last = self._last.get(out.index)
+        if last is None:             # the first token: TTFT's, not a gap; later ones in it are
             n -= 1
-            self._last = out.timings.first_token_time
-        if n > 0 and self._last is not None:
-            gap = (now - self._last) / n
+            last = out.timings.first_token_time
+        if n > 0 and last is not None:
+            gap = (now - last) / n
             for _ in range(n):
                 self._hist.observe(gap)
-        self._last = now
+        self._last[out.index] = now
 
 
 class _StatsCollector(Collector):

@@ -30,14 +30,14 @@ from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_reques
                             to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from worker.commands import ApplyChatTemplate, ListRequests, Snapshot, Tokenize
+from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.server_config import WorkerServerConfig
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
-    from worker.peer import Fetched, PeerFigures, PeerPlane
+    from worker.peer import AskAnswer, Fetched, PeerFigures, PeerPlane
     from worker.metrics import MetricsHTTP, WorkerMetrics
     from worker.request import RequestOutput
 
@@ -172,11 +172,11 @@ class WorkerServer:
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
         from kvstore.transfer_group import TransferConfig, TransferError
         from worker.peer import PeerConfig, PeerPlane
-        assert self.cfg.dist_init_addr is not None
-        host, _, port = self.cfg.dist_init_addr.rpartition(":")
-        cfg = PeerConfig(TransferConfig(rank=self.cfg.rank, world_size=self.cfg.world_size, master_port=int(port),
-                                        master_addr=host, timeout_s=self.cfg.transfer_timeout_s,
-                                        rendezvous_timeout_s=180.0), faults=self.cfg.transfer_faults)
+        advertise_host = self.cfg.advertise_address.rpartition(":")[0] if self.cfg.advertise_address else None
+        timeout = self.cfg.transfer_timeout_s
+        cfg = PeerConfig(self.cfg.worker_id, TransferConfig(timeout_s=timeout, connect_timeout_s=timeout),
+                         store_host=self.cfg.host, store_port=self.cfg.transfer_port,
+                         advertise_host=advertise_host, faults=self.cfg.transfer_faults)
         try:
             return PeerPlane.start(cfg, engine)
         except TransferError as e:
@@ -241,6 +241,8 @@ class WorkerServer:
             "SendBlocks": grpc.unary_unary_rpc_method_handler(
                 self._send_blocks, request_deserializer=parse_send_blocks_request,
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
+            "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
+                                      pb.ResetPrefixCacheResponse),
         })
 
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -281,6 +283,7 @@ class WorkerServer:
                               staged=fetched.staged if fetched is not None else None)
         t0, first = time.perf_counter(), True
         gaps = self.metrics.token_gaps() if self.metrics is not None else None
+        completion_tokens = 0          # over every sequence (n / best_of)
         try:
             async for out in outputs:
                 if gaps is not None:
@@ -288,20 +291,27 @@ class WorkerServer:
                 if first and self._peer is not None:
                     self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False
-                await context.write(self._response(out, fetched))
+                completion_tokens += out.completion_tokens if out.finished else 0
+                await context.write(self._response(out, fetched, completion_tokens))
         finally:
             # Client cancelled or deadline passed (CancelledError here): closing the iterator
             # aborts the request and frees its blocks.
             await outputs.aclose()
 
-    def _response(self, out: RequestOutput, fetched: Fetched | None = None) -> pb.GenerateResponse:
+    def _response(self, out: RequestOutput, fetched: Fetched | None = None,
+                  completion_tokens: int = 0) -> pb.GenerateResponse:
+        from worker.logprobs import to_pb
         resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
-                                   text=out.new_text, worker_id=self.cfg.worker_id)
+                                   text=out.new_text, worker_id=self.cfg.worker_id, index=out.index,
+                                   logprobs=to_pb(out.new_logprobs), prompt_logprobs=to_pb(out.prompt_logprobs or ()),
+                                   cumulative_logprob=out.cumulative_logprob or 0.0)
         if out.finished:
-            resp.finished = True
+            resp.sequence_finished = True
             resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        if out.finished and out.group_finished:
+            resp.finished = True
             resp.prompt_tokens = out.prompt_tokens
-            resp.completion_tokens = out.completion_tokens
+            resp.completion_tokens = max(completion_tokens, out.completion_tokens)
             resp.cached_tokens = out.num_cached_tokens
             if fetched is not None:   # the fetched blocks follow the local ones, if admission used them
                 assert self._engine is not None
@@ -310,7 +320,7 @@ class WorkerServer:
                                               fetched.num_blocks * bs)
             self._prompt_tokens += out.prompt_tokens
             if self.metrics is not None:
-                self.metrics.observe_finished(out)
+                self.metrics.observe_finished(out, resp.completion_tokens)
             t = out.timings
             log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
                      "ttft_s=%.4f e2e_s=%.4f finish_reason=%s", out.request_id, self.cfg.worker_id,
@@ -340,29 +350,35 @@ class WorkerServer:
         from worker.peer import PeerTransferOff
         inp = to_send_blocks_input(request)
         if self._peer is None:
-            raise PeerTransferOff(f"worker {self.cfg.worker_id} is in no transfer group")
+            raise PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off")
 
         def still_wanted() -> bool:    # the answer must reach the caller before its deadline
             remaining = context.time_remaining()
             return not context.done() and (remaining is None or remaining > _SEND_MARGIN_S)
-        num_blocks, num_bytes, reason = await self._peer.serve_send(ae, inp, still_wanted)
-        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason)
+        num_blocks, num_bytes, reason, unknown = await self._peer.serve_send(ae, inp, still_wanted)
+        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
+                                     generation=self._peer.me.generation, pair_unknown=unknown)
 
-    async def _ask_peer(self, address: str, block_hashes: Sequence[int], dst_rank: int, src_rank: int,
-                        transfer_id: int) -> int:
+    async def _ask_peer(self, address: str, block_hashes: Sequence[int], transfer_id: int,
+                        pair: dict[str, Any]) -> AskAnswer:
         """The control-plane call of a fetch (worker.peer.AskPeer)."""
-        from worker.peer import PeerUnavailable
+        from worker.peer import AskAnswer, PeerUnavailable
         channel = self._peer_channels.get(address)
         if channel is None:
             limit = self.cfg.max_message_bytes
             channel = self._peer_channels[address] = grpc.aio.insecure_channel(
                 address, options=[("grpc.max_send_message_length", limit)])
-        request = to_send_blocks_request(block_hashes, dst_rank, src_rank, transfer_id)
+        request = to_send_blocks_request(block_hashes, transfer_id, **pair)
         try:
             response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
-        return int(response.num_blocks)
+        return AskAnswer(int(response.num_blocks), int(response.generation), bool(response.pair_unknown))
+
+    async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        ae = await self._ready(context)
+        return pb.ResetPrefixCacheResponse(reset=await self._guard(context, ae.run(ResetPrefixCache())))
 
     async def _get_model_info(self, request: pb.ModelInfoRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelInfo:
@@ -411,12 +427,14 @@ class WorkerServer:
 
 
 def _peer_stats(f: PeerFigures) -> pb.PeerStats:
-    links = [pb.PeerLink(rank=r, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
-                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(r, ""))
-             for r, e in sorted(f.links.items())]
+    links = [pb.PeerLink(worker_id=w, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
+                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(w, ""))
+             for w in sorted(f.links.keys() | f.lost.keys()) for e in (f.links.get(w),)]
     return pb.PeerStats(
-        rank=f.rank, world_size=f.world_size, backend=f.backend, prefill_tokens_per_s=f.prefill_tokens_per_s,
-        checksum_bytes_s=f.checksum_bytes_s, links=links, **dataclasses.asdict(f.counters))
+        worker_id=f.me.worker_id, generation=f.me.generation, store_address=f.store_address,
+        pairs_formed=f.pairs_formed, pairs_broken=f.pairs_broken, backend=f.backend,
+        prefill_tokens_per_s=f.prefill_tokens_per_s, checksum_bytes_s=f.checksum_bytes_s, links=links,
+        **dataclasses.asdict(f.counters))
 
 
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:

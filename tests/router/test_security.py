@@ -131,7 +131,7 @@ def test_keys_file_parsing_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [(k.key, k.tenant, k.priority) for k in parse_keys_file(f)] == [
         ("k1", "alpha", False), ("k2", "beta", True)]
     assert "k1" not in repr(parse_keys_file(f)[0])
-    for bad in ("k1\n", "k1 alpha admin\n", "", "a b c d\n"):
+    for bad in ("k1\n", "k1 alpha root\n", "", "a b c d\n"):  # admin is a flag now (issue #22)
         f.write_text(bad)
         with pytest.raises(ValueError, match="api_keys_file"):
             parse_keys_file(f)
