@@ -30,7 +30,7 @@ from router.routing import RouteRequest
 Json = dict[str, Any]
 _LOAD_TIMEOUT_S = 2.0
 WINDOW_S = 60.0            # TTFT percentiles over this many seconds
-PREFIX_BLOCKS = 4          # a "prefix" is a prompt's first (up to) this many full blocks
+PREFIX_BLOCKS = 2          # a "prefix" is a prompt's first (up to) this many full blocks (a system prompt)
 HOT_PREFIXES = 8           # how many /v1/cluster lists
 _MAX_TRACKED = 512         # prefixes remembered; beyond, the least requested half is dropped
 
