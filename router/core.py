@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import grpc
 
+from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint
@@ -69,6 +70,9 @@ class RouteObserver:
 
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
+
+    def picked(self, route: RouteRequest, worker_id: str) -> None:
+        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/cluster_view.py)."""
 
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
@@ -147,6 +151,7 @@ class Router:
         another. Closing the iterator cancels the upstream call (the worker aborts it).
         Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
         rid = prepared.request.request_id
+        REQUEST_ID.set(rid)      # on every log line of this request, and to the worker as metadata
         if rid in self._inflight:
             raise BadRequest(f"request_id {rid!r} is already running")
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
@@ -161,9 +166,11 @@ class Router:
                 assert worker.info is not None
                 worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
+                self.observer.picked(prepared.route, worker_id)
                 self._inflight[rid] = worker
                 call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
-                                            timeout=max(deadline - time.monotonic(), 0.001))
+                                            timeout=max(deadline - time.monotonic(), 0.001),
+                                            metadata=((REQUEST_ID_HEADER, rid),))
                 streamed = finished = False
                 ttft_s = 0.0
                 worker.in_flight += 1
