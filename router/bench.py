@@ -22,6 +22,7 @@ import grpc
 from contracts.bench_report import emit
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router import bench_live
 from router.config import RouterConfig
 from router.launch import LocalCluster, ServeConfig
 from router.routing import RoutingPolicy
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--model", default="smollm2")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(run=run_service)
+    bench_live.register(sub)
 
 
 def run_service(args: argparse.Namespace) -> int:
