@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import sys
 import random
 import statistics
 import time
@@ -37,6 +39,7 @@ from router.routing import RoutingPolicy
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 _BLOCK_SIZE = 16
+SCENARIOS = ("no_pressure", "pressure")
 _TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model (49,152 ids)
 
 
@@ -54,6 +57,7 @@ class LiveConfig:
     model: str = "smollm2"
     seed: int = 0
     policies: tuple[RoutingPolicy, ...] = POLICY_ORDER
+    scenarios: tuple[str, ...] = SCENARIOS
 
     def __post_init__(self) -> None:
         for name in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens", "output_tokens",
@@ -61,6 +65,8 @@ class LiveConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CLIError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
+        if not self.scenarios or any(x not in SCENARIOS for x in self.scenarios):
+            raise CLIError(f"--scenarios: {','.join(self.scenarios)!r}; accepted: {', '.join(SCENARIOS)}")
         if self.prefix_tokens < _BLOCK_SIZE:
             raise CLIError(f"--prefix-tokens: {self.prefix_tokens} is less than one block ({_BLOCK_SIZE} tokens)")
 
@@ -87,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=",".join(x.value for x in POLICY_ORDER),
                    help="comma-separated routing policies to run")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenarios to run")
     p.set_defaults(run=run)
 
 
@@ -101,7 +108,8 @@ def config_from_args(args: argparse.Namespace) -> LiveConfig:
         raise CLIError(f"--policies: {e}") from None
     if not policies:
         raise CLIError("--policies: no policy given")
-    return replace(base, model=args.model, seed=args.seed, policies=policies, **given)
+    scenarios = tuple(x.strip() for x in args.scenarios.split(",") if x.strip())
+    return replace(base, model=args.model, seed=args.seed, policies=policies, scenarios=scenarios, **given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,12 +118,15 @@ def run(args: argparse.Namespace) -> int:
 
 def run_live(cfg: LiveConfig) -> dict[str, Any]:
     """Both scenarios, every policy on a fresh cluster; the JSON described in the module docstring."""
+    print(f"kvmesh bench routing-live: {json.dumps(asdict(cfg) | {'policies': [p.value for p in cfg.policies]})}",
+          file=sys.stderr)
     out: dict[str, Any] = {}
     for scenario, prefixes, engine_argv in (("no_pressure", cfg.prefixes, ()),
                                             ("pressure", cfg.pressure_prefixes, ("--num-blocks", str(cfg.num_blocks)))):
+        if scenario not in cfg.scenarios:
+            continue
         workload = make_workload(cfg, prefixes)
         out[scenario] = {policy.value: run_policy(cfg, policy, workload, engine_argv) for policy in cfg.policies}
-    out["config"] = asdict(cfg) | {"policies": [p.value for p in cfg.policies]}
     return out
 
 
@@ -144,6 +155,8 @@ def run_policy(cfg: LiveConfig, policy: RoutingPolicy, workload: Workload, engin
 class _Served:
     prefix: int
     worker_id: str
+    start: float
+    end: float
     ttft_s: float
     itls: list[float]
     prompt_tokens: int
@@ -186,7 +199,7 @@ async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]
     if usage is None or not stamps:
         raise RuntimeError(f"a completion ended without tokens or usage (worker {worker_id!r})")
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return _Served(prefix, worker_id, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])],
+    return _Served(prefix, worker_id, t0, time.perf_counter(), stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])],
                    usage.prompt_tokens, cached or 0, usage.completion_tokens)
 
 
@@ -212,8 +225,25 @@ def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s:
         "requests_per_worker_per_prefix": {k: dict(sorted(v.items())) for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
         "mismatch_rate": int(router.get("hit_mismatches", 0)) / requests,
         "wall_s": wall_s, "requests": len(served),
-        "router": router,
+        "diagnostics": diagnostics(served, full_prefix), "router": router,
     }
+
+
+def diagnostics(served: list[_Served], full_prefix: int) -> dict[str, Any]:
+    """What TTFT is made of: cold vs warm requests, and how evenly the requests in flight were
+    spread over the workers over time (time-averaged in flight per worker, its max / mean)."""
+    cold = [s.ttft_s for s in served if s.cached_tokens < full_prefix]
+    warm = [s.ttft_s for s in served if s.cached_tokens >= full_prefix]
+    t0, t1 = min(s.start for s in served), max(s.end for s in served)
+    area: dict[str, float] = {}
+    for s in served:
+        area[s.worker_id] = area.get(s.worker_id, 0.0) + (s.end - s.start)
+    mean_in_flight = {w: a / (t1 - t0) for w, a in sorted(area.items())} if t1 > t0 else {}
+    avg = sum(mean_in_flight.values()) / len(mean_in_flight) if mean_in_flight else 0.0
+    return {"ttft_p50_cold_s": statistics.median(cold) if cold else None,
+            "ttft_p50_warm_s": statistics.median(warm) if warm else None,
+            "mean_in_flight_per_worker": mean_in_flight,
+            "in_flight_imbalance": max(mean_in_flight.values()) / avg if avg else None}
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

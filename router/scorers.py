@@ -183,24 +183,30 @@ class PrefillCostScorer:
     """Holder-first placement (issue #23). The work, in prompt tokens, the request adds to a
     worker and waits behind there:
 
-        cost(w) = (L − bs × cached(w)) + queued(w) + κ × in_flight(w)
+        cost(w) = β × (L − bs × cached(w)) + queued(w) + κ × in_flight(w)
 
     L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending);
     queued(w) the uncached prompt tokens of requests sent to w that have not started
     streaming, less those computing this prompt's own prefix (they are the prefill it saves);
     κ = `running_cost_tokens`, what one running request costs a new one (it shares every
-    step). Score 1 − cost(w) / max cost over the pool: the worker holding the prefix wins
-    unless its queue and load exceed the prefill it saves elsewhere; equal costs tie."""
+    step); β = `prefill_weight`: a prefill counts once as this request's wait and once more
+    as the worker time it takes from every request queued behind it (and, under cache
+    pressure, as the blocks a replica evicts). Score 1 − cost(w) / max cost over the pool:
+    the worker holding the prefix wins unless its queue and load exceed β × the prefill it
+    saves; equal costs tie."""
 
     running_cost_tokens: float = 16.0
+    prefill_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.running_cost_tokens >= 0.0:
             raise ValueError(f"running_cost_tokens={self.running_cost_tokens!r} must be >= 0")
+        if not self.prefill_weight >= 1.0:
+            raise ValueError(f"prefill_weight={self.prefill_weight!r} must be >= 1")
 
     def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState) -> float:
         cached = min(len(request.token_ids), state.block_size * max(0, state.cached_blocks.get(worker_id, 0)))
-        return (len(request.token_ids) - cached + max(0, state.queued_tokens.get(worker_id, 0))
+        return (self.prefill_weight * (len(request.token_ids) - cached) + max(0, state.queued_tokens.get(worker_id, 0))
                 + self.running_cost_tokens * max(0, state.load(worker_id).in_flight))
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
