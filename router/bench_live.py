@@ -146,7 +146,7 @@ def make_workload(cfg: LiveConfig, num_prefixes: int) -> Workload:
 
 def run_policy(cfg: LiveConfig, policy: RoutingPolicy, workload: Workload, engine_argv: tuple[str, ...]) -> dict[str, Any]:
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
-                        routing_policy=policy.value, cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
+                        startup_timeout_s=900.0, routing_policy=policy.value, cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
     with LocalCluster(serve) as cluster:
         return asyncio.run(_drive(cfg, workload, cluster))
 
