@@ -263,9 +263,16 @@ async def _warm_workers(addresses: tuple[str, ...]) -> None:
 
 async def _router_view(http_base_url: str) -> dict[str, Any]:
     """The router's own counters from `/v1/cluster`: requests, predicted/served hits, mismatches."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"{http_base_url}/cluster", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(f"{http_base_url}/cluster") as resp:
             doc = await resp.json()
+        async with session.get(http_base_url.removesuffix("/v1") + "/metrics") as resp:
+            metrics = await resp.text()
     view = doc["router"]
     view["requests"] = sum(r["count"] for r in view.pop("requests", []))
+    sums = {name: float(value) for name, value in (line.split()[:2] for line in metrics.splitlines()
+                                                   if line.startswith("kvmesh:router_routing_decision_seconds_"))
+            if name.endswith(("_sum", "_count"))}
+    count = sums.get("kvmesh:router_routing_decision_seconds_count", 0.0)
+    view["decision_mean_s"] = sums.get("kvmesh:router_routing_decision_seconds_sum", 0.0) / count if count else None
     return view
