@@ -326,3 +326,40 @@ def test_embedded_redis_has_a_password_kept_across_restarts(tmp_path: Path) -> N
             assert client.ping()
     finally:
         terminate([child], 5)
+
+
+def test_peer_channel_carries_certificate_and_token(tmp_path: Path) -> None:
+    """worker -> worker SendBlocks (worker/cluster_auth.peer_channel) against a server demanding
+    both mutual TLS and the token, as a worker does."""
+    from contracts.grpc_auth import ClusterTokenGuard
+    from worker.cluster_auth import peer_channel
+    from worker.server_config import WorkerServerConfig
+    certs = make_certs(tmp_path)
+
+    async def send_blocks(req: pb.SendBlocksRequest, context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
+        return pb.SendBlocksResponse(num_blocks=len(req.block_hashes))
+
+    async def run() -> list[object]:
+        server = grpc.aio.server(interceptors=[ClusterTokenGuard(TOKEN, WORKER)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WORKER, {
+            "SendBlocks": grpc.unary_unary_rpc_method_handler(
+                send_blocks, request_deserializer=pb.SendBlocksRequest.FromString,
+                response_serializer=pb.SendBlocksResponse.SerializeToString)}),))
+        port = certs.tls.add_port(server, "127.0.0.1:0", require_client_cert=True)
+        await server.start()
+        results: list[object] = []
+        try:
+            for token in (TOKEN, None):
+                channel = peer_channel(WorkerServerConfig(cluster_token=token, tls=certs.tls), f"127.0.0.1:{port}")
+                try:
+                    reply = await pb_grpc.WorkerStub(channel).SendBlocks(
+                        pb.SendBlocksRequest(block_hashes=[b"\0" * 16] * 3), timeout=10)
+                    results.append(reply.num_blocks)
+                except grpc.aio.AioRpcError as e:
+                    results.append(e.code())
+                finally:
+                    await channel.close()
+        finally:
+            await server.stop(None)
+        return results
+    assert asyncio.run(run()) == [3, grpc.StatusCode.UNAUTHENTICATED]
