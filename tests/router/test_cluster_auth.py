@@ -363,3 +363,28 @@ def test_peer_channel_carries_certificate_and_token(tmp_path: Path) -> None:
             await server.stop(None)
         return results
     assert asyncio.run(run()) == [3, grpc.StatusCode.UNAUTHENTICATED]
+
+
+def test_serve_passes_tls_flags_and_secrets_to_its_children(tmp_path: Path) -> None:
+    """`kvmesh serve --tls-cert --tls-key --tls-ca`: the flags reach the router's and every
+    worker's command line (parsed back with the real `kvmesh` parser); the token and the Redis URL
+    go by environment only."""
+    from router.cli import build_parser
+    from router.launch import LocalCluster, _worker_argv
+    from router.serve_cli import config_from_args
+    certs = make_certs(tmp_path)
+    args = build_parser().parse_args(["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
+                                      "--tls-ca", str(certs.ca)])
+    cfg = config_from_args(args)
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:1/0"
+    worker = _worker_argv(cfg, "worker-0", 0, 1, [])
+    router = LocalCluster(cfg)._router_argv(0, 0)
+    for argv in (worker, router):
+        ns = build_parser().parse_args(argv[3:])          # after `python -m router.cli`
+        assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (certs.cert, certs.key, certs.ca)
+        assert ns.cluster_token is None and ns.redis_url is None
+        assert cfg.cluster_token not in " ".join(argv) and REDIS_PASSWORD not in " ".join(argv)
+    assert cfg.child_env(url) == {"KVMESH_REDIS_URL": url, "KVMESH_CLUSTER_TOKEN": cfg.cluster_token}
+    only_router = config_from_args(build_parser().parse_args(
+        ["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]))
+    assert "--tls-cert" not in _worker_argv(only_router, "worker-0", 0, 1, [])   # no CA: workers stay plaintext
