@@ -30,7 +30,7 @@ FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 _SCALAR_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos",
                     "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                    "min_tokens", "truncate_prompt_tokens")
+                    "min_tokens", "truncate_prompt_tokens", "logprobs", "prompt_logprobs", "n", "best_of")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,8 @@ import re
 import shlex
 from pathlib import Path
 
+from contracts.cluster_token import masked
+from kvstore.metadata import parse_redis_url
 from router.processes import Child, LaunchError, free_port, spawn, terminate
 from router.supervise import Cluster, PartExited, ServeConfig, Supervisor
 
@@ -37,11 +39,9 @@ class LocalPlacement:
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
         self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.workers)]
         for i in range(cfg.workers):
-            self._workers.append(spawn(log_dir, f"worker-{i}", [
-                cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", "0",
-                "--metrics-port", str(self.metrics_ports[i]),
-                "--worker-id", f"worker-{i}", "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
-                "--model", cfg.model, *_peer_argv(cfg.workers), *cfg.engine_argv]))
+            self._workers.append(spawn(log_dir, f"worker-{i}", _worker_argv(cfg, f"worker-{i}", 0, self.metrics_ports[i],
+                                                                            _peer_argv(cfg.workers)),
+                                       env=cfg.child_env(redis_url)))
         addresses = []
         for w in self._workers:
             m = w.wait_line(_WORKER_LINE, deadline, cfg.startup_timeout_s)
@@ -56,11 +56,9 @@ class LocalPlacement:
         """`name` again on its port; with peer transfer, as a new peer (a new generation): its
         old pairs are gone, and the next fetch with it forms new ones."""
         i = next(i for i, w in enumerate(self._workers) if w.name == name)
-        self._workers[i] = spawn(log_dir, name, [
-            cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(self._ports[i]),
-            "--metrics-port", str(self.metrics_ports[i]),
-            "--worker-id", name, "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
-            "--model", cfg.model, *_peer_argv(cfg.workers), *cfg.engine_argv], append=True)
+        self._workers[i] = spawn(log_dir, name, _worker_argv(cfg, name, self._ports[i], self.metrics_ports[i],
+                                             _peer_argv(cfg.workers)),
+                                 append=True, env=cfg.child_env(redis_url))
 
     def pids(self) -> dict[str, int]:
         return {w.name: w.proc.pid for w in self._workers}
@@ -82,6 +80,15 @@ def _peer_argv(num_workers: int) -> list[str]:
     return ["--peer-transfer"] if num_workers > 1 else []
 
 
+def _worker_argv(cfg: ServeConfig, name: str, port: int, metrics_port: int, peer_argv: list[str]) -> list[str]:
+    """One local worker's command line; its secrets (Redis URL, cluster token) go by environment."""
+    return [cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(port),
+            "--metrics-port", str(metrics_port), "--log-format", cfg.log_format, "--worker-id", name,
+            "--cluster-name", cfg.cluster_name,
+            "--model", cfg.model, *peer_argv, *cfg.worker_tls_argv(), *cfg.engine_argv]
+
+
+
 def run_serve(cfg: ServeConfig) -> int:
     """Start the cluster, print where to connect, run until SIGINT/SIGTERM (exit 0), restarting
     children that die per `cfg.restart_policy` (policy never: the first death ends the run with
@@ -98,20 +105,32 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is a KV cache?"}], '
             '"max_tokens": 64}' % cfg.model)
     pids = " ".join(f"{name}={pid}" for name, pid in cluster.pids.items())
+    ca = cfg.tls.ca if cfg.tls.serves_tls else None
+    ca_flag, ca_curl = (f" --tls-ca {ca}", f" --cacert {ca}") if ca is not None else ("", "")
     print("\n".join([
         f"kvmesh serve: ready — {cfg.workers} worker(s), cluster {cfg.cluster_name}",
         f"  gRPC     {cluster.grpc_target}",
         f"  HTTP     {cluster.http_base_url}",
-        f"  redis    {cluster.redis_url}{redis_note}",
+        f"  redis    {parse_redis_url(cluster.redis_url).redacted()}{redis_note}",
+        f"  security {_security_note(cfg)}",
         f"  workers  {' '.join(cluster.worker_addresses)}",
+        f"  dashboard {cluster.http_base_url.removesuffix('/v1')}/dashboard",
         f"  metrics  {cluster.http_base_url.removesuffix('/v1')}/metrics (router)",
         *(f"           http://{_LOOPBACK}:{port}/metrics (worker-{i})"
           for i, port in enumerate(cluster.local_placement.metrics_ports)),
         f"  logs     {cluster.log_dir}",
         f"  pids     {pids}",
         "  try:",
-        f"    kvmesh client generate --target {cluster.grpc_target} --chat \"What is a KV cache?\"",
-        f"    curl -s {cluster.http_base_url}/chat/completions -H 'Content-Type: application/json' "
+        f"    kvmesh client generate --target {cluster.grpc_target}{ca_flag} --chat \"What is a KV cache?\"",
+        f"    curl -s{ca_curl} {cluster.http_base_url}/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(body)}",
         "  Ctrl-C stops everything.",
     ]), flush=True)
+
+
+def _security_note(cfg: ServeConfig) -> str:
+    """What protects the cluster, for the banner (secrets masked)."""
+    token = f"cluster token {masked(cfg.cluster_token)}" if cfg.cluster_token else "no cluster token"
+    tls = ("mutual TLS router<->workers" if cfg.tls.ca is not None
+           else "TLS on the router's ports" if cfg.tls.serves_tls else "no TLS (loopback)")
+    return f"{token}; {tls}; embedded Redis with a password" if not cfg.redis_url else f"{token}; {tls}"

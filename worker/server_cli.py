@@ -15,11 +15,13 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from contracts.cli import CLIError, flagify
+from contracts.cluster_token import TOKEN_ENV, token_from
+from contracts.tls import add_tls_arguments, tls_from_args
+from contracts.logs import add_log_format_argument, configure_logging
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.config import ModelLoadError
 from worker.server import WorkerServer, WorkerServerConfig
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from worker.engine import EngineConfig
 
 log = logging.getLogger("kvmesh.worker")
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
 
 
 class PeerFlags(NamedTuple):
@@ -70,13 +73,20 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="port to bind (0 = a free port, printed when serving)")
     g.add_argument("--worker-id", default="worker-0")
     g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
-    g.add_argument("--redis-url", default=None, help="metadata Redis (worker registry)")
+    g.add_argument("--redis-url", default=None,
+                   help=f"metadata Redis (worker registry; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
     g.add_argument("--cluster-name", default="kvmesh")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics port (default: --port + 1000, or a free one when --port is 0; "
                         "0 = a free port; -1 = off); logged to stderr when serving")
     g.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
+    g = p.add_argument_group("cluster authentication (README: Security)")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"the secret shared with the router and peers (default: ${TOKEN_ENV}; prefer the "
+                        "environment: flags show in ps); every Worker RPC then needs it")
+    add_tls_arguments(g, "worker")
+    add_log_format_argument(g)
     g = p.add_argument_group("peer transfer (pairs of workers formed on demand)")
     g.add_argument("--peer-transfer", action="store_true",
                    help="fetch hinted prefixes from peers and send to them (default: $KVMESH_PEER_TRANSFER=1, else off)")
@@ -108,14 +118,15 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         cfg = WorkerServerConfig(host=args.host, port=args.port, worker_id=args.worker_id,
                                  advertise_address=args.advertise_address, drain_timeout_s=args.drain_timeout_s,
-                                 redis_url=args.redis_url, cluster_name=args.cluster_name,
+                                 redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
+                                 cluster_name=args.cluster_name,
                                  peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
                                  transfer_faults=tuple(a for a in faults.split(",") if a),
-                                 metrics_port=metrics_port_for(args.port, args.metrics_port))
+                                 metrics_port=metrics_port_for(args.port, args.metrics_port),
+                                 cluster_token=token_from(args.cluster_token), tls=tls_from_args(args))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     if peer.legacy:
         log.warning("deprecated and ignored: %s (pairs of workers form on demand; peer transfer is %s)",
                     ", ".join(peer.legacy), "on" if peer.peer_transfer else "off")

@@ -4,7 +4,10 @@ Torch-free and gRPC-free, so the CLI and launchers can build and validate it che
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from contracts.cluster_token import check_token
+from contracts.tls import PLAINTEXT, TlsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +32,16 @@ class WorkerServerConfig:
     transfer_timeout_s: float = 10.0
     transfer_faults: tuple[str, ...] = ()
     metrics_port: int | None = None      # Prometheus /metrics (worker/metrics.py); None = off, 0 = a free port
+    # Cluster authentication (worker/cluster_auth.py): the token every Worker RPC then needs, and TLS.
+    cluster_token: str | None = field(default=None, repr=False)
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_faults", tuple(self.transfer_faults))
+        if self.cluster_token is not None:
+            check_token(self.cluster_token)
+        if self.tls.ca is not None and not self.tls.serves_tls:
+            raise ValueError("tls_cert: a worker with --tls-ca needs its own --tls-cert/--tls-key (mutual TLS)")
         if not self.host:
             raise ValueError("host is empty")
         if not isinstance(self.transfer_port, int) or not 0 <= self.transfer_port <= 65535:
