@@ -14,12 +14,12 @@ import xxhash
 from kvstore.keys import BlockHash
 from kvstore.transfer_group import PairGroup
 
-TAGS = 16                                # tags per transfer: preamble, body, up to MAX_PIECES pieces
+TAGS = 10                                # tags per transfer: preamble, body, up to MAX_PIECES pieces
 MAX_PIECES = TAGS - 2
-MAX_TRANSFER_ID = (1 << 26) - 1          # gloo tags are C ints; measurements use tags above these
+MAX_TRANSFER_ID = (1 << 27) - 1          # gloo tags are C ints; measurements use tags above these
 MAGIC = 0x6B766D657368  # "kvmesh"
 _U64 = 1 << 64
-_PIECE_BYTES = 4 << 20                   # pieces of at least ~4 MiB: fewer per-op costs on small sends
+_PIECE_BYTES = 8 << 20                   # pieces of at least ~8 MiB: few per-op costs, most hashing overlapped
 
 
 @dataclass(frozen=True, slots=True)
