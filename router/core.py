@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import grpc
 
+from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint
@@ -71,6 +72,9 @@ class RouteObserver:
 
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
+
+    def picked(self, route: RouteRequest, worker_id: str) -> None:
+        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/cluster_view.py)."""
 
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
@@ -150,6 +154,7 @@ class Router:
         another. Closing the iterator cancels the upstream call (the worker aborts it).
         Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
         rid = prepared.request.request_id
+        REQUEST_ID.set(rid)      # on every log line of this request, and to the worker as metadata
         if rid in self._inflight:
             raise BadRequest(f"request_id {rid!r} is already running")
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
@@ -164,6 +169,7 @@ class Router:
                 assert worker.info is not None
                 worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
+                self.observer.picked(prepared.route, worker_id)
                 self._inflight[rid] = worker
                 self.prefills.dispatched(self.registry.index, rid, worker_id, prepared.route, pick.predicted_tokens)
                 streamed = finished = False
@@ -173,7 +179,8 @@ class Router:
                 try:
                     await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
                     call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
-                                                timeout=max(deadline - time.monotonic(), 0.001))
+                                                timeout=max(deadline - time.monotonic(), 0.001),
+                                                metadata=((REQUEST_ID_HEADER, rid),))
                     async for response in call:
                         if not streamed:
                             self.prefills.prefilled(self.registry.index, rid)
@@ -264,8 +271,9 @@ class Router:
 def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
                    peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
     """The worker other than `chosen` holding the most leading prompt blocks (at most
-    `max_blocks` count), if it holds more than `chosen` and both are ranks of one transfer
-    group (`peers`: worker id → (address, rank, world_size)); ties go to the lowest id."""
+    `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
+    worker id → (address, rank, world_size); pairs form on demand, so rank and world size
+    are legacy, 0, and only a mismatch of world size rules a peer out); ties go to the lowest id."""
     me = peers.get(chosen)
     if me is None:
         return None
@@ -273,7 +281,7 @@ def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
     best: PeerHint | None = None
     for worker_id in sorted(cached_blocks):
         peer = peers.get(worker_id)
-        if worker_id == chosen or peer is None or peer[2] != me[2] or peer[1] == me[1]:
+        if worker_id == chosen or peer is None or peer[2] != me[2]:
             continue
         n = min(cached_blocks[worker_id], max_blocks)
         if n > own and (best is None or n > best.num_blocks):
