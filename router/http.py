@@ -27,7 +27,7 @@ from contracts.sampling import is_int, is_real
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import FINISH_REASON_NAMES, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.auth import authenticator_for
+from router.auth import ANONYMOUS, TENANT_KEY, authenticator_for
 from router.core import Router
 from router.http_guard import guard_middleware
 from router.errors import NoWorkerAvailable, UpstreamError
@@ -240,7 +240,8 @@ class HttpFrontend:
             raise HttpError(400, f"stream_options: accepted keys are {', '.join(sorted(_STREAM_OPTIONS))}",
                             "stream_options")
         try:
-            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
+            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens),
+                                                 request.get(TENANT_KEY, ANONYMOUS))
         except BadRequest as e:
             raise _bad_request(str(e)) from None
         head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",

@@ -26,6 +26,7 @@ from router.http import HttpFrontend
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
+from router.tenancy import add_limit_arguments
 
 log = logging.getLogger("kvmesh.router")
 # Converting the GGUF model once (in a child process) takes ~25 s; a bound, not a guess.
@@ -135,6 +136,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
     add_auth_arguments(p)
+    add_limit_arguments(p)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -148,7 +150,8 @@ def run_router(args: argparse.Namespace) -> int:
                            served_model_name=args.served_model_name,
                            redis_url=args.redis_url, cluster_name=args.cluster_name,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
-                           api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant)
+                           api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant,
+                           max_tokens_limit=args.max_tokens_limit)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
