@@ -274,6 +274,8 @@ class Engine:
         """Run prompts to completion as one continuous batch; outputs in prompt order."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if not plist:   # [] is a prompt of zero tokens (e.g. a text the tokenizer maps to nothing)
+            raise InvalidRequest("prompt is empty (zero tokens)")
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(plist)
         if len(params_list) != len(plist):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(plist)} prompts")
