@@ -57,6 +57,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": lambda v: v is None,
 }
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+# The field tables, public for router/openapi.py (the OpenAPI document is generated from them).
+COMPLETION_FIELDS, CHAT_FIELDS, UNSUPPORTED = _COMPLETION_FIELDS, _CHAT_FIELDS, _UNSUPPORTED
+SAMPLING_NUMBERS, STREAM_OPTIONS = _SAMPLING_NUMBERS, _STREAM_OPTIONS
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
            "NOT_FOUND": 404}
 

@@ -24,6 +24,7 @@ from router.errors import RouterStartError
 from router.grpc_front import GrpcFront
 from router.http import HttpFrontend
 from router.metrics import RouterMetrics
+from router.openapi import add_openapi_route
 from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
 from router.tenancy import add_limit_arguments
@@ -62,6 +63,7 @@ class RouterServer:
             if self.cfg.http_port is not None:
                 self._http = HttpFrontend(self.core)
                 self.metrics.add_routes(self._http.app)
+                add_openapi_route(self._http.app, self._http.model_name)
                 http_port = await self._http.start(self.cfg.host, self.cfg.http_port)
             errors = await self.registry.start()
             if errors:
