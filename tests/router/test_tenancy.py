@@ -172,6 +172,22 @@ def test_salt_derivation_and_keys_file_grammar(tmp_path: Path) -> None:
             parse_keys_file(f)
 
 
+def test_salted_request_chain_in_the_engine_request() -> None:
+    """The worker's Request (and every sequence forked from it for n > 1) hashes with the
+    salt's root, exactly as the router's prepare does."""
+    import torch
+
+    from worker.fork import _sequence
+    from worker.request import Request
+    root = cache_salt_root("team-x")
+    req = Request("r", list(range(40)), SamplingParams(max_tokens=4, n=2), 44, None, 0, root)
+    req.update_block_hashes(16, b"m")
+    assert req.block_hashes == block_hashes(list(range(40)), 16, b"m", root)
+    child = _sequence(req, 1, torch.device("cpu"))
+    child.update_block_hashes(16, b"m")
+    assert child.hash_root == root and child.block_hashes == req.block_hashes
+
+
 def test_abort_only_own_tenant(ten: Tenancy) -> None:
     auth = {t: (("authorization", f"Bearer {k}"),) for t, k in KEYS.items()}
     req = pb.GenerateRequest(request_id="tenancy-abort-1", text="Count to a thousand:",
