@@ -188,6 +188,23 @@ def test_salted_request_chain_in_the_engine_request() -> None:
     assert child.hash_root == root and child.block_hashes == req.block_hashes
 
 
+def test_max_tokens_limit_flag() -> None:
+    import argparse
+
+    from router.serve_cli import add_serve_arguments, config_from_args
+    from router.server import add_router_arguments
+    from router.tenancy import limit_argv
+    for add in (add_router_arguments, add_serve_arguments):
+        p = argparse.ArgumentParser()
+        add(p)
+        assert p.parse_args([]).max_tokens_limit is None and limit_argv(p.parse_args([])) == ()
+        args = p.parse_args(["--max-tokens-limit", "7"])
+        assert limit_argv(args) == ("--max-tokens-limit", "7")
+    assert config_from_args(args).router_argv[-2:] == ("--max-tokens-limit", "7")   # serve → its router
+    with pytest.raises(ValueError, match="max_tokens_limit"):
+        RouterConfig(max_tokens_limit=0)
+
+
 def test_abort_only_own_tenant(ten: Tenancy) -> None:
     auth = {t: (("authorization", f"Bearer {k}"),) for t, k in KEYS.items()}
     req = pb.GenerateRequest(request_id="tenancy-abort-1", text="Count to a thousand:",
