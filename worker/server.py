@@ -100,8 +100,8 @@ class WorkerServer:
         assert self._server is None, "start() called twice"
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _NOT_SERVING)
-        server = grpc.aio.server(options=grpc_server_options(self.cfg.max_message_bytes, self.cfg.grpc_idle_timeout_s),
-                                 interceptors=cluster_auth.server_interceptors(self.cfg))
+        options = grpc_server_options(self.cfg.max_message_bytes, self.cfg.grpc_idle_timeout_s)
+        server = grpc.aio.server(options=options, interceptors=cluster_auth.server_interceptors(self.cfg))
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
