@@ -35,7 +35,7 @@ PRIORITY_FLAG = "priority"
 ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
 SALT_OPTION = "salt="                             # keys file: the tenant's explicit cache_salt
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
-_OPEN_HTTP_PATHS = frozenset({"/health", "/live"})
+_OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/dashboard"})   # /dashboard: a page without data
 _METRICS_PATH = "/metrics"                        # open too unless --metrics-require-key
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _LIMITED_HTTP_PREFIX = "/v1/"                     # POSTs here generate: counted per tenant
@@ -167,12 +167,16 @@ class TenantLimiter:
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self._in_flight: dict[TenantId, int] = {}
+        self.admitted: dict[TenantId, int] = {}   # requests per tenant since start (router/metrics.py)
+        self.rejected: dict[TenantId, int] = {}
 
     def acquire(self, tenant: TenantId) -> bool:
         n = self._in_flight.get(tenant, 0)
         if self.limit is not None and n >= self.limit:
+            self.rejected[tenant] = self.rejected.get(tenant, 0) + 1
             return False
         self._in_flight[tenant] = n + 1
+        self.admitted[tenant] = self.admitted.get(tenant, 0) + 1
         return True
 
     def release(self, tenant: TenantId) -> None:

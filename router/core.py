@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import grpc
 
+from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint
@@ -26,6 +27,8 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import ANONYMOUS, ApiKey, TenantId
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, UpstreamError
+from router.index import BlockIndex
+from router.inflight import InFlightPrefills
 from router.policy import Policy, make_policy
 from router.registry import WorkerEntry, WorkerRegistry
 from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
@@ -74,6 +77,9 @@ class RouteObserver:
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
 
+    def picked(self, route: RouteRequest, worker_id: str) -> None:
+        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/cluster_view.py)."""
+
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
 
@@ -102,6 +108,7 @@ class Router:
         self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
         self.salts = TenantSalts(cfg.api_keys)
         self.draining = False
+        self.prefills = InFlightPrefills()   # pending blocks and prefill queues (issue #23)
 
     @property
     def model_info(self) -> pb.ModelInfo | None:
@@ -156,6 +163,7 @@ class Router:
         another. Closing the iterator cancels the upstream call (the worker aborts it).
         Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
         rid = prepared.request.request_id
+        REQUEST_ID.set(rid)      # on every log line of this request, and to the worker as metadata
         if rid in self._inflight:
             raise BadRequest(f"request_id {rid!r} is already running")
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
@@ -171,15 +179,21 @@ class Router:
                 assert worker.info is not None
                 worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
+                self.observer.picked(prepared.route, worker_id)
                 self._inflight[rid] = worker
-                call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
-                                            timeout=max(deadline - time.monotonic(), 0.001))
+                self.prefills.dispatched(self.registry.index, rid, worker_id, prepared.route, pick.predicted_tokens)
                 streamed = finished = False
                 ttft_s = 0.0
                 worker.in_flight += 1
+                call = None
                 try:
+                    await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
+                    call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
+                                                timeout=max(deadline - time.monotonic(), 0.001),
+                                                metadata=((REQUEST_ID_HEADER, rid),))
                     async for response in call:
                         if not streamed:
+                            self.prefills.prefilled(self.registry.index, rid)
                             ttft_s = time.perf_counter() - started
                             self.observer.first_response(rid, worker_id, ttft_s)
                         streamed = True
@@ -204,7 +218,9 @@ class Router:
                                             f"worker {worker.address} became unavailable: {e.details()}") from None
                 finally:
                     worker.in_flight -= 1
-                    call.cancel()
+                    self.prefills.done(self.registry.index, rid, streamed)
+                    if call is not None:
+                        call.cancel()
         finally:
             self._inflight.pop(rid, None)
             self._owners.pop(rid, None)
@@ -226,8 +242,12 @@ class Router:
         prompt blocks each holds according to the block index (empty without one)."""
         loads = {w.info.worker_id: w.load for w in self.registry.live() if w.info is not None}
         index = self.registry.index
+        self.prefills.expire(index)
         cached = index.match_prefix(route.block_hashes, list(loads)) if index is not None else {}
-        return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()})
+        info = self.model_info
+        return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()},
+                            self.prefills.queued_tokens(index, loads, route),
+                            info.block_size if info is not None and info.block_size else 16)
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
@@ -243,7 +263,11 @@ class Router:
         blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
         peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in self.registry.live()
                  if w.info is not None and w.rank is not None}
-        hint = best_peer_hint(chosen.worker_id, state.cached_blocks, peers, max_blocks)
+        index = self.registry.index   # a peer can send only what it has stored, not what it computes
+        stored = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(state.loads),
+                                                                  pending=False).items()}
+                  if isinstance(index, BlockIndex) else state.cached_blocks)
+        hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
         return Pick(self.registry.entry(chosen.address), blocks * bs, hint)
 
     def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from contracts.logs import REQUEST_ID
 from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
 from contracts.tokenizer import ModelTokenizer, TokenizerError
@@ -157,8 +158,8 @@ class HttpFrontend:
              "max_model_len": info.max_model_len if info is not None else None}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))  # first: its id on every log line
         body = await self._body(request, _COMPLETION_FIELDS)
-        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -179,8 +180,8 @@ class HttpFrontend:
         return await self._serve(request, body, msg, chat=False, default_max_tokens=16)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))  # first: its id on every log line
         body = await self._body(request, _CHAT_FIELDS)
-        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages: must be a non-empty list", "messages")
@@ -436,7 +437,8 @@ def _request_id(request: web.Request, prefix: str) -> str:
     response), else a fresh `<prefix>-<hex>`; a malformed header is a 400."""
     given = request.headers.get("x-request-id")
     if given is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    if not _REQUEST_ID.fullmatch(given):
+        given = f"{prefix}-{uuid.uuid4().hex}"
+    elif not _REQUEST_ID.fullmatch(given):
         raise HttpError(400, "x-request-id: must be 1-128 printable ASCII characters without spaces", None)
+    REQUEST_ID.set(given)    # on every log line of this request (contracts/logs.py)
     return given

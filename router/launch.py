@@ -83,7 +83,8 @@ def _peer_argv(num_workers: int) -> list[str]:
 def _worker_argv(cfg: ServeConfig, name: str, port: int, metrics_port: int, peer_argv: list[str]) -> list[str]:
     """One local worker's command line; its secrets (Redis URL, cluster token) go by environment."""
     return [cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(port),
-            "--metrics-port", str(metrics_port), "--worker-id", name, "--cluster-name", cfg.cluster_name,
+            "--metrics-port", str(metrics_port), "--log-format", cfg.log_format, "--worker-id", name,
+            "--cluster-name", cfg.cluster_name,
             "--model", cfg.model, *peer_argv, *cfg.worker_tls_argv(), *cfg.engine_argv]
 
 
@@ -113,6 +114,7 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
         f"  redis    {parse_redis_url(cluster.redis_url).redacted()}{redis_note}",
         f"  security {_security_note(cfg)}",
         f"  workers  {' '.join(cluster.worker_addresses)}",
+        f"  dashboard {cluster.http_base_url.removesuffix('/v1')}/dashboard",
         f"  metrics  {cluster.http_base_url.removesuffix('/v1')}/metrics (router)",
         *(f"           http://{_LOOPBACK}:{port}/metrics (worker-{i})"
           for i, port in enumerate(cluster.local_placement.metrics_ports)),

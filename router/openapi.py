@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from contracts.sampling import MAX_N
 from router import http
 from router.utility_routes import kvmesh_version
 from router.vllm_fields import vllm_field_types
@@ -39,6 +40,11 @@ _STRUCTURED: dict[str, Json] = {
     "stop_token_ids": _TOKEN_IDS, "stream": {"type": "boolean"},
     "max_tokens": {"type": "integer", "minimum": 1}, "max_completion_tokens": {"type": "integer", "minimum": 1},
     "seed": {"type": "integer"},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N}, "best_of": {"type": "integer", "minimum": 1,
+                                                                          "maximum": MAX_N},
+    "echo": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0},
+    "logprobs": {"description": "completions: the number of top alternatives; chat: a boolean",
+                 "oneOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0}], "nullable": True},
 }
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable
 
 from contracts.cluster_token import TOKEN_ENV, token_from
+from contracts.logs import add_log_format_argument, configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tls import add_tls_arguments, tls_from_args
 from contracts.tokenizer import ModelTokenizer, TokenizerError
@@ -149,6 +150,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the secret shared with the workers (default: ${TOKEN_ENV}; prefer the environment: "
                         "flags show in ps): workers are admitted only after proving they hold it")
     add_tls_arguments(g, "router")
+    add_log_format_argument(p)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -168,7 +170,7 @@ def run_router(args: argparse.Namespace) -> int:
                            tls=tls_from_args(args), cluster_token=token_from(args.cluster_token))
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     warn_if_open(cfg.host, cfg.api_keys)
     return asyncio.run(_serve_until_signal(cfg))
 

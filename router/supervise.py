@@ -36,6 +36,7 @@ from contracts.cli import CLIError
 from contracts.cluster_token import TOKEN_ENV, check_token
 from contracts.tls import PLAINTEXT, TlsConfig, tls_argv
 from kvstore.metadata import parse_redis_url
+from contracts.logs import LogFormat
 from router.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
 from router.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
 
@@ -74,6 +75,7 @@ class ServeConfig:
     # (with --tls-ca also to every worker: mutual TLS between them).
     cluster_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = PLAINTEXT
+    log_format: str = "text"                # every child's --log-format (contracts/logs.py)
 
     def __post_init__(self) -> None:
         RestartConfig(policy=self.restart_policy)   # raises ValueError naming restart_policy
@@ -81,6 +83,8 @@ class ServeConfig:
             check_token(self.cluster_token)
         if self.tls.ca is not None and not self.tls.serves_tls:
             raise ValueError("tls_cert: with --tls-ca, --tls-cert/--tls-key are needed too (mutual TLS)")
+        if self.log_format not in [f.value for f in LogFormat]:
+            raise ValueError(f"log_format={self.log_format!r}; accepted: {', '.join(f.value for f in LogFormat)}")
         object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
         object.__setattr__(self, "router_argv", tuple(self.router_argv))
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -294,7 +298,7 @@ class Cluster:
         return [cfg.python, "-m", "router.cli", "router", "--host", cfg.host, "--grpc-port", str(grpc_port),
                 "--http-port", str(http_port), "--routing-policy", cfg.routing_policy,
                 "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
-                "--cluster-name", cfg.cluster_name, "--model", cfg.model, *tls_argv(cfg.tls),
+                "--cluster-name", cfg.cluster_name, "--model", cfg.model, "--log-format", cfg.log_format, *tls_argv(cfg.tls),
                 *cfg.router_argv]    # the Redis URL (password) and the cluster token: cfg.child_env
 
 

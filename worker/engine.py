@@ -404,7 +404,11 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), u.num_free_blocks,
                            u.num_used_blocks, u.num_blocks, u.prefix_query_blocks, u.prefix_hit_blocks,
                            self.scheduler.num_preemptions, u.num_host_blocks, u.host_num_blocks,
-                           u.num_onloaded_blocks)
+                           u.num_onloaded_blocks,
+                           self.store.host.stats().offloaded if self.store.host is not None else 0,
+                           self.store.pool.stats().evictions,
+                           self.evictor.num_evicted_tokens if self.evictor is not None else 0,
+                           u.num_cached_blocks)
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""

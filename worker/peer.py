@@ -178,6 +178,7 @@ class PeerPlane:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._c = PeerCounters()
+        self.fetch_observer: Callable[[float], None] | None = None   # each fetch's seconds (worker/metrics.py)
         self._links: dict[str, LinkEstimate] = {}
         self._lost: dict[str, str] = {}
         store = RendezvousStore(cfg.store_host, cfg.store_port, cfg.transfer.connect_timeout_s)
@@ -302,8 +303,11 @@ class PeerPlane:
         try:
             stored = await self._pull(plan, plan.hint, ask)
         finally:
+            elapsed = time.perf_counter() - t0
             with self._lock:
-                self._c.fetch_seconds += time.perf_counter() - t0
+                self._c.fetch_seconds += elapsed
+            if self.fetch_observer is not None:
+                self.fetch_observer(elapsed)
         if stored is None:
             return None
         keep, blocks = stored

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contracts.grpc_options import grpc_server_options
+from contracts.logs import REQUEST_ID, trace_id
 from contracts.requests import BadRequest
 from contracts.sampling import SamplingParamsError
 from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_request, parse_send_blocks_request,
@@ -160,7 +161,9 @@ class WorkerServer:
 
     async def _start_metrics(self, engine: Engine, ae: AsyncEngine, port: int) -> None:
         from worker.metrics import MetricsHTTP, WorkerMetrics, refresh_forever
-        self.metrics = WorkerMetrics(engine.model_config.name, self.cfg.worker_id, engine.layout.kv_cache_dtype)
+        self.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id)
+        if self._peer is not None:
+            self._peer.fetch_observer = self.metrics.observe_peer_fetch
         self._metrics_http = await asyncio.to_thread(MetricsHTTP, self.metrics.registry, self.cfg.host, port)
         self._metrics_task = asyncio.create_task(refresh_forever(self.metrics, ae, self._peer),
                                                  name=f"metrics-{self.cfg.worker_id}")
@@ -265,6 +268,7 @@ class WorkerServer:
     async def _stream(self, ae: AsyncEngine, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         inp = to_generate_input(msg)
         request_id = inp.request_id or uuid.uuid4().hex
+        REQUEST_ID.set(trace_id(context, request_id))   # on every log line of this request
         prompt: str | list[int]
         if inp.chat is not None:
             prompt = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in inp.chat)))
@@ -282,9 +286,12 @@ class WorkerServer:
                               staged=fetched.staged if fetched is not None else None,
                               cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given)
         t0, first = time.perf_counter(), True
+        gaps = self.metrics.token_gaps() if self.metrics is not None else None
         completion_tokens = 0          # over every sequence (n / best_of)
         try:
             async for out in outputs:
+                if gaps is not None:
+                    gaps.output(out)
                 if first and self._peer is not None:
                     self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False
@@ -317,7 +324,7 @@ class WorkerServer:
                                               fetched.num_blocks * bs)
             self._prompt_tokens += out.prompt_tokens
             if self.metrics is not None:
-                self.metrics.observe_finished(out)
+                self.metrics.observe_finished(out, resp.completion_tokens)
             t = out.timings
             log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
                      "ttft_s=%.4f e2e_s=%.4f finish_reason=%s", out.request_id, self.cfg.worker_id,
@@ -392,7 +399,8 @@ class WorkerServer:
                        prefix_hit_blocks=s.prefix_hits, prompt_tokens=self._prompt_tokens,
                        cached_prompt_tokens=self._cached_prompt_tokens, num_preemptions=s.num_preemptions,
                        num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
-                       num_onloaded_blocks=s.num_onloaded_blocks)
+                       num_onloaded_blocks=s.num_onloaded_blocks,
+                       num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks)
         if self._peer is not None:
             load.peer.CopyFrom(_peer_stats(self._peer.figures()))
         return load

@@ -15,13 +15,13 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from contracts.cli import CLIError, flagify
 from contracts.cluster_token import TOKEN_ENV, token_from
 from contracts.tls import add_tls_arguments, tls_from_args
+from contracts.logs import add_log_format_argument, configure_logging
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.config import ModelLoadError
 from worker.server import WorkerServer, WorkerServerConfig
@@ -86,6 +86,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the secret shared with the router and peers (default: ${TOKEN_ENV}; prefer the "
                         "environment: flags show in ps); every Worker RPC then needs it")
     add_tls_arguments(g, "worker")
+    add_log_format_argument(g)
     g = p.add_argument_group("peer transfer (pairs of workers formed on demand)")
     g.add_argument("--peer-transfer", action="store_true",
                    help="fetch hinted prefixes from peers and send to them (default: $KVMESH_PEER_TRANSFER=1, else off)")
@@ -125,8 +126,7 @@ def run_worker(args: argparse.Namespace) -> int:
                                  cluster_token=token_from(args.cluster_token), tls=tls_from_args(args))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_format)
     if peer.legacy:
         log.warning("deprecated and ignored: %s (pairs of workers form on demand; peer transfer is %s)",
                     ", ".join(peer.legacy), "on" if peer.peer_transfer else "off")

@@ -22,7 +22,8 @@ GPU_EXAMPLE = CHART / "examples" / "gpu-pool.yaml"
 # The chart's kubeVersion floor (pod-index label) and the Kubernetes of helm's client.
 K8S_VERSIONS = ("1.28.0", "1.35.0")
 RELEASE, NAMESPACE = "kvm", "llm"
-CRD_KINDS = {"ServiceMonitor"}  # no built-in schema: checked by check_service_monitor
+CRD_KINDS = {"ServiceMonitor", "PodMonitor"}  # no built-in schema: checked by check_service_monitor and
+# tests/helm/test_monitoring.py
 
 Doc = dict[str, Any]
 

@@ -32,10 +32,10 @@ ALL_VALUES: Doc = {
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
                "h2oDecay": 0.9, "attentionBackend": "triton", "enforceEager": True},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
-               "terminationGracePeriodSeconds": 40, "metricsPort": 9999},
+               "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json"},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
-               "maxConcurrentPerTenant": 7},
+               "maxConcurrentPerTenant": 7, "logFormat": "json"},
 }
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s"}
