@@ -267,6 +267,19 @@ class EventConsumer:
         await p.execute()
         self._resyncs += len(worker_ids)
 
+    async def lag_s(self) -> dict[WorkerId, float]:
+        """Per followed worker: how far behind the newest entry of its stream the last entry
+        read is, in stream time (both ids are Redis clock milliseconds), in seconds. Raises
+        MetadataError when Redis does not answer."""
+        workers = sorted(self._cursors)
+        with redis_errors("read stream heads"):
+            p = self._r.pipeline(transaction=False)
+            for w in workers:
+                p.xrevrange(self._keys.events(w), count=1)
+            heads = await p.execute()
+        return {w: max(_id_ms(head[0][0]) - _id_ms(self._cursors[w].last_id), 0) / 1000 if head else 0.0
+                for w, head in zip(workers, heads)}
+
     def stats(self) -> ConsumerStats:
         return ConsumerStats(self._degraded, len(self._workers), self._entries, self._gaps,
                              self._new_epochs, self._bad, self._resyncs, self._restarts,
@@ -361,3 +374,8 @@ class EventConsumer:
         self._entries += applied
         await self.request_resync(*sorted(resync))
         return applied
+
+
+def _id_ms(entry_id: str) -> int:
+    """The millisecond part of a stream entry id (`<ms>-<seq>`)."""
+    return int(str(entry_id).partition("-")[0])

@@ -6,7 +6,7 @@ Owns: the key set (`ApiKey`, parsed from `--api-key` / `--api-keys-file` /
 aiohttp middleware (401 with an OpenAI-style body) and the gRPC server interceptor
 (UNAUTHENTICATED). With no keys configured every request passes (loopback default);
 `warn_if_open` logs loudly when such a router binds a non-loopback host. `/health` and gRPC
-health/reflection stay open. Torch-free.
+health/reflection stay open; `/metrics` too unless `--metrics-require-key`. Torch-free.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from typing import Any, NewType
 import grpc
 from aiohttp import web
 
+from contracts.grpc_auth import refusing
+
 TenantId = NewType("TenantId", str)
 
 KEYS_FILE_ENV = "KVMESH_API_KEYS_FILE"
@@ -31,8 +33,10 @@ PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file mar
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
 ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
+SALT_OPTION = "salt="                             # keys file: the tenant's explicit cache_salt
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
-_OPEN_HTTP_PATHS = frozenset({"/health", "/live"})
+_OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/dashboard"})   # /dashboard: a page without data
+_METRICS_PATH = "/metrics"                        # open too unless --metrics-require-key
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _LIMITED_HTTP_PREFIX = "/v1/"                     # POSTs here generate: counted per tenant
 _LIMITED_GRPC_METHODS = frozenset({"/kvmesh.v1.Router/Generate"})
@@ -43,12 +47,14 @@ log = logging.getLogger("kvmesh.router.auth")
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """One client key: the secret, the tenant it names, and whether that tenant may set
-    `priority`. The secret never appears in repr or logs."""
+    `priority`. The secret never appears in repr or logs. `salt`: the tenant's explicit
+    default cache_salt from the keys file (None: derived, router/tenancy.py)."""
 
     key: str
     tenant: TenantId = DEFAULT_TENANT
     priority: bool = False
     admin: bool = False
+    salt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key or any(c.isspace() for c in self.key):
@@ -57,7 +63,9 @@ class ApiKey:
             raise ValueError(f"api_keys: tenant {self.tenant!r} must be a non-empty word")
 
     def __repr__(self) -> str:
-        return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority}, admin={self.admin})"
+        salt = "<set>" if self.salt is not None else None
+        return (f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority}, admin={self.admin}, "
+                f"salt={salt})")
 
 
 # Without keys every client is this one tenant, trusted like the loopback default it is.
@@ -65,8 +73,8 @@ ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True, admin=True)
 
 
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
-    """`key tenant [priority] [admin]` per line; blank lines and `#` comments ignored. Raises
-    ValueError naming the file and line (never echoing a key)."""
+    """`key tenant [priority] [admin] [salt=SALT]` per line; blank lines and `#` comments
+    ignored. Raises ValueError naming the file and line (never echoing a key)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -76,13 +84,25 @@ def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
         words = raw.split("#", 1)[0].split()
         if not words:
             continue
-        flags = words[2:]
-        if len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags):
-            raise ValueError(f"api_keys_file: {path}:{n}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]'")
-        keys.append(ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags))
+        keys.append(_parse_key_line(words, f"api_keys_file: {path}:{n}"))
     if not keys:
         raise ValueError(f"api_keys_file: {path} holds no keys")
+    salts: dict[TenantId, str | None] = {}
+    for k in keys:
+        if salts.setdefault(k.tenant, k.salt) != k.salt:
+            raise ValueError(f"api_keys_file: {path}: tenant {k.tenant!r} has lines with different salt=")
     return tuple(keys)
+
+
+def _parse_key_line(words: list[str], where: str) -> ApiKey:
+    options = words[2:]
+    salts = [w[len(SALT_OPTION):] for w in options if w.startswith(SALT_OPTION)]
+    flags = [w for w in options if not w.startswith(SALT_OPTION)]
+    if (len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags)
+            or len(salts) > 1 or "" in salts):
+        raise ValueError(f"{where}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}] [{SALT_OPTION}SALT]'")
+    return ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags,
+                  salt=salts[0] if salts else None)
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +111,8 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept this client key (repeatable; tenant 'default')")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                    help=f"'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs an API key like /v1 (default: open, like /health)")
     p.add_argument("--max-concurrent-per-tenant", type=int, default=None, metavar="N",
                    help="requests in flight per tenant (429 / RESOURCE_EXHAUSTED beyond; without keys: all "
                         "clients are one tenant); default unlimited")
@@ -114,6 +136,8 @@ def auth_argv(args: argparse.Namespace) -> tuple[str, ...]:
         argv += ["--api-keys-file", str(args.api_keys_file)]
     if args.max_concurrent_per_tenant is not None:
         argv += ["--max-concurrent-per-tenant", str(args.max_concurrent_per_tenant)]
+    if args.metrics_require_key:
+        argv.append("--metrics-require-key")
     return tuple(argv)
 
 
@@ -143,12 +167,16 @@ class TenantLimiter:
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self._in_flight: dict[TenantId, int] = {}
+        self.admitted: dict[TenantId, int] = {}   # requests per tenant since start (router/metrics.py)
+        self.rejected: dict[TenantId, int] = {}
 
     def acquire(self, tenant: TenantId) -> bool:
         n = self._in_flight.get(tenant, 0)
         if self.limit is not None and n >= self.limit:
+            self.rejected[tenant] = self.rejected.get(tenant, 0) + 1
             return False
         self._in_flight[tenant] = n + 1
+        self.admitted[tenant] = self.admitted.get(tenant, 0) + 1
         return True
 
     def release(self, tenant: TenantId) -> None:
@@ -167,9 +195,11 @@ class Authenticator:
     configured key with `hmac.compare_digest` (no early exit on a match). With a
     `TenantLimiter`, also caps each tenant's requests in flight on the generating paths."""
 
-    def __init__(self, keys: Iterable[ApiKey], limiter: TenantLimiter | None = None) -> None:
+    def __init__(self, keys: Iterable[ApiKey], limiter: TenantLimiter | None = None,
+                 metrics_require_key: bool = False) -> None:
         self.keys = tuple(keys)
         self.limiter = limiter or TenantLimiter(None)
+        self.open_paths = _OPEN_HTTP_PATHS if metrics_require_key else _OPEN_HTTP_PATHS | {_METRICS_PATH}
 
     @property
     def enabled(self) -> bool:
@@ -194,7 +224,7 @@ class Authenticator:
         @web.middleware
         async def authenticate(request: web.Request,
                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-            if request.path in _OPEN_HTTP_PATHS:
+            if request.path in self.open_paths:
                 return await handler(request)
             key = self.check(request.headers.get("Authorization")) if self.enabled else ANONYMOUS
             if key is None:
@@ -225,7 +255,8 @@ def authenticator_for(router: Any) -> Authenticator:
     auth = _PER_ROUTER.get(router)
     if auth is None:
         cfg = router.cfg
-        auth = _PER_ROUTER[router] = Authenticator(cfg.api_keys, TenantLimiter(cfg.max_concurrent_per_tenant))
+        auth = _PER_ROUTER[router] = Authenticator(cfg.api_keys, TenantLimiter(cfg.max_concurrent_per_tenant),
+                                                   cfg.metrics_require_key)
     return auth
 
 
@@ -260,7 +291,7 @@ class _GrpcAuth(grpc.aio.ServerInterceptor):
             key = self._auth.check(value) if isinstance(value, str) else None
         handler = await continuation(details)
         if key is None:
-            return _denying(handler, grpc.StatusCode.UNAUTHENTICATED,
+            return refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "missing or invalid API key (authorization: Bearer <key>)")
         if details.method in _LIMITED_GRPC_METHODS and handler is not None and handler.response_streaming:
             return _limited_stream(handler, self._auth.limiter, key)
@@ -285,21 +316,3 @@ def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter, key:
             limiter.release(tenant)
     return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
                                                 response_serializer=handler.response_serializer)
-
-
-def _denying(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
-             details: str) -> grpc.RpcMethodHandler | None:
-    """A handler of the same shape as `handler` that aborts with `code` without
-    deserializing the request (bytes stay bytes)."""
-    if handler is None:
-        return None
-
-    async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, details)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny)
-    return grpc.unary_unary_rpc_method_handler(_deny)

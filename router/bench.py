@@ -1,8 +1,9 @@
 """`kvmesh bench router`: routing policies, simulated at scale and live on real workers.
 
 1. Simulation (router/sim.py): a Zipf multi-tenant trace over 4, 8 and 16 workers with
-   fixed-size LRU caches; prefix-cache hit rate and load imbalance per policy, against an
-   oracle single cache of the combined size. The headline figures are for 8 workers.
+   fixed-size LRU caches, FIFO prefill queues and the router's pending blocks; prefix-cache
+   hit rate, load imbalance and TTFT p50 per policy, against an oracle single cache of the
+   combined size. The headline figures are for 8 workers.
 2. Live: 3 real worker processes on the default model behind one router per policy; the
    fraction of prompt tokens served from cache, from the workers' own GetLoad counters.
 """
@@ -14,6 +15,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import grpc
 from contracts.bench_report import emit
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router import bench_live
 from router.config import RouterConfig
 from router.launch import LocalCluster, ServeConfig
 from router.routing import RoutingPolicy
@@ -47,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--model", default="smollm2")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(run=run_service)
+    bench_live.register(sub)
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -110,16 +114,26 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
         row: dict[str, Any] = {"oracle_hit_rate": oracle_hit_rate(cfg, trace)}
         for policy in POLICY_ORDER:
             r = simulate(policy, cfg, trace)
-            row[policy.value] = {"hit_rate": r.hit_rate, "imbalance": r.imbalance,
-                         "hit_rate_vs_oracle": r.hit_rate / row["oracle_hit_rate"]}
+            row[policy.value] = {"hit_rate": r.hit_rate, "imbalance": r.imbalance, "ttft_p50": r.ttft_p50,
+                                 "hit_rate_vs_oracle": r.hit_rate / row["oracle_hit_rate"]}
         out["by_workers"][str(n)] = row
+    # kv_aware at 8 workers as the bounded-load factor (`--load-factor`) varies: cache hits vs balance.
+    cfg8 = SimConfig(num_workers=8, num_requests=1500 if quick else 4000, seed=seed)
+    trace8 = make_trace(cfg8)
+    oracle8 = oracle_hit_rate(cfg8, trace8)
+    out["kv_aware_load_factor_sweep"] = {}
+    for c in (1.25, 1.5, 2.0):
+        r = simulate(RoutingPolicy.KV_AWARE, replace(cfg8, load_factor=c), trace8)
+        out["kv_aware_load_factor_sweep"][str(c)] = {"hit_rate_vs_oracle": r.hit_rate / oracle8, "imbalance": r.imbalance}
     head = out["by_workers"]["8"]
-    out.update({p.value: {k: head[p.value][k] for k in ("hit_rate", "imbalance")} for p in POLICY_ORDER})
+    out.update({p.value: {k: head[p.value][k] for k in ("hit_rate", "imbalance", "ttft_p50", "hit_rate_vs_oracle")}
+                for p in POLICY_ORDER})
     out["oracle_hit_rate"] = head["oracle_hit_rate"]
     c = SimConfig()
     out["config"] = {"headline_workers": 8, "cache_blocks_per_worker": c.cache_blocks, "prompts": c.num_prompts,
                      "zipf_s": c.zipf_s, "system_blocks": c.system_blocks, "suffix_blocks": list(c.suffix_blocks),
-                     "mean_in_flight_per_worker": c.mean_in_flight, "load_factor": c.load_factor}
+                     "mean_in_flight_per_worker": c.mean_in_flight, "load_factor": c.load_factor,
+                     "prefill_tokens_per_s": c.prefill_tokens_per_s, "ttft_unit": "mean decode time"}
     return out
 
 

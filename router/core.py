@@ -18,23 +18,30 @@ from typing import NamedTuple
 
 import grpc
 
+from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint
-from kvstore.keys import block_hashes
+from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.auth import ANONYMOUS, ApiKey, TenantId
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, UpstreamError
+from router.index import BlockIndex
+from router.inflight import InFlightPrefills
 from router.policy import Policy, make_policy
 from router.registry import WorkerEntry, WorkerRegistry
 from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.tenancy import TenantSalts, bound_max_tokens
 
 
 class Prepared(NamedTuple):
-    """A validated request, ready to forward: the worker-bound message and what routing sees."""
+    """A validated request, ready to forward: the worker-bound message, what routing sees and
+    the tenant that sent it (only that tenant may abort it)."""
 
     request: pb.GenerateRequest
     route: RouteRequest
+    tenant: TenantId = ANONYMOUS.tenant
 
 
 class Pick(NamedTuple):
@@ -70,6 +77,9 @@ class RouteObserver:
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
 
+    def picked(self, route: RouteRequest, worker_id: str) -> None:
+        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/cluster_view.py)."""
+
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
 
@@ -95,7 +105,10 @@ class Router:
         self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
         self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
         self._inflight: dict[str, WorkerEntry | None] = {}
+        self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
+        self.salts = TenantSalts(cfg.api_keys)
         self.draining = False
+        self.prefills = InFlightPrefills()   # pending blocks and prefill queues (issue #23)
 
     @property
     def model_info(self) -> pb.ModelInfo | None:
@@ -109,9 +122,10 @@ class Router:
     def live_workers(self) -> list[WorkerInfo]:
         return [w.info for w in self.registry.live() if w.info is not None]
 
-    async def prepare(self, inp: GenerateInput) -> Prepared:
+    async def prepare(self, inp: GenerateInput, caller: ApiKey = ANONYMOUS) -> Prepared:
         """Tokenize (in a thread: a 4 MiB prompt takes seconds) and validate; raises
-        BadRequest, or NoWorkerAvailable before any worker has told the router its model."""
+        BadRequest, or NoWorkerAvailable before any worker has told the router its model.
+        `caller` (the authenticated key) decides the default cache_salt (router/tenancy.py)."""
         info, tok = self.model_info, self.tokenizer
         if info is None or tok is None:
             raise NoWorkerAvailable("no worker is ready")
@@ -135,11 +149,13 @@ class Router:
         if len(ids) >= info.max_model_len:
             raise BadRequest(f"input: the prompt has {len(ids)} tokens; this model takes at most "
                              f"{info.max_model_len - 1} (max_model_len {info.max_model_len})")
-        hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex))
+        params = bound_max_tokens(inp, len(ids), info.max_model_len, self.cfg.max_tokens_limit)
+        salt = self.salts.salt_for(caller, inp.cache_salt)
+        hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex), cache_salt_root(salt))
         request = pb.GenerateRequest(request_id=inp.request_id or f"rtr-{uuid.uuid4().hex}",
-                                     token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(inp.params),
-                                     priority=inp.priority)
-        return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)))
+                                     token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(params),
+                                     priority=inp.priority, cache_salt=salt)
+        return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)), caller.tenant)
 
     async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
         """Forward to the policy's worker and yield its responses. A worker that is
@@ -147,10 +163,12 @@ class Router:
         another. Closing the iterator cancels the upstream call (the worker aborts it).
         Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
         rid = prepared.request.request_id
+        REQUEST_ID.set(rid)      # on every log line of this request, and to the worker as metadata
         if rid in self._inflight:
             raise BadRequest(f"request_id {rid!r} is already running")
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
         self._inflight[rid] = None
+        self._owners[rid] = prepared.tenant
         tried: set[WorkerId] = set()
         started = time.perf_counter()
         try:
@@ -161,15 +179,21 @@ class Router:
                 assert worker.info is not None
                 worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
+                self.observer.picked(prepared.route, worker_id)
                 self._inflight[rid] = worker
-                call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
-                                            timeout=max(deadline - time.monotonic(), 0.001))
+                self.prefills.dispatched(self.registry.index, rid, worker_id, prepared.route, pick.predicted_tokens)
                 streamed = finished = False
                 ttft_s = 0.0
                 worker.in_flight += 1
+                call = None
                 try:
+                    await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
+                    call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
+                                                timeout=max(deadline - time.monotonic(), 0.001),
+                                                metadata=((REQUEST_ID_HEADER, rid),))
                     async for response in call:
                         if not streamed:
+                            self.prefills.prefilled(self.registry.index, rid)
                             ttft_s = time.perf_counter() - started
                             self.observer.first_response(rid, worker_id, ttft_s)
                         streamed = True
@@ -194,14 +218,18 @@ class Router:
                                             f"worker {worker.address} became unavailable: {e.details()}") from None
                 finally:
                     worker.in_flight -= 1
-                    call.cancel()
+                    self.prefills.done(self.registry.index, rid, streamed)
+                    if call is not None:
+                        call.cancel()
         finally:
             self._inflight.pop(rid, None)
+            self._owners.pop(rid, None)
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request in flight on the worker serving it; False when none is."""
+    async def abort(self, request_id: str, tenant: TenantId | None = None) -> bool:
+        """Abort a request in flight on the worker serving it; False when none is, or when
+        `tenant` (None: any) is not the tenant that sent it (the same answer: nothing leaks)."""
         worker = self._inflight.get(request_id)
-        if worker is None:
+        if worker is None or (tenant is not None and self._owners.get(request_id) != tenant):
             return False
         try:
             response = await worker.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
@@ -214,8 +242,12 @@ class Router:
         prompt blocks each holds according to the block index (empty without one)."""
         loads = {w.info.worker_id: w.load for w in self.registry.live() if w.info is not None}
         index = self.registry.index
+        self.prefills.expire(index)
         cached = index.match_prefix(route.block_hashes, list(loads)) if index is not None else {}
-        return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()})
+        info = self.model_info
+        return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()},
+                            self.prefills.queued_tokens(index, loads, route),
+                            info.block_size if info is not None and info.block_size else 16)
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
@@ -231,7 +263,11 @@ class Router:
         blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
         peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in self.registry.live()
                  if w.info is not None and w.rank is not None}
-        hint = best_peer_hint(chosen.worker_id, state.cached_blocks, peers, max_blocks)
+        index = self.registry.index   # a peer can send only what it has stored, not what it computes
+        stored = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(state.loads),
+                                                                  pending=False).items()}
+                  if isinstance(index, BlockIndex) else state.cached_blocks)
+        hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
         return Pick(self.registry.entry(chosen.address), blocks * bs, hint)
 
     def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
@@ -247,8 +283,9 @@ class Router:
 def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
                    peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
     """The worker other than `chosen` holding the most leading prompt blocks (at most
-    `max_blocks` count), if it holds more than `chosen` and both are ranks of one transfer
-    group (`peers`: worker id → (address, rank, world_size)); ties go to the lowest id."""
+    `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
+    worker id → (address, rank, world_size); pairs form on demand, so rank and world size
+    are legacy, 0, and only a mismatch of world size rules a peer out); ties go to the lowest id."""
     me = peers.get(chosen)
     if me is None:
         return None
@@ -256,7 +293,7 @@ def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
     best: PeerHint | None = None
     for worker_id in sorted(cached_blocks):
         peer = peers.get(worker_id)
-        if worker_id == chosen or peer is None or peer[2] != me[2] or peer[1] == me[1]:
+        if worker_id == chosen or peer is None or peer[2] != me[2]:
             continue
         n = min(cached_blocks[worker_id], max_blocks)
         if n > own and (best is None or n > best.num_blocks):

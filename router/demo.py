@@ -17,6 +17,7 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.cli import main as kvmesh
 from router.client import ClientError, GenerateResult, generate
 from router.launch import LocalCluster
+from router.metrics import sample_sum, scrape
 from router.processes import LaunchError
 from router.supervise import ServeConfig
 
@@ -79,6 +80,24 @@ def show(label: str, question: str, a: Answer) -> None:
           flush=True)
 
 
+def show_metrics(cluster: LocalCluster) -> None:
+    """What the requests moved, scraped from each worker's and the router's /metrics."""
+    base = cluster.http_base_url.removesuffix("/v1")
+    print(f"\n$ curl {base}/metrics  (and each worker's /metrics; live view: {base}/dashboard)")
+    for i, port in enumerate(cluster.local_placement.metrics_ports):
+        s = scrape(f"http://127.0.0.1:{port}/metrics")
+        hits, queries = (sample_sum(s, f"kvmesh:prefix_cache_{k}_total") for k in ("hits", "queries"))
+        print(f"  worker-{i}: kvmesh:prefix_cache_hits_total {hits:.0f} of kvmesh:prefix_cache_queries_total "
+              f"{queries:.0f} prompt tokens, kvmesh:generation_tokens_total "
+              f"{sample_sum(s, 'kvmesh:generation_tokens_total'):.0f}, kvmesh:kv_cache_usage_perc "
+              f"{sample_sum(s, 'kvmesh:kv_cache_usage_perc'):.3f}")
+    r = scrape(f"{base}/metrics")
+    print(f"  router:   kvmesh:router_requests_total {sample_sum(r, 'kvmesh:router_requests_total'):.0f}, "
+          f"kvmesh:router_predicted_hit_tokens_total {sample_sum(r, 'kvmesh:router_predicted_hit_tokens_total'):.0f}"
+          f" vs kvmesh:router_served_hit_tokens_total {sample_sum(r, 'kvmesh:router_served_hit_tokens_total'):.0f}",
+          flush=True)
+
+
 def run_cluster() -> None:
     cfg = ServeConfig(workers=2, grpc_port=0, http_port=0, cluster_name="kvmesh-demo")
     print("\n$ kvmesh serve --workers 2   # as a LocalCluster on free ports: redis-server, 2 workers, router")
@@ -105,6 +124,7 @@ def run_cluster() -> None:
             f"full 16-token blocks of the shared system prompt, left in {second.worker_id}'s KV pool by "
             f"request 1. The router sent it to the worker holding that prefix, so only the rest was prefilled.",
             width=100))
+        show_metrics(cluster)
         print("\nstopping the cluster ...", flush=True)
     print("stopped: router, workers and redis-server have exited.")
 

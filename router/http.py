@@ -23,12 +23,13 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from contracts.logs import REQUEST_ID
 from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.auth import authenticator_for
+from router.auth import ANONYMOUS, TENANT_KEY, authenticator_for
 from router.core import Router
 from router.http_guard import guard_middleware
 from router.openai_choices import ChoiceSet, choice_options
@@ -58,6 +59,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": lambda v: v is None,
 }
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+# The field tables, public for router/openapi.py (the OpenAPI document is generated from them).
+COMPLETION_FIELDS, CHAT_FIELDS, UNSUPPORTED = _COMPLETION_FIELDS, _CHAT_FIELDS, _UNSUPPORTED
+SAMPLING_NUMBERS, STREAM_OPTIONS = _SAMPLING_NUMBERS, _STREAM_OPTIONS
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
            "NOT_FOUND": 404}
 
@@ -103,7 +107,8 @@ class HttpFrontend:
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        tls = self.router.cfg.tls
+        await web.TCPSite(self._runner, host, port, ssl_context=tls.http_ssl_context() if tls.serves_tls else None).start()
         return int(self._runner.addresses[0][1])
 
     async def stop(self, grace: float | None) -> None:
@@ -153,8 +158,8 @@ class HttpFrontend:
              "max_model_len": info.max_model_len if info is not None else None}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))  # first: its id on every log line
         body = await self._body(request, _COMPLETION_FIELDS)
-        msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -175,8 +180,8 @@ class HttpFrontend:
         return await self._serve(request, body, msg, chat=False, default_max_tokens=16)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))  # first: its id on every log line
         body = await self._body(request, _CHAT_FIELDS)
-        msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages: must be a non-empty list", "messages")
@@ -242,7 +247,8 @@ class HttpFrontend:
             raise HttpError(400, f"stream_options: accepted keys are {', '.join(sorted(_STREAM_OPTIONS))}",
                             "stream_options")
         try:
-            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
+            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens),
+                                                 request.get(TENANT_KEY, ANONYMOUS))
         except BadRequest as e:
             raise _bad_request(str(e)) from None
         head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",
@@ -431,7 +437,8 @@ def _request_id(request: web.Request, prefix: str) -> str:
     response), else a fresh `<prefix>-<hex>`; a malformed header is a 400."""
     given = request.headers.get("x-request-id")
     if given is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    if not _REQUEST_ID.fullmatch(given):
+        given = f"{prefix}-{uuid.uuid4().hex}"
+    elif not _REQUEST_ID.fullmatch(given):
         raise HttpError(400, "x-request-id: must be 1-128 printable ASCII characters without spaces", None)
+    REQUEST_ID.set(given)    # on every log line of this request (contracts/logs.py)
     return given

@@ -9,9 +9,18 @@ A worker may hold one block in several tiers at once (a device copy being offloa
 host memory), so each (block, worker) entry is a set of tiers, kept as a bit mask; the
 entry goes when its last tier goes. Removing a worker is O(its blocks): a per-worker set
 of hashes mirrors the main map.
+
+Pending blocks (issue #23): when the router sends a request to a worker it records the
+prompt's blocks as *pending* there (`add_pending`), a prediction that the worker is computing
+them. `match_prefix` counts a pending block like a stored one, so the requests that follow
+are drawn to the worker already computing their prefix. A pending entry goes when the
+worker's `BlockStored` event for it arrives (confirmed), when the request fails before its
+prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shortened by
+`settle_pending` once the prefill is done: the events should arrive within the grace).
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -29,6 +38,15 @@ class IndexStats(NamedTuple):
     num_entries: int
     num_workers: int
     events_applied: int
+    num_pending: int = 0      # (hash, worker) pairs predicted and not yet confirmed
+
+
+class _Pending(NamedTuple):
+    """One request's prediction: the blocks it computes on `worker_id`, until `expires_at`."""
+
+    worker_id: WorkerId
+    hashes: tuple[BlockHash, ...]
+    expires_at: float
 
 
 def _tiers(mask: int) -> frozenset[Tier]:
@@ -42,6 +60,9 @@ class BlockIndex:
         self._blocks: dict[BlockHash, dict[WorkerId, int]] = {}
         self._by_worker: dict[WorkerId, set[BlockHash]] = {}
         self._applied = 0
+        self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
+        self._requests: dict[str, _Pending] = {}
+        self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
 
     def apply(self, worker_id: WorkerId, event: WireEvent) -> None:
         """Apply one wire event of `worker_id` (its meaning: `kvstore.events`); the worker
@@ -68,6 +89,9 @@ class BlockIndex:
             holders = self._blocks.setdefault(h, {})
             holders[worker_id] = holders.get(worker_id, 0) | bit
             held.add(h)
+            computing = self._pending.get(h)
+            if computing is not None and computing.pop(worker_id, None) is not None and not computing:
+                del self._pending[h]    # confirmed: the prediction is now a stored block
 
     def discard(self, worker_id: WorkerId, hashes: Iterable[BlockHash], tier: Tier) -> None:
         """`worker_id` no longer holds `hashes` in `tier` (unknown ones are ignored)."""
@@ -79,23 +103,90 @@ class BlockIndex:
         self._by_worker[worker_id] = set()
 
     def remove_worker(self, worker_id: WorkerId) -> None:
-        """Forget `worker_id` altogether (it left routing)."""
+        """Forget `worker_id` altogether (it left routing), with its pending blocks."""
         self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
         self._by_worker.pop(worker_id, None)
+        for rid in [r for r, p in self._requests.items() if p.worker_id == worker_id]:
+            self.drop_pending(rid)
+
+    # -- pending (in-flight) blocks --------------------------------------------------------
+    def add_pending(self, request_id: str, worker_id: WorkerId, hashes: Iterable[BlockHash],
+                    expires_at: float) -> None:
+        """`request_id` was sent to `worker_id`, which will compute and store `hashes`; the
+        blocks it already holds, or another request computes there, are not recorded (the
+        request waits on those: `computing`). Replaces an earlier record of the request."""
+        self.drop_pending(request_id)
+        held = self._by_worker.setdefault(worker_id, set())
+        todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
+        self._requests[request_id] = _Pending(worker_id, todo, expires_at)
+        for h in todo:
+            self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
+        heapq.heappush(self._expiry, (expires_at, request_id))
+
+    def settle_pending(self, request_id: str, expires_at: float) -> None:
+        """The request's prefill is done (its blocks are stored on the worker): keep its
+        unconfirmed blocks pending until `expires_at` at the latest, for the events to arrive."""
+        p = self._requests.get(request_id)
+        if p is not None and expires_at < p.expires_at:
+            self._requests[request_id] = p._replace(expires_at=expires_at)
+            heapq.heappush(self._expiry, (expires_at, request_id))
+
+    def drop_pending(self, request_id: str) -> None:
+        """Forget what `request_id` predicted (it failed or was aborted before its prefill)."""
+        p = self._requests.pop(request_id, None)
+        if p is None:
+            return
+        for h in p.hashes:
+            computing = self._pending.get(h)
+            rids = computing.get(p.worker_id) if computing is not None else None
+            if rids is None:
+                continue
+            rids.discard(request_id)
+            if not rids:
+                del computing[p.worker_id]   # type: ignore[union-attr]
+                if not computing:
+                    del self._pending[h]
+
+    def expire_pending(self, now: float) -> int:
+        """Drop every prediction whose expiry is at or before `now`; returns how many."""
+        n = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, rid = heapq.heappop(self._expiry)
+            p = self._requests.get(rid)
+            if p is not None and p.expires_at <= now:
+                self.drop_pending(rid)
+                n += 1
+        return n
+
+    def computing(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> set[str]:
+        """The requests whose pending blocks on `worker_id` cover any of `block_hashes` that
+        it does not hold yet (those a request for this prefix would wait on there)."""
+        out: set[str] = set()
+        for h in block_hashes:
+            rids = self._pending.get(h, {}).get(WorkerId(worker_id))
+            if rids:
+                out |= rids
+        return out
+
+    def pending_requests(self) -> list[str]:
+        return sorted(self._requests)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash],
-                     workers: Iterable[str] | None = None) -> dict[str, int]:
+                     workers: Iterable[str] | None = None, *, pending: bool = True) -> dict[str, int]:
         """For each of `workers` (default: every known worker), how many LEADING blocks of
-        `block_hashes` it holds in any tier: the count stops at its first missing block.
-        (Plain `str` ids: fits `router.routing.BlockIndexView`; the router reads WorkerId keys.)"""
+        `block_hashes` it holds in any tier — or computes (pending), unless `pending=False`:
+        the count stops at its first missing block. (Plain `str` ids: fits
+        `router.routing.BlockIndexView`; the router reads WorkerId keys.)"""
         counts: dict[str, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
         matching = set(counts)
         num_matched = 0
+        no_pending: dict[WorkerId, set[str]] = {}
         for h in block_hashes:
-            holders = self._blocks.get(h)
-            if holders is None:
+            holders = self._blocks.get(h, {})
+            computing = self._pending.get(h, no_pending) if pending else no_pending
+            if not holders and not computing:
                 break
-            missing = [w for w in matching if w not in holders]
+            missing = [w for w in matching if w not in holders and w not in computing]
             for w in missing:
                 counts[w] = num_matched
                 matching.discard(w)
@@ -120,7 +211,7 @@ class BlockIndex:
 
     def stats(self) -> IndexStats:
         return IndexStats(len(self._blocks), sum(len(h) for h in self._by_worker.values()),
-                          len(self._by_worker), self._applied)
+                          len(self._by_worker), self._applied, sum(len(c) for c in self._pending.values()))
 
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
@@ -137,6 +228,14 @@ class BlockIndex:
                 assert w in self._blocks.get(h, {}), f"{w}'s set has {h:032x} but the map does not"
         by_worker = sum(len(held) for held in self._by_worker.values())
         assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
+        for h, computing in self._pending.items():
+            for w, rids in computing.items():
+                assert rids, f"pending block {h:032x} on {w} has no request"
+                assert w not in self._blocks.get(h, {}), f"block {h:032x} is both stored and pending on {w}"
+                for rid in rids:
+                    p = self._requests.get(rid)
+                    assert p is not None and p.worker_id == w and h in p.hashes, \
+                        f"pending block {h:032x} on {w} names {rid}, which does not predict it"
 
     def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int) -> None:
         held = self._by_worker.get(worker_id)

@@ -8,9 +8,11 @@ and names the combinations `--routing-policy` offers (`RoutingPolicy`, router/ro
 - `prefix_hash`   the ring scorer on the first K prompt blocks behind the bounded-load filter:
                   no worker takes more than ceil(c × average) in-flight requests, overflow
                   walks the ring. Needs no index.
-- `kv_aware`      (default) 1.0 × cached prefix + 0.3 × load headroom + 0.1 × free KV, behind
-                  the same bounded-load filter; ring position breaks ties, so a cold index
-                  keeps prefix affinity and equal scores never send a burst to one worker.
+- `kv_aware`      (default) holder-first: the least prefill cost (`PrefillCostScorer`: prompt
+                  tokens not cached or being computed there + the worker's queued prefill +
+                  κ per running request) behind the same bounded-load filter; ring position
+                  breaks ties, so a cold index keeps prefix affinity and equal scores never
+                  send a burst to one worker.
 
 Policies see plain data (router/routing.py), never gRPC; missing data scores 0.
 """
@@ -20,8 +22,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from router.routing import Filter, RouteRequest, RoutingPolicy, RoutingState, Scorer, WorkerId, WorkerInfo
-from router.scorers import (BoundedLoadFilter, FreeKVScorer, InverseLoadScorer, LoadScorer, PrefixCacheScorer,
-                            RingScorer, RotationScorer)
+from router.scorers import (BoundedLoadFilter, InverseLoadScorer, PrefillCostScorer, RingScorer,
+                            RotationScorer)
 
 # Scores are rounded before comparing so float noise cannot beat the tie-break.
 _DIGITS = 9
@@ -80,9 +82,7 @@ def _prefix_hash(load_factor: float) -> Policy:
 
 
 def _kv_aware(load_factor: float) -> Policy:
-    return Policy(RoutingPolicy.KV_AWARE,
-                  (Weighted(PrefixCacheScorer(), 1.0), Weighted(LoadScorer(load_factor), 0.3),
-                   Weighted(FreeKVScorer(low_kv_frac=0.1), 0.1)),
+    return Policy(RoutingPolicy.KV_AWARE, (Weighted(PrefillCostScorer(), 1.0),),
                   (BoundedLoadFilter(load_factor),), tiebreak=RingScorer())
 
 

@@ -64,10 +64,14 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class RoutingState:
     """Per-request view: load per worker and leading prompt blocks each worker holds.
-    A worker missing from either map has no data (it scores 0 there)."""
+    A worker missing from a map has no data (it scores 0 there)."""
 
     loads: Mapping[WorkerId, WorkerLoad] = field(default_factory=dict)
-    cached_blocks: Mapping[WorkerId, int] = field(default_factory=dict)
+    cached_blocks: Mapping[WorkerId, int] = field(default_factory=dict)   # held or pending (being computed)
+    # Uncached prompt tokens of requests sent to the worker that have not started streaming
+    # (its prefill queue), less those computing this request's own prefix there.
+    queued_tokens: Mapping[WorkerId, int] = field(default_factory=dict)
+    block_size: int = 16
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         return self.loads.get(worker_id, _NO_LOAD)

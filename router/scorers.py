@@ -10,6 +10,9 @@ missing data scores 0 and never raises.
 - `RingScorer`         position on a consistent-hash ring keyed by the first K prompt blocks:
                        the first worker clockwise from the key scores 1, the last ~0.
 - `RotationScorer`     a rotating order over worker ids (round robin; spreads ties).
+- `PrefillCostScorer`  holder-first placement: 1 − cost / max cost, cost the prompt tokens a
+                       request must prefill on the worker plus the prefill queued there plus
+                       κ per running request (see the class).
 - `BoundedLoadFilter`  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
                        2018): keeps workers under ceil(c × (m + 1) / n) in-flight requests.
 """
@@ -173,6 +176,43 @@ class RotationScorer:
         turn = next(self._turns)
         n = len(ids)
         return {wid: 1.0 - ((i - turn) % n) / n for i, wid in enumerate(ids)}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCostScorer:
+    """Holder-first placement (issue #23). The work, in prompt tokens, the request adds to a
+    worker and waits behind there:
+
+        cost(w) = β × (L − bs × cached(w)) + queued(w) + κ × in_flight(w)
+
+    L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending);
+    queued(w) the uncached prompt tokens of requests sent to w that have not started
+    streaming, less those computing this prompt's own prefix (they are the prefill it saves);
+    κ = `running_cost_tokens`, what one running request costs a new one (it shares every
+    step); β = `prefill_weight`: a prefill counts once as this request's wait and once more
+    as the worker time it takes from every request queued behind it (and, under cache
+    pressure, as the blocks a replica evicts). Score 1 − cost(w) / max cost over the pool:
+    the worker holding the prefix wins unless its queue and load exceed β × the prefill it
+    saves; equal costs tie."""
+
+    running_cost_tokens: float = 16.0
+    prefill_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.running_cost_tokens >= 0.0:
+            raise ValueError(f"running_cost_tokens={self.running_cost_tokens!r} must be >= 0")
+        if not self.prefill_weight >= 1.0:
+            raise ValueError(f"prefill_weight={self.prefill_weight!r} must be >= 1")
+
+    def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState) -> float:
+        cached = min(len(request.token_ids), state.block_size * max(0, state.cached_blocks.get(worker_id, 0)))
+        return (self.prefill_weight * (len(request.token_ids) - cached) + max(0, state.queued_tokens.get(worker_id, 0))
+                + self.running_cost_tokens * max(0, state.load(worker_id).in_flight))
+
+    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
+        costs = {w.worker_id: self.cost(w.worker_id, request, state) for w in pool}
+        top = max(costs.values(), default=0.0)
+        return {wid: 1.0 - c / top if top > 0 else 1.0 for wid, c in costs.items()}
 
 
 @dataclass(frozen=True, slots=True)

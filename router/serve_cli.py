@@ -7,11 +7,15 @@ import sys
 from pathlib import Path
 
 from contracts.cli import CLIError, flagify
+from contracts.cluster_token import TOKEN_ENV, new_token, token_from
+from contracts.tls import add_tls_arguments, tls_from_args
+from contracts.logs import add_log_format_argument
 from router.auth import add_auth_arguments, auth_argv
 from router.launch import run_serve
 from router.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
 from router.restarts import RestartPolicy
 from router.supervise import ServeConfig
+from router.tenancy import add_limit_arguments, limit_argv
 from worker.cli import add_engine_arguments
 
 
@@ -31,7 +35,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-policy", default=RestartPolicy.ON_FAILURE.value, choices=[p.value for p in RestartPolicy],
                    help="restart a child that exits: always, on-failure (non-zero status; default), or never "
                         "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
+    add_log_format_argument(g)
     add_auth_arguments(g)
+    add_limit_arguments(g)
+    g = p.add_argument_group("cluster authentication (README: Security)")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"the router's and workers' shared secret (default: ${TOKEN_ENV}, else a fresh random "
+                        "one per start); children get it by environment")
+    add_tls_arguments(g, "serve")
     add_engine_arguments(p)
     add_ray_arguments(p)
 
@@ -73,7 +84,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
                            startup_timeout_s=args.startup_timeout_s,
-                           restart_policy=RestartPolicy(args.restart_policy), router_argv=auth_argv(args))
+                           restart_policy=RestartPolicy(args.restart_policy),
+                           router_argv=auth_argv(args) + limit_argv(args),
+                           cluster_token=token_from(args.cluster_token) or new_token(), tls=tls_from_args(args),
+                           log_format=args.log_format)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

@@ -1,20 +1,29 @@
 """Trace-driven simulation of the routing policies (the first half of `kvmesh bench router`).
 
 A multi-tenant trace: `num_prompts` system prompts with Zipf popularity, each request a
-system prompt plus a unique user suffix, Poisson arrivals, exponential service times.
-Each worker keeps an LRU cache of `cache_blocks` blocks; the policies under test are the
-real ones from router.policy, fed the exact per-worker prefix matches an up-to-date block
-index would give and the router's in-flight counts. The oracle is one LRU cache of the
-combined size that sees every request.
+system prompt plus a unique user suffix, Poisson arrivals. Each worker keeps an LRU cache of
+`cache_blocks` blocks and prefills one request at a time at `prefill_tokens_per_s` (its
+queue is FIFO), then decodes for an exponential time. What the live runs showed (issue #23)
+is modelled: a worker stores a prompt's blocks only when its prefill is done, so the block
+index learns of them late; the router's real `BlockIndex` and `InFlightPrefills` run here as
+in the router, so `kv_aware` sees the blocks a worker is computing (pending) and each
+worker's queued prefill tokens, while a request's hit is what its worker has stored or is
+computing ahead of it in its queue. The policies under test are the real ones from
+router.policy. The oracle is one LRU cache of the combined size that sees every request.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
+import statistics
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
+from router.index import BlockIndex
+from router.inflight import InFlightPrefills
 from router.policy import make_policy
 from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
@@ -33,6 +42,7 @@ class SimConfig:
     mean_in_flight: float = 4.0      # offered load per worker (Little's law)
     block_size: int = 16
     load_factor: float = 1.25
+    prefill_tokens_per_s: float = 4096.0   # a cold 38-block prompt: ~0.15 of the mean decode time
     seed: int = 0
 
 
@@ -40,12 +50,19 @@ class SimConfig:
 class SimResult:
     hit_rate: float                  # cached prompt blocks / prompt blocks
     imbalance: float                 # max / mean of time-averaged in-flight per worker
+    ttft_p50: float = 0.0            # in units of the mean decode time: queue + own prefill
 
 
 class LRUCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.blocks: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def match_touch(self, hashes: tuple[BlockHash, ...]) -> None:
+        """A hit: the blocks become the most recently used (they are in the cache)."""
+        for h in hashes:
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
 
     def match(self, hashes: tuple[BlockHash, ...]) -> int:
         n = 0
@@ -55,12 +72,15 @@ class LRUCache:
             n += 1
         return n
 
-    def insert(self, hashes: tuple[BlockHash, ...]) -> None:
+    def insert(self, hashes: tuple[BlockHash, ...]) -> list[BlockHash]:
+        """Store `hashes` (most recent); returns the blocks evicted to make room."""
         for h in hashes:
             self.blocks[h] = None
             self.blocks.move_to_end(h)
+        evicted = []
         while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
+            evicted.append(self.blocks.popitem(last=False)[0])
+        return evicted
 
 
 def make_trace(cfg: SimConfig) -> list[RouteRequest]:
@@ -78,44 +98,85 @@ def make_trace(cfg: SimConfig) -> list[RouteRequest]:
 
 
 def simulate(policy_name: RoutingPolicy | str, cfg: SimConfig, trace: list[RouteRequest]) -> SimResult:
-    rng = random.Random(cfg.seed + 1)
-    workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
-    caches = {w.worker_id: LRUCache(cfg.cache_blocks) for w in workers}
-    policy = make_policy(policy_name, cfg.load_factor)
-    in_flight = {w.worker_id: 0 for w in workers}
-    area = {w.worker_id: 0.0 for w in workers}     # ∫ in_flight dt
-    departures: list[tuple[float, WorkerId]] = []
-    service = 1.0
-    rate = cfg.mean_in_flight * cfg.num_workers / service
-    now = hit = total = 0.0
+    return _Sim(cfg, policy_name).run(trace)
 
-    def advance(t: float) -> None:
-        nonlocal now
-        for wid, n in in_flight.items():
-            area[wid] += n * (t - now)
-        now = t
 
-    t = 0.0
-    for route in trace:
-        t += rng.expovariate(rate)
-        while departures and departures[0][0] <= t:
-            when, wid = heapq.heappop(departures)
-            advance(when)
-            in_flight[wid] -= 1
-        advance(t)
-        state = RoutingState({wid: WorkerLoad(n, cfg.cache_blocks, cfg.cache_blocks) for wid, n in in_flight.items()},
-                             {wid: c.match(route.block_hashes) for wid, c in caches.items()})
-        chosen = policy.pick(workers, route, state)
+class _Sim:
+    """Event loop of one simulation: arrivals, prefill completions ("stored": the worker's
+    cache and the router's index get the blocks) and departures."""
+
+    def __init__(self, cfg: SimConfig, policy_name: RoutingPolicy | str) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed + 1)
+        self.workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
+        self.caches = {w.worker_id: LRUCache(cfg.cache_blocks) for w in self.workers}
+        self.policy = make_policy(policy_name, cfg.load_factor)
+        self.index = BlockIndex()
+        self.prefills = InFlightPrefills(clock=lambda: self.now)
+        self.in_flight = {w.worker_id: 0 for w in self.workers}
+        self.free_at = {w.worker_id: 0.0 for w in self.workers}   # when each worker's prefill queue drains
+        self.area = {w.worker_id: 0.0 for w in self.workers}      # ∫ in_flight dt
+        self.events: list[tuple[float, int, str, WorkerId, tuple[BlockHash, ...]]] = []
+        self.now = 0.0
+        self.hit = self.total = 0
+        self.ttfts: list[float] = []
+        self._seq = itertools.count()
+
+    def run(self, trace: list[RouteRequest]) -> SimResult:
+        rate = self.cfg.mean_in_flight * self.cfg.num_workers
+        t = 0.0
+        for i, route in enumerate(trace):
+            t += self.rng.expovariate(rate)
+            self._until(t)
+            self._arrive(f"r{i}", route)
+        self._until(float("inf"))
+        averages = [a / self.now for a in self.area.values()]
+        mean = sum(averages) / len(averages)
+        return SimResult(self.hit / self.total, max(averages) / mean if mean else 1.0, statistics.median(self.ttfts))
+
+    def _until(self, t: float) -> None:
+        while self.events and self.events[0][0] <= t:
+            when, _, what, wid, hashes = heapq.heappop(self.events)
+            self._advance(when)
+            if what == "departed":
+                self.in_flight[wid] -= 1
+            else:   # prefill done: the worker stores the blocks, its events reach the index
+                rid = what
+                self.prefills.prefilled(self.index, rid)
+                self.index.add(wid, hashes, Tier.DEVICE)
+                self.index.discard(wid, self.caches[wid].insert(hashes), Tier.DEVICE)
+        if t != float("inf"):
+            self._advance(t)
+
+    def _advance(self, t: float) -> None:
+        for wid, n in self.in_flight.items():
+            self.area[wid] += n * (t - self.now)
+        self.now = t
+
+    def _arrive(self, rid: str, route: RouteRequest) -> None:
+        cfg = self.cfg
+        ids = [w.worker_id for w in self.workers]
+        self.prefills.expire(self.index)
+        state = RoutingState({w: WorkerLoad(self.in_flight[w], cfg.cache_blocks, cfg.cache_blocks) for w in ids},
+                             {WorkerId(k): v for k, v in self.index.match_prefix(route.block_hashes, ids).items()},
+                             self.prefills.queued_tokens(self.index, ids, route), cfg.block_size)
+        chosen = self.policy.pick(self.workers, route, state)
         assert chosen is not None
         wid = chosen.worker_id
-        hit += caches[wid].match(route.block_hashes)
-        total += len(route.block_hashes)
-        caches[wid].insert(route.block_hashes)
-        in_flight[wid] += 1
-        heapq.heappush(departures, (t + rng.expovariate(1.0 / service), wid))
-    averages = [a / now for a in area.values()]
-    mean = sum(averages) / len(averages)
-    return SimResult(hit / total, max(averages) / mean if mean else 1.0)
+        # What the worker will find when its FIFO queue reaches this request: what it stores
+        # now plus what the requests ahead of it are computing.
+        cached = max(self.caches[wid].match(route.block_hashes),
+                     self.index.match_prefix(route.block_hashes, [wid])[wid])
+        self.caches[wid].match_touch(route.block_hashes[:cached])
+        self.hit += cached
+        self.total += len(route.block_hashes)
+        self.prefills.dispatched(self.index, rid, wid, route, cached * cfg.block_size)
+        start = max(self.now, self.free_at[wid])
+        self.free_at[wid] = done = start + (len(route.token_ids) - cached * cfg.block_size) / cfg.prefill_tokens_per_s
+        self.ttfts.append(done - self.now)
+        self.in_flight[wid] += 1
+        heapq.heappush(self.events, (done, next(self._seq), rid, wid, route.block_hashes))
+        heapq.heappush(self.events, (done + self.rng.expovariate(1.0), next(self._seq), "departed", wid, ()))
 
 
 def oracle_hit_rate(cfg: SimConfig, trace: list[RouteRequest]) -> float:

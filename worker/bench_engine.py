@@ -143,6 +143,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
 
     from worker.engine import Engine, EngineConfig
     from worker.kernels import native
+    from worker.metrics import metrics_cost
     from worker.sampling import SamplingParams
 
     device = getattr(args, "device", "cpu")
@@ -201,6 +202,8 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         ht, hn = min(hf_run(ps, lens) for _ in range(runs))
         results[name] = {"kvmesh_tok_s": kn / kt, "hf_tok_s": hn / ht, "speedup": (kn / kt) / (hn / ht),
                          "kvmesh_s": kt, "hf_s": ht, "tokens": kn}
+    batch_params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
+    results["metrics_cost"] = metrics_cost(engine, pb, batch_params, 3 if args.quick else 5)
     prefill_n = min(1024, engine.max_model_len - 2)
     prefill_best = min(prefill_s(prefill_n) for _ in range(2 if args.quick else 3))
     engine.store.reset_prefix_cache()
@@ -241,6 +244,9 @@ ENGINE_NOTES = {
     "prefill": "a cold prompt of `tokens` random ids run to its first token, best of 2 (quick) or 3; gflop_s "
                "counts the layers' matmuls, causal attention and one LM-head row; peak_frac = gflop_s / "
                "roofline.matmul_gflop_s",
+    "metrics_cost": "the batch-16 workload with worker metrics (worker/metrics.py) fed as the server feeds them "
+                    "(every output, every finished request, a snapshot every 0.5 s) vs without, interleaved, best "
+                    "of 3 (quick) or 5 each; on_vs_off must be >= 0.97",
     "roofline": "read_gb_s: sum() over 512 MiB; copy_gb_s: copy_() of 512 MiB, read + write bytes; "
                 "matmul_gflop_s: a 1024^3 fp32 matmul (4096^3 bf16 on a GPU); best of 5-10 each",
 }

@@ -74,3 +74,7 @@ class EngineStats(NamedTuple):
     num_host_blocks: int = 0          # host-tier blocks in use / in all
     host_num_blocks: int = 0
     num_onloaded_blocks: int = 0      # blocks admitted from the host tier
+    num_offloaded_blocks: int = 0     # blocks copied into the host tier from the device pool
+    num_lru_evicted_blocks: int = 0   # cached device blocks dropped (reused) by allocations
+    num_evicted_tokens: int = 0       # tokens dropped by token eviction (kv_eviction)
+    num_cached_blocks: int = 0        # device blocks holding a cached prefix (in use or free)

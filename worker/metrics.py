@@ -5,6 +5,9 @@ Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `Colle
 - `observe_finished(out)`: every finished `RequestOutput` (counters of tokens, prefix-cache
   queries/hits in tokens as vLLM counts them, success by finish reason, and the latency
   histograms from its `RequestTimings`);
+- `token_gaps()`: one `TokenGaps` per request stream, fed every output: one inter-token
+  latency observation per generated token after the first, as vLLM observes them per step;
+- `observe_peer_fetch(s)`: the duration of each peer fetch (the peer plane's `fetch_observer`);
 - `update_stats(stats, peer)`: the latest engine `Snapshot` (`EngineStats`) and peer-plane
   counters, read by a collector at scrape time (gauges, and counters the engine keeps cumulative).
 `MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread).
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING, Any, NamedTuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -26,9 +31,11 @@ from worker.commands import Snapshot
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
+    from worker.engine import Engine
     from worker.engine_config import EngineStats
     from worker.peer import PeerCounters, PeerPlane
     from worker.request import RequestOutput
+    from worker.sampling import SamplingParams
 
 LABELS = ("model_name", "worker_id")
 # vLLM's buckets for request-level latencies (seconds)
@@ -44,12 +51,11 @@ class PeerTotals(NamedTuple):
     checksum_failed: int  # blocks that failed their checksum
     peer_lost: int        # fetches that failed (peer unreachable / timed out)
     bytes_fetched: int
-    fetch_seconds: float
 
     @classmethod
     def from_counters(cls, c: PeerCounters) -> PeerTotals:
         return cls(max(c.fetch_decisions - c.fetch_failures, 0), c.recompute_decisions, c.blocks_bad,
-                   c.fetch_failures, c.bytes_fetched, c.fetch_seconds)
+                   c.fetch_failures, c.bytes_fetched)
 
 
 class WorkerMetrics:
@@ -58,10 +64,13 @@ class WorkerMetrics:
     scrapes run on the HTTP thread, so the shared snapshot is swapped under a lock."""
 
     def __init__(self, model_name: str, worker_id: str, kv_cache_dtype: str,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *, block_size: int = 16,
+                 eviction_policy: str = "none") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.labels = (model_name, worker_id)
         self.kv_cache_dtype = kv_cache_dtype
+        self.block_size = block_size
+        self.eviction_policy = eviction_policy   # the engine's kv_eviction (token eviction)
         self._lock = threading.Lock()
         self._stats: EngineStats | None = None
         self._peer: PeerTotals | None = None
@@ -80,30 +89,47 @@ class WorkerMetrics:
         self.success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _REQUEST_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",
-                             "Mean time between output tokens, one observation per request", _TOKEN_BUCKETS)
+                             "Time between consecutive output tokens, one observation per token gap",
+                             _TOKEN_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first admission", _REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First admission to first token",
                                  _REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
+        self.peer_fetch = histogram("peer_fetch_seconds", "Duration of one peer fetch (plan to blocks staged)",
+                                    _REQUEST_BUCKETS)
+        self._itl_child = self.itl.labels(*self.labels)
         r.register(_StatsCollector(self))
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Count one finished request (call once, with its final output)."""
+    @classmethod
+    def for_engine(cls, engine: Engine, worker_id: str) -> WorkerMetrics:
+        """The metrics of `engine` (its model, KV dtype, block size and eviction policy)."""
+        return cls(engine.model_config.name, worker_id, engine.layout.kv_cache_dtype,
+                   block_size=engine.cfg.block_size, eviction_policy=engine.cfg.kv_eviction)
+
+    def token_gaps(self) -> TokenGaps:
+        """The inter-token observer of one request stream (feed it every output)."""
+        return TokenGaps(self._itl_child)
+
+    def observe_peer_fetch(self, seconds: float) -> None:
+        self.peer_fetch.labels(*self.labels).observe(seconds)
+
+    def observe_finished(self, out: RequestOutput, completion_tokens: int | None = None) -> None:
+        """Count one finished request (call once, with its final output; `completion_tokens`:
+        over all its sequences, default the output's own)."""
         assert out.finished, "observe_finished takes the final output of a request"
         lv = self.labels
         self.prefix_queries.labels(*lv).inc(out.prompt_tokens)
         self.prefix_hits.labels(*lv).inc(max(out.num_cached_tokens, 0))
         self.prompt_tokens.labels(*lv).inc(out.prompt_tokens)
-        self.generation_tokens.labels(*lv).inc(out.completion_tokens)
+        self.generation_tokens.labels(*lv).inc(out.completion_tokens if completion_tokens is None
+                                               else completion_tokens)
         self.success.labels(*lv, out.finish_reason or "unknown").inc()
         t = out.timings
         for hist, value in ((self.ttft, t.ttft_s), (self.e2e, t.e2e_s), (self.queue, t.queue_s),
                             (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
             if value is not None:
                 hist.labels(*lv).observe(value)
-        if t.decode_s is not None and out.completion_tokens > 1:
-            self.itl.labels(*lv).observe(t.decode_s / (out.completion_tokens - 1))
 
     def update_stats(self, stats: EngineStats, peer: PeerTotals | None = None) -> None:
         """The latest engine snapshot (and peer counters), read at the next scrape."""
@@ -113,6 +139,33 @@ class WorkerMetrics:
     def snapshot(self) -> tuple[EngineStats | None, PeerTotals | None]:
         with self._lock:
             return self._stats, self._peer
+
+
+class TokenGaps:
+    """Inter-token latency of one request, per sequence (`out.index`, n / best_of): each
+    output's new tokens after the sequence's first are each one gap of (this output's token
+    time - the previous one's) / their number (one token per decode step, so one observation
+    per step, as vLLM observes it)."""
+
+    __slots__ = ("_hist", "_last")
+
+    def __init__(self, hist: Any) -> None:
+        self._hist = hist
+        self._last: dict[int, float] = {}
+
+    def output(self, out: RequestOutput) -> None:
+        n, now = len(out.new_token_ids), out.timings.last_token_time
+        if n == 0 or now is None:
+            return
+        last = self._last.get(out.index)
+        if last is None:             # the first token: TTFT's, not a gap; later ones in it are
+            n -= 1
+            last = out.timings.first_token_time
+        if n > 0 and last is not None:
+            gap = (now - last) / n
+            for _ in range(n):
+                self._hist.observe(gap)
+        self._last[out.index] = now
 
 
 class _StatsCollector(Collector):
@@ -152,6 +205,15 @@ class _StatsCollector(Collector):
                       stats.num_preemptions)
         yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",
                       stats.num_onloaded_blocks)
+        yield counter("kv_blocks_offloaded", "Blocks copied from the device pool into the host tier",
+                      stats.num_offloaded_blocks)
+        evicted = CounterMetricFamily("kvmesh:kv_evicted_tokens", "Tokens of KV dropped, by eviction policy "
+                                      "(lru: cached device blocks reused; streaming/h2o: token eviction)",
+                                      labels=[*LABELS, "policy"])
+        evicted.add_metric([*lv, "lru"], stats.num_lru_evicted_blocks * m.block_size)
+        if m.eviction_policy != "none":
+            evicted.add_metric([*lv, m.eviction_policy], stats.num_evicted_tokens)
+        yield evicted
         if peer is None:
             return
         outcomes = CounterMetricFamily("kvmesh:peer_fetch", "Peer-fetch decisions by outcome",
@@ -161,22 +223,33 @@ class _StatsCollector(Collector):
             outcomes.add_metric([*lv, outcome], value)
         yield outcomes
         yield counter("peer_fetch_bytes", "Bytes fetched from peers", peer.bytes_fetched)
-        yield counter("peer_fetch_seconds", "Seconds spent fetching from peers", peer.fetch_seconds)
 
 
 class MetricsHTTP:
-    """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread."""
+    """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread, always in
+    the Prometheus text format: prometheus_client's OpenMetrics output (what a Prometheus server
+    asks for first) writes `kvmesh:x_total` as `kvmesh_x_total`, so the Accept header is ignored
+    and the names stay vLLM-style, as on the router."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        server, thread = start_http_server(port, addr=host, registry=registry)
-        self._server: WSGIServer = server
-        self._thread = thread
-        self.port: int = server.server_port
+        app = make_wsgi_app(registry)
+
+        def text_only(environ: dict[str, Any], start_response: Any) -> Any:
+            return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
+        self._server: WSGIServer = make_server(host, port, text_only, ThreadingWSGIServer, handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        self.port: int = self._server.server_port
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:   # no access line per scrape on stderr
+        pass
 
 
 async def refresh_forever(metrics: WorkerMetrics, ae: AsyncEngine, peer: PeerPlane | None,
@@ -186,3 +259,42 @@ async def refresh_forever(metrics: WorkerMetrics, ae: AsyncEngine, peer: PeerPla
         stats = await ae.run(Snapshot())
         metrics.update_stats(stats, PeerTotals.from_counters(peer.figures().counters) if peer else None)
         await asyncio.sleep(interval_s)
+
+
+def generate_metered(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                     metrics: WorkerMetrics | None, refresh_s: float = 0.5) -> tuple[float, int]:
+    """Run `prompts` to completion as one batch, feeding `metrics` (None: no metrics) as the
+    server does: every output to its request's `TokenGaps`, every final one to
+    `observe_finished`, an engine snapshot every `refresh_s`. Returns (seconds, tokens made)."""
+    t0 = last = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    gaps = {rid: metrics.token_gaps() for rid in ids} if metrics is not None else {}
+    done = tokens = 0
+    while done < len(ids):
+        for out in engine.step():
+            if metrics is not None:
+                gaps[out.request_id].output(out)
+                if out.finished:
+                    metrics.observe_finished(out)
+            if out.finished:
+                done += 1
+                tokens += out.completion_tokens
+        if metrics is not None and time.perf_counter() - last >= refresh_s:
+            metrics.update_stats(engine.stats())
+            last = time.perf_counter()
+    return time.perf_counter() - t0, tokens
+
+
+def metrics_cost(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], runs: int) -> dict[str, Any]:
+    """Decode throughput of one workload with metrics off and on, interleaved, best of `runs`
+    each (issue #19: on must be within 3% of off)."""
+    metrics = WorkerMetrics.for_engine(engine, "bench")
+    best = {"off": 0.0, "on": 0.0}
+    for _ in range(runs):
+        for mode in ("off", "on"):
+            engine.store.reset_prefix_cache()
+            seconds, tokens = generate_metered(engine, prompts, params, metrics if mode == "on" else None)
+            best[mode] = max(best[mode], tokens / seconds)
+    ratio = best["on"] / best["off"]
+    return {"off_tok_s": best["off"], "on_tok_s": best["on"], "on_vs_off": ratio, "within_3pct": ratio >= 0.97,
+            "runs": runs}

@@ -23,12 +23,15 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from contracts.grpc_options import grpc_server_options
+from contracts.logs import REQUEST_ID, trace_id
 from contracts.requests import BadRequest
 from contracts.sampling import SamplingParamsError
 from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_request, parse_send_blocks_request,
                             to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from worker import cluster_auth
 from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.server_config import WorkerServerConfig
@@ -36,7 +39,7 @@ from worker.server_config import WorkerServerConfig
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
-    from worker.peer import Fetched, PeerFigures, PeerPlane
+    from worker.peer import AskAnswer, Fetched, PeerFigures, PeerPlane
     from worker.metrics import MetricsHTTP, WorkerMetrics
     from worker.request import RequestOutput
 
@@ -98,21 +101,20 @@ class WorkerServer:
         assert self._server is None, "start() called twice"
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _NOT_SERVING)
-        limit = self.cfg.max_message_bytes
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit)])
+        options = grpc_server_options(self.cfg.max_message_bytes, self.cfg.grpc_idle_timeout_s)
+        server = grpc.aio.server(options=options, interceptors=cluster_auth.server_interceptors(self.cfg))
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        self._port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self._port = cluster_auth.bind(server, self.cfg)
         await server.start()
         self._server = server
         self._idle.set()
         self._load_task = asyncio.create_task(self._load(), name=f"load-{self.cfg.worker_id}")
-        log.info("worker %s listening on %s:%d, loading %s", self.cfg.worker_id, self.cfg.host,
-                 self._port, self.engine_cfg.model)
+        log.info("worker %s listening on %s:%d (%s), loading %s", self.cfg.worker_id, self.cfg.host,
+                 self._port, ", ".join(cluster_auth.describe(self.cfg)), self.engine_cfg.model)
         return self._port
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -159,7 +161,9 @@ class WorkerServer:
 
     async def _start_metrics(self, engine: Engine, ae: AsyncEngine, port: int) -> None:
         from worker.metrics import MetricsHTTP, WorkerMetrics, refresh_forever
-        self.metrics = WorkerMetrics(engine.model_config.name, self.cfg.worker_id, engine.layout.kv_cache_dtype)
+        self.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id)
+        if self._peer is not None:
+            self._peer.fetch_observer = self.metrics.observe_peer_fetch
         self._metrics_http = await asyncio.to_thread(MetricsHTTP, self.metrics.registry, self.cfg.host, port)
         self._metrics_task = asyncio.create_task(refresh_forever(self.metrics, ae, self._peer),
                                                  name=f"metrics-{self.cfg.worker_id}")
@@ -169,11 +173,11 @@ class WorkerServer:
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
         from kvstore.transfer_group import TransferConfig, TransferError
         from worker.peer import PeerConfig, PeerPlane
-        assert self.cfg.dist_init_addr is not None
-        host, _, port = self.cfg.dist_init_addr.rpartition(":")
-        cfg = PeerConfig(TransferConfig(rank=self.cfg.rank, world_size=self.cfg.world_size, master_port=int(port),
-                                        master_addr=host, timeout_s=self.cfg.transfer_timeout_s,
-                                        rendezvous_timeout_s=180.0), faults=self.cfg.transfer_faults)
+        advertise_host = self.cfg.advertise_address.rpartition(":")[0] if self.cfg.advertise_address else None
+        timeout = self.cfg.transfer_timeout_s
+        cfg = PeerConfig(self.cfg.worker_id, TransferConfig(timeout_s=timeout, connect_timeout_s=timeout),
+                         store_host=self.cfg.host, store_port=self.cfg.transfer_port,
+                         advertise_host=advertise_host, faults=self.cfg.transfer_faults)
         try:
             return PeerPlane.start(cfg, engine)
         except TransferError as e:
@@ -240,6 +244,8 @@ class WorkerServer:
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
             "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
                                       pb.ResetPrefixCacheResponse),
+            "Attest": unary(lambda r, c: cluster_auth.attest(self.cfg, self.address, r, c),
+                            pb.AttestRequest, pb.AttestResponse),
         })
 
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -262,6 +268,7 @@ class WorkerServer:
     async def _stream(self, ae: AsyncEngine, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         inp = to_generate_input(msg)
         request_id = inp.request_id or uuid.uuid4().hex
+        REQUEST_ID.set(trace_id(context, request_id))   # on every log line of this request
         prompt: str | list[int]
         if inp.chat is not None:
             prompt = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in inp.chat)))
@@ -274,13 +281,17 @@ class WorkerServer:
         if inp.peer_hints and self._peer is not None:
             if isinstance(prompt, str):
                 prompt = await ae.run(Tokenize(prompt))
-            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer)
+            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer, inp.cache_salt)
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
-                              staged=fetched.staged if fetched is not None else None)
+                              staged=fetched.staged if fetched is not None else None,
+                              cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given)
         t0, first = time.perf_counter(), True
+        gaps = self.metrics.token_gaps() if self.metrics is not None else None
         completion_tokens = 0          # over every sequence (n / best_of)
         try:
             async for out in outputs:
+                if gaps is not None:
+                    gaps.output(out)
                 if first and self._peer is not None:
                     self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False
@@ -313,7 +324,7 @@ class WorkerServer:
                                               fetched.num_blocks * bs)
             self._prompt_tokens += out.prompt_tokens
             if self.metrics is not None:
-                self.metrics.observe_finished(out)
+                self.metrics.observe_finished(out, resp.completion_tokens)
             t = out.timings
             log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
                      "ttft_s=%.4f e2e_s=%.4f finish_reason=%s", out.request_id, self.cfg.worker_id,
@@ -343,29 +354,28 @@ class WorkerServer:
         from worker.peer import PeerTransferOff
         inp = to_send_blocks_input(request)
         if self._peer is None:
-            raise PeerTransferOff(f"worker {self.cfg.worker_id} is in no transfer group")
+            raise PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off")
 
         def still_wanted() -> bool:    # the answer must reach the caller before its deadline
             remaining = context.time_remaining()
             return not context.done() and (remaining is None or remaining > _SEND_MARGIN_S)
-        num_blocks, num_bytes, reason = await self._peer.serve_send(ae, inp, still_wanted)
-        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason)
+        num_blocks, num_bytes, reason, unknown = await self._peer.serve_send(ae, inp, still_wanted)
+        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
+                                     generation=self._peer.me.generation, pair_unknown=unknown)
 
-    async def _ask_peer(self, address: str, block_hashes: Sequence[int], dst_rank: int, src_rank: int,
-                        transfer_id: int) -> int:
+    async def _ask_peer(self, address: str, block_hashes: Sequence[int], transfer_id: int,
+                        pair: dict[str, Any]) -> AskAnswer:
         """The control-plane call of a fetch (worker.peer.AskPeer)."""
-        from worker.peer import PeerUnavailable
+        from worker.peer import AskAnswer, PeerUnavailable
         channel = self._peer_channels.get(address)
         if channel is None:
-            limit = self.cfg.max_message_bytes
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", limit)])
-        request = to_send_blocks_request(block_hashes, dst_rank, src_rank, transfer_id)
+            channel = self._peer_channels[address] = cluster_auth.peer_channel(self.cfg, address)
+        request = to_send_blocks_request(block_hashes, transfer_id, **pair)
         try:
             response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
-        return int(response.num_blocks)
+        return AskAnswer(int(response.num_blocks), int(response.generation), bool(response.pair_unknown))
 
     async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
                                   context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
@@ -389,7 +399,8 @@ class WorkerServer:
                        prefix_hit_blocks=s.prefix_hits, prompt_tokens=self._prompt_tokens,
                        cached_prompt_tokens=self._cached_prompt_tokens, num_preemptions=s.num_preemptions,
                        num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
-                       num_onloaded_blocks=s.num_onloaded_blocks)
+                       num_onloaded_blocks=s.num_onloaded_blocks,
+                       num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks)
         if self._peer is not None:
             load.peer.CopyFrom(_peer_stats(self._peer.figures()))
         return load
@@ -418,12 +429,14 @@ class WorkerServer:
 
 
 def _peer_stats(f: PeerFigures) -> pb.PeerStats:
-    links = [pb.PeerLink(rank=r, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
-                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(r, ""))
-             for r, e in sorted(f.links.items())]
+    links = [pb.PeerLink(worker_id=w, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
+                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(w, ""))
+             for w in sorted(f.links.keys() | f.lost.keys()) for e in (f.links.get(w),)]
     return pb.PeerStats(
-        rank=f.rank, world_size=f.world_size, backend=f.backend, prefill_tokens_per_s=f.prefill_tokens_per_s,
-        checksum_bytes_s=f.checksum_bytes_s, links=links, **dataclasses.asdict(f.counters))
+        worker_id=f.me.worker_id, generation=f.me.generation, store_address=f.store_address,
+        pairs_formed=f.pairs_formed, pairs_broken=f.pairs_broken, backend=f.backend,
+        prefill_tokens_per_s=f.prefill_tokens_per_s, checksum_bytes_s=f.checksum_bytes_s, links=links,
+        **dataclasses.asdict(f.counters))
 
 
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:

@@ -33,6 +33,7 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
 from router.core import Prepared
 from router.errors import UpstreamError
+from router.index import BlockIndex
 from router.launch import LocalCluster, ServeConfig
 from router.server import RouterServer
 from tests.redis_server import REDIS_SERVER, RedisServer
@@ -165,8 +166,11 @@ async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
 
 
 def _cached(router: RouterServer, hashes: Sequence[BlockHash], worker_id: str) -> int:
-    assert router.registry.index is not None, "the router runs no block index"
-    return router.registry.index.match_prefix(hashes, [worker_id])[worker_id]
+    """Leading blocks the index has from `worker_id`'s own events (not the router's pending
+    prediction, issue #23)."""
+    index = router.registry.index
+    assert isinstance(index, BlockIndex), "the router runs no block index"
+    return index.match_prefix(hashes, [worker_id], pending=False)[worker_id]
 
 
 def _registered(registry: WorkerRegistry) -> set[str]:

@@ -3,17 +3,21 @@ real router over one real SmolLM2 worker: after a known sequence of gRPC request
 shared prefix) the counters equal what the clients were told."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from contracts.logs import make_handler
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from tests.prometheus_server import Prometheus, needs_prometheus
 from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -103,3 +107,71 @@ def test_x_request_id_names_the_request_in_router_and_worker_logs(web: Cluster, 
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(bad, timeout=60)
     assert e.value.code == 400
+
+
+def test_tenant_counts_and_cluster_json_agree(web: Cluster) -> None:
+    """Without API keys every client is the tenant `default`: each generating request, HTTP or
+    gRPC, counts once in /metrics and in /v1/cluster."""
+    def admitted() -> float:
+        return scrape(web.http_port).get(("kvmesh:router_tenant_requests_total",
+                                          frozenset({("tenant", "default"), ("outcome", "admitted")})), 0.0)
+    before = admitted()
+    with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+        summary(run_generate(ch, pb.GenerateRequest(text="One", sampling=greedy(1))))
+    body = json.dumps({"model": "smollm2", "prompt": "Two", "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{web.http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60):
+        pass
+    assert admitted() == before + 2
+    tenants = cluster_doc(web.http_port)["router"]["tenants"]
+    assert tenants == [{"tenant": "default", "admitted": before + 2, "rejected": 0}]
+
+
+def test_request_id_on_every_router_and_worker_json_line(web: Cluster) -> None:
+    """With the JSON log format, every line logged while serving a request carries its id (a
+    contextvar), in the router and, through gRPC metadata, in the worker."""
+    out = io.StringIO()
+    handler = make_handler("json", out)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        body = json.dumps({"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "no_such_field": 1}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{web.http_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json", "x-request-id": "json-trace-9"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert json.loads(resp.read())["id"] == "json-trace-9"
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    traced = {d["logger"] for d in lines if d.get("request_id") == "json-trace-9"}
+    assert {"kvmesh.router", "kvmesh.worker"} <= traced, lines
+    assert all(d.get("request_id") == "json-trace-9" for d in lines if "json-trace-9" in d["msg"])
+    unknown = [d for d in lines if "no_such_field" in d["msg"]]      # logged before routing, by the front
+    assert unknown and all(d.get("request_id") == "json-trace-9" for d in unknown), lines
+
+
+@needs_prometheus
+def test_real_prometheus_scrapes_the_router_and_promql_gives_the_hit_rate(web: Cluster, tmp_path: Path) -> None:
+    """Debian's prometheus scrapes the router's /metrics every second (generated config); a PromQL
+    query over its HTTP API returns the hit rate the clients were told: served cached tokens over
+    prompt tokens."""
+    prom = Prometheus(tmp_path, [f"http://127.0.0.1:{web.http_port}/metrics"])
+    try:
+        prom.wait(prom.targets_up, "the router target up")
+        with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
+            for q in ("Name a lake in Italy.", "Name a lake in Austria."):
+                summary(run_generate(ch, pb.GenerateRequest(text=LONG_PREFIX + q, sampling=greedy(1))))
+        s = scrape(web.http_port)          # everything this module's requests did, as the router counts it
+        served = sum(v for (n, _), v in s.items() if n == "kvmesh:router_served_hit_tokens_total")
+        prompt = sum(v for (n, _), v in s.items() if n == "kvmesh:router_prompt_tokens_total")
+        assert served > 0 and prompt > served
+        hit_rate = "sum(kvmesh:router_served_hit_tokens_total) / sum(kvmesh:router_prompt_tokens_total)"
+        got = prom.wait(lambda: prom.scalar(hit_rate) == served / prompt or None, "the expected hit rate")
+        assert got is True
+        assert prom.scalar('kvmesh:router_worker_up{worker_id="worker-0"}') == 1.0
+    finally:
+        prom.stop()

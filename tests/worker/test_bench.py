@@ -63,7 +63,11 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     pre = r["prefill"]
     assert pre["tokens"] == 1024 and finite(pre["tok_s"], pre["peak_frac"]) and pre["tok_s"] > 0
     assert pre["peak_frac"] == pytest.approx(pre["gflop_s"] / roof["matmul_gflop_s"])
-    assert r["config"]["native_linear"] and {"roofline_frac", "prefill"} <= set(r["notes"])
+    assert r["config"]["native_linear"] and {"roofline_frac", "prefill", "metrics_cost"} <= set(r["notes"])
+    cost = r["metrics_cost"]         # decode with worker metrics on vs off, same run (issue #19)
+    assert finite(cost["off_tok_s"], cost["on_tok_s"]) and cost["off_tok_s"] > 0 and cost["runs"] == 3
+    assert cost["on_vs_off"] == pytest.approx(cost["on_tok_s"] / cost["off_tok_s"])
+    assert cost["within_3pct"] == (cost["on_vs_off"] >= 0.97)
     assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
 
 

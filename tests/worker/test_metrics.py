@@ -75,7 +75,10 @@ def test_counters_equal_what_the_clients_were_told(worker):
         assert value(s, f"kvmesh:{hist}_count") == 3, hist
         assert value(s, f"kvmesh:{hist}_bucket", le="+Inf") == 3, hist
         assert 0 <= value(s, f"kvmesh:{hist}_sum") < 60, hist
-    assert value(s, "kvmesh:inter_token_latency_seconds_count") == sum(f.completion_tokens > 1 for f in finals)
+    # one inter-token observation per token gap; the gaps of a request add up to its decode time
+    assert value(s, "kvmesh:inter_token_latency_seconds_count") == sum(f.completion_tokens - 1 for f in finals)
+    assert value(s, "kvmesh:inter_token_latency_seconds_sum") == pytest.approx(
+        value(s, "kvmesh:request_decode_time_seconds_sum"), abs=1e-6)
     assert [v for (n, _), v in s.items() if n == "kvmesh:kv_cache_dtype_info"] == [1.0]
 
 

@@ -209,7 +209,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,8 @@ class Load(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ONLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -240,22 +242,26 @@ class Load(_message.Message):
     num_host_blocks: int
     host_num_blocks: int
     num_onloaded_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    num_offloaded_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
-    __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost")
+    __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost", "worker_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_S_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     bandwidth_bytes_s: float
     latency_s: float
     lost: str
-    def __init__(self, rank: _Optional[int] = ..., bandwidth_bytes_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., lost: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, rank: _Optional[int] = ..., bandwidth_bytes_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., lost: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class PeerStats(_message.Message):
-    __slots__ = ("rank", "world_size", "backend", "prefill_tokens_per_s", "checksum_bytes_s", "links", "fetch_decisions", "recompute_decisions", "blocks_fetched", "bytes_fetched", "blocks_bad", "fetch_failures", "blocks_sent", "bytes_sent", "send_failures", "fetch_seconds", "last_decision", "last_fetch_estimate_s", "last_recompute_estimate_s")
+    __slots__ = ("rank", "world_size", "backend", "prefill_tokens_per_s", "checksum_bytes_s", "links", "fetch_decisions", "recompute_decisions", "blocks_fetched", "bytes_fetched", "blocks_bad", "fetch_failures", "blocks_sent", "bytes_sent", "send_failures", "fetch_seconds", "last_decision", "last_fetch_estimate_s", "last_recompute_estimate_s", "worker_id", "generation", "store_address", "pairs_formed", "pairs_broken")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +281,11 @@ class PeerStats(_message.Message):
     LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
     LAST_FETCH_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOMPUTE_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FORMED_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_BROKEN_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     backend: str
@@ -294,29 +305,52 @@ class PeerStats(_message.Message):
     last_decision: str
     last_fetch_estimate_s: float
     last_recompute_estimate_s: float
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., checksum_bytes_s: _Optional[float] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., fetch_decisions: _Optional[int] = ..., recompute_decisions: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., blocks_bad: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., send_failures: _Optional[int] = ..., fetch_seconds: _Optional[float] = ..., last_decision: _Optional[str] = ..., last_fetch_estimate_s: _Optional[float] = ..., last_recompute_estimate_s: _Optional[float] = ...) -> None: ...
+    worker_id: str
+    generation: int
+    store_address: str
+    pairs_formed: int
+    pairs_broken: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., checksum_bytes_s: _Optional[float] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., fetch_decisions: _Optional[int] = ..., recompute_decisions: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., blocks_bad: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., send_failures: _Optional[int] = ..., fetch_seconds: _Optional[float] = ..., last_decision: _Optional[str] = ..., last_fetch_estimate_s: _Optional[float] = ..., last_recompute_estimate_s: _Optional[float] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., store_address: _Optional[str] = ..., pairs_formed: _Optional[int] = ..., pairs_broken: _Optional[int] = ...) -> None: ...
 
 class SendBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "dst_rank", "src_rank", "transfer_id")
+    __slots__ = ("block_hashes", "dst_rank", "src_rank", "transfer_id", "pair_key", "new_pair", "store_address", "receiver_id", "receiver_generation", "sender_id", "sender_generation")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_KEY_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAIR_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_GENERATION_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     dst_rank: int
     src_rank: int
     transfer_id: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., dst_rank: _Optional[int] = ..., src_rank: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    pair_key: str
+    new_pair: bool
+    store_address: str
+    receiver_id: str
+    receiver_generation: int
+    sender_id: str
+    sender_generation: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., dst_rank: _Optional[int] = ..., src_rank: _Optional[int] = ..., transfer_id: _Optional[int] = ..., pair_key: _Optional[str] = ..., new_pair: _Optional[bool] = ..., store_address: _Optional[str] = ..., receiver_id: _Optional[str] = ..., receiver_generation: _Optional[int] = ..., sender_id: _Optional[str] = ..., sender_generation: _Optional[int] = ...) -> None: ...
 
 class SendBlocksResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "reason")
+    __slots__ = ("num_blocks", "num_bytes", "reason", "generation", "pair_unknown")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAIR_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
     reason: str
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    generation: int
+    pair_unknown: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., pair_unknown: _Optional[bool] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
@@ -327,3 +361,19 @@ class ResetPrefixCacheResponse(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class AttestRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttestResponse(_message.Message):
+    __slots__ = ("worker_id", "address", "mac")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    mac: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...

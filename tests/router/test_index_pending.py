@@ -1,0 +1,167 @@
+"""Pending (in-flight) blocks in the block index and holder-first placement over a real
+`BlockIndex` (issue #23): recorded at dispatch, confirmed by BlockStored, expired, dropped on
+failure; a pending prefix draws followers; the holder wins until its queue outweighs the
+prefill it saves."""
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.events import EventType, Tier, WireEvent, WorkerId
+from kvstore.keys import block_hashes
+from router.index import BlockIndex
+from router.inflight import InFlightConfig, InFlightPrefills
+from router.policy import make_policy
+from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerInfo, WorkerLoad
+
+SALT = b"pending-test"
+BS = 16
+W0, W1 = WorkerId("w0"), WorkerId("w1")
+WORKERS = [WorkerInfo(W0, "a:1"), WorkerInfo(W1, "a:2")]
+
+
+def _route(prefix: int, question: int, prefix_blocks: int = 8) -> RouteRequest:
+    ids = tuple([1000 + prefix] * (prefix_blocks * BS) + [5000 + question] * (2 * BS))
+    return RouteRequest(ids, tuple(block_hashes(ids, BS, SALT)))
+
+
+def _stored(*hashes: int) -> WireEvent:
+    return WireEvent(EventType.STORED, tuple(hashes), None, Tier.DEVICE)  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pending_is_recorded_matched_and_confirmed_by_block_stored() -> None:
+    index = BlockIndex()
+    index.apply(W1, _stored())           # w1 known, holding nothing
+    lead = _route(0, 0)
+    index.add_pending("r1", W0, lead.block_hashes, expires_at=160.0)
+    follower = _route(0, 1)
+    # A pending prefix draws a follower like a stored one; the stored-only view does not see it.
+    assert index.match_prefix(follower.block_hashes, [W0, W1]) == {W0: 8, W1: 0}
+    assert index.match_prefix(follower.block_hashes, [W0, W1], pending=False) == {W0: 0, W1: 0}
+    assert index.computing(W0, follower.block_hashes) == {"r1"}
+    assert index.stats().num_pending == 10
+    # The worker's BlockStored events confirm the prediction block by block.
+    index.apply(W0, _stored(*lead.block_hashes[:8]))
+    assert index.stats().num_pending == 2 and index.computing(W0, follower.block_hashes) == set()
+    assert index.match_prefix(follower.block_hashes, [W0], pending=False) == {W0: 8}
+    index.check_integrity()
+    index.apply(W0, _stored(*lead.block_hashes[8:]))
+    assert index.stats().num_pending == 0
+    index.drop_pending("r1")             # nothing left to drop; stored blocks stay
+    assert index.match_prefix(lead.block_hashes, [W0]) == {W0: 10}
+    index.check_integrity()
+
+
+def test_pending_expires_and_is_dropped_on_failure() -> None:
+    index = BlockIndex()
+    a, b = _route(0, 0), _route(1, 0)
+    index.add_pending("ra", W0, a.block_hashes, expires_at=110.0)
+    index.add_pending("rb", W1, b.block_hashes, expires_at=200.0)
+    assert index.expire_pending(109.9) == 0
+    assert index.expire_pending(110.0) == 1
+    assert index.match_prefix(a.block_hashes, [W0, W1]) == {W0: 0, W1: 0}
+    assert index.match_prefix(b.block_hashes, [W0, W1]) == {W0: 0, W1: 10}
+    # Settling (prefill done) shortens the expiry; failure drops at once.
+    index.settle_pending("rb", 150.0)
+    assert index.expire_pending(150.0) == 1 and index.stats().num_pending == 0
+    index.add_pending("rc", W1, b.block_hashes, expires_at=300.0)
+    index.drop_pending("rc")
+    assert index.match_prefix(b.block_hashes, [W1]) == {W1: 0} and index.pending_requests() == []
+    index.remove_worker(W1)
+    index.check_integrity()
+
+
+def test_a_second_request_records_only_what_no_one_computes_and_remove_worker_drops_pending() -> None:
+    index = BlockIndex()
+    index.add_pending("r1", W0, _route(0, 0).block_hashes, expires_at=200.0)
+    index.add_pending("r2", W0, _route(0, 1).block_hashes, expires_at=200.0)
+    assert index.stats().num_pending == 12          # 8 shared prefix blocks + 2 + 2 questions
+    assert index.computing(W0, _route(0, 2).block_hashes) == {"r1"}
+    index.drop_pending("r1")                        # the leader failed: its blocks are not predicted
+    assert index.match_prefix(_route(0, 1).block_hashes, [W0]) == {W0: 0}
+    index.remove_worker(W0)
+    assert index.pending_requests() == [] and index.stats().num_pending == 0
+    index.check_integrity()
+
+
+def _state(index: BlockIndex, prefills: InFlightPrefills, route: RouteRequest,
+           in_flight: dict[str, int] | None = None) -> RoutingState:
+    loads = {w.worker_id: WorkerLoad((in_flight or {}).get(w.worker_id, 0), 100, 100) for w in WORKERS}
+    return RoutingState(loads, index.match_prefix(route.block_hashes, list(loads)),  # type: ignore[arg-type]
+                        prefills.queued_tokens(index, loads, route), BS)
+
+
+def test_holder_first_follows_a_pending_prefix_until_its_queue_outweighs_the_saving() -> None:
+    """kv_aware over a real index: a burst for one prefix goes where it is being computed,
+    and spills (a deliberate replica) once the holder's queued prefill exceeds the saving."""
+    clock = Clock()
+    index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(), clock)
+    index.apply(W0, _stored())
+    index.apply(W1, _stored())
+    policy = make_policy(RoutingPolicy.KV_AWARE)
+
+    async def burst() -> list[str]:
+        picks, in_flight = [], {W0: 0, W1: 0}
+        for i, (prefix, q) in enumerate([(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]):
+            route = _route(prefix, q)
+            state = _state(index, prefills, route, in_flight)
+            w = policy.pick(WORKERS, route, state)
+            assert w is not None
+            prefills.dispatched(index, f"r{i}", w.worker_id, route, state.cached_blocks[w.worker_id] * BS)
+            in_flight[w.worker_id] += 1
+            picks.append(w.worker_id)
+        return picks
+
+    picks = asyncio.run(burst())
+    # Two new prefixes go to different workers (queued prefill spreads them); each follower
+    # goes to the worker computing its prefix although none is stored yet.
+    assert picks[0] != picks[1] and picks[2] == picks[0] and picks[3] == picks[1] and picks[4] == picks[0]
+    # A holder with a long foreign prefill queue loses to an idle worker: the queue (3 cold
+    # prompts of 160 tokens) costs more than the 128 prefix tokens it saves.
+    hot = picks[0]
+    for i, p in enumerate((7, 8, 9)):
+        prefills.dispatched(index, f"cold{i}", hot, _route(p, 0), 0)
+    route = _route(0, 3)
+    state = _state(index, prefills, route)
+    assert state.cached_blocks[hot] == 8
+    assert policy.pick(WORKERS, route, state).worker_id != hot   # type: ignore[union-attr]
+
+
+def test_followers_wait_for_the_leader_prefill_and_failures_release_them() -> None:
+    clock = Clock()
+    index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(max_wait_s=5.0), clock)
+
+    async def scenario() -> tuple[bool, bool, int]:
+        prefills.dispatched(index, "lead", W0, _route(0, 0), 0)
+        prefills.dispatched(index, "f1", W0, _route(0, 1), 8 * BS)
+        assert prefills.queued_tokens(index, [W0], _route(0, 2)) == {W0: 32}   # f1's question only
+        waiter = asyncio.ensure_future(prefills.wait_for_leaders("f1", 10.0))
+        await asyncio.sleep(0.01)
+        held = not waiter.done()
+        prefills.prefilled(index, "lead")               # first response of the leader
+        await asyncio.wait_for(waiter, 1.0)
+        # A follower of a leader that fails before streaming is released, and the prediction goes.
+        prefills.dispatched(index, "lead2", W1, _route(1, 0), 0)
+        prefills.dispatched(index, "f2", W1, _route(1, 1), 8 * BS)
+        waiter2 = asyncio.ensure_future(prefills.wait_for_leaders("f2", 10.0))
+        await asyncio.sleep(0.01)
+        prefills.done(index, "lead2", streamed=False)
+        await asyncio.wait_for(waiter2, 1.0)
+        return held, waiter2.done(), index.match_prefix(_route(1, 2).block_hashes, [W1])[W1]
+
+    held, released, lead2_blocks = asyncio.run(scenario())
+    assert held and released and prefills.waits == 2
+    assert lead2_blocks == 0    # lead2's prediction went with it (f2 recorded only its own question blocks)
+    assert "lead2" not in index.pending_requests()
+    # The leader's settled prediction expires after the grace unless confirmed.
+    clock.now += InFlightConfig().settle_s + 0.1
+    prefills.expire(index)
+    assert "lead" not in index.pending_requests()
+    index.check_integrity()
