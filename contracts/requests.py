@@ -33,7 +33,10 @@ class PeerHint:
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
-    """Exactly one of text / token_ids / chat is set."""
+    """Exactly one of text / token_ids / chat is set. `cache_salt` ("" = none) keys the
+    request's blocks apart from other salts' (kvstore.keys.cache_salt_root);
+    `max_tokens_given` is False when `params.max_tokens` is the front's default, which the
+    router may then shorten to fit the context instead of rejecting the request."""
 
     request_id: str
     text: str | None
@@ -42,6 +45,8 @@ class GenerateInput:
     params: SamplingParams
     priority: int = 0
     peer_hints: tuple[PeerHint, ...] = ()
+    cache_salt: str = ""
+    max_tokens_given: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,5 +67,14 @@ class SendBlocksInput:
     sender_generation: int = 0
 
 
+MAX_CACHE_SALT_CHARS = 1024   # a longer cache_salt is a 400 / INVALID_ARGUMENT
 MAX_SEND_BLOCKS = 1 << 16   # hashes in one SendBlocksRequest (a 1M-token prefix at block size 16)
 MAX_PAIR_KEY = 256         # characters of a pair key or worker id in a SendBlocksRequest
+
+
+def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int) -> str:
+    """OpenAI's message for a prompt plus `max_tokens` beyond the context, naming the field
+    (router and worker reject alike: HTTP 400 with param max_tokens, INVALID_ARGUMENT)."""
+    return (f"max_tokens: This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} "
+            f"in the completion). Please reduce the length of the messages or completion.")

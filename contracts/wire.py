@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from contracts.requests import MAX_PAIR_KEY, MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput, PeerHint, SendBlocksInput
+from contracts.requests import (MAX_CACHE_SALT_CHARS, MAX_PAIR_KEY, MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput,
+                               PeerHint, SendBlocksInput)
 from contracts.sampling import SamplingParams, SamplingParamsError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
@@ -78,9 +79,12 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
         for m in chat:
             if m.role not in ("system", "user", "assistant"):
                 raise BadRequest(f"chat.role: {m.role!r}; accepted: system, user, assistant")
+    if len(msg.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"cache_salt: {len(msg.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
     return GenerateInput(msg.request_id, text, token_ids, chat,
                          to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
-                         tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)))
+                         tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)),
+                         msg.cache_salt, msg.sampling.HasField("max_tokens"))
 
 
 def _is_host_port(address: str) -> bool:

@@ -15,6 +15,12 @@ Byte layout fed to blake2b(digest_size=16) — changing any of it changes every 
 A `BlockHash` is that digest read as a big-endian 128-bit int; `block_hash_hex` gives
 back the digest's 32 hex characters.
 
+A request's `cache_salt` (vLLM's name; tenant isolation, issue #17) enters the FIRST block's
+hash: `cache_salt_root` turns it into a virtual parent (blake2b over a version tag and the
+length-prefixed utf-8 salt), passed as `parent` to `block_hashes`, so the first block is
+keyed ``… ‖ b"P" ‖ root ‖ tokens`` and every block after it differs from the unsalted chain
+and from any other salt's. The empty salt has no root: those keys are unchanged.
+
 This module imports no torch: the router uses it directly.
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ _TOKEN_LIMIT = 1 << 32
 _ROOT_MARKER = b"R"
 _PARENT_MARKER = b"P"
 _SALT_VERSION = b"kvmesh-salt-v1"
+_CACHE_SALT_VERSION = b"kvmesh-cache-salt-v1"
 
 
 def block_hash_hex(h: BlockHash) -> str:
@@ -86,6 +93,21 @@ class HashSalt:
             h.update(struct.pack("<I", len(raw)))
             h.update(raw)
         return h.digest()
+
+
+def cache_salt_root(cache_salt: str) -> BlockHash | None:
+    """The virtual parent of the first block of a request salted with `cache_salt`; None for
+    "" (no salt). The one definition for router and worker: pass it as `parent`."""
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt={cache_salt!r} must be a string")
+    if not cache_salt:
+        return None
+    raw = cache_salt.encode("utf-8", "surrogatepass")
+    h = hashlib.blake2b(digest_size=_HASH_BYTES)
+    h.update(_CACHE_SALT_VERSION)
+    h.update(struct.pack("<I", len(raw)))
+    h.update(raw)
+    return BlockHash(int.from_bytes(h.digest(), "big"))
 
 
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:

@@ -33,6 +33,7 @@ PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file mar
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
 ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
+SALT_OPTION = "salt="                             # keys file: the tenant's explicit cache_salt
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
 _OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/dashboard"})   # /dashboard: a page without data
 _METRICS_PATH = "/metrics"                        # open too unless --metrics-require-key
@@ -46,12 +47,14 @@ log = logging.getLogger("kvmesh.router.auth")
 @dataclass(frozen=True, slots=True)
 class ApiKey:
     """One client key: the secret, the tenant it names, and whether that tenant may set
-    `priority`. The secret never appears in repr or logs."""
+    `priority`. The secret never appears in repr or logs. `salt`: the tenant's explicit
+    default cache_salt from the keys file (None: derived, router/tenancy.py)."""
 
     key: str
     tenant: TenantId = DEFAULT_TENANT
     priority: bool = False
     admin: bool = False
+    salt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key or any(c.isspace() for c in self.key):
@@ -60,7 +63,9 @@ class ApiKey:
             raise ValueError(f"api_keys: tenant {self.tenant!r} must be a non-empty word")
 
     def __repr__(self) -> str:
-        return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority}, admin={self.admin})"
+        salt = "<set>" if self.salt is not None else None
+        return (f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority}, admin={self.admin}, "
+                f"salt={salt})")
 
 
 # Without keys every client is this one tenant, trusted like the loopback default it is.
@@ -68,8 +73,8 @@ ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True, admin=True)
 
 
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
-    """`key tenant [priority] [admin]` per line; blank lines and `#` comments ignored. Raises
-    ValueError naming the file and line (never echoing a key)."""
+    """`key tenant [priority] [admin] [salt=SALT]` per line; blank lines and `#` comments
+    ignored. Raises ValueError naming the file and line (never echoing a key)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -79,13 +84,25 @@ def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
         words = raw.split("#", 1)[0].split()
         if not words:
             continue
-        flags = words[2:]
-        if len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags):
-            raise ValueError(f"api_keys_file: {path}:{n}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]'")
-        keys.append(ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags))
+        keys.append(_parse_key_line(words, f"api_keys_file: {path}:{n}"))
     if not keys:
         raise ValueError(f"api_keys_file: {path} holds no keys")
+    salts: dict[TenantId, str | None] = {}
+    for k in keys:
+        if salts.setdefault(k.tenant, k.salt) != k.salt:
+            raise ValueError(f"api_keys_file: {path}: tenant {k.tenant!r} has lines with different salt=")
     return tuple(keys)
+
+
+def _parse_key_line(words: list[str], where: str) -> ApiKey:
+    options = words[2:]
+    salts = [w[len(SALT_OPTION):] for w in options if w.startswith(SALT_OPTION)]
+    flags = [w for w in options if not w.startswith(SALT_OPTION)]
+    if (len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags)
+            or len(salts) > 1 or "" in salts):
+        raise ValueError(f"{where}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}] [{SALT_OPTION}SALT]'")
+    return ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags,
+                  salt=salts[0] if salts else None)
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:

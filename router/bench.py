@@ -15,6 +15,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,14 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
             row[policy.value] = {"hit_rate": r.hit_rate, "imbalance": r.imbalance, "ttft_p50": r.ttft_p50,
                                  "hit_rate_vs_oracle": r.hit_rate / row["oracle_hit_rate"]}
         out["by_workers"][str(n)] = row
+    # kv_aware at 8 workers as the bounded-load factor (`--load-factor`) varies: cache hits vs balance.
+    cfg8 = SimConfig(num_workers=8, num_requests=1500 if quick else 4000, seed=seed)
+    trace8 = make_trace(cfg8)
+    oracle8 = oracle_hit_rate(cfg8, trace8)
+    out["kv_aware_load_factor_sweep"] = {}
+    for c in (1.25, 1.5, 2.0):
+        r = simulate(RoutingPolicy.KV_AWARE, replace(cfg8, load_factor=c), trace8)
+        out["kv_aware_load_factor_sweep"][str(c)] = {"hit_rate_vs_oracle": r.hit_rate / oracle8, "imbalance": r.imbalance}
     head = out["by_workers"]["8"]
     out.update({p.value: {k: head[p.value][k] for k in ("hit_rate", "imbalance", "ttft_p50", "hit_rate_vs_oracle")}
                 for p in POLICY_ORDER})

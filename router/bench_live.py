@@ -40,7 +40,9 @@ from router.routing import RoutingPolicy
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 _BLOCK_SIZE = 16
 SCENARIOS = ("no_pressure", "pressure")
-_TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model (49,152 ids)
+_TOKEN_RANGE = (1000, 40000)
+_UNAVAILABLE_RETRIES = 60
+_RETRIES = [0]     # 503 retries in the current policy's run (one run at a time)   # plain vocabulary ids of the default model (49,152 ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,21 +177,34 @@ async def _drive(cfg: LiveConfig, workload: Workload, cluster: LocalCluster) -> 
         async with sem:
             return await _complete(client, cfg, prefix, list(workload.prefixes[prefix] + question))
 
+    _RETRIES[0] = 0
     start = time.perf_counter()
     served = await asyncio.gather(*(one(p, q) for p, q in workload.requests))
     wall = time.perf_counter() - start
     await client.close()
     router = await _router_view(cluster.http_base_url)
-    return summarize(cfg, len(workload.prefixes), served, wall, router)
+    return summarize(cfg, len(workload.prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
 
 
 async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]) -> _Served:
+    from openai import InternalServerError
+
     t0 = time.perf_counter()
     stamps: list[float] = []
     worker_id, usage = "", None
-    stream = await client.completions.create(
-        model=cfg.model, prompt=prompt, max_tokens=cfg.output_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    for attempt in range(_UNAVAILABLE_RETRIES + 1):
+        try:
+            stream = await client.completions.create(
+                model=cfg.model, prompt=prompt, max_tokens=cfg.output_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            break
+        except InternalServerError as e:
+            # 503: the router sees no ready worker for a moment (health probes time out on a
+            # saturated machine); the wait counts in this request's TTFT.
+            if e.status_code != 503 or attempt == _UNAVAILABLE_RETRIES:
+                raise
+            _RETRIES[0] += 1
+            await asyncio.sleep(1.0)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())

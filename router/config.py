@@ -34,6 +34,8 @@ class RouterConfig:
     http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/http_guard.py)
     http_idle_timeout_s: float = 75.0       # an idle HTTP keep-alive connection is closed after this
     max_concurrent_per_tenant: int | None = None   # requests in flight per tenant; None = unlimited
+    max_tokens_limit: int | None = None     # --max-tokens-limit: default and cap of max_tokens; None = the context
+    grpc_idle_timeout_s: float = 300.0      # a gRPC connection with no call is closed after this
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
     # Cluster authentication (router/attest.py): TLS of both fronts and to the workers, and the
     # token workers must prove they hold before they are admitted (and that every call to them carries).
@@ -51,6 +53,9 @@ class RouterConfig:
         m = self.max_concurrent_per_tenant
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_concurrent_per_tenant={m!r} must be a positive integer")
+        t = self.max_tokens_limit
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"max_tokens_limit={t!r} must be a positive integer")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
         for a in self.worker_addresses:
@@ -60,7 +65,8 @@ class RouterConfig:
             port = getattr(self, name)
             if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
                 raise ValueError(f"{name}={port!r} must be in [0, 65535]")
-        for name in ("request_timeout_s", "health_interval_s", "http_read_timeout_s", "http_idle_timeout_s"):
+        for name in ("request_timeout_s", "health_interval_s", "http_read_timeout_s", "http_idle_timeout_s",
+                     "grpc_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes <= 0:

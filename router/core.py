@@ -22,8 +22,9 @@ from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
 from contracts.requests import BadRequest, GenerateInput, PeerHint
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint
-from kvstore.keys import block_hashes
+from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.auth import ANONYMOUS, ApiKey, TenantId
 from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, UpstreamError
 from router.index import BlockIndex
@@ -31,13 +32,16 @@ from router.inflight import InFlightPrefills
 from router.policy import Policy, make_policy
 from router.registry import WorkerEntry, WorkerRegistry
 from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.tenancy import TenantSalts, bound_max_tokens
 
 
 class Prepared(NamedTuple):
-    """A validated request, ready to forward: the worker-bound message and what routing sees."""
+    """A validated request, ready to forward: the worker-bound message, what routing sees and
+    the tenant that sent it (only that tenant may abort it)."""
 
     request: pb.GenerateRequest
     route: RouteRequest
+    tenant: TenantId = ANONYMOUS.tenant
 
 
 class Pick(NamedTuple):
@@ -101,6 +105,8 @@ class Router:
         self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
         self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
         self._inflight: dict[str, WorkerEntry | None] = {}
+        self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
+        self.salts = TenantSalts(cfg.api_keys)
         self.draining = False
         self.prefills = InFlightPrefills()   # pending blocks and prefill queues (issue #23)
 
@@ -116,9 +122,10 @@ class Router:
     def live_workers(self) -> list[WorkerInfo]:
         return [w.info for w in self.registry.live() if w.info is not None]
 
-    async def prepare(self, inp: GenerateInput) -> Prepared:
+    async def prepare(self, inp: GenerateInput, caller: ApiKey = ANONYMOUS) -> Prepared:
         """Tokenize (in a thread: a 4 MiB prompt takes seconds) and validate; raises
-        BadRequest, or NoWorkerAvailable before any worker has told the router its model."""
+        BadRequest, or NoWorkerAvailable before any worker has told the router its model.
+        `caller` (the authenticated key) decides the default cache_salt (router/tenancy.py)."""
         info, tok = self.model_info, self.tokenizer
         if info is None or tok is None:
             raise NoWorkerAvailable("no worker is ready")
@@ -142,11 +149,13 @@ class Router:
         if len(ids) >= info.max_model_len:
             raise BadRequest(f"input: the prompt has {len(ids)} tokens; this model takes at most "
                              f"{info.max_model_len - 1} (max_model_len {info.max_model_len})")
-        hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex))
+        params = bound_max_tokens(inp, len(ids), info.max_model_len, self.cfg.max_tokens_limit)
+        salt = self.salts.salt_for(caller, inp.cache_salt)
+        hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex), cache_salt_root(salt))
         request = pb.GenerateRequest(request_id=inp.request_id or f"rtr-{uuid.uuid4().hex}",
-                                     token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(inp.params),
-                                     priority=inp.priority)
-        return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)))
+                                     token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(params),
+                                     priority=inp.priority, cache_salt=salt)
+        return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)), caller.tenant)
 
     async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
         """Forward to the policy's worker and yield its responses. A worker that is
@@ -159,6 +168,7 @@ class Router:
             raise BadRequest(f"request_id {rid!r} is already running")
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
         self._inflight[rid] = None
+        self._owners[rid] = prepared.tenant
         tried: set[WorkerId] = set()
         started = time.perf_counter()
         try:
@@ -213,11 +223,13 @@ class Router:
                         call.cancel()
         finally:
             self._inflight.pop(rid, None)
+            self._owners.pop(rid, None)
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request in flight on the worker serving it; False when none is."""
+    async def abort(self, request_id: str, tenant: TenantId | None = None) -> bool:
+        """Abort a request in flight on the worker serving it; False when none is, or when
+        `tenant` (None: any) is not the tenant that sent it (the same answer: nothing leaks)."""
         worker = self._inflight.get(request_id)
-        if worker is None:
+        if worker is None or (tenant is not None and self._owners.get(request_id) != tenant):
             return False
         try:
             response = await worker.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)

@@ -14,12 +14,14 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from contracts.grpc_options import grpc_server_options
 from contracts.requests import BadRequest
 from contracts.wire import ParsedRequest, parse_generate_request, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import authenticator_for
 from router.core import Router
 from router.errors import NoWorkerAvailable, RouterError, UpstreamError
+from router.tenancy import grpc_caller
 
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -49,8 +51,7 @@ class GrpcFront:
         """Bind (NOT_SERVING until `set_health(True)`) and serve; returns the bound port.
         Raises RuntimeError when the port cannot be bound."""
         cfg = self.router.cfg
-        opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_message_bytes)]
+        opts = grpc_server_options(cfg.max_message_bytes, cfg.grpc_idle_timeout_s)
         auth = authenticator_for(self.router)
         self._server = server = grpc.aio.server(options=opts, interceptors=[auth.grpc_interceptor()])
         server.add_generic_rpc_handlers((self._router_handler(),))
@@ -88,7 +89,8 @@ class GrpcFront:
         if parsed.message is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.error or "malformed request")
         try:
-            prepared = await self.router.prepare(to_generate_input(parsed.message))  # type: ignore[arg-type]
+            caller = grpc_caller(authenticator_for(self.router), context)
+            prepared = await self.router.prepare(to_generate_input(parsed.message), caller)  # type: ignore[arg-type]
             async with contextlib.aclosing(self.router.generate(prepared, context.time_remaining())) as stream:
                 async for response in stream:
                     yield response
@@ -100,7 +102,8 @@ class GrpcFront:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed AbortRequest")
             raise AssertionError("unreachable")
         try:
-            return pb.AbortResponse(found=await self.router.abort(request.request_id))
+            tenant = grpc_caller(authenticator_for(self.router), context).tenant   # only its own requests
+            return pb.AbortResponse(found=await self.router.abort(request.request_id, tenant))
         except RouterError as e:
             await context.abort(*_status_for(e))
             raise AssertionError("unreachable") from None

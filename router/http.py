@@ -29,7 +29,7 @@ from contracts.sampling import is_int, is_real
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.auth import authenticator_for
+from router.auth import ANONYMOUS, TENANT_KEY, authenticator_for
 from router.core import Router
 from router.http_guard import guard_middleware
 from router.openai_choices import ChoiceSet, choice_options
@@ -59,6 +59,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": lambda v: v is None,
 }
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+# The field tables, public for router/openapi.py (the OpenAPI document is generated from them).
+COMPLETION_FIELDS, CHAT_FIELDS, UNSUPPORTED = _COMPLETION_FIELDS, _CHAT_FIELDS, _UNSUPPORTED
+SAMPLING_NUMBERS, STREAM_OPTIONS = _SAMPLING_NUMBERS, _STREAM_OPTIONS
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
            "NOT_FOUND": 404}
 
@@ -244,7 +247,8 @@ class HttpFrontend:
             raise HttpError(400, f"stream_options: accepted keys are {', '.join(sorted(_STREAM_OPTIONS))}",
                             "stream_options")
         try:
-            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens))
+            prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens),
+                                                 request.get(TENANT_KEY, ANONYMOUS))
         except BadRequest as e:
             raise _bad_request(str(e)) from None
         head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",

@@ -15,6 +15,7 @@ from router.launch import run_serve
 from router.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
 from router.restarts import RestartPolicy
 from router.supervise import ServeConfig
+from router.tenancy import add_limit_arguments, limit_argv
 from worker.cli import add_engine_arguments
 
 
@@ -36,6 +37,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
     add_log_format_argument(g)
     add_auth_arguments(g)
+    add_limit_arguments(g)
     g = p.add_argument_group("cluster authentication (README: Security)")
     g.add_argument("--cluster-token", default=None, metavar="TOKEN",
                    help=f"the router's and workers' shared secret (default: ${TOKEN_ENV}, else a fresh random "
@@ -82,7 +84,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
                            startup_timeout_s=args.startup_timeout_s,
-                           restart_policy=RestartPolicy(args.restart_policy), router_argv=auth_argv(args),
+                           restart_policy=RestartPolicy(args.restart_policy),
+                           router_argv=auth_argv(args) + limit_argv(args),
                            cluster_token=token_from(args.cluster_token) or new_token(), tls=tls_from_args(args),
                            log_format=args.log_format)
     except ValueError as e:

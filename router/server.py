@@ -28,8 +28,10 @@ from router.errors import RouterStartError
 from router.grpc_front import GrpcFront
 from router.http import HttpFrontend
 from router.metrics import RouterMetrics
+from router.openapi import add_openapi_route
 from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
+from router.tenancy import add_limit_arguments
 
 log = logging.getLogger("kvmesh.router")
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
@@ -66,6 +68,7 @@ class RouterServer:
             if self.cfg.http_port is not None:
                 self._http = HttpFrontend(self.core)
                 self.metrics.add_routes(self._http.app)
+                add_openapi_route(self._http.app, self._http.model_name)
                 http_port = await self._http.start(self.cfg.host, self.cfg.http_port)
             errors = await self.registry.start()
             if errors:
@@ -141,6 +144,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
     add_auth_arguments(p)
+    add_limit_arguments(p)
     g = p.add_argument_group("cluster authentication (README: Security)")
     g.add_argument("--cluster-token", default=None, metavar="TOKEN",
                    help=f"the secret shared with the workers (default: ${TOKEN_ENV}; prefer the environment: "
@@ -162,8 +166,8 @@ def run_router(args: argparse.Namespace) -> int:
                            cluster_name=args.cluster_name,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
                            api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant,
-                           metrics_require_key=args.metrics_require_key, tls=tls_from_args(args),
-                           cluster_token=token_from(args.cluster_token))
+                           max_tokens_limit=args.max_tokens_limit, metrics_require_key=args.metrics_require_key,
+                           tls=tls_from_args(args), cluster_token=token_from(args.cluster_token))
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
     configure_logging(args.log_format)

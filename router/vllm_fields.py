@@ -43,6 +43,13 @@ VLLM_FIELDS = frozenset(_INT_FIELDS + _REAL_FIELDS + _BOOL_FIELDS + (
     "stop_token_ids", "priority", "cache_salt", "add_special_tokens"))
 
 
+def vllm_field_types() -> dict[str, str]:
+    """The JSON type ("int", "real", "bool") of each typed vLLM extra (router/openapi.py);
+    stop_token_ids and cache_salt have structured schemas there."""
+    types = {name: "int" for name in _INT_FIELDS} | {name: "real" for name in _REAL_FIELDS}
+    return types | {name: "bool" for name in _BOOL_FIELDS} | {"priority": "int", "add_special_tokens": "bool"}
+
+
 def apply_vllm_fields(body: Json, msg: pb.GenerateRequest) -> None:
     """Copy the vLLM extras present in `body` onto `msg`; raises FieldError on a wrong type."""
     sp = msg.sampling

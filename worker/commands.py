@@ -54,13 +54,16 @@ class StageBlocks(Command[int]):
 @dataclass(frozen=True, slots=True)
 class AddRequest(Command[None]):
     """Queue a request; `staged` blocks are stored right before it, with no step between,
-    so its admission finds them. Sent by `AsyncEngine.generate`, which streams the outputs."""
+    so its admission finds them. Sent by `AsyncEngine.generate`, which streams the outputs.
+    `cache_salt` and `fit_context` as in `Engine.add_request`."""
 
     prompt: Prompt
     params: SamplingParams
     request_id: str
     priority: int = 0
     staged: StageBlocks | None = None
+    cache_salt: str = ""
+    fit_context: bool = False
 
 
 @dataclass(frozen=True, slots=True)

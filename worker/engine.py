@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from contracts.requests import context_length_error
 from contracts.tokenizer import TokenizerError
-from kvstore.keys import HashSalt
+from kvstore.keys import HashSalt, cache_salt_root
 from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.store import KVStore
 from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
@@ -118,9 +119,12 @@ class Engine:
             raise InvalidRequest(str(e)) from None
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, cache_salt: str = "", fit_context: bool = False) -> str:
         """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing.
-        Lower `priority` is admitted first (in [MIN_PRIORITY, MAX_PRIORITY])."""
+        Lower `priority` is admitted first (in [MIN_PRIORITY, MAX_PRIORITY]). `cache_salt`
+        keys its blocks apart from other salts' (kvstore.keys.cache_salt_root). With
+        `fit_context`, a prompt plus `max_tokens` beyond max_model_len is an InvalidRequest
+        instead of a generation cut at max_model_len."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         ids = self.encode(prompt)
@@ -141,10 +145,13 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; this model takes at most "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        if fit_context and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(context_length_error(self.max_model_len, len(ids), params.max_tokens))
         max_total = min(len(ids) + params.max_tokens, self.max_model_len)
         if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
-        req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority)
+        req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
+                      cache_salt_root(cache_salt))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -302,6 +309,8 @@ class Engine:
         """Run prompts to completion as one continuous batch; outputs in prompt order."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if not plist:   # [] is a prompt of zero tokens (e.g. a text the tokenizer maps to nothing)
+            raise InvalidRequest("prompt is empty (zero tokens)")
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(plist)
         if len(params_list) != len(plist):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(plist)} prompts")

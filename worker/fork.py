@@ -43,8 +43,8 @@ def _sequence(parent: Request, index: int, device: torch.device) -> Request:
     seed = parent.params.seed
     child = Request(f"{parent.request_id}#{index}", list(parent.prompt_token_ids), parent.params,
                     parent.max_total_tokens, make_generator(None if seed is None else seed + index, device),
-                    parent.priority, arrival_time=parent.arrival_time, group_id=parent.group_id, index=index,
-                    forked=True)
+                    parent.priority, parent.hash_root, arrival_time=parent.arrival_time, group_id=parent.group_id,
+                    index=index, forked=True)
     child.prompt_logprobs = parent.prompt_logprobs   # reported once, by sequence 0
     child.sent_prompt_logprobs = True
     return child

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from kvstore.keys import BlockHash, block_hashes
+from kvstore.keys import BlockHash, block_hashes, cache_salt_root
 from kvstore.pairs import Pairs, Slot
 from kvstore.transfer import MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendResult
 from kvstore.transfer_cost import LinkEstimate, measure_checksum
@@ -283,11 +283,13 @@ class PeerPlane:
                         self.spec.bytes_per_block, self.block_size)
 
     async def fetch(self, ae: AsyncEngine, token_ids: Sequence[int], hints: Sequence[PeerHint],
-                    ask: AskPeer) -> Fetched | None:
-        """Fetch what the cost model says to; None when nothing usable arrived (or was asked)."""
+                    ask: AskPeer, cache_salt: str = "") -> Fetched | None:
+        """Fetch what the cost model says to; None when nothing usable arrived (or was asked).
+        `cache_salt` is the request's (the hashes must be the ones its admission looks up)."""
         bs = self.block_size
         # admission recomputes at least the last prompt token: only blocks before it count
-        hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, self.salt)
+        hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, self.salt,
+                              cache_salt_root(cache_salt))
         assert self.host_num_blocks > 0, "PeerPlane.start attaches a host tier"
         num_local = await ae.run(CountHeld(tuple(hashes)))
         # stage no more than the host tier holds beside this prompt's own blocks (which may

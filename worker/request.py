@@ -52,7 +52,9 @@ class Request:
     future token can attend to them (wholly outside a sliding window); `block_hashes`
     cover every full block of `all_token_ids`.
     `num_computed_tokens` counts the tokens whose K/V are in the cache.
-    `priority`: lower is admitted first (ties in arrival order). The `*_time` fields are
+    `priority`: lower is admitted first (ties in arrival order). `hash_root` is the virtual
+    parent of the first block (`kvstore.keys.cache_salt_root` of the request's cache_salt;
+    None: unsalted). The `*_time` fields are
     `time.monotonic()` readings (see `RequestTimings`).
     """
 
@@ -62,6 +64,7 @@ class Request:
     max_total_tokens: int
     generator: torch.Generator | None = None
     priority: int = 0
+    hash_root: BlockHash | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -117,7 +120,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     def update_block_hashes(self, block_size: int, salt: bytes) -> None:
-        self.block_hashes = extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, salt)
+        self.block_hashes = extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, salt,
+                                                self.hash_root)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from contracts.grpc_options import grpc_server_options
 from contracts.logs import REQUEST_ID, trace_id
 from contracts.requests import BadRequest
 from contracts.sampling import SamplingParamsError
@@ -100,10 +101,8 @@ class WorkerServer:
         assert self._server is None, "start() called twice"
         for service in ("", WORKER_SERVICE):
             await self._health.set(service, _NOT_SERVING)
-        limit = self.cfg.max_message_bytes
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit)],
-                                 interceptors=cluster_auth.server_interceptors(self.cfg))
+        options = grpc_server_options(self.cfg.max_message_bytes, self.cfg.grpc_idle_timeout_s)
+        server = grpc.aio.server(options=options, interceptors=cluster_auth.server_interceptors(self.cfg))
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -282,9 +281,10 @@ class WorkerServer:
         if inp.peer_hints and self._peer is not None:
             if isinstance(prompt, str):
                 prompt = await ae.run(Tokenize(prompt))
-            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer)
+            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer, inp.cache_salt)
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
-                              staged=fetched.staged if fetched is not None else None)
+                              staged=fetched.staged if fetched is not None else None,
+                              cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given)
         t0, first = time.perf_counter(), True
         gaps = self.metrics.token_gaps() if self.metrics is not None else None
         completion_tokens = 0          # over every sequence (n / best_of)

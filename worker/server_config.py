@@ -32,6 +32,7 @@ class WorkerServerConfig:
     transfer_timeout_s: float = 10.0
     transfer_faults: tuple[str, ...] = ()
     metrics_port: int | None = None      # Prometheus /metrics (worker/metrics.py); None = off, 0 = a free port
+    grpc_idle_timeout_s: float = 300.0   # a gRPC connection with no call is closed after this
     # Cluster authentication (worker/cluster_auth.py): the token every Worker RPC then needs, and TLS.
     cluster_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = PLAINTEXT
@@ -56,6 +57,8 @@ class WorkerServerConfig:
             raise ValueError(f"advertise_address={self.advertise_address!r} must be HOST:PORT")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
+        if not self.grpc_idle_timeout_s > 0:
+            raise ValueError(f"grpc_idle_timeout_s={self.grpc_idle_timeout_s!r} must be > 0")
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be positive")
         if not self.cluster_name:

@@ -98,6 +98,11 @@ def parse_cli(c: Doc) -> argparse.Namespace:
         raise AssertionError(f"`kvmesh` rejects the rendered command line {argv}") from e
 
 
+def env_value(c: Doc, name: str) -> str | None:
+    """The literal value of env var `name` of container `c` (None: absent or from a Secret)."""
+    return next((e.get("value") for e in c.get("env", []) if e["name"] == name), None)
+
+
 def pod_labels(workload: Doc) -> dict[str, str]:
     return workload["spec"]["template"]["metadata"]["labels"] if "template" in workload["spec"] else workload["metadata"]["labels"]
 
@@ -141,6 +146,11 @@ def check_references(docs: list[Doc]) -> None:
             env |= set(configmaps[src["configMapRef"]["name"]]["data"])
         for ref in re.findall(r"\$\(([A-Z_][A-Z0-9_]*)\)", " ".join(c.get("args", []))):
             assert ref in env, f"{w['metadata']['name']}: args use $({ref}) but the container has no such env"
+        defined: set[str] = set()   # an env value may use $(VAR) of a VAR defined before it
+        for e in c.get("env", []):
+            for ref in re.findall(r"\$\(([A-Z_][A-Z0-9_]*)\)", e.get("value", "")):
+                assert ref in defined, f"{w['metadata']['name']}: env {e['name']} uses $({ref}) not defined before it"
+            defined.add(e["name"])
         port_names = {p["name"] for p in c.get("ports", [])}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             for how in ("tcpSocket", "httpGet"):

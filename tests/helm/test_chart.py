@@ -19,7 +19,7 @@ import yaml
 
 from router.cli import build_parser
 from tests.helm.manifests import (CHART, GPU_EXAMPLE, HELM, NAMESPACE, RELEASE, ROOT, Doc, check_references,
-                                  check_service_monitor, container, host, matches, one, parse_cli, pod_labels, render,
+                                  check_service_monitor, container, env_value, host, matches, one, parse_cli, pod_labels, render,
                                   run_helm, snake, validate_all)
 
 # Every engine/worker/router value set to something other than both the chart's and the CLI's
@@ -144,8 +144,10 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
     assert worker_ns.advertise_address == (
         f"$(POD_NAME).{RELEASE}-kvmesh-worker-headless.{NAMESPACE}.svc.cluster.local:{w['port']}")
     assert router_ns.worker == [f"{host(i)}:{w['port']}" for i in range(w["replicas"])]
-    redis = f"redis://{RELEASE}-kvmesh-redis.{NAMESPACE}.svc.cluster.local:6379/0"
-    assert worker_ns.redis_url == router_ns.redis_url == redis
+    redis = f"redis://:$(KVMESH_REDIS_PASSWORD)@{RELEASE}-kvmesh-redis.{NAMESPACE}.svc.cluster.local:6379/0"
+    assert worker_ns.redis_url is router_ns.redis_url is None      # in the environment: no password in ps
+    for kind, component in (("StatefulSet", "worker"), ("Deployment", "router")):
+        assert env_value(container(one(r.docs, kind, component)), "KVMESH_REDIS_URL") == redis
 
 
 # Options the chart sets itself (addresses, identity) or leaves at the CLI default on purpose.
@@ -153,7 +155,8 @@ CHART_OWNED = {"command", "run", "host", "worker_id", "advertise_address", "redi
                "no_http",  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
                "peer_transfer", "transfer_port",  # worker: set through KVMESH_* env (configmap)
                "rank", "world_size", "dist_init_addr",  # worker: legacy, ignored
-               "api_key", "api_keys_file"}  # router: keys are not wired into the chart yet (a Secret, #17 item 8)
+               "api_key", "api_keys_file", "cluster_token", "metrics_require_key",  # `security`: Secrets, env
+               "tls_cert", "tls_key", "tls_ca", "tls_server_name"}  # (tests/helm/test_chart_security.py)
 
 
 def test_values_cover_every_cli_option() -> None:
@@ -236,7 +239,7 @@ def test_external_redis_password_from_secret(helm: Path, tmp_path: Path) -> None
     assert not [d for d in r.docs if "redis" in d["metadata"]["name"]]
     for w in (one(r.docs, "StatefulSet", "worker"), one(r.docs, "Deployment", "router")):
         c = container(w)
-        assert parse_cli(c).redis_url == "rediss://:$(KVMESH_REDIS_PASSWORD)@redis.example.internal:6380/2"
+        assert env_value(c, "KVMESH_REDIS_URL") == "rediss://:$(KVMESH_REDIS_PASSWORD)@redis.example.internal:6380/2"
         env = {e["name"]: e for e in c["env"]}
         assert env["KVMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "kv-redis", "key": "pw"}
 
@@ -247,7 +250,7 @@ def test_in_chart_redis_with_auth(helm: Path, tmp_path: Path) -> None:
     c = container(redis)
     assert c["args"][c["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast"
-    url = parse_cli(container(one(r.docs, "StatefulSet", "worker"))).redis_url
+    url = env_value(container(one(r.docs, "StatefulSet", "worker")), "KVMESH_REDIS_URL")
     assert url == f"redis://:$(KVMESH_REDIS_PASSWORD)@{RELEASE}-kvmesh-redis.{NAMESPACE}.svc.cluster.local:6379/0"
 
 

@@ -11,9 +11,12 @@ the router's nonce to the real worker); it gets 0 requests and the router logs i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import ssl
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +46,11 @@ from tests.router.test_router import NUM_BLOCKS, LoopThread
 TOKEN = "test-cluster-token-0123456789abcdef"
 REDIS_PASSWORD = "test-redis-password-0123456789"
 CLUSTER = "authtest"
+# The Redis ACL user per role that README "Security" documents (keys ~kvmesh:<cluster-name>:*);
+# the default user is off. The attacker below holds the worker's credentials (write access).
+ACL = {"kvmesh-router": "+ping +info +multi +exec +smembers +srem +hgetall +get +set +xread +xrevrange",
+       "kvmesh-worker": "+ping +info +multi +exec +get +set +getdel +del +incrby +hset +hgetall +sadd +srem +smembers "
+                        "+pexpire +xadd +eval"}
 PROMPT = "The capital of France is"
 WORKER = "kvmesh.v1.Worker"
 
@@ -147,17 +155,19 @@ def secured(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     from worker.server import WorkerServer, WorkerServerConfig
     tmp = tmp_path_factory.mktemp("auth")
     certs = make_certs(tmp)
-    server = RedisServer(tmp, ["--requirepass", REDIS_PASSWORD])
+    server = RedisServer(tmp, ["--user", "default", "off", *(a for user, commands in ACL.items() for a in (
+        "--user", user, "on", f">{REDIS_PASSWORD}", f"~kvmesh:{CLUSTER}:*", *commands.split()))])
     server.start()
     engine = Engine(EngineConfig(model=str(smollm2_dir), num_blocks=NUM_BLOCKS))
     lt = LoopThread()
-    worker = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="worker-0", redis_url=server.url,
+    worker = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="worker-0", redis_url=_url(server, "kvmesh-worker"),
                                                          cluster_name=CLUSTER, cluster_token=TOKEN, tls=certs.tls),
                           engine=engine)
     lt.run(worker.start())
     lt.run(worker.wait_ready(60))
     cfg = RouterConfig(model=str(smollm2_dir), served_model_name="smollm2", http_port=0, health_interval_s=0.2,
-                       redis_url=server.url, cluster_name=CLUSTER, cluster_token=TOKEN, tls=certs.tls)
+                       redis_url=_url(server, "kvmesh-router"), cluster_name=CLUSTER, cluster_token=TOKEN,
+                       tls=certs.tls)
 
     async def start() -> tuple[RouterServer, int, int | None]:
         router = RouterServer(cfg)
@@ -173,6 +183,10 @@ def secured(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         lt.run(worker.stop(1))
         lt.close()
         server.stop()
+
+
+def _url(server: RedisServer, user: str) -> str:
+    return f"redis://{user}:{REDIS_PASSWORD}@127.0.0.1:{server.port}/0"
 
 
 def _router_channel(s: Secured) -> grpc.Channel:
@@ -199,6 +213,10 @@ def test_grpc_over_tls_and_openai_sdk_over_https(secured: Secured) -> None:
                                http_client=http, max_retries=0, timeout=60)
         done = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
     assert done.choices[0].text == grpc_text      # both fronts, one greedy answer
+    cli = subprocess.run([sys.executable, "-m", "router.cli", "client", "generate", "--target",
+                          f"127.0.0.1:{secured.grpc_port}", "--tls-ca", str(secured.certs.ca), "--json",
+                          "--max-tokens", "8", PROMPT], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and json.loads(cli.stdout)["text"] == grpc_text, cli.stderr
     # plaintext clients of the TLS ports get nowhere
     with grpc.insecure_channel(f"127.0.0.1:{secured.grpc_port}") as ch, pytest.raises(grpc.RpcError) as e:
         _generate(ch)
@@ -230,15 +248,16 @@ def test_worker_needs_a_client_certificate_then_the_token(secured: Secured) -> N
 
 
 def test_fake_worker_registered_in_redis_gets_nothing(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvmesh.router")
+    caplog.set_level(logging.WARNING)
     with grpc.secure_channel(secured.worker.address, secured.certs.client_credentials(True)) as ch:
         info = pb_grpc.WorkerStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=10,
                                                    metadata=((TOKEN_METADATA, TOKEN),))
     fake = FakeWorker(secured.worker.address, secured.certs, info)
     port = secured.lt.run(fake.start())
     evil = f"127.0.0.1:{port}"
-    keys = RedisConfig(url=secured.redis.url, cluster_name=CLUSTER).keys
-    with redis.Redis.from_url(secured.redis.url) as r:     # the attacker knows the Redis password
+    attacker = _url(secured.redis, "kvmesh-worker")
+    keys = RedisConfig(url=attacker, cluster_name=CLUSTER).keys
+    with redis.Redis.from_url(attacker) as r:     # the attacker holds a worker's Redis credentials
         r.sadd(keys.workers, "evil")
         r.hset(keys.record("evil"), mapping={"worker_id": "evil", "address": evil, "model": info.model,
                                              "block_size": str(info.block_size), "num_blocks": str(NUM_BLOCKS),
@@ -255,8 +274,13 @@ def test_fake_worker_registered_in_redis_gets_nothing(secured: Secured, caplog: 
         assert fake.calls.get("Attest", 0) >= 1          # it was asked to prove itself ...
         assert "Generate" not in fake.calls and fake.tokens_seen == []   # ... and got no prompt, no token
         assert [w.info.worker_id for w in secured.router.registry.live()] == ["worker-0"]
+        consumer = secured.router.registry.consumer      # the ACL users suffice: registry and events flow
+        assert consumer is not None
+        stats = consumer.stats()
+        assert not stats.degraded and stats.failures == 0 and stats.entries > 0, stats
+        assert not [m for m in caplog.messages if "no permissions" in m], caplog.messages
     finally:
-        with redis.Redis.from_url(secured.redis.url) as r:
+        with redis.Redis.from_url(attacker) as r:
             r.srem(keys.workers, "evil")
             r.delete(keys.record("evil"), keys.alive("evil"))
         assert fake.server is not None
@@ -302,3 +326,65 @@ def test_embedded_redis_has_a_password_kept_across_restarts(tmp_path: Path) -> N
             assert client.ping()
     finally:
         terminate([child], 5)
+
+
+def test_peer_channel_carries_certificate_and_token(tmp_path: Path) -> None:
+    """worker -> worker SendBlocks (worker/cluster_auth.peer_channel) against a server demanding
+    both mutual TLS and the token, as a worker does."""
+    from contracts.grpc_auth import ClusterTokenGuard
+    from worker.cluster_auth import peer_channel
+    from worker.server_config import WorkerServerConfig
+    certs = make_certs(tmp_path)
+
+    async def send_blocks(req: pb.SendBlocksRequest, context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
+        return pb.SendBlocksResponse(num_blocks=len(req.block_hashes))
+
+    async def run() -> list[object]:
+        server = grpc.aio.server(interceptors=[ClusterTokenGuard(TOKEN, WORKER)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WORKER, {
+            "SendBlocks": grpc.unary_unary_rpc_method_handler(
+                send_blocks, request_deserializer=pb.SendBlocksRequest.FromString,
+                response_serializer=pb.SendBlocksResponse.SerializeToString)}),))
+        port = certs.tls.add_port(server, "127.0.0.1:0", require_client_cert=True)
+        await server.start()
+        results: list[object] = []
+        try:
+            for token in (TOKEN, None):
+                channel = peer_channel(WorkerServerConfig(cluster_token=token, tls=certs.tls), f"127.0.0.1:{port}")
+                try:
+                    reply = await pb_grpc.WorkerStub(channel).SendBlocks(
+                        pb.SendBlocksRequest(block_hashes=[b"\0" * 16] * 3), timeout=10)
+                    results.append(reply.num_blocks)
+                except grpc.aio.AioRpcError as e:
+                    results.append(e.code())
+                finally:
+                    await channel.close()
+        finally:
+            await server.stop(None)
+        return results
+    assert asyncio.run(run()) == [3, grpc.StatusCode.UNAUTHENTICATED]
+
+
+def test_serve_passes_tls_flags_and_secrets_to_its_children(tmp_path: Path) -> None:
+    """`kvmesh serve --tls-cert --tls-key --tls-ca`: the flags reach the router's and every
+    worker's command line (parsed back with the real `kvmesh` parser); the token and the Redis URL
+    go by environment only."""
+    from router.cli import build_parser
+    from router.launch import LocalCluster, _worker_argv
+    from router.serve_cli import config_from_args
+    certs = make_certs(tmp_path)
+    args = build_parser().parse_args(["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
+                                      "--tls-ca", str(certs.ca)])
+    cfg = config_from_args(args)
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:1/0"
+    worker = _worker_argv(cfg, "worker-0", 0, 1, [])
+    router = LocalCluster(cfg)._router_argv(0, 0)
+    for argv in (worker, router):
+        ns = build_parser().parse_args(argv[3:])          # after `python -m router.cli`
+        assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (certs.cert, certs.key, certs.ca)
+        assert ns.cluster_token is None and ns.redis_url is None
+        assert cfg.cluster_token not in " ".join(argv) and REDIS_PASSWORD not in " ".join(argv)
+    assert cfg.child_env(url) == {"KVMESH_REDIS_URL": url, "KVMESH_CLUSTER_TOKEN": cfg.cluster_token}
+    only_router = config_from_args(build_parser().parse_args(
+        ["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]))
+    assert "--tls-cert" not in _worker_argv(only_router, "worker-0", 0, 1, [])   # no CA: workers stay plaintext

@@ -11,10 +11,11 @@ from kvstore.keys import block_hashes
 from router.policy import POLICIES, Policy, Weighted, make_policy
 from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 from router.scorers import (BoundedLoadFilter, FreeKVScorer, HashRing, InverseLoadScorer, LoadScorer,
-                            PrefixCacheScorer, RingScorer, RotationScorer, load_cap, route_key)
+                            PrefillCostScorer, PrefixCacheScorer, RingScorer, RotationScorer, load_cap, route_key)
 
 SALT = b"scorer-salt"
-SCORERS = [PrefixCacheScorer(), LoadScorer(), InverseLoadScorer(), FreeKVScorer(), RingScorer(), RotationScorer()]
+SCORERS = [PrefixCacheScorer(), LoadScorer(), InverseLoadScorer(), FreeKVScorer(), RingScorer(), RotationScorer(),
+           PrefillCostScorer()]
 
 
 def _workers(n: int) -> list[WorkerInfo]:
@@ -113,7 +114,8 @@ def test_bounded_load_filter_keeps_exactly_the_workers_under_the_cap(n, c, loads
 def test_bad_parameters_are_value_errors():
     for make in (lambda: LoadScorer(0.5), lambda: BoundedLoadFilter(0.9), lambda: FreeKVScorer(0.0),
                  lambda: RingScorer(num_prefix_blocks=0), lambda: Weighted(PrefixCacheScorer(), -1.0),
-                 lambda: make_policy("fastest"), lambda: make_policy(RoutingPolicy.KV_AWARE, 0.5)):
+                 lambda: make_policy("fastest"), lambda: make_policy(RoutingPolicy.KV_AWARE, 0.5),
+                 lambda: PrefillCostScorer(running_cost_tokens=-1.0), lambda: PrefillCostScorer(prefill_weight=0.5)):
         with pytest.raises(ValueError):
             make()
 

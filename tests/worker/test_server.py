@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-LONG = dict(max_tokens=10_000, ignore_eos=True)     # runs to max_model_len (~8 s) unless stopped
+LONG = dict(max_tokens=506, ignore_eos=True)   # to max_model_len 512 from a 6-token prompt (~8 s) unless stopped
 
 
 class LoopThread:
@@ -226,7 +226,7 @@ def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
         loop.run(server.wait_ready(10))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.WorkerStub(ch)
-            stream = stub.Generate(request([4, 5, 6, 7, 8], **LONG))   # 507 tokens, seconds
+            stream = stub.Generate(request([4, 5, 6, 7, 8], **LONG))   # 506 tokens, seconds
             first = next(stream)
             stopping = loop.submit(server.stop(grace=30))
             deadline = time.monotonic() + 5
@@ -239,7 +239,7 @@ def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
             rest = list(stream)                          # the in-flight stream runs to the end
             assert rest[-1].finished and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
-            assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == rest[-1].completion_tokens == 507
+            assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == rest[-1].completion_tokens == 506
             stopping.result(10)                          # and then stop returns, well before grace
     finally:
         loop.run(server.stop(grace=0))

@@ -85,10 +85,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{/* Env var that holds the Redis password, referenced as $(…) in the URL. */}}
 {{- define "kvmesh.redis.passwordEnv" -}}KVMESH_REDIS_PASSWORD{{- end }}
 
-{{/* Secret name and key of the Redis password, or "" when Redis has no password. */}}
+{{/* Secret name and key of the Redis password, or "" when Redis has no password. The in-chart
+Redis's password is generated into <fullname>-redis-auth unless redis.auth.existingSecret is set. */}}
 {{- define "kvmesh.redis.secretName" -}}
 {{- if .Values.redis.enabled }}
-{{- if .Values.redis.auth.enabled }}{{ .Values.redis.auth.existingSecret }}{{ end }}
+{{- if .Values.redis.auth.enabled }}{{ default (printf "%s-redis-auth" (include "kvmesh.fullname" .)) .Values.redis.auth.existingSecret }}{{ end }}
 {{- else }}
 {{- .Values.redis.external.existingSecret }}
 {{- end }}
@@ -97,6 +98,73 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- define "kvmesh.redis.secretKey" -}}
 {{- if .Values.redis.enabled }}{{ .Values.redis.auth.existingSecretPasswordKey }}
 {{- else }}{{ .Values.redis.external.existingSecretPasswordKey }}{{ end }}
+{{- end }}
+
+{{/* Security (README: Security) ------------------------------------------------------------ */}}
+
+{{/* The cluster token's Secret: security.clusterToken.existingSecret, else the generated one. */}}
+{{- define "kvmesh.clusterToken.secretName" -}}
+{{- default (printf "%s-cluster-token" (include "kvmesh.fullname" .)) .Values.security.clusterToken.existingSecret }}
+{{- end }}
+
+{{/* The TLS Secret (tls.crt, tls.key, ca.crt): an existing one, else the cert-manager Certificate's. */}}
+{{- define "kvmesh.tls.secretName" -}}
+{{- default (printf "%s-tls" (include "kvmesh.fullname" .)) .Values.security.tls.existingSecret }}
+{{- end }}
+
+{{- define "kvmesh.tls.mountPath" -}}/etc/kvmesh/tls{{- end }}
+{{- define "kvmesh.apiKeys.mountPath" -}}/etc/kvmesh/api-keys{{- end }}
+
+{{/* --tls-* flags of `kvmesh router` and `kvmesh worker` (mutual TLS between them). */}}
+{{- define "kvmesh.tls.args" -}}
+{{- if .Values.security.tls.enabled }}
+{{- $d := include "kvmesh.tls.mountPath" . }}
+- {{ printf "--tls-cert=%s/tls.crt" $d | quote }}
+- {{ printf "--tls-key=%s/tls.key" $d | quote }}
+- {{ printf "--tls-ca=%s/ca.crt" $d | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Env of router and worker containers: the Redis password and URL (the URL in the environment,
+not in args, so the expanded password never shows in ps), and the cluster token. */}}
+{{- define "kvmesh.secretEnv" -}}
+{{- with include "kvmesh.redis.passwordEnvVar" . | trim }}
+{{ . }}
+{{- end }}
+- name: KVMESH_REDIS_URL
+  value: {{ include "kvmesh.redis.url" . | quote }}
+{{- if .Values.security.clusterToken.enabled }}
+- name: KVMESH_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvmesh.clusterToken.secretName" . }}
+      key: {{ .Values.security.clusterToken.existingSecretKey }}
+{{- end }}
+{{- end }}
+
+{{/* TLS volume (and its mount), for router, worker and test pods. */}}
+{{- define "kvmesh.tls.volume" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "kvmesh.tls.secretName" . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvmesh.tls.volumeMount" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tls
+  mountPath: {{ include "kvmesh.tls.mountPath" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* A value of a generated Secret: the one already in the cluster (kept across upgrades), else new. */}}
+{{- define "kvmesh.generatedValue" -}}
+{{- $ctx := index . 0 }}{{ $name := index . 1 }}{{ $key := index . 2 }}
+{{- $existing := lookup "v1" "Secret" $ctx.Release.Namespace $name }}
+{{- if and $existing (hasKey $existing.data $key) }}{{ index $existing.data $key }}
+{{- else }}{{ randAlphaNum 40 | b64enc }}{{ end }}
 {{- end }}
 
 {{/*
