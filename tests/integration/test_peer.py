@@ -53,7 +53,7 @@ def _spawn(tmp: Path, worker_id: str, *flags: str, env: dict[str, str] | None = 
     return Worker(proc, "", log)
 
 
-def _wait_serving(w: Worker, timeout: float = 180.0) -> Worker:
+def _wait_serving(w: Worker, timeout: float = 600.0) -> Worker:
     out = w.log.with_suffix(".out")
     deadline = time.monotonic() + timeout
     while (m := WORKER_LINE.search(out.read_text(errors="replace"))) is None:
