@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import grpc
 
+from contracts.cluster_token import new_token
+from kvstore.metadata import parse_redis_url
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.cli import main as kvmesh
 from router.client import ClientError, GenerateResult, generate
@@ -99,13 +101,14 @@ def show_metrics(cluster: LocalCluster) -> None:
 
 
 def run_cluster() -> None:
-    cfg = ServeConfig(workers=2, grpc_port=0, http_port=0, cluster_name="kvmesh-demo")
+    cfg = ServeConfig(workers=2, grpc_port=0, http_port=0, cluster_name="kvmesh-demo",
+                      cluster_token=new_token())     # as `kvmesh serve` makes one per start
     print("\n$ kvmesh serve --workers 2   # as a LocalCluster on free ports: redis-server, 2 workers, router")
     started = time.monotonic()
     with LocalCluster(cfg) as cluster:
         print(f"cluster up in {time.monotonic() - started:.0f} s: gRPC {cluster.grpc_target}, "
               f"HTTP {cluster.http_base_url}, workers {' '.join(cluster.worker_addresses)}, "
-              f"redis {cluster.redis_url}", flush=True)
+              f"redis {parse_redis_url(cluster.redis_url).redacted()}", flush=True)
         print(f"\nEvery request shares one system prompt ({len(SYSTEM_PROMPT)} characters); "
               f"greedy, at most {MAX_TOKENS} new tokens.")
         grpc_answers = []
