@@ -165,6 +165,9 @@ class Sampler:
                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         """Temperature → top-k → top-p → min-p → draw, on rows that are all non-greedy."""
         apply_temperature(logits, [p.temperature for p in params])
+        # Extreme penalties or temperatures overflow fp32 (softmax of +inf is NaN): keep the
+        # order, turn +inf into the largest finite value and NaN into "never".
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
         apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = logits.softmax(dim=1)  # [B, V]
         if any(p.min_p > 0.0 for p in params):

@@ -95,3 +95,13 @@ def test_document_and_next_request_served(base_url: str) -> None:
         {"prompt": "The capital of France is", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as r:
         assert json.loads(r.read())["usage"]["completion_tokens"] >= 1
+
+
+def test_found_by_fuzzing_extreme_repetition_penalty(base_url: str) -> None:
+    """A repetition_penalty of 1.5e-42 overflowed the penalised logits to +inf: the sampler's
+    softmax gave NaN and the worker answered INTERNAL (HTTP 500)."""
+    request = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(
+        {"prompt": "0 0 0 0", "repetition_penalty": 1.549763111661929e-42, "max_tokens": 3, "temperature": 1.0,
+         "seed": 1}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert json.loads(r.read())["usage"]["completion_tokens"] >= 1

@@ -11,13 +11,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import openai
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
 
 from contracts.grpc_options import grpc_server_options
@@ -57,12 +58,11 @@ def ten(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                          f"{KEYS['c']} team-c salt=shared-c-d\n{KEYS['d']} team-d priority salt=shared-c-d\n")
     engine = Engine(EngineConfig(model=str(smollm2_dir), num_blocks=NUM_BLOCKS))
     lt = LoopThread()
-    worker = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="worker-0", grpc_idle_timeout_s=1.0),
-                          engine=engine)
+    worker = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="worker-0"), engine=engine)
     lt.run(worker.start())
     lt.run(worker.wait_ready(60))
     common = dict(worker_addresses=(worker.address,), model=str(smollm2_dir), served_model_name="smollm2",
-                  http_port=0, health_interval_s=0.2, grpc_idle_timeout_s=1.0)
+                  http_port=0, health_interval_s=0.2)
 
     async def start(cfg: RouterConfig) -> tuple[RouterServer, int, int]:
         router = RouterServer(cfg)
@@ -71,7 +71,8 @@ def ten(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         assert h is not None
         return router, g, h
     keyed, kg, kh = lt.run(start(RouterConfig(**common, api_keys=parse_keys_file(keys_file))))  # type: ignore[arg-type]
-    limited, lg, lh = lt.run(start(RouterConfig(**common, max_tokens_limit=LIMIT)))  # type: ignore[arg-type]
+    limited, lg, lh = lt.run(start(RouterConfig(**common, max_tokens_limit=LIMIT,  # type: ignore[arg-type]
+                                                grpc_idle_timeout_s=1.0)))
     try:
         yield Tenancy(lt, worker, keyed, kg, kh, lg, lh)
     finally:
@@ -273,13 +274,29 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("which", ["router", "worker"])
-def test_grpc_idle_connections_are_closed(ten: Tenancy, which: str) -> None:
-    port = ten.keyed_grpc if which == "router" else int(ten.worker.address.rsplit(":", 1)[1])
-    # A TCP client that never speaks HTTP/2 is dropped (handshake timeout = the idle timeout here).
+@pytest.fixture
+def idle_worker(tmp_path: Path) -> Iterator[int]:
+    """A worker server whose gRPC idle timeout is 1 s (its model fails to load: only its
+    server is needed, and health answers NOT_SERVING)."""
+    from worker.engine import EngineConfig
+    from worker.server import WorkerServer, WorkerServerConfig
+    lt = LoopThread()
+    worker = WorkerServer(EngineConfig(model=str(tmp_path)), WorkerServerConfig(grpc_idle_timeout_s=1.0))
+    try:
+        yield lt.run(worker.start())
+    finally:
+        try:
+            lt.run(worker.stop(0))
+        finally:
+            lt.close()
+
+
+def _goes_idle_and_reconnects(port: int, call: Callable[[grpc.Channel], object]) -> None:
+    """A TCP client that never speaks HTTP/2 is dropped (handshake timeout = the 1 s idle
+    timeout here); a gRPC client that makes one call and idles gets GOAWAY (its channel goes
+    IDLE), and its next call reconnects and is answered."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
         assert _closed_within(raw, 8)
-    # A gRPC client that makes one call and then idles gets GOAWAY: its channel goes IDLE ...
     states: list[grpc.ChannelConnectivity] = []
     went_idle = threading.Event()
 
@@ -289,10 +306,15 @@ def test_grpc_idle_connections_are_closed(ten: Tenancy, which: str) -> None:
             went_idle.set()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         ch.subscribe(watch, try_to_connect=False)
-        stub = pb_grpc.RouterStub(ch) if which == "router" else pb_grpc.WorkerStub(ch)
-        metadata = (("authorization", f"Bearer {KEYS['a']}"),)
-        assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata).block_size > 0
+        call(ch)
         assert went_idle.wait(8), states
-        # ... and its next call reconnects and is served.
-        assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata).block_size > 0
+        call(ch)
+
+
+def test_grpc_idle_connections_are_closed(ten: Tenancy, idle_worker: int) -> None:
+    metadata = (("authorization", f"Bearer {KEYS['a']}"),)
+    _goes_idle_and_reconnects(ten.limited_grpc, lambda ch: pb_grpc.RouterStub(ch).GetModelInfo(
+        pb.ModelInfoRequest(), timeout=10, metadata=metadata))
+    _goes_idle_and_reconnects(idle_worker, lambda ch: health_pb2_grpc.HealthStub(ch).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=10))
     assert ("grpc.max_connection_idle_ms", 1000) in grpc_server_options(1 << 20, 1.0)
