@@ -33,7 +33,8 @@ class PeerHint:
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
-    """Exactly one of text / token_ids / chat is set."""
+    """Exactly one of text / token_ids / chat is set. `resume_tokens` > 0 (only with
+    token_ids): the last that many ids are output already generated (a migrated request)."""
 
     request_id: str
     text: str | None
@@ -42,6 +43,7 @@ class GenerateInput:
     params: SamplingParams
     priority: int = 0
     peer_hints: tuple[PeerHint, ...] = ()
+    resume_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,9 +78,12 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
         for m in chat:
             if m.role not in ("system", "user", "assistant"):
                 raise BadRequest(f"chat.role: {m.role!r}; accepted: system, user, assistant")
+    resume = msg.resume_tokens
+    if resume and (token_ids is None or not 0 < resume < len(token_ids)):
+        raise BadRequest(f"resume_tokens: {resume} must be in [0, len(token_ids)) and needs token_ids")
     return GenerateInput(msg.request_id, text, token_ids, chat,
                          to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
-                         tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)))
+                         tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)), resume)
 
 
 def _peer_hint(i: int, h: pb.PeerHint) -> PeerHint:

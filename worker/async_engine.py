@@ -69,13 +69,14 @@ class AsyncEngine:
 
     # -- public, called from the event loop -----------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       priority: int = 0, staged: StageBlocks | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, staged: StageBlocks | None = None,
+                       resume_tokens: int = 0) -> AsyncIterator[RequestOutput]:
         """Send `AddRequest` and yield the request's outputs until it finishes."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         finished = False
         try:
-            await self.run(_Open(AddRequest(prompt, params, request_id, priority, staged), stream))
+            await self.run(_Open(AddRequest(prompt, params, request_id, priority, staged, resume_tokens), stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -172,7 +173,8 @@ class AsyncEngine:
             raise InvalidRequest(f"request_id {add.request_id!r} is already running")
         if add.staged is not None:
             self.engine.store.stage(add.staged.block_hashes, add.staged.data)
-        self.engine.add_request(add.prompt, add.params, request_id=add.request_id, priority=add.priority)
+        self.engine.add_request(add.prompt, add.params, request_id=add.request_id, priority=add.priority,
+                                resume_tokens=add.resume_tokens)
         self._streams[add.request_id] = stream
 
     def _abort(self, request_id: str, stream: _Stream | None = None) -> bool:

@@ -60,6 +60,7 @@ class AddRequest(Command[None]):
     request_id: str
     priority: int = 0
     staged: StageBlocks | None = None
+    resume_tokens: int = 0          # the last that many prompt ids are resumed output (migration)
 
 
 @dataclass(frozen=True, slots=True)

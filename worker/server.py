@@ -274,7 +274,7 @@ class WorkerServer:
                 prompt = await ae.run(Tokenize(prompt))
             fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer)
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
-                              staged=fetched.staged if fetched is not None else None)
+                              staged=fetched.staged if fetched is not None else None, resume_tokens=inp.resume_tokens)
         t0, first = time.perf_counter(), True
         try:
             async for out in outputs:

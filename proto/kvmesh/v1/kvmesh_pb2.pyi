@@ -89,7 +89,7 @@ class PeerHint(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt", "resume_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PEER_HINTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -106,10 +107,11 @@ class GenerateRequest(_message.Message):
     priority: int
     peer_hints: _containers.RepeatedCompositeFieldContainer[PeerHint]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resume_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., resume_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,7 @@ class GenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -130,7 +133,8 @@ class GenerateResponse(_message.Message):
     cached_tokens: int
     worker_id: str
     peer_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
