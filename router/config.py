@@ -31,6 +31,8 @@ class RouterConfig:
     http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/http_guard.py)
     http_idle_timeout_s: float = 75.0       # an idle HTTP keep-alive connection is closed after this
     max_concurrent_per_tenant: int | None = None   # requests in flight per tenant; None = unlimited
+    migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
+    drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
@@ -41,6 +43,11 @@ class RouterConfig:
         m = self.max_concurrent_per_tenant
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_concurrent_per_tenant={m!r} must be a positive integer")
+        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
+                or self.migration_limit < 0:
+            raise ValueError(f"migration_limit={self.migration_limit!r} must be an integer >= 0")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be >= 0")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
         for a in self.worker_addresses:

@@ -40,6 +40,8 @@ class RouterMetrics(RouteObserver):
         self.ttft = Histogram("kvmesh:router_time_to_first_token_seconds",
                               "Router receipt of a request to its first streamed response, as clients see it",
                               ("worker_id",), buckets=_TTFT_BUCKETS, registry=r)
+        self.migrations = Counter("kvmesh:router_migrations", "Requests moved to another worker mid-stream "
+                                  "(their worker died or became unreachable)", ("worker_id",), registry=r)
         r.register(_CoreCollector(router))
         self.request_counts: dict[tuple[str, str, str], int] = {}   # (worker_id, policy, outcome), for /v1/cluster
         self.cluster = ClusterView(router, self.request_counts)
@@ -62,6 +64,9 @@ class RouterMetrics(RouteObserver):
 
     def failed(self, request_id: str, worker_id: str) -> None:
         self._count(worker_id, "error")
+
+    def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
+        self.migrations.labels(worker_id).inc()
 
     def _count(self, worker_id: str, outcome: str) -> None:
         self.requests.labels(worker_id, self.policy, outcome).inc()

@@ -29,6 +29,7 @@ log = logging.getLogger("kvmesh.router")
 
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+LOST_AFTER_PROBES = 2   # unanswered probes in a row before a worker's open streams migrate
 
 
 @dataclass(eq=False)
@@ -47,6 +48,8 @@ class WorkerEntry:
     rank: int | None = None                 # in the peer-transfer group (from GetLoad), if any
     world_size: int = 0
     refused: str | None = None              # why it may never serve (logged once)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/migrate.py)
+    failed_probes: int = 0                  # consecutive probes that got no answer
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -184,6 +187,7 @@ class WorkerRegistry:
             try:
                 status = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
                                               timeout=timeout)
+                w.failed_probes = 0     # it answers (a draining worker's streams stay on it)
                 if status.status != _SERVING:
                     w.info = None
                     return None
@@ -194,8 +198,8 @@ class WorkerRegistry:
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                w.info = None
+            except grpc.aio.AioRpcError as e:
+                self._unanswered(w, e)
                 return None
             w.refused = self._mismatch(w, info, WorkerId(load.worker_id))
             if w.refused is not None:
@@ -203,8 +207,20 @@ class WorkerRegistry:
             if self.model_info is None:
                 self.model_info = info
             w.info = WorkerInfo(WorkerId(load.worker_id), w.address)
+            w.lost = asyncio.Event()
             log.info("kvmesh router: worker %s at %s is ready", load.worker_id, w.address)
             return None
+
+    def _unanswered(self, w: WorkerEntry, e: grpc.aio.AioRpcError) -> None:
+        """A probe got no answer: the worker leaves routing at once; after `LOST_AFTER_PROBES`
+        in a row (a partition, a hung process) the streams still open on it move elsewhere."""
+        if w.info is not None:
+            log.warning("kvmesh router: worker %s at %s does not answer its probe: %s", w.info.worker_id,
+                        w.address, e.code().name)
+        w.info = None
+        w.failed_probes += 1
+        if w.failed_probes >= LOST_AFTER_PROBES:
+            w.lost.set()
 
     def _mismatch(self, w: WorkerEntry, info: pb.ModelInfo, worker_id: WorkerId) -> str | None:
         ref = self.model_info
