@@ -171,11 +171,14 @@ def _field(banner: str, name: str) -> str:
 
 
 def in_private_netns() -> bool:
-    """This process runs in a network namespace other than the machine's (pid 1's)."""
+    """This process runs inside a named network namespace (`ip netns exec NAME ...`), as
+    `ip netns identify` tells; False where `ip` is missing or says none."""
     try:
-        return os.stat("/proc/self/ns/net").st_ino != os.stat("/proc/1/ns/net").st_ino
-    except OSError:
+        done = subprocess.run(["ip", "netns", "identify", str(os.getpid())], capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
         return False
+    return done.returncode == 0 and bool(done.stdout.strip())
 
 
 class Partition:

@@ -173,8 +173,9 @@ class Router:
                 worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
                 try:
-                    async for response in self._attempt(rid, request, pick, deadline, progress):
-                        yield response
+                    async with contextlib.aclosing(self._attempt(rid, request, pick, deadline, progress)) as attempt:
+                        async for response in attempt:
+                            yield response
                     return
                 except _Failed as f:
                     if not progress.may_resubmit():
@@ -219,8 +220,9 @@ class Router:
         call = worker.stub.Generate(self._with_hint(request, pick.hint),
                                     timeout=max(deadline - time.monotonic(), 0.001))
         worker.in_flight += 1
+        responses = read_until_lost(call, worker.lost)
         try:
-            async for response in read_until_lost(call, worker.lost):
+            async for response in responses:
                 if progress.ttft_s is None:
                     progress.ttft_s = time.perf_counter() - progress.started
                     self.observer.first_response(rid, worker_id, progress.ttft_s)
@@ -248,6 +250,7 @@ class Router:
         finally:
             worker.in_flight -= 1
             call.cancel()
+            await responses.aclose()
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight on the worker serving it; False when none is."""
