@@ -48,12 +48,21 @@ class GenerateInput:
 
 @dataclass(frozen=True, slots=True)
 class SendBlocksInput:
-    """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash)."""
+    """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash).
+    The pair fields name the caller's pair (worker.peer); the legacy ranks are ignored."""
 
     block_hashes: tuple[int, ...]
     dst_rank: int
     src_rank: int
     transfer_id: int
+    pair_key: str = ""
+    new_pair: bool = False
+    store_address: str = ""
+    receiver_id: str = ""
+    receiver_generation: int = 0
+    sender_id: str = ""
+    sender_generation: int = 0
 
 
 MAX_SEND_BLOCKS = 1 << 16   # hashes in one SendBlocksRequest (a 1M-token prefix at block size 16)
+MAX_PAIR_KEY = 256         # characters of a pair key or worker id in a SendBlocksRequest

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
 _SEED_MIN = -(2**63)  # the range torch.Generator.manual_seed accepts
 _SEED_MAX = 2**64 - 1
+MAX_LOGPROBS = 20   # top alternatives per token, as OpenAI caps top_logprobs
+MAX_N = 16          # sequences per request (n, best_of): one request cannot take the whole pool
 
 
 class SamplingParamsError(ValueError):
@@ -38,7 +40,15 @@ class SamplingParams:
     `stop_token_ids` cannot be sampled and stop strings are not checked (vLLM's meaning).
     `truncate_prompt_tokens` keeps only the last N prompt tokens. `stop` and `stop_token_ids`
     accept lists (or a single stop string) and are stored as tuples so the object stays
-    hashable. `spaces_between_special_tokens` is accepted and carried but changes nothing yet.
+    hashable. `spaces_between_special_tokens` puts a space between adjacent special tokens
+    when they are not skipped (vLLM).
+    `logprobs` (0..MAX_LOGPROBS; None: none): each output token's log-probability plus that
+    many top alternatives, of the raw model distribution (vLLM's default `raw_logprobs`:
+    before penalties, temperature and the top-k/p filters). `prompt_logprobs`: the same for
+    every prompt token after the first; such requests compute their whole prompt (no prefix
+    cache hit) and may have `max_tokens` 0 (the prompt only). `n` sequences are returned,
+    sampled from `best_of` (default n) forked after the prefill; the n with the highest
+    cumulative log-probability are kept.
     """
 
     max_tokens: int = 16
@@ -58,10 +68,23 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
-        if not is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise _bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise _bad("max_tokens", self.max_tokens,
+                       "an integer >= 1 (0 only with prompt_logprobs, e.g. echo)")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise _bad("n", self.n, f"an integer in [1, {MAX_N}]")
+        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= MAX_N):
+            raise _bad("best_of", self.best_of, f"None or an integer in [n={self.n}, {MAX_N}]")
         if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise _bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
         if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:  # NaN fails the comparison
@@ -107,6 +130,17 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences are sampled (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the sampled tokens' log-probabilities are computed: asked for, or needed
+        to rank best_of > n sequences."""
+        return self.logprobs is not None or self.num_sequences > self.n
 
     @property
     def top_k_enabled(self) -> bool:

@@ -48,6 +48,8 @@ class ModelTokenizer:
         self._template = _compile(chat_template) if chat_template else None
         # transformers 5 skips the clean-up for BPE models whatever the config says
         self._clean_up = clean_up_tokenization_spaces and type(tokenizer.model).__name__ != "BPE"
+        # added tokens: id -> (content, special), for spaces_between_special_tokens
+        self._added = {i: (t.content, bool(t.special)) for i, t in tokenizer.get_added_tokens_decoder().items()}
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ModelTokenizer:
@@ -97,10 +99,36 @@ class ModelTokenizer:
         does not), so callers may run it in a thread beside an event loop."""
         return list(self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
         """The text of `ids`. A multi-byte character cut at the end decodes to U+FFFD; the
-        engine holds such a tail back until the next token completes it."""
-        text = str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        engine holds such a tail back until the next token completes it.
+        `spaces_between_special_tokens` (vLLM's request field, with the meaning of HF's slow
+        tokenizers): the added tokens that are kept and the runs of text between them are
+        joined with a space. Off, the fast tokenizer's decoding (what transformers and vLLM's
+        fast path return)."""
+        ids = list(ids)
+        if not spaces_between_special_tokens or not any(t in self._added for t in ids):
+            return self._decode(ids, skip_special_tokens)
+        parts: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            added = self._added.get(t)
+            if added is None:
+                run.append(t)
+                continue
+            if skip_special_tokens and added[1]:
+                continue
+            if run:
+                parts.append(self._decode(run, skip_special_tokens))
+                run = []
+            parts.append(added[0])
+        if run:
+            parts.append(self._decode(run, skip_special_tokens))
+        return " ".join(parts)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        text = str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
         return _clean_up_tokenization(text) if self._clean_up else text
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
-from contracts.requests import MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput, PeerHint, SendBlocksInput
+from contracts.requests import MAX_PAIR_KEY, MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput, PeerHint, SendBlocksInput
 from contracts.sampling import SamplingParams, SamplingParamsError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
@@ -30,7 +30,7 @@ FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 _SCALAR_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos",
                     "repetition_penalty", "presence_penalty", "frequency_penalty",
                     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                    "min_tokens", "truncate_prompt_tokens")
+                    "min_tokens", "truncate_prompt_tokens", "logprobs", "prompt_logprobs", "n", "best_of")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +86,13 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
                          tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)), resume)
 
 
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 65535)
+
+
 def _peer_hint(i: int, h: pb.PeerHint) -> PeerHint:
-    host, sep, port = h.address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not _is_host_port(h.address):
         raise BadRequest(f"peer_hints[{i}].address: {h.address!r} is not HOST:PORT")
     if h.rank < 0:
         raise BadRequest(f"peer_hints[{i}].rank: {h.rank} must be >= 0")
@@ -121,17 +125,26 @@ def to_send_blocks_input(msg: pb.SendBlocksRequest) -> SendBlocksInput:
     bad = next((i for i, h in enumerate(msg.block_hashes) if len(h) != 16), None)
     if bad is not None:
         raise BadRequest(f"block_hashes[{bad}]: {len(msg.block_hashes[bad])} bytes; a block hash has 16")
-    for name in ("dst_rank", "src_rank", "transfer_id"):
+    for name in ("dst_rank", "src_rank", "transfer_id", "receiver_generation", "sender_generation"):
         if getattr(msg, name) < 0:
             raise BadRequest(f"{name}: {getattr(msg, name)} must be >= 0")
+    if not 0 < len(msg.pair_key) <= MAX_PAIR_KEY or not msg.pair_key.isprintable() or " " in msg.pair_key:
+        raise BadRequest(f"pair_key: {msg.pair_key[:MAX_PAIR_KEY]!r} must be 1-{MAX_PAIR_KEY} printable "
+                         "characters without spaces")
+    if not _is_host_port(msg.store_address):
+        raise BadRequest(f"store_address: {msg.store_address[:100]!r} is not HOST:PORT")
+    if not msg.receiver_id or len(msg.receiver_id) > MAX_PAIR_KEY or any(c.isspace() for c in msg.receiver_id):
+        raise BadRequest(f"receiver_id: {msg.receiver_id[:MAX_PAIR_KEY]!r} must be a worker id")
     hashes = tuple(int.from_bytes(h, "big") for h in msg.block_hashes)
-    return SendBlocksInput(hashes, msg.dst_rank, msg.src_rank, msg.transfer_id)
+    return SendBlocksInput(hashes, msg.dst_rank, msg.src_rank, msg.transfer_id, msg.pair_key, msg.new_pair,
+                           msg.store_address, msg.receiver_id, msg.receiver_generation, msg.sender_id,
+                           msg.sender_generation)
 
 
-def to_send_blocks_request(block_hashes: Sequence[int], dst_rank: int, src_rank: int,
-                           transfer_id: int) -> pb.SendBlocksRequest:
+def to_send_blocks_request(block_hashes: Sequence[int], transfer_id: int, **pair: object) -> pb.SendBlocksRequest:
+    """`pair`: the pair fields of SendBlocksRequest (pair_key, new_pair, store_address, ...)."""
     return pb.SendBlocksRequest(block_hashes=[h.to_bytes(16, "big") for h in block_hashes],
-                                dst_rank=dst_rank, src_rank=src_rank, transfer_id=transfer_id)
+                                transfer_id=transfer_id, **pair)  # type: ignore[arg-type]
 
 
 def to_sampling_params(sp: pb.SamplingParams, default_max_tokens: int = 256) -> SamplingParams:

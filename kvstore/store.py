@@ -34,7 +34,7 @@ from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockPool
 from kvstore.tensors import KVTensors
-from kvstore.tiers import HostTier
+from kvstore.tiers import BlockCopy, HostTier
 
 
 class Match(NamedTuple):
@@ -81,7 +81,8 @@ class KVStore:
     """One worker's KV blocks on the device and in host memory (see the module docstring)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", *,
-                 enable_prefix_caching: bool = True, offload_bytes: int = 0) -> None:
+                 enable_prefix_caching: bool = True, offload_bytes: int = 0,
+                 copy_blocks: BlockCopy | None = None) -> None:
         if offload_bytes < 0:
             raise ValueError(f"offload_bytes={offload_bytes} must be >= 0")
         if offload_bytes and not enable_prefix_caching:
@@ -91,7 +92,8 @@ class KVStore:
         self.device = self.kv.device
         self.host: HostTier | None = None
         if offload_bytes:
-            self.host = HostTier.for_budget(layout, offload_bytes, pin_memory=self.device.type == "cuda")
+            self.host = HostTier.for_budget(layout, offload_bytes, pin_memory=self.device.type == "cuda",
+                                            copy_blocks=copy_blocks)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching,
                               on_evict=self._offload if self.host is not None else None,
                               enable_kv_cache_events=False)
@@ -185,6 +187,22 @@ class KVStore:
         """Publish full blocks the caller holds under their hashes (`cache_full_blocks`)."""
         self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash)
         self._drain()
+
+    def share(self, block_ids: Sequence[BlockId]) -> None:
+        """One more reference per block: a forked sequence (n > 1) shares its parent's blocks."""
+        self.pool.touch(block_ids)
+
+    def is_shared(self, block_id: BlockId) -> bool:
+        return self.pool.ref_cnt(block_id) > 1
+
+    def copy_on_write(self, block_id: BlockId) -> BlockId:
+        """A private copy of a shared block for a sequence about to write into it: a fresh
+        block with the same K/V; the caller's reference to `block_id` is dropped. Raises
+        `OutOfBlocks`, store unchanged."""
+        (copy,) = self.allocate(1)
+        self.kv.copy_blocks([block_id], [copy])
+        self.pool.free([block_id])
+        return copy
 
     def reset_prefix_cache(self) -> bool:
         """Drop every device-cached hash if no block is in use (True), else nothing (False)."""

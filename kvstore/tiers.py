@@ -17,7 +17,9 @@ pool's prefix cache like computed ones.
 - Its own LRU: an `OrderedDict` hash → host slot, least recently used first. `offload` of a
   hash already held only refreshes it (no copy); when full, the oldest entries are dropped.
 - Copies: on CPU both pools are host memory and `offload` is one batched gather at eviction
-  time, a memcpy of the evicted bytes (the `kvmesh bench transfer` figure `offload_vs_memcpy`
+  time, a memcpy of the evicted bytes: one parallel loop of per-row memcpys when the worker
+  passes its native `copy_blocks` (`worker.kernels.native.block_copier`; kvstore imports no
+  worker code), else one torch `copy_` per block (~0.7x memcpy here) (the `kvmesh bench transfer` figure `offload_vs_memcpy`
   compares it with a raw copy of the same bytes). On CUDA the device→host copy is issued on a
   side stream into pinned memory after the compute stream's pending work, and an event is
   recorded; `onload` and `read` wait on it, and the compute stream waits on it before the
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -39,6 +41,14 @@ from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
 from kvstore.tensors import KVTensors
+
+
+class BlockCopy(Protocol):
+    """host[slots[k]] <-> pool[:, :, ids[k]] for every k, CPU tensors, contiguous, int64 index
+    tensors; `to_host` picks the direction (`worker.kernels.native.block_copier()` gives one)."""
+
+    def __call__(self, host: torch.Tensor, slots: torch.Tensor, pool: torch.Tensor, ids: torch.Tensor,
+                 to_host: bool) -> None: ...
 
 
 class HostTierStats(NamedTuple):
@@ -54,7 +64,8 @@ class HostTierStats(NamedTuple):
 class HostTier:
     """`num_blocks` host blocks of `layout`, keyed by block hash, with an LRU (see module doc)."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, pin_memory: bool = False) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, pin_memory: bool = False,
+                 copy_blocks: BlockCopy | None = None) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
         self.layout = layout
@@ -71,13 +82,15 @@ class HostTier:
         self._pending: list[tuple[torch.cuda.Event, torch.Tensor, list[int]]] = []
         self._stream: torch.cuda.Stream | None = None
         self._offloaded = self._refreshed = self._onloaded = self._evicted = self._stored = 0
+        self._copy_blocks = copy_blocks
 
     @classmethod
-    def for_budget(cls, layout: KVLayout, num_bytes: int, pin_memory: bool = False) -> HostTier:
+    def for_budget(cls, layout: KVLayout, num_bytes: int, pin_memory: bool = False,
+                   copy_blocks: BlockCopy | None = None) -> HostTier:
         num_blocks = layout.num_blocks_in(num_bytes)
         if num_blocks < 1:
             raise ValueError(f"{num_bytes} bytes do not hold one block ({layout.bytes_per_block} bytes)")
-        return cls(layout, num_blocks, pin_memory)
+        return cls(layout, num_blocks, pin_memory, copy_blocks)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -113,8 +126,10 @@ class HostTier:
     # -- moves ----------------------------------------------------------------------------
     def offload(self, src: KVTensors, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> int:
         """Copy device blocks `block_ids` (caching `block_hashes`) into the tier; returns how
-        many were copied. Hashes already held are only moved to the LRU's young end. The
-        caller must not overwrite the source blocks before `fence()` (a no-op on CPU)."""
+        many were copied. Hashes already held are only moved to the LRU's young end. With
+        fewer unpinned slots than new blocks (a load in progress pins its blocks while its
+        allocation evicts into this tier) the oldest new ones are dropped, as without a tier.
+        The caller must not overwrite the source blocks before `fence()` (a no-op on CPU)."""
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block ids for {len(block_hashes)} hashes")
         new_ids: list[int] = []
@@ -128,15 +143,16 @@ class HostTier:
                 new_hashes.append(h)
         if len(set(new_hashes)) != len(new_hashes):
             raise ValueError("block_hashes repeats a hash")
-        new_ids, new_hashes = new_ids[-self.num_blocks:], new_hashes[-self.num_blocks:]
+        room = self._room()              # a load in progress pins its blocks: the rest are dropped
+        drop = max(0, len(new_ids) - room)
+        new_ids, new_hashes = new_ids[drop:], new_hashes[drop:]
         if not new_ids:
             return 0
         slots = self._take_slots(len(new_ids))
         if src.device.type == "cuda":
             self._copy_from_cuda(src, new_ids, slots)
         else:
-            for b, slot in zip(new_ids, slots):
-                self.data[slot].copy_(src.kv[:, :, b])
+            self._move(src.kv, slots, new_ids, to_host=True)
         self._insert(new_hashes, slots)
         self._offloaded += len(new_ids)
         self._order(block_hashes)
@@ -151,8 +167,7 @@ class HostTier:
             return
         self.fence()
         slots = [self._lru[h] for h in block_hashes]
-        for b, slot in zip(dst_block_ids, slots):
-            dst.kv[:, :, int(b)].copy_(self.data[slot], non_blocking=True)
+        self._move(dst.kv, slots, [int(b) for b in dst_block_ids], to_host=False)
         self._order(block_hashes)
         self._onloaded += len(block_hashes)
 
@@ -163,8 +178,7 @@ class HostTier:
         slots = [self._lru[h] for h in block_hashes]
         self._order(block_hashes)
         out = torch.empty(self.data.shape[1], 2, len(slots), *self.data.shape[3:], dtype=self.dtype)
-        for j, slot in enumerate(slots):
-            out[:, :, j].copy_(self.data[slot])
+        self._move(out, slots, range(len(slots)), to_host=False)
         return out
 
     def store(self, block_hashes: Sequence[BlockHash], data: torch.Tensor) -> int:
@@ -176,13 +190,12 @@ class HostTier:
         for h in block_hashes:
             if h in self._lru:
                 self._lru.move_to_end(h)
-        keep = keep[-self.num_blocks:]
+        keep = keep[max(0, len(keep) - self._room()):]
         if not keep:
             return 0
         slots = self._take_slots(len(keep))
         self.fence()
-        for i, slot in zip(keep, slots):
-            self.data[slot].copy_(data[:, :, i])
+        self._move(data, slots, keep, to_host=True)
         self._insert([block_hashes[i] for i in keep], slots)
         self._stored += len(keep)
         self._order(block_hashes)
@@ -192,8 +205,7 @@ class HostTier:
         """Make pending device→host copies complete before what follows (CUDA); a no-op on CPU."""
         for event, host, slots in self._pending:
             event.synchronize()
-            for j, slot in enumerate(slots):
-                self.data[slot].copy_(host[:, :, j])
+            self._move(host, slots, range(len(slots)), to_host=True)
         self._pending = []
 
     def wait_on_device(self) -> None:
@@ -231,6 +243,10 @@ class HostTier:
         assert self._pinned <= set(self._lru), "a pinned hash is not held"
 
     # -- internals ------------------------------------------------------------------------
+    def _room(self) -> int:
+        """How many blocks can be written now: every slot not pinned by a load in progress."""
+        return self.num_blocks - len(self._pinned)
+
     def _take_slots(self, n: int) -> list[int]:
         """n free slots, evicting the LRU's oldest entries when there are too few."""
         assert n <= self.num_blocks
@@ -262,6 +278,19 @@ class HostTier:
         for h, slot in zip(block_hashes, slots):
             self._lru[h] = slot
             self._emit(BlockStored(h, None, BlockId(slot)))
+
+    def _move(self, pool: torch.Tensor, slots: Sequence[int], ids: Sequence[int], to_host: bool) -> None:
+        """self.data[slots[k]] <-> pool[:, :, ids[k]] (`pool` is [L, 2, N, ...]: the device pool,
+        a peer's blocks, a CUDA staging buffer): the native copy on CPU, else a copy_ per block."""
+        if self._copy_blocks is not None and pool.device.type == "cpu" and pool.is_contiguous():
+            self._copy_blocks(self.data, torch.tensor(list(slots), dtype=torch.long), pool,
+                              torch.tensor(list(ids), dtype=torch.long), to_host)
+            return
+        for slot, i in zip(slots, ids):
+            if to_host:
+                self.data[slot].copy_(pool[:, :, i])
+            else:
+                pool[:, :, i].copy_(self.data[slot], non_blocking=pool.device.type == "cuda")
 
     def _copy_from_cuda(self, src: KVTensors, block_ids: list[int], slots: list[int]) -> None:
         # After the compute stream's pending writes, gather on a side stream into pinned

@@ -1,13 +1,18 @@
-"""The transfer group: one two-rank process group per peer pair, on one TCPStore.
+"""Pairs formed on demand: one two-member process group per (receiver, sender) pair.
 
-The pair groups are `ProcessGroupGloo` / `ProcessGroupNCCL` built directly on one TCPStore
-(the rendezvous `init_process_group(init_method="tcp://addr:port")` uses, with a key prefix
-per pair) rather than through `init_process_group`: no global default group, and a
-process can hold several groups (tests do). NCCL (ops on the device, checksums on a host
-copy, receives posted at once since NCCL matches by order, not tag) is untested: this box
-has no GPU.
+There is no world: a worker is a `PeerId` (worker id + a generation drawn at each start, so
+a restarted worker is a new peer), and every pair of workers that exchanges blocks builds its
+own two-member group when it first needs one, through a store the receiver hosts
+(`RendezvousStore`, a `torch.distributed.TCPStore` server on the receiver; the sender reaches
+it with `connect_store`). The group is a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU;
+written, never run here: this box has no GPU) built directly on a `PrefixStore(key, store)`,
+outside torch's global default group, so a process holds any number of them and none depends
+on any other. The key names the pair and one formation of it (the receiver draws a fresh
+random key each time), so a pair torn down and formed again never meets its old rendezvous.
 
-Why a group per pair, and what gloo does on failure: see `kvstore.transfer`.
+Why per pair: a gloo timeout closes every pair of its process group for good, on both sides,
+and a dead member fails every op with it; with two members per group that loses exactly one
+pair, which the next fetch forms again (see `kvstore.transfer` and `worker.peer`).
 """
 from __future__ import annotations
 
@@ -25,40 +30,46 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 
 class TransferError(KVStoreError):
-    """A transfer failed as a whole (peer lost, timeout, protocol mismatch): recompute."""
+    """A transfer (or forming a pair) failed as a whole: peer lost, timeout, protocol
+    mismatch. The caller recomputes; the pair is torn down."""
 
-    def __init__(self, peer: int, transfer_id: int, reason: str) -> None:
-        super().__init__(f"transfer {transfer_id} with rank {peer}: {reason}")
+    def __init__(self, peer: str, transfer_id: int, reason: str) -> None:
+        super().__init__(f"transfer {transfer_id} with {peer}: {reason}")
         self.peer, self.transfer_id, self.reason = peer, transfer_id, reason
 
-    def __reduce__(self) -> tuple[type[TransferError], tuple[int, int, str]]:
+    def __reduce__(self) -> tuple[type[TransferError], tuple[str, int, str]]:
         return (TransferError, (self.peer, self.transfer_id, self.reason))
 
 
 @dataclass(frozen=True, slots=True)
-class TransferConfig:
-    """Where the transfer group meets and how long a transfer may take."""
+class PeerId:
+    """One start of one worker: a restarted worker keeps its id and gets a new generation."""
 
-    rank: int
-    world_size: int
-    master_port: int
-    master_addr: str = "127.0.0.1"
-    backend: str = "auto"  # gloo when the KV device is CPU, nccl for CUDA
-    timeout_s: float = 10.0
-    rendezvous_timeout_s: float = 60.0
+    worker_id: str
+    generation: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size={self.world_size!r} must be a positive integer")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank={self.rank!r} must be in [0, world_size={self.world_size})")
-        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port={self.master_port!r} must be in [1, 65535]")
-        if not self.master_addr:
-            raise ValueError(f"master_addr={self.master_addr!r} must be a host name or address")
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ValueError(f"worker_id={self.worker_id!r} must be non-empty without spaces")
+        if not isinstance(self.generation, int) or self.generation < 0:
+            raise ValueError(f"generation={self.generation!r} must be a non-negative integer")
+
+    def __str__(self) -> str:
+        return f"{self.worker_id}#{self.generation}"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """How pairs form and how long a transfer may take."""
+
+    backend: str = "auto"            # gloo when the KV device is CPU, nccl for CUDA
+    timeout_s: float = 10.0          # one transfer, from its request to its last byte
+    connect_timeout_s: float = 10.0  # forming one pair (store connect + gloo rendezvous)
+
+    def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; accepted: {', '.join(BACKENDS)}")
-        for name in ("timeout_s", "rendezvous_timeout_s"):
+        for name in ("timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
 
@@ -68,75 +79,98 @@ class TransferConfig:
         return "nccl" if device.type == "cuda" else "gloo"
 
 
-class TransferGroup:
-    """The transfer plane of one worker: one two-rank process group per peer, formed once at
-    start. Per-pair groups, because a gloo timeout closes every pair of its group."""
+class RendezvousStore:
+    """The TCPStore server a receiver hosts for the pairs it forms (one per worker)."""
 
-    def __init__(self, config: TransferConfig, device: torch.device, backend: str,
-                 store: Any, pairs: dict[int, tuple[Any, int]]) -> None:
-        self.config, self.device, self.backend = config, device, backend
-        self._store = store  # the store must outlive the groups
-        self._pairs = pairs  # peer rank -> (its pair group, the peer's rank in that group)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> None:
+        try:
+            self.store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                                       wait_for_workers=False)
+        except RuntimeError as e:
+            raise TransferError("-", -1, f"cannot host the rendezvous store on {host}:{port}: {e}") from e
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    def address(self, advertise_host: str | None = None) -> str:
+        return f"{advertise_host or self.host}:{self.port}"
+
+
+def connect_store(address: str, timeout_s: float) -> Any:
+    """A client of the rendezvous store at HOST:PORT; TransferError when it cannot connect."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferError(address, -1, f"store address {address!r} is not HOST:PORT")
+    try:
+        return dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+    except RuntimeError as e:   # DistNetworkError / DistStoreError
+        raise TransferError(address, -1, f"cannot reach the rendezvous store {address}: {e}") from e
+
+
+class PairGroup:
+    """One two-member process group: this process is `local_rank` (0: the receiver, who hosts
+    the store; 1: the sender), `peer` the other. `broken` is set (by `BlockTransfer`) once an
+    op on it failed: gloo has then closed the pair, and a new key must be formed."""
+
+    def __init__(self, key: str, peer: PeerId, local_rank: int, device: torch.device, backend: str,
+                 pg: Any, store: Any) -> None:
+        self.key, self.peer, self.local_rank = key, peer, local_rank
+        self.device, self.backend = device, backend
+        self._pg, self._store = pg, store      # the store must outlive the group
+        self.broken: str | None = None
 
     @classmethod
-    def form(cls, config: TransferConfig, device: str | torch.device = "cpu") -> TransferGroup:
-        """Rendezvous with the other `world_size - 1` ranks (blocks until all have joined)."""
+    def form(cls, key: str, store: Any, local_rank: int, peer: PeerId, device: str | torch.device,
+             cfg: TransferConfig) -> PairGroup:
+        """Rendezvous with the peer under `key` (blocks until it joins or the connect timeout)."""
         dev = torch.device(device)
-        backend = config.resolve_backend(dev)
+        backend = cfg.resolve_backend(dev)
         if backend == "nccl" and not dist.is_nccl_available():
-            raise TransferError(config.rank, -1, "backend=nccl but this torch build has no NCCL")
-        wait = timedelta(seconds=config.rendezvous_timeout_s)
-        pairs: dict[int, tuple[Any, int]] = {}
+            raise TransferError(str(peer), -1, "backend=nccl but this torch build has no NCCL")
+        timeout = timedelta(seconds=cfg.connect_timeout_s)
+        prefixed = dist.PrefixStore(f"kvmesh/pair/{key}", store)
         try:
-            store = dist.TCPStore(config.master_addr, config.master_port, config.world_size,
-                                  config.rank == 0, timeout=wait, wait_for_workers=False)
-            for peer in range(config.world_size):  # ascending: every rank forms pairs in one order
-                if peer == config.rank:
-                    continue
-                lo, hi = sorted((config.rank, peer))
-                pair_store = dist.PrefixStore(f"kvmesh/transfer/{lo}-{hi}", store)
-                local = 0 if config.rank == lo else 1
-                pairs[peer] = (_pair_group(backend, pair_store, local, wait), 1 - local)
-        except RuntimeError as e:  # DistNetworkError, DistStoreError and gloo errors all are
-            raise TransferError(config.rank, -1, f"rendezvous at {config.master_addr}:"
-                                f"{config.master_port} failed: {e}") from e
-        return cls(config, dev, backend, store, pairs)
+            if backend == "gloo":
+                pg = dist.ProcessGroupGloo(prefixed, local_rank, 2, timeout)
+                pg._set_default_timeout(timedelta(seconds=cfg.timeout_s))
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timedelta(seconds=cfg.timeout_s)
+                pg = dist.ProcessGroupNCCL(prefixed, local_rank, 2, options)
+        except RuntimeError as e:   # DistStoreError (peer never came), gloo connect errors
+            raise TransferError(str(peer), -1, f"forming pair {key} failed: {e}") from e
+        return cls(key, peer, local_rank, dev, backend, pg, store)
 
     @property
-    def rank(self) -> int:
-        return self.config.rank
+    def peer_rank(self) -> int:
+        return 1 - self.local_rank
 
-    @property
-    def world_size(self) -> int:
-        return self.config.world_size
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+    def isend(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a send; the returned work completes once the peer posted the receive."""
-        pg, peer_rank = self._pairs[peer]
-        return pg.send([tensor], peer_rank, tag)
+        return self._live().send([tensor], self.peer_rank, tag)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        pg, peer_rank = self._pairs[peer]
-        return pg.recv([tensor], peer_rank, tag)
+    def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
+        return self._live().recv([tensor], self.peer_rank, tag)
+
+    def _live(self) -> Any:
+        if self._pg is None:
+            raise RuntimeError(f"pair {self.key} is closed")
+        return self._pg
 
     def wait(self, work: Any, timeout_s: float) -> None:
         """Block until `work` completes. RuntimeError if the peer is lost or time runs out
-        (gloo then closes the pair to that peer for good)."""
+        (gloo then closes this pair for good)."""
         work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
-        for pg, _ in self._pairs.values():
+        """Shut the group down (idempotent); pending ops on it fail."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
             pg.shutdown()
-
-
-def _pair_group(backend: str, store: Any, rank: int, timeout: timedelta) -> Any:
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

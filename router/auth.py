@@ -6,7 +6,7 @@ Owns: the key set (`ApiKey`, parsed from `--api-key` / `--api-keys-file` /
 aiohttp middleware (401 with an OpenAI-style body) and the gRPC server interceptor
 (UNAUTHENTICATED). With no keys configured every request passes (loopback default);
 `warn_if_open` logs loudly when such a router binds a non-loopback host. `/health` and gRPC
-health/reflection stay open. Torch-free.
+health/reflection stay open; `/metrics` too unless `--metrics-require-key`. Torch-free.
 """
 from __future__ import annotations
 
@@ -24,14 +24,18 @@ from typing import Any, NewType
 import grpc
 from aiohttp import web
 
+from contracts.grpc_auth import refusing
+
 TenantId = NewType("TenantId", str)
 
 KEYS_FILE_ENV = "KVMESH_API_KEYS_FILE"
 PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file marks the tenants that may)"
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
+ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
 _OPEN_HTTP_PATHS = frozenset({"/health", "/live"})
+_METRICS_PATH = "/metrics"                        # open too unless --metrics-require-key
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _LIMITED_HTTP_PREFIX = "/v1/"                     # POSTs here generate: counted per tenant
 _LIMITED_GRPC_METHODS = frozenset({"/kvmesh.v1.Router/Generate"})
@@ -47,6 +51,7 @@ class ApiKey:
     key: str
     tenant: TenantId = DEFAULT_TENANT
     priority: bool = False
+    admin: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key or any(c.isspace() for c in self.key):
@@ -55,15 +60,15 @@ class ApiKey:
             raise ValueError(f"api_keys: tenant {self.tenant!r} must be a non-empty word")
 
     def __repr__(self) -> str:
-        return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority})"
+        return f"ApiKey(key=<redacted>, tenant={self.tenant!r}, priority={self.priority}, admin={self.admin})"
 
 
 # Without keys every client is this one tenant, trusted like the loopback default it is.
-ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True)
+ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True, admin=True)
 
 
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
-    """`key tenant [priority]` per line; blank lines and `#` comments ignored. Raises
+    """`key tenant [priority] [admin]` per line; blank lines and `#` comments ignored. Raises
     ValueError naming the file and line (never echoing a key)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -74,9 +79,10 @@ def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
         words = raw.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) not in (2, 3) or (len(words) == 3 and words[2] != PRIORITY_FLAG):
-            raise ValueError(f"api_keys_file: {path}:{n}: expected 'KEY TENANT [{PRIORITY_FLAG}]'")
-        keys.append(ApiKey(words[0], TenantId(words[1]), priority=len(words) == 3))
+        flags = words[2:]
+        if len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags):
+            raise ValueError(f"api_keys_file: {path}:{n}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]'")
+        keys.append(ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags))
     if not keys:
         raise ValueError(f"api_keys_file: {path} holds no keys")
     return tuple(keys)
@@ -87,7 +93,9 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this client key (repeatable; tenant 'default')")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
-                   help=f"'KEY TENANT [{PRIORITY_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
+                   help=f"'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs an API key like /v1 (default: open, like /health)")
     p.add_argument("--max-concurrent-per-tenant", type=int, default=None, metavar="N",
                    help="requests in flight per tenant (429 / RESOURCE_EXHAUSTED beyond; without keys: all "
                         "clients are one tenant); default unlimited")
@@ -111,6 +119,8 @@ def auth_argv(args: argparse.Namespace) -> tuple[str, ...]:
         argv += ["--api-keys-file", str(args.api_keys_file)]
     if args.max_concurrent_per_tenant is not None:
         argv += ["--max-concurrent-per-tenant", str(args.max_concurrent_per_tenant)]
+    if args.metrics_require_key:
+        argv.append("--metrics-require-key")
     return tuple(argv)
 
 
@@ -164,9 +174,11 @@ class Authenticator:
     configured key with `hmac.compare_digest` (no early exit on a match). With a
     `TenantLimiter`, also caps each tenant's requests in flight on the generating paths."""
 
-    def __init__(self, keys: Iterable[ApiKey], limiter: TenantLimiter | None = None) -> None:
+    def __init__(self, keys: Iterable[ApiKey], limiter: TenantLimiter | None = None,
+                 metrics_require_key: bool = False) -> None:
         self.keys = tuple(keys)
         self.limiter = limiter or TenantLimiter(None)
+        self.open_paths = _OPEN_HTTP_PATHS if metrics_require_key else _OPEN_HTTP_PATHS | {_METRICS_PATH}
 
     @property
     def enabled(self) -> bool:
@@ -191,7 +203,7 @@ class Authenticator:
         @web.middleware
         async def authenticate(request: web.Request,
                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-            if request.path in _OPEN_HTTP_PATHS:
+            if request.path in self.open_paths:
                 return await handler(request)
             key = self.check(request.headers.get("Authorization")) if self.enabled else ANONYMOUS
             if key is None:
@@ -222,7 +234,8 @@ def authenticator_for(router: Any) -> Authenticator:
     auth = _PER_ROUTER.get(router)
     if auth is None:
         cfg = router.cfg
-        auth = _PER_ROUTER[router] = Authenticator(cfg.api_keys, TenantLimiter(cfg.max_concurrent_per_tenant))
+        auth = _PER_ROUTER[router] = Authenticator(cfg.api_keys, TenantLimiter(cfg.max_concurrent_per_tenant),
+                                                   cfg.metrics_require_key)
     return auth
 
 
@@ -257,7 +270,7 @@ class _GrpcAuth(grpc.aio.ServerInterceptor):
             key = self._auth.check(value) if isinstance(value, str) else None
         handler = await continuation(details)
         if key is None:
-            return _denying(handler, grpc.StatusCode.UNAUTHENTICATED,
+            return refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "missing or invalid API key (authorization: Bearer <key>)")
         if details.method in _LIMITED_GRPC_METHODS and handler is not None and handler.response_streaming:
             return _limited_stream(handler, self._auth.limiter, key)
@@ -282,21 +295,3 @@ def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter, key:
             limiter.release(tenant)
     return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
                                                 response_serializer=handler.response_serializer)
-
-
-def _denying(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
-             details: str) -> grpc.RpcMethodHandler | None:
-    """A handler of the same shape as `handler` that aborts with `code` without
-    deserializing the request (bytes stay bytes)."""
-    if handler is None:
-        return None
-
-    async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, details)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny)
-    return grpc.unary_unary_rpc_method_handler(_deny)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import grpc
 
+from contracts.cluster_token import TOKEN_ENV, TOKEN_METADATA
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router.supervise import REDIS_PASSWORD_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 _UP = re.compile(r'^kvmesh:router_worker_up\{worker_id="([^"]+)"\} (\S+)$', re.M)
@@ -103,7 +106,13 @@ class ServeProcess:
     http_base: str = ""
     redis_url: str = ""
     worker_addresses: tuple[str, ...] = ()
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32))   # the cluster token, to ask workers
     _pids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata for a direct call to one of its workers."""
+        return ((TOKEN_METADATA, self.token),)
 
     @property
     def out(self) -> Path:
@@ -118,9 +127,11 @@ class ServeProcess:
         argv = [sys.executable, "-m", "router.cli", "serve", "--workers", str(self.workers), "--grpc-port", "0",
                 "--http-port", "0", "--log-dir", str(self.log_dir / "children"), "--kv-cache-memory-gib", "0.25",
                 "--cluster-name", f"chaos-{os.getpid()}-{time.monotonic_ns() % 10**6}", *self.flags]
+        password = secrets.token_urlsafe(24)      # the embedded Redis's, so that a fault can PING it
+        env = os.environ | {REDIS_PASSWORD_ENV: password, TOKEN_ENV: self.token}
         with open(self.out, "wb") as fo, open(self.err, "wb") as fe:
             self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                         start_new_session=True)
+                                         start_new_session=True, env=env)
         deadline = time.monotonic() + self.startup_timeout_s
         while "Ctrl-C stops everything" not in self.out.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -130,7 +141,9 @@ class ServeProcess:
         text = self.out.read_text()
         self.grpc_target = _field(text, "gRPC")
         self.http_base = _field(text, "HTTP")
-        self.redis_url = _field(text, "redis").split()[0]
+        bind = re.search(r"@?([\w.]+):(\d+)", _field(text, "redis").split()[0].split("//", 1)[1])
+        assert bind is not None, text
+        self.redis_url = f"redis://:{password}@{bind.group(1)}:{bind.group(2)}/0"
         self.worker_addresses = tuple(_field(text, "workers").split())
         self._pids = dict(p.split("=") for p in _field(text, "pids").split())  # type: ignore[arg-type]
         return self

@@ -9,10 +9,13 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import grpc
 
+from contracts.cli import CLIError, flagify
+from contracts.tls import TlsConfig
 from contracts.wire import FINISH_REASON_NAMES
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
@@ -45,6 +48,8 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-id", default="", help="request id (the router makes one up if empty)")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole call, seconds")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                   help="connect over TLS, trusting this CA (a router started with --tls-cert)")
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -87,7 +92,11 @@ def generate(channel: grpc.Channel, request: pb.GenerateRequest, timeout: float,
 
 def run_client(args: argparse.Namespace) -> int:
     request = build_request(args)
-    with grpc.insecure_channel(args.target) as channel:
+    try:
+        tls = TlsConfig(ca=args.tls_ca)
+    except ValueError as e:
+        raise CLIError(flagify(str(e))) from None
+    with tls.sync_channel(args.target) as channel:
         def write(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -2,7 +2,10 @@
 (built once at the edge: `kvmesh router` flags, `kvmesh serve`, the Ray launcher)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from contracts.cluster_token import check_token
+from contracts.tls import PLAINTEXT, TlsConfig
 
 from router.auth import ApiKey
 from router.routing import RoutingPolicy
@@ -33,11 +36,18 @@ class RouterConfig:
     max_concurrent_per_tenant: int | None = None   # requests in flight per tenant; None = unlimited
     migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
+    metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
+    # Cluster authentication (router/attest.py): TLS of both fronts and to the workers, and the
+    # token workers must prove they hold before they are admitted (and that every call to them carries).
+    tls: TlsConfig = PLAINTEXT
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
         object.__setattr__(self, "routing_policy", RoutingPolicy.parse(self.routing_policy))
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        if self.cluster_token is not None:
+            check_token(self.cluster_token)
         if not all(isinstance(k, ApiKey) for k in self.api_keys):
             raise ValueError("api_keys: every entry must be an ApiKey")
         m = self.max_concurrent_per_tenant

@@ -301,8 +301,9 @@ class Router:
 def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
                    peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
     """The worker other than `chosen` holding the most leading prompt blocks (at most
-    `max_blocks` count), if it holds more than `chosen` and both are ranks of one transfer
-    group (`peers`: worker id → (address, rank, world_size)); ties go to the lowest id."""
+    `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
+    worker id → (address, rank, world_size); pairs form on demand, so rank and world size
+    are legacy, 0, and only a mismatch of world size rules a peer out); ties go to the lowest id."""
     me = peers.get(chosen)
     if me is None:
         return None
@@ -310,7 +311,7 @@ def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
     best: PeerHint | None = None
     for worker_id in sorted(cached_blocks):
         peer = peers.get(worker_id)
-        if worker_id == chosen or peer is None or peer[2] != me[2] or peer[1] == me[1]:
+        if worker_id == chosen or peer is None or peer[2] != me[2]:
             continue
         n = min(cached_blocks[worker_id], max_blocks)
         if n > own and (best is None or n > best.num_blocks):

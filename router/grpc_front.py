@@ -57,7 +57,7 @@ class GrpcFront:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_health(False)
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = cfg.tls.add_port(server, f"{host}:{port}", require_client_cert=False)   # TLS with --tls-cert
         await server.start()
         return bound
 

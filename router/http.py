@@ -3,9 +3,10 @@
 
 A request body becomes the same `GenerateRequest` → `GenerateInput` → `Router.prepare` →
 `Router.generate` path (router/core.py) as gRPC; only the JSON shapes differ. Every field OpenAI
-documents for these endpoints is accepted, and vLLM's extras (router/vllm_fields.py); fields
-that would change the output in ways kvmesh cannot honour (n > 1, logprobs, echo, tools, …) are
-400s; unknown fields are ignored with a warning (at most once per name per minute), as vLLM does.
+documents for these endpoints is accepted, and vLLM's extras (router/vllm_fields.py); logprobs,
+n, best_of and echo are mapped and rendered by router/openai_choices.py; fields that would change
+the output in ways kvmesh cannot honour (tools, logit_bias, …) are 400s; unknown fields are
+ignored with a warning (at most once per name per minute), as vLLM does.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from aiohttp import web
 from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from contracts.wire import FINISH_REASON_NAMES, to_generate_input
+from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import authenticator_for
 from router.core import Router
 from router.http_guard import guard_middleware
+from router.openai_choices import ChoiceSet, choice_options
 from router.errors import NoWorkerAvailable, UpstreamError
 from router.utility_routes import add_utility_routes
 from router.vllm_fields import (VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields,
@@ -48,8 +50,7 @@ _CHAT_FIELDS = _COMMON | {
     "web_search_options"}
 # Documented fields kvmesh cannot honour: accepted only with a value that changes nothing.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1), "best_of": lambda v: v in (None, 1), "echo": lambda v: v in (None, False),
-    "logprobs": lambda v: v in (None, False), "top_logprobs": lambda v: v is None, "suffix": lambda v: not v,
+    "suffix": lambda v: not v,
     "logit_bias": lambda v: not v, "tools": lambda v: not v, "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"}, "audio": lambda v: v is None,
@@ -102,7 +103,8 @@ class HttpFrontend:
 
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        tls = self.router.cfg.tls
+        await web.TCPSite(self._runner, host, port, ssl_context=tls.http_ssl_context() if tls.serves_tls else None).start()
         return int(self._runner.addresses[0][1])
 
     async def stop(self, grace: float | None) -> None:
@@ -233,6 +235,7 @@ class HttpFrontend:
             msg.sampling.temperature = self.default_temperature
         try:
             apply_vllm_fields(body, msg)
+            opts = choice_options(body, msg.sampling, chat)
         except FieldError as e:
             raise HttpError(400, str(e), e.field) from None
         stream_options = body.get("stream_options") or {}
@@ -245,25 +248,28 @@ class HttpFrontend:
             raise _bad_request(str(e)) from None
         head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": body.get("model") or self.model_name}
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        choices = ChoiceSet(opts, self._tokenizer(), prepared.request.token_ids.ids,
+                            prompt if isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None else None)
         async with contextlib.aclosing(self.router.generate(prepared, None)) as upstream:
             first = await _first(upstream)
             if body.get("stream"):
                 usage = _UsageMode(bool(stream_options.get("include_usage")),
                                    bool(stream_options.get("continuous_usage_stats")),
                                    len(prepared.request.token_ids.ids))
-                return await self._stream(request, head, chat, first, upstream, usage)
-            pieces, last = [first.text], first
+                return await self._stream(request, head, choices, first, upstream, usage)
+            choices.add(first)
+            last = first
             async for r in upstream:
-                pieces.append(r.text)
+                choices.add(r)
                 last = r
-        text = "".join(pieces)
-        choice: Json = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
-        choice |= {"message": {"role": "assistant", "content": text, "refusal": None}} if chat else {"text": text}
-        return web.json_response(head | {"choices": [choice], "usage": _usage(last),
+        return web.json_response(head | {"choices": choices.render(), "usage": _usage(last),
                                          "kvmesh": {"worker_id": last.worker_id}})
 
-    async def _stream(self, request: web.Request, head: Json, chat: bool, first: pb.GenerateResponse,
+    async def _stream(self, request: web.Request, head: Json, choices: ChoiceSet, first: pb.GenerateResponse,
                       upstream: AsyncIterator[pb.GenerateResponse], usage: _UsageMode) -> web.StreamResponse:
+        chat = choices.opts.chat
         head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
         include_usage = usage.final
         extra: Json = {"usage": None} if include_usage else {}
@@ -271,35 +277,33 @@ class HttpFrontend:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
-        async def send(choices: list[Json], **more: Any) -> None:
-            data = head | {"choices": choices} | extra | more
+        async def send(items: list[Json], **more: Any) -> None:
+            data = head | {"choices": items} | extra | more
             if usage.continuous and "usage" not in more:  # vLLM: usage in every chunk
                 data["usage"] = _usage_counts(usage.prompt_tokens, completion_tokens)
             await resp.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
 
-        if chat:
-            await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
+        opening = choices.opening()
+        if opening:
+            await send(opening)
         last: pb.GenerateResponse | None = None
         try:
             r: pb.GenerateResponse | None = first
             while r is not None:
                 last = r
                 completion_tokens += len(r.token_ids)
-                if r.text:
-                    await send([{"index": 0, "logprobs": None, "finish_reason": None}
-                                | ({"delta": {"content": r.text}} if chat else {"text": r.text})])
+                deltas = choices.delta(r)   # one chunk per choice: n choices stream interleaved
+                for i, choice in enumerate(deltas):
+                    last_one = r.finished and i == len(deltas) - 1
+                    await send([choice], **({"kvmesh": {"worker_id": r.worker_id}} if last_one else {}))
                 r = await anext(upstream, None)  # type: ignore[arg-type]
         except (BadRequest, NoWorkerAvailable, UpstreamError) as e:
             # No silent truncation: headers are sent, so the error is the stream's last event.
             await resp.write(f"data: {json.dumps(_http_error(e).body())}\n\n".encode())
         else:
             assert last is not None and last.finished, "Router.generate ends with a finished response or raises"
-            tail = {"kvmesh": {"worker_id": last.worker_id}}
-            await send([{"index": 0, "logprobs": None, "finish_reason": _finish(last)}
-                        | ({"delta": {}} if chat else {"text": ""})], **tail)
             if include_usage:
-                await send([], **(tail | {"usage": _usage(last)}))
+                await send([], **{"kvmesh": {"worker_id": last.worker_id}, "usage": _usage(last)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -407,10 +411,6 @@ def _usage(last: pb.GenerateResponse) -> Json:
     return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
             "total_tokens": last.prompt_tokens + last.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
-
-
-def _finish(last: pb.GenerateResponse) -> str | None:
-    return FINISH_REASON_NAMES.get(last.finish_reason) if last.finished else None
 
 
 def _set(fn: Callable[[], object], param: str) -> None:

@@ -2,8 +2,9 @@
 
 `LocalCluster` is a `router.supervise.Cluster` whose workers are `kvmesh worker` children of
 this process (`LocalPlacement`): started in parallel, each learning its port from the worker's
-stdout line; with N > 1 they form one peer-transfer group, ranks 0..N-1, meeting on a free
-loopback port. Workers bind 127.0.0.1; Redis and the router are the cluster's (supervise.py).
+stdout line; with N > 1 each runs with --peer-transfer (pairs of workers form on demand, so a
+restarted worker takes part again). Workers bind 127.0.0.1; Redis and the router are the
+cluster's (supervise.py).
 
 This module imports no torch: the workers load their engines in their own processes.
 """
@@ -13,6 +14,8 @@ import re
 import shlex
 from pathlib import Path
 
+from contracts.cluster_token import masked
+from kvstore.metadata import parse_redis_url
 from router.processes import Child, LaunchError, free_port, spawn, terminate
 from router.supervise import Cluster, PartExited, ServeConfig, Supervisor
 
@@ -34,14 +37,11 @@ class LocalPlacement:
         return _LOOPBACK
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
-        group = f"{_LOOPBACK}:{free_port(_LOOPBACK)}"   # the transfer group's rendezvous (rank 0 binds it)
         self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.workers)]
         for i in range(cfg.workers):
-            self._workers.append(spawn(log_dir, f"worker-{i}", [
-                cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", "0",
-                "--metrics-port", str(self.metrics_ports[i]),
-                "--worker-id", f"worker-{i}", "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
-                "--model", cfg.model, *_rank_argv(i, cfg.workers, group), *cfg.engine_argv]))
+            self._workers.append(spawn(log_dir, f"worker-{i}", _worker_argv(cfg, f"worker-{i}", 0, self.metrics_ports[i],
+                                                                            _peer_argv(cfg.workers)),
+                                       env=cfg.child_env(redis_url)))
         addresses = []
         for w in self._workers:
             m = w.wait_line(_WORKER_LINE, deadline, cfg.startup_timeout_s)
@@ -53,14 +53,12 @@ class LocalPlacement:
         return next((e for w in self._workers if w.name not in ignore and (e := PartExited.of(w)) is not None), None)
 
     def restart(self, name: str, cfg: ServeConfig, redis_url: str, log_dir: Path) -> None:
-        """`name` again on its port, out of the peer-transfer group: the group's world is fixed
-        at start, so a restarted worker serves without peer transfer (it recomputes instead)."""
+        """`name` again on its port; with peer transfer, as a new peer (a new generation): its
+        old pairs are gone, and the next fetch with it forms new ones."""
         i = next(i for i, w in enumerate(self._workers) if w.name == name)
-        self._workers[i] = spawn(log_dir, name, [
-            cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(self._ports[i]),
-            "--metrics-port", str(self.metrics_ports[i]),
-            "--worker-id", name, "--redis-url", redis_url, "--cluster-name", cfg.cluster_name,
-            "--model", cfg.model, *cfg.engine_argv], append=True)
+        self._workers[i] = spawn(log_dir, name, _worker_argv(cfg, name, self._ports[i], self.metrics_ports[i],
+                                             _peer_argv(cfg.workers)),
+                                 append=True, env=cfg.child_env(redis_url))
 
     def pids(self) -> dict[str, int]:
         return {w.name: w.proc.pid for w in self._workers}
@@ -77,11 +75,17 @@ class LocalCluster(Cluster):
         super().__init__(cfg if cfg is not None else ServeConfig(), self.local_placement)
 
 
-def _rank_argv(rank: int, world_size: int, dist_init_addr: str) -> list[str]:
-    """Flags of one local worker's place in the peer-transfer group (none for a lone worker)."""
-    if world_size == 1:
-        return []
-    return ["--rank", str(rank), "--world-size", str(world_size), "--dist-init-addr", dist_init_addr]
+def _peer_argv(num_workers: int) -> list[str]:
+    """Peer transfer for a cluster of more than one worker."""
+    return ["--peer-transfer"] if num_workers > 1 else []
+
+
+def _worker_argv(cfg: ServeConfig, name: str, port: int, metrics_port: int, peer_argv: list[str]) -> list[str]:
+    """One local worker's command line; its secrets (Redis URL, cluster token) go by environment."""
+    return [cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(port),
+            "--metrics-port", str(metrics_port), "--worker-id", name, "--cluster-name", cfg.cluster_name,
+            "--model", cfg.model, *peer_argv, *cfg.worker_tls_argv(), *cfg.engine_argv]
+
 
 
 def run_serve(cfg: ServeConfig) -> int:
@@ -100,11 +104,14 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is a KV cache?"}], '
             '"max_tokens": 64}' % cfg.model)
     pids = " ".join(f"{name}={pid}" for name, pid in cluster.pids.items())
+    ca = cfg.tls.ca if cfg.tls.serves_tls else None
+    ca_flag, ca_curl = (f" --tls-ca {ca}", f" --cacert {ca}") if ca is not None else ("", "")
     print("\n".join([
         f"kvmesh serve: ready — {cfg.workers} worker(s), cluster {cfg.cluster_name}",
         f"  gRPC     {cluster.grpc_target}",
         f"  HTTP     {cluster.http_base_url}",
-        f"  redis    {cluster.redis_url}{redis_note}",
+        f"  redis    {parse_redis_url(cluster.redis_url).redacted()}{redis_note}",
+        f"  security {_security_note(cfg)}",
         f"  workers  {' '.join(cluster.worker_addresses)}",
         f"  metrics  {cluster.http_base_url.removesuffix('/v1')}/metrics (router)",
         *(f"           http://{_LOOPBACK}:{port}/metrics (worker-{i})"
@@ -112,8 +119,16 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
         f"  logs     {cluster.log_dir}",
         f"  pids     {pids}",
         "  try:",
-        f"    kvmesh client generate --target {cluster.grpc_target} --chat \"What is a KV cache?\"",
-        f"    curl -s {cluster.http_base_url}/chat/completions -H 'Content-Type: application/json' "
+        f"    kvmesh client generate --target {cluster.grpc_target}{ca_flag} --chat \"What is a KV cache?\"",
+        f"    curl -s{ca_curl} {cluster.http_base_url}/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(body)}",
         "  Ctrl-C stops everything.",
     ]), flush=True)
+
+
+def _security_note(cfg: ServeConfig) -> str:
+    """What protects the cluster, for the banner (secrets masked)."""
+    token = f"cluster token {masked(cfg.cluster_token)}" if cfg.cluster_token else "no cluster token"
+    tls = ("mutual TLS router<->workers" if cfg.tls.ca is not None
+           else "TLS on the router's ports" if cfg.tls.serves_tls else "no TLS (loopback)")
+    return f"{token}; {tls}; embedded Redis with a password" if not cfg.redis_url else f"{token}; {tls}"

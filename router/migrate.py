@@ -59,8 +59,13 @@ class Progress:
         self.generated.extend(response.token_ids)
 
     def may_resubmit(self) -> bool:
-        """Another attempt is allowed: within `limit` (a not-yet-streaming request: at least once)."""
-        return self.resubmits < (self.limit if self.generated else max(self.limit, 1))
+        """Another attempt is allowed: within `limit` (a not-yet-streaming request: at least once).
+        Several sequences per request (n / best_of > 1) never move mid-stream: their streamed
+        tokens belong to different sequences."""
+        if not self.generated:
+            return self.resubmits < max(self.limit, 1)
+        s = self.prompt.sampling
+        return self.resubmits < self.limit and s.n <= 1 and s.best_of <= 1
 
     def resubmit(self, block_size: int, salt: bytes) -> tuple[pb.GenerateRequest, RouteRequest]:
         """The request to send next and what routing sees (prompt + generated tokens)."""
@@ -71,6 +76,7 @@ class Progress:
             self.migrations += 1
             request.token_ids.ids.extend(self.generated)
             request.resume_tokens = len(self.generated)
+            request.sampling.ClearField("prompt_logprobs")   # the client has them already
         ids = tuple(request.token_ids.ids)
         return request, RouteRequest(ids, tuple(block_hashes(ids, block_size, salt)))
 

@@ -18,7 +18,8 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from urllib.parse import quote
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,16 +69,18 @@ class Child:
             time.sleep(0.1)
 
 
-def spawn(log_dir: Path, name: str, argv: Sequence[str], append: bool = False) -> Child:
+def spawn(log_dir: Path, name: str, argv: Sequence[str], append: bool = False,
+          env: Mapping[str, str] | None = None) -> Child:
     """Start `argv` in its own process group, stdout/stderr to `log_dir`/<name>.out/.log
-    (appended to with `append`, as a restart does, so the earlier run's log stays)."""
+    (appended to with `append`, as a restart does, so the earlier run's log stays); `env` is
+    added to this process's environment (secrets go there, never into argv: argv shows in ps)."""
     stdout, stderr = log_dir / f"{name}.out", log_dir / f"{name}.log"
     parent, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)
     mode = "ab" if append else "wb"
     with open(stdout, mode) as out, open(stderr, mode) as err:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 process_group=0, preexec_fn=lambda: _die_with_parent(parent, libc),
-                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                                env=os.environ | dict(env or {}) | {"PYTHONUNBUFFERED": "1"})
     return Child(name, proc, stdout, stderr)
 
 
@@ -103,9 +106,11 @@ def terminate(children: Sequence[Child], timeout: float) -> None:
 
 
 def start_redis(log_dir: Path, bind: str = "127.0.0.1", stop_timeout_s: float = 10.0,
-                port: int | None = None) -> tuple[str, Child]:
+                port: int | None = None, password: str | None = None) -> tuple[str, Child]:
     """A `redis-server` child on `port` (default: a free port) of `bind` (no persistence), its
-    logs in `log_dir` (appended to when `port` is given: a restart); returns (redis_url, child)
+    logs in `log_dir` (appended to when `port` is given: a restart); with `password` (URL-safe
+    characters) it requires it (`requirepass` in a 0600 config file, not on the command line,
+    which shows in ps) and the returned URL carries it. Returns (redis_url, child)
     once it answers PING. Raises LaunchError. The caller stops it."""
     exe = shutil.which("redis-server")
     if exe is None:
@@ -115,10 +120,11 @@ def start_redis(log_dir: Path, bind: str = "127.0.0.1", stop_timeout_s: float = 
     fixed = port
     for _attempt in range(3):   # a free port may be taken between the probe and the bind
         port = free_port(bind) if fixed is None else fixed
-        child = spawn(log_dir, "redis", [exe, "--port", str(port), "--bind", bind, "--save", "",
-                                         "--appendonly", "no", "--daemonize", "no", "--dir", str(data_dir)],
+        child = spawn(log_dir, "redis", [exe, *_auth_conf(data_dir, password), "--port", str(port), "--bind", bind,
+                                         "--save", "", "--appendonly", "no", "--daemonize", "no",
+                                         "--dir", str(data_dir)],
                       append=fixed is not None)
-        url = f"redis://{bind}:{port}/0"
+        url = f"redis://{':' + quote(password, safe='') + '@' if password else ''}{bind}:{port}/0"
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and child.proc.poll() is None:
             try:
@@ -129,6 +135,17 @@ def start_redis(log_dir: Path, bind: str = "127.0.0.1", stop_timeout_s: float = 
                 time.sleep(0.05)
         terminate([child], stop_timeout_s)
     raise LaunchError(f"redis-server did not answer PING on {bind} (3 tries)\n{child.tail()}")
+
+
+def _auth_conf(data_dir: Path, password: str | None) -> list[str]:
+    """redis-server's leading config-file argument holding `requirepass` (none without a password)."""
+    if password is None:
+        return []
+    conf = data_dir / "auth.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'requirepass "{password}"\n')
+    return [str(conf)]
 
 
 def port_free(host: str, port: int) -> bool:

@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.cluster_token import TOKEN_ENV, token_from
+from kvstore.metadata import parse_redis_url
 from router.processes import LaunchError
 from router.supervise import Cluster, PartExited, ServeConfig, Supervisor
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.server import WorkerServer, WorkerServerConfig
-from worker.server_cli import rendezvous_from_env
+from worker.server_cli import peer_flags_from_env
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _LOOPBACK = "127.0.0.1"
@@ -121,10 +123,11 @@ class WorkerActor:
         add_engine_arguments(parser)
         engine_cfg = engine_config_from_args(parser.parse_args(["--model", spec.model, *spec.engine_argv]))
         host = self.host(spec.loopback)
-        rdv = rendezvous_from_env(os.environ)   # the peer-transfer group (KVMESH_* set for this actor)
+        peer = peer_flags_from_env(os.environ)   # peer transfer on with KVMESH_WORLD_SIZE > 1 (legacy)
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
             host=host, port=0, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
-            rank=rdv.rank, world_size=rdv.world_size, dist_init_addr=rdv.dist_init_addr))
+            peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
+            cluster_token=token_from(None)))   # KVMESH_CLUSTER_TOKEN, from spec.env
 
         async def go() -> int:
             port = await server.start()
@@ -198,7 +201,8 @@ class RayPlacement:
         specs = [WorkerSpec(worker_id=f"worker-{rank}", model=cfg.model, engine_argv=cfg.engine_argv,
                             redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=self._loopback,
                             env=(("KVMESH_RANK", str(rank)), ("KVMESH_WORLD_SIZE", str(cfg.workers)),
-                                 ("KVMESH_DIST_INIT_ADDR", self.dist_init_addr)),
+                                 ("KVMESH_DIST_INIT_ADDR", self.dist_init_addr),
+                                 *((TOKEN_ENV, cfg.cluster_token),) * (cfg.cluster_token is not None)),
                             startup_timeout_s=cfg.startup_timeout_s)
                  for rank in range(cfg.workers)]
         started = [a.start.remote(s) for a, s in zip(self._actors, specs)]
@@ -327,7 +331,7 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
             f"kvmesh serve --ray: ready — {serve.workers} worker actor(s), cluster {serve.cluster_name}",
             f"  gRPC       {cluster.grpc_target}",
             f"  HTTP       {cluster.http_base_url}",
-            f"  redis      {cluster.redis_url}{'' if serve.redis_url else ' (embedded redis-server)'}",
+            f"  redis      {parse_redis_url(cluster.redis_url).redacted()}{'' if serve.redis_url else ' (embedded redis-server)'}",
             f"  workers    {' '.join(cluster.worker_addresses)}",
             f"  rendezvous {cluster.dist_init_addr}",
             f"  ray        {gcs}{' (a local Ray started here)' if local else ''}",

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.metadata import RedisConfig
 from kvstore.streams import EventConsumer
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router.attest import Admitter, Verdict, worker_channel
 from router.config import RouterConfig
 from router.index import BlockIndex
 from router.routing import BlockIndexView, WorkerId, WorkerInfo, WorkerLoad
@@ -45,11 +46,12 @@ class WorkerEntry:
     in_flight: int = 0                      # streams the router has open on it
     free_blocks: int = 0                    # from its last GetLoad
     num_blocks: int = 0
-    rank: int | None = None                 # in the peer-transfer group (from GetLoad), if any
+    rank: int | None = None                 # set (legacy 0) when it has a peer plane (from GetLoad)
     world_size: int = 0
     refused: str | None = None              # why it may never serve (logged once)
     lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/migrate.py)
     failed_probes: int = 0                  # consecutive probes that got no answer
+    admitted: bool = False                  # passed router/attest.py's handshake on this connection
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -73,6 +75,7 @@ class WorkerRegistry:
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
+        self._admitter = Admitter(cfg)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> list[str]:
@@ -123,12 +126,16 @@ class WorkerRegistry:
             self._spawn(w.channel.close(grace=self.cfg.request_timeout_s))
         for address in wanted:
             if address not in self._workers:
-                channel = grpc.aio.insecure_channel(address)
+                channel = worker_channel(self.cfg, address, lambda a=address: self._admitted(a))
                 self._workers[address] = WorkerEntry(address, channel, pb_grpc.WorkerStub(channel),
                                                      health_pb2_grpc.HealthStub(channel))
         self._update_ready()
         if probe:
             self._wake.set()
+
+    def _admitted(self, address: str) -> bool:
+        w = self._workers.get(address)
+        return w is not None and w.admitted
 
     def live(self) -> list[WorkerEntry]:
         """Entries of the ready workers."""
@@ -191,15 +198,18 @@ class WorkerRegistry:
                 if status.status != _SERVING:
                     w.info = None
                     return None
+                if not w.admitted and not await self._admit(w, timeout):
+                    return None
                 load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
-                in_group = load.HasField("peer") and load.peer.world_size > 1
+                in_group = load.HasField("peer")     # a peer plane: pairs form on demand
                 w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 self._unanswered(w, e)
+                w.admitted = False     # perhaps another process by now: the handshake again
                 return None
             w.refused = self._mismatch(w, info, WorkerId(load.worker_id))
             if w.refused is not None:
@@ -221,6 +231,15 @@ class WorkerRegistry:
         w.failed_probes += 1
         if w.failed_probes >= LOST_AFTER_PROBES:
             w.lost.set()
+
+    async def _admit(self, w: WorkerEntry, timeout: float) -> bool:
+        """router/attest.py's handshake; a rejected worker is refused for good (logged there)."""
+        admission = await self._admitter.admit(w.address, w.stub, timeout)
+        if admission.verdict is Verdict.REJECTED:
+            w.refused = admission.reason
+            return False
+        w.admitted = True
+        return True
 
     def _mismatch(self, w: WorkerEntry, info: pb.ModelInfo, worker_id: WorkerId) -> str | None:
         ref = self.model_info

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from contracts.cli import CLIError, flagify
+from contracts.cluster_token import TOKEN_ENV, new_token, token_from
+from contracts.tls import add_tls_arguments, tls_from_args
 from router.auth import add_auth_arguments, auth_argv
 from router.launch import run_serve
 from router.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
@@ -34,6 +36,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
     add_migration_argument(g)
     add_auth_arguments(g)
+    g = p.add_argument_group("cluster authentication (README: Security)")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"the router's and workers' shared secret (default: ${TOKEN_ENV}, else a fresh random "
+                        "one per start); children get it by environment")
+    add_tls_arguments(g, "serve")
     add_engine_arguments(p)
     add_ray_arguments(p)
 
@@ -76,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
                            startup_timeout_s=args.startup_timeout_s,
                            restart_policy=RestartPolicy(args.restart_policy), router_argv=auth_argv(args),
+                           cluster_token=token_from(args.cluster_token) or new_token(), tls=tls_from_args(args),
                            migration_limit=args.migration_limit)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None

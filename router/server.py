@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterable
 
+from contracts.cluster_token import TOKEN_ENV, token_from
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
+from contracts.tls import add_tls_arguments, tls_from_args
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from router.auth import add_auth_arguments, keys_from_args, warn_if_open
 from router.config import RouterConfig
@@ -28,6 +31,7 @@ from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
 
 log = logging.getLogger("kvmesh.router")
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
 # Converting the GGUF model once (in a child process) takes ~25 s; a bound, not a guess.
 _PREPARE_TIMEOUT_S = 600
 
@@ -135,7 +139,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker (repeatable)")
     p.add_argument("--model", default="smollm2", help="the workers' model (for the tokenizer): alias or HF dir")
     p.add_argument("--served-model-name", default=None, help="model id on the HTTP API (default: --model)")
-    p.add_argument("--redis-url", default=None, help="metadata Redis (block index)")
+    p.add_argument("--redis-url", default=None,
+                   help=f"metadata Redis (block index; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
     p.add_argument("--cluster-name", default="kvmesh")
     p.add_argument("--routing-policy", default="kv_aware", choices=[p.value for p in RoutingPolicy],
                    help="how a request picks its worker (see README: Routing)")
@@ -145,6 +150,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: readiness turns 503 at once, open streams get this long to finish")
     add_auth_arguments(p)
+    g = p.add_argument_group("cluster authentication (README: Security)")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"the secret shared with the workers (default: ${TOKEN_ENV}; prefer the environment: "
+                        "flags show in ps): workers are admitted only after proving they hold it")
+    add_tls_arguments(g, "router")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -156,9 +166,12 @@ def run_router(args: argparse.Namespace) -> int:
         cfg = RouterConfig(worker_addresses=tuple(args.worker), host=args.host, grpc_port=args.grpc_port,
                            http_port=None if args.no_http else args.http_port, model=args.model,
                            served_model_name=args.served_model_name,
-                           redis_url=args.redis_url, cluster_name=args.cluster_name,
+                           redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
+                           cluster_name=args.cluster_name,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
                            api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant,
+                           metrics_require_key=args.metrics_require_key, tls=tls_from_args(args),
+                           cluster_token=token_from(args.cluster_token),
                            migration_limit=args.migration_limit, drain_timeout_s=args.drain_timeout_s)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None

@@ -18,7 +18,9 @@ Imports no torch and no ray: the workers load their engines in their own process
 """
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -31,9 +33,15 @@ from types import TracebackType
 from typing import NamedTuple, Protocol
 
 from contracts.cli import CLIError
+from contracts.cluster_token import TOKEN_ENV, check_token
+from contracts.tls import PLAINTEXT, TlsConfig, tls_argv
+from kvstore.metadata import parse_redis_url
 from router.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
 from router.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
 
+REDIS_URL_ENV = "KVMESH_REDIS_URL"     # read by `kvmesh router` and `kvmesh worker` when --redis-url is unset
+REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"   # the embedded Redis's password (default: random per start)
+_PASSWORD = re.compile(r"[A-Za-z0-9._~-]{16,}")
 _ROUTER_LINE = re.compile(r"^kvmesh router serving grpc on (\S+):(\d+) http on (\S+):(\d+)$", re.M)
 
 
@@ -62,9 +70,18 @@ class ServeConfig:
     python: str = sys.executable
     restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
     migration_limit: int = 3                # the router's --migration-limit
+    # Cluster authentication (README: Security): the token every child gets by environment
+    # (`kvmesh serve` makes a fresh one per start), and TLS flags passed through to the router
+    # (with --tls-ca also to every worker: mutual TLS between them).
+    cluster_token: str | None = field(default=None, repr=False)
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         RestartConfig(policy=self.restart_policy)   # raises ValueError naming restart_policy
+        if self.cluster_token is not None:
+            check_token(self.cluster_token)
+        if self.tls.ca is not None and not self.tls.serves_tls:
+            raise ValueError("tls_cert: with --tls-ca, --tls-cert/--tls-key are needed too (mutual TLS)")
         object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
         object.__setattr__(self, "router_argv", tuple(self.router_argv))
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -83,7 +100,8 @@ class ServeConfig:
             raise ValueError(f"redis_url={self.redis_url!r} must start with redis:// or rediss://")
         if not self.cluster_name or any(c.isspace() for c in self.cluster_name):
             raise ValueError(f"cluster_name={self.cluster_name!r} must be non-empty without spaces")
-        owned = ("--model", "--worker-id", "--port", "--host", "--rank", "--world-size", "--dist-init-addr")
+        owned = ("--model", "--worker-id", "--port", "--host", "--rank", "--world-size", "--dist-init-addr",
+                 "--cluster-token", "--tls-cert", "--tls-key", "--tls-ca", "--redis-url")
         if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
             raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
         if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
@@ -92,6 +110,18 @@ class ServeConfig:
         for name in ("startup_timeout_s", "stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+
+
+    def child_env(self, redis_url: str) -> dict[str, str]:
+        """The secrets a router or worker child gets, by environment (never argv)."""
+        env = {REDIS_URL_ENV: redis_url}
+        if self.cluster_token is not None:
+            env[TOKEN_ENV] = self.cluster_token
+        return env
+
+    def worker_tls_argv(self) -> tuple[str, ...]:
+        """TLS flags of every worker: only with --tls-ca (workers then serve mutual TLS)."""
+        return tls_argv(self.tls) if self.tls.ca is not None else ()
 
 
 class PartExited(NamedTuple):
@@ -156,6 +186,7 @@ class Cluster:
         self.worker_addresses: tuple[str, ...] = ()
         self.redis_url = ""
         self._redis: Child | None = None
+        self._redis_password: str | None = None    # the embedded Redis's, kept across its restarts
         self._router: Child | None = None
         self._log_dir: Path | None = None
         self._temp_dir: Path | None = None
@@ -203,14 +234,15 @@ class Cluster:
         assert self._log_dir is not None and name in self._gone, name
         child: Child | None = None
         if name == "redis":
-            bind, port = self.redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-            _, self._redis = start_redis(self._log_dir, bind, self.cfg.stop_timeout_s, port=int(port))
+            url = parse_redis_url(self.redis_url)
+            _, self._redis = start_redis(self._log_dir, url.host, self.cfg.stop_timeout_s, port=url.port,
+                                         password=self._redis_password)
             child = self._redis
         elif name == "router":
             grpc_port = int(self.grpc_target.rsplit(":", 1)[1])
             http_port = int(self.http_base_url.rsplit(":", 1)[1].split("/", 1)[0])
             self._router = child = spawn(self._log_dir, "router", self._router_argv(grpc_port, http_port),
-                                         append=True)
+                                         append=True, env=self.cfg.child_env(self.redis_url))
         else:
             self.placement.restart(name, self.cfg, self.redis_url, self._log_dir)
         self._gone.discard(name)
@@ -250,22 +282,35 @@ class Cluster:
         if cfg.redis_url is not None:
             self.redis_url = cfg.redis_url
         else:
-            self.redis_url, self._redis = start_redis(self._log_dir, redis_bind, cfg.stop_timeout_s)
+            self._redis_password = _redis_password()
+            self.redis_url, self._redis = start_redis(self._log_dir, redis_bind, cfg.stop_timeout_s,
+                                                      password=self._redis_password)
         self.worker_addresses = self.placement.start_workers(cfg, self.redis_url, self._log_dir, deadline)
-        self._router = spawn(self._log_dir, "router", self._router_argv(cfg.grpc_port, cfg.http_port))
+        self._router = spawn(self._log_dir, "router", self._router_argv(cfg.grpc_port, cfg.http_port),
+                             env=cfg.child_env(self.redis_url))
         m = self._router.wait_line(_ROUTER_LINE, deadline, cfg.startup_timeout_s)
         host = dial_host(cfg.host)
         self.grpc_target = f"{host}:{m.group(2)}"
-        self.http_base_url = f"http://{host}:{m.group(4)}/v1"
+        self.http_base_url = f"{'https' if cfg.tls.serves_tls else 'http'}://{host}:{m.group(4)}/v1"
 
     def _router_argv(self, grpc_port: int, http_port: int) -> list[str]:
         cfg = self.cfg
         return [cfg.python, "-m", "router.cli", "router", "--host", cfg.host, "--grpc-port", str(grpc_port),
                 "--http-port", str(http_port), "--routing-policy", cfg.routing_policy,
                 "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
-                "--redis-url", self.redis_url, "--cluster-name", cfg.cluster_name, "--model", cfg.model,
+                "--cluster-name", cfg.cluster_name, "--model", cfg.model, *tls_argv(cfg.tls),
                 "--migration-limit", str(cfg.migration_limit), "--drain-timeout-s", str(cfg.stop_timeout_s / 2),
-                *cfg.router_argv]
+                *cfg.router_argv]    # the Redis URL (password) and the cluster token: cfg.child_env
+
+
+def _redis_password() -> str:
+    """$KVMESH_REDIS_PASSWORD (to reach the embedded Redis with redis-cli), else a fresh one."""
+    chosen = os.environ.get(REDIS_PASSWORD_ENV)
+    if chosen is None:
+        return secrets.token_urlsafe(24)
+    if not _PASSWORD.fullmatch(chosen):
+        raise LaunchError(f"{REDIS_PASSWORD_ENV}: at least 16 characters of A-Z a-z 0-9 . _ ~ -")
+    return chosen
 
 
 class _Stop(BaseException):

@@ -1,5 +1,9 @@
 """vLLM's utility endpoints on the router's HTTP app (issue #22): `POST /tokenize`,
-`POST /detokenize`, `GET /version`, in vLLM's request/response shapes.
+`POST /detokenize`, `GET /version`, `POST /reset_prefix_cache`, in vLLM's request/response shapes.
+
+`/reset_prefix_cache` fans out to every live worker (Worker.ResetPrefixCache) and drops their
+device blocks from the router's block index; with API keys configured only keys flagged
+`admin` in the keys file may call it (403 otherwise).
 
 Registered by HttpFrontend (router/http.py) with `add_utility_routes`; tokenization runs in a
 thread with the router's own ModelTokenizer, the one the generate path uses, so the ids here
@@ -11,15 +15,23 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
+import logging
 from typing import Any
 
+import grpc
 from aiohttp import web
 
 from contracts.requests import BadRequest
 from contracts.sampling import is_int
 from contracts.tokenizer import ModelTokenizer, TokenizerError
+from kvstore.events import Tier
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.auth import ANONYMOUS, TENANT_KEY
 from router.core import Router
 from router.errors import NoWorkerAvailable
+from router.index import BlockIndex
+
+log = logging.getLogger("kvmesh.router.http")
 
 Json = dict[str, Any]
 
@@ -87,11 +99,37 @@ class UtilityRoutes:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": kvmesh_version()})
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Every live worker drops its prefix cache -> {"reset": {worker_id: bool}} (false: that
+        worker had requests running, or did not answer)."""
+        key = request.get(TENANT_KEY, ANONYMOUS)
+        if not key.admin:
+            body = {"error": {"message": "reset_prefix_cache: this API key is not flagged 'admin' in the keys file",
+                              "type": "permission_error", "param": None, "code": "forbidden"}}
+            return web.json_response(body, status=403)
+        workers = [w for w in self.router.registry.live() if w.info is not None]
+        if not workers:
+            raise NoWorkerAvailable("no worker is ready")
+        done = await asyncio.gather(*(self._reset_one(w) for w in workers))
+        return web.json_response({"reset": dict(done)})
+
+    async def _reset_one(self, worker: Any) -> tuple[str, bool]:
+        worker_id = worker.info.worker_id
+        try:
+            reply = await worker.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            log.warning("reset_prefix_cache: worker %s: %s %s", worker_id, e.code().name, e.details())
+            return worker_id, False
+        index = self.router.registry.index
+        if reply.reset and isinstance(index, BlockIndex):
+            index.discard(worker_id, list(index.holdings(worker_id)), Tier.DEVICE)
+        return worker_id, bool(reply.reset)
+
 
 def add_utility_routes(app: web.Application, router: Router) -> None:
     routes = UtilityRoutes(router)
     app.add_routes([web.post("/tokenize", routes.tokenize), web.post("/detokenize", routes.detokenize),
-                    web.get("/version", routes.version)])
+                    web.get("/version", routes.version), web.post("/reset_prefix_cache", routes.reset_prefix_cache)])
 
 
 async def _json(request: web.Request) -> Json:

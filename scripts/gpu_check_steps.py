@@ -232,12 +232,14 @@ def peer_rank_main(rank: int, port: int, device: str, backend: str, out: Path, d
     import torch
 
     from kvstore.transfer import BlockSpec, BlockTransfer
-    from kvstore.transfer_group import TransferConfig, TransferGroup
+    from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, connect_store
     layers, blocks = (2, 8) if dry else (30, PEER_BLOCKS)
     spec = BlockSpec(layers, 16, 3, 64, torch.bfloat16)
-    group = TransferGroup.form(TransferConfig(rank=rank, world_size=2, master_port=port, backend=backend,
-                                              timeout_s=120.0), device)
-    transfer = BlockTransfer(group)
+    cfg = TransferConfig(backend=backend, timeout_s=120.0, connect_timeout_s=120.0)
+    # rank 0 receives and hosts the pair's rendezvous store on `port`; rank 1 joins it
+    store = RendezvousStore("127.0.0.1", port, 120.0).store if rank == 0 else connect_store(f"127.0.0.1:{port}", 120.0)
+    group = PairGroup.form("gpu-check", store, rank, PeerId(f"rank-{1 - rank}", 0), device, cfg)
+    transfer = BlockTransfer(120.0)
     gen = torch.Generator().manual_seed(7)
     data = torch.randn(spec.shape(blocks), generator=gen).to(torch.bfloat16).to(device)
     times, equal = [], True
@@ -245,10 +247,10 @@ def peer_rank_main(rank: int, port: int, device: str, backend: str, out: Path, d
         for i in range(PEER_ROUNDS + 1):
             t = time.perf_counter()
             if rank == 1:
-                transfer.send(0, i, data, list(range(blocks))).result(timeout=120)
+                transfer.send(group, i, data, list(range(blocks))).result(timeout=120)
             else:
-                got = transfer.recv(1, i, blocks, spec).result(timeout=120)
-                equal &= bool(torch.equal(got.blocks, data)) and all(got.ok)
+                got = transfer.recv(group, i, blocks, spec).result(timeout=120)   # host memory over gloo
+                equal &= bool(torch.equal(got.blocks.to(data.device), data)) and all(got.ok)
             times.append(time.perf_counter() - t)
     finally:
         transfer.close()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from worker.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
-                             ReadBlocks, Snapshot, StageBlocks, Tokenize)
+                             ReadBlocks, ResetPrefixCache, Snapshot, StageBlocks, Tokenize)
 from worker.engine import Engine, Prompt
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
@@ -83,7 +83,7 @@ class AsyncEngine:
                     finished = True
                     raise item
                 yield item
-                if item.finished:
+                if item.finished and item.group_finished:
                     finished = True
                     return
         except (InvalidRequest, QueueFull):
@@ -154,6 +154,8 @@ class AsyncEngine:
                 return engine.stats()
             case ListRequests():
                 return tuple(engine.requests)
+            case ResetPrefixCache():
+                return engine.store.reset_prefix_cache()
         raise TypeError(f"unknown engine command {type(command).__name__}")
 
     def _run_command(self, command: Command[Any], reply: Reply | None) -> None:
@@ -189,7 +191,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.finished:
+            if out.finished and out.group_finished:
                 del self._streams[out.request_id]
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 

@@ -15,6 +15,7 @@ the server builds them without loading the engine.
 | `StageBlocks`       | `int` written | (also inside `AddRequest`)                |
 | `Snapshot`          | `EngineStats` | GetLoad, tests                            |
 | `ListRequests`      | request ids   | the server's drain                        |
+| `ResetPrefixCache`  | `bool` done   | the ResetPrefixCache RPC                  |
 """
 from __future__ import annotations
 
@@ -103,3 +104,9 @@ class ListRequests(Command[tuple[str, ...]]):
     """The ids of every unfinished request."""
 
 
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache(Command[bool]):
+    """Drop every cached block hash of the device pool (`KVStore.reset_prefix_cache`); False,
+    nothing dropped, while a request holds blocks."""

@@ -21,11 +21,15 @@ from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.store import KVStore
 from worker.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
 from worker.cuda_graph import decode_graphs
+from worker.kernels import native
 from worker.kernels.backend import attention_ops, resolve_backend
 from worker.kernels.reference import AttnMetadata
 from worker.loader import load_tokenizer, load_weights, resolve_model_dir
 from worker.engine_config import DTYPE_NAMES, EngineConfig, EngineStats
 from worker.eviction import TokenEvictor
+from worker.fork import fork_sequences
+from worker.logprobs import (PromptSpan, prompt_span, record_prompt_logprobs, record_sampled_logprobs,
+                             take_unsent_logprobs)
 from worker.model import LlamaModel
 from worker.request import (MAX_PRIORITY, MIN_PRIORITY, EngineError, FinishReason, InvalidRequest,
                             QueueFull, Request, RequestOutput, RequestStatus)
@@ -77,7 +81,7 @@ class Engine:
             self.model.set_key_scales(cal.scales, cal.shift)
             codec_id = "key-calibration:" + cal.digest()
         self.store = KVStore(self.layout, num_blocks, self.device, enable_prefix_caching=cfg.enable_prefix_caching,
-                             offload_bytes=int(cfg.kv_offload_gib * 2**30))
+                             offload_bytes=int(cfg.kv_offload_gib * 2**30), copy_blocks=native.block_copier() if cfg.kv_offload_gib else None)
         self.kv_caches = list(zip(self.store.kv.k_caches, self.store.kv.v_caches))
         # decode steps replay CUDA graphs (CUDA + triton backend, unless enforce_eager); None: eager
         self.cuda_graphs = decode_graphs(self.model, self.kv_caches, cfg.enforce_eager, cfg.max_num_seqs,
@@ -137,8 +141,12 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if self.evictor is not None and params.num_sequences > 1:   # evicted caches are per sequence
+            raise InvalidRequest(f"n / best_of: {params.num_sequences} sequences with kv_eviction on; use 1")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
+        if resumed and params.num_sequences > 1:
+            raise InvalidRequest("resume_tokens: only for a single sequence (n = best_of = 1)")
         if any(t < 0 or t >= vocab for t in resumed) or len(resumed) >= params.max_tokens:
             raise InvalidRequest(f"resumed token ids must be in [0, {vocab}) and fewer than max_tokens")
         if len(ids) + len(resumed) >= self.max_model_len:
@@ -175,12 +183,14 @@ class Engine:
                 scratch.exponential_(1, generator=req.generator)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its blocks; returns its final output (None if unknown)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        self._finish(req, FinishReason.ABORT)
-        return self._output(req)
+        """Stop a request (every sequence of it) and free its blocks; returns its final
+        output (None if unknown)."""
+        group = [r for r in self.requests.values() if r.group_id == request_id]
+        if not group and request_id in self.requests:
+            group = [self.requests[request_id]]
+        for req in group:
+            self._finish(req, FinishReason.ABORT)
+        return self._output(group[-1]) if group else None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
@@ -198,12 +208,22 @@ class Engine:
             return []
         sample_reqs, logits = self._execute(batch)
         outputs: list[RequestOutput] = []
+        if any(r.params.max_tokens == 0 for r in sample_reqs):   # prompt logprobs only (echo)
+            keep = [i for i, r in enumerate(sample_reqs) if r.params.max_tokens > 0]
+            for req in sample_reqs:
+                if req.params.max_tokens == 0:
+                    self._finish(req, FinishReason.LENGTH)
+                    outputs.append(self._output(req))
+            sample_reqs, logits = [sample_reqs[i] for i in keep], logits[keep]
         if sample_reqs:
+            sample_reqs, logits = fork_sequences(sample_reqs, logits, self.scheduler, self.requests, self.device)
+            raw = logits
             logits = suppress_stop_tokens(logits, [r.params for r in sample_reqs],
                                           [len(r.output_token_ids) for r in sample_reqs], self.eos_token_ids)
             tokens = self.sampler(logits, [r.params for r in sample_reqs],
-                                  [r.history for r in sample_reqs], [r.generator for r in sample_reqs])
-            for req, token in zip(sample_reqs, tokens.tolist()):
+                                  [r.history for r in sample_reqs], [r.generator for r in sample_reqs]).tolist()
+            record_sampled_logprobs(sample_reqs, raw, tokens)
+            for req, token in zip(sample_reqs, tokens):
                 req.append_token(token)
                 req.update_block_hashes(self.cfg.block_size, self.salt)
                 reason = self._postprocess(req, token)
@@ -232,14 +252,22 @@ class Engine:
         ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
-        logits_indices: list[int] = []
+        logits_indices: list[int] = []   # the token rows whose logits are computed
+        sample_rows: list[int] = []      # of those, the rows sampled from
+        spans: list[PromptSpan] = []     # prompt logprobs asked for
         sample_reqs: list[Request] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))            # true positions, for RoPE
             seq_lens.append(start - req.num_evicted_tokens + n)  # cache rows after this step
+            if req.needs_prompt_logits and not all_positions:
+                span = prompt_span(req, start, n, len(ids) - n, len(logits_indices))
+                if span is not None:
+                    spans.append(span)
+                    logits_indices.extend(span.token_rows)
             if start + n == req.num_tokens:
+                sample_rows.append(len(logits_indices))
                 logits_indices.append(len(ids) - 1)
                 sample_reqs.append(req)
         collect = self.evictor is not None and self.evictor.cfg.collects_scores
@@ -250,7 +278,7 @@ class Engine:
         self.store.fence_device()  # evicted blocks are rewritten only after their offload
         ids_t, positions_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
         graphs = self.cuda_graphs
-        if graphs is not None and graphs.supports(meta) and len(logits_indices) == meta.num_seqs:
+        if graphs is not None and graphs.supports(meta) and len(sample_rows) == meta.num_seqs == len(logits_indices):
             logits = graphs.run(ids_t, positions_t, meta)  # every row samples: the graph's logits are all rows
         else:
             logits = self.model.forward(ids_t, positions_t, self.kv_caches, meta, None if all_positions else
@@ -258,6 +286,9 @@ class Engine:
         if collect:
             assert self.evictor is not None and meta.score_acc is not None
             self.evictor.accumulate(batch.requests, meta.score_acc, seq_lens, batch.num_new_tokens)
+        if spans:
+            record_prompt_logprobs(spans, logits)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
         return sample_reqs, logits
 
     def _postprocess(self, req: Request, token: int) -> FinishReason | None:
@@ -266,7 +297,8 @@ class Engine:
         if reason is None and req.num_tokens >= req.max_total_tokens:
             reason = "length"
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens,
+                                         spaces_between_special_tokens=req.params.spaces_between_special_tokens)
             if req.params.stop and len(req.output_token_ids) >= req.params.min_tokens:
                 at = find_stop(text, req.sent_text, req.params.stop)
                 if at is not None:
@@ -285,12 +317,17 @@ class Engine:
         new_text = text[req.sent_text:visible]
         req.sent_tokens = len(req.output_token_ids)
         req.sent_text = max(req.sent_text, visible)
+        new_logprobs, prompt_logprobs = take_unsent_logprobs(req)
+        group_finished = finished and not any(r.group_id == req.group_id for r in self.requests.values())
         return RequestOutput(
-            request_id=req.request_id, token_ids=tuple(req.output_token_ids), new_token_ids=new_tokens,
+            request_id=req.group_id, token_ids=tuple(req.output_token_ids), new_token_ids=new_tokens,
             text=text[:visible], new_text=new_text, finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_token_ids),
-            num_cached_tokens=max(req.num_cached_tokens, 0), timings=req.timings())
+            num_cached_tokens=max(req.num_cached_tokens, 0), timings=req.timings(), index=req.index,
+            new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=req.cumulative_logprob if req.params.wants_logprobs else None,
+            group_finished=group_finished)
 
     # -- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

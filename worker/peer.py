@@ -1,64 +1,78 @@
-"""Peer transfer in the worker: the transfer plane it joins at start, the owner's side of
-`SendBlocks`, and fetch-or-recompute for a request that arrives with a peer hint.
+"""Peer transfer in the worker: its pairs, the owner's side of `SendBlocks`, and
+fetch-or-recompute for a request that arrives with a peer hint.
 
 Start (`PeerPlane.start`, blocking, before the engine thread runs): measure prefill tokens/s
-with a short prefill on the engine, attach a staging host tier to its KV store if it has none
-(sized for one max_model_len prompt), join
-the transfer group (`kvstore.transfer.TransferGroup`), measure the link to every peer (all
-ranks in one order, so no two wait on each other) and the checksum rate. Real prefills
-raise the prefill figure later (`observe_prefill`: the probe may run while peers load).
+with a short prefill on the engine and the checksum rate, attach a staging host tier to its KV
+store if it has none (sized for one max_model_len prompt), draw this start's generation, and
+host the rendezvous store for the pairs this worker will receive on. No group is formed and
+no peer is waited for: pairs form on first use (`kvstore.pairs`), so a worker joins, leaves
+or restarts without anyone else noticing but its pairs. Real prefills raise the prefill
+figure later (`observe_prefill`).
 
-Pull, for a request hinted "rank R holds the first N blocks" (`fetch`) — plan → SendBlocks →
+Pull, for a request hinted "worker W holds the first N blocks" (`fetch`) — plan → SendBlocks →
 `store.stage` → admission:
-  1. `CountHeld` (an engine command): the leading prompt blocks the KV store holds, by the
-     same lookup admission makes (device pool, then host tier);
+  1. `CountHeld` (an engine command): the leading prompt blocks the KV store holds;
   2. the cost model (`kvstore.transfer_cost.CostModel`) weighs fetching the missing ones
-     against prefilling their tokens; recompute unless fetching is cheaper;
-  3. ask R over gRPC to send them (`AskPeer`, the server's `SendBlocks` call): R answers
-     how many it sends, and only then is the receive posted — a gloo send completes only
-     when its receive is posted, so this worker never asks for what it would not take;
+     against prefilling their tokens (with W's measured link, or `ASSUMED_LINK` before the
+     first pair with W formed); recompute unless fetching is cheaper;
+  3. ask W over gRPC to send them (`AskPeer`, the server's `SendBlocks` call) on our pair with
+     W — the live one, or a new key with `new_pair` (then both join the rendezvous this worker
+     hosts, and measure the link). W answers how many it sends, and only then is the receive
+     posted; W answering `pair_unknown` (it restarted, or dropped the pair) makes this worker
+     form a new pair and ask once more;
   4. the verified leading run of what arrived is handed back as a `StageBlocks` command that
-     the request's `AddRequest` carries: the engine thread stages the blocks in the store's
-     host tier right before adding the request, so admission onloads them like any host hit.
+     the request's `AddRequest` carries, so admission onloads them like any host hit.
 Any failure (RPC error, dead peer, timeout, bad checksum) keeps only the good leading run,
-possibly nothing: the engine recomputes the rest, and the output is the same.
+possibly nothing: the engine recomputes the rest, and the output is the same. A failed
+transfer breaks its pair only (`Pairs.broken`); the next fetch forms a new one.
 
 Send, for a peer's `SendBlocks` (`serve_send`): `ReadBlocks` (an engine command) copies the
-leading run of the asked hashes held in the store (no step runs meanwhile, so no block is
-evicted mid-read), then the copy is queued on the `BlockTransfer`, whose own threads wait
-for the network.
+leading run of the asked hashes held in the store, then the copy is queued on the
+`BlockTransfer` once the pair is ready (at once for a live pair; after joining for a new one,
+in a thread bounded by the connect timeout), whose own threads wait for the network.
 """
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from kvstore.keys import BlockHash, block_hashes
+from kvstore.pairs import Pairs, Slot
 from kvstore.transfer import MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendResult
-from kvstore.transfer_group import TransferConfig, TransferError, TransferGroup
-from kvstore.transfer_cost import CostModel, LinkEstimate, measure_checksum, measure_link
+from kvstore.transfer_cost import LinkEstimate, measure_checksum
+from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, TransferError
 from contracts.requests import PeerHint, SendBlocksInput
 from worker.async_engine import AsyncEngine, CountHeld, ReadBlocks, StageBlocks
+from worker.peer_plan import (ASSUMED_LINK, Decision, FaultPlan, FetchPlan, PlanView, good_leading_run,
+                              plan_fetch)
+
+__all__ = ["ASSUMED_LINK", "AskAnswer", "Decision", "FaultPlan", "FetchPlan", "PeerConfig", "PeerFigures",
+           "PeerPlane", "PlanView", "good_leading_run", "plan_fetch"]
 
 if TYPE_CHECKING:
     from worker.engine import Engine
 
 log = logging.getLogger("kvmesh.peer")
 
-AskPeer = Callable[[str, Sequence[BlockHash], int, int, int], Awaitable[int]]
-"""`ask(address, block_hashes, dst_rank, src_rank, transfer_id)` → blocks the peer at
-`address` will send; raises PeerUnavailable. (The gRPC call lives in worker/server.py.)"""
+class AskAnswer(NamedTuple):
+    num_blocks: int          # blocks the peer will send (0: none)
+    generation: int          # the peer's generation
+    pair_unknown: bool       # the peer holds no live pair under the key asked with
+
+
+AskPeer = Callable[[str, Sequence[BlockHash], int, dict[str, Any]], Awaitable[AskAnswer]]
+"""`ask(address, block_hashes, transfer_id, pair_fields)` → the peer's answer; raises
+PeerUnavailable. `pair_fields` are SendBlocksRequest's pair fields. (The gRPC call lives in
+worker/server.py.)"""
 
 
 class Fetched(NamedTuple):
@@ -79,7 +93,7 @@ class InvalidPeerRequest(PeerError, ValueError):
 
 
 class PeerTransferOff(PeerError):
-    """This worker is in no transfer group (gRPC FAILED_PRECONDITION)."""
+    """This worker has no peer plane (gRPC FAILED_PRECONDITION)."""
 
 
 class PeerUnavailable(PeerError):
@@ -88,55 +102,28 @@ class PeerUnavailable(PeerError):
 
 @dataclass(frozen=True, slots=True)
 class PeerConfig:
-    """The transfer group to join and how the worker measures itself for the cost model.
-    `faults` (tests only): one action per send of this worker, in order — "ok", "corrupt:J"
-    (flip a byte of block J after its checksum was taken) or "exit" (end the process before
-    the payload goes out: a peer killed mid-transfer)."""
+    """Where this worker hosts its rendezvous store (`store_host`:`store_port`, 0 = a free
+    port; peers dial `advertise_host` or `store_host`), how transfers and pairs time out, and
+    how the worker measures itself for the cost model. `faults` (tests only): one action per
+    send of this worker, in order — "ok", "corrupt:J" (flip a byte of block J after its
+    checksum was taken) or "exit" (end the process before the payload goes out)."""
 
-    transfer: TransferConfig
+    worker_id: str
+    transfer: TransferConfig = TransferConfig()
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    advertise_host: str | None = None
     prefill_probe_tokens: int = 64
     faults: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefill_probe_tokens, int) or self.prefill_probe_tokens < 1:
             raise ValueError(f"prefill_probe_tokens={self.prefill_probe_tokens!r} must be a positive integer")
+        if not isinstance(self.store_port, int) or not 0 <= self.store_port <= 65535:
+            raise ValueError(f"store_port={self.store_port!r} must be in [0, 65535] (0 = a free port)")
         for action in self.faults:
             if action not in ("ok", "exit") and not (action.startswith("corrupt:") and action[8:].isdigit()):
                 raise ValueError(f"faults: {action!r}; accepted: ok, corrupt:J, exit")
-
-
-class FaultPlan:
-    """The `BlockTransfer` fault hook for `PeerConfig.faults` (runs on the transfer thread)."""
-
-    def __init__(self, actions: Sequence[str]) -> None:
-        self._actions = list(actions)
-        self._count = 0
-
-    def __call__(self, transfer_id: int, blocks: torch.Tensor) -> None:
-        action = self._actions[self._count] if self._count < len(self._actions) else "ok"
-        self._count += 1
-        if action.startswith("corrupt:") and int(action[8:]) < blocks.shape[2]:
-            blocks[0, 1, int(action[8:])].view(torch.uint8).view(-1)[3] ^= 0x10  # layer 0, V
-        elif action == "exit":
-            log.warning("fault injection: exiting during transfer %d", transfer_id)
-            time.sleep(0.5)      # let the peer post its receive: the death is mid-transfer
-            os._exit(17)
-
-
-class Decision(enum.Enum):
-    FETCH = "fetch"
-    RECOMPUTE = "recompute"          # the cost model found prefill cheaper
-    LOCAL = "local"                  # this worker already holds as much as the peer
-    NO_PEER = "no_peer"              # no usable hint: unknown or lost rank, or this worker
-
-
-class FetchPlan(NamedTuple):
-    decision: Decision
-    hint: PeerHint | None
-    block_hashes: tuple[BlockHash, ...]   # the blocks to ask for, right after the local ones
-    num_local: int
-    fetch_s: float                        # the cost model's estimates for them
-    recompute_s: float
 
 
 @dataclass(slots=True)
@@ -161,158 +148,138 @@ class PeerCounters:
 class PeerFigures(NamedTuple):
     """What the cost model decides with, and the counters (see proto PeerStats)."""
 
-    rank: int
-    world_size: int
+    me: PeerId
+    store_address: str
     backend: str
     prefill_tokens_per_s: float
     checksum_bytes_s: float
-    links: dict[int, LinkEstimate | None]
-    lost: dict[int, str]
+    links: dict[str, LinkEstimate]        # peer worker id -> its last measured link
+    lost: dict[str, str]                  # peer worker id -> why its last pair broke
+    pairs_formed: int
+    pairs_broken: int
     counters: PeerCounters
-
-
-def measure_links(group: TransferGroup, nbytes: int = 8 << 20) -> dict[int, LinkEstimate | None]:
-    """The link to every peer (None where the measurement failed). Every rank walks its
-    peers in ascending order, so the pairs run in one global order and none waits forever."""
-    links: dict[int, LinkEstimate | None] = {}
-    for peer in range(group.world_size):
-        if peer == group.rank:
-            continue
-        try:
-            links[peer] = measure_link(group, peer, nbytes)
-        except RuntimeError as e:
-            log.warning("rank %d: measuring the link to rank %d failed: %s", group.rank, peer, e)
-            links[peer] = None
-    return links
-
-
-def good_leading_run(arrived_hashes: Sequence[int], ok: Sequence[bool], asked: Sequence[BlockHash]) -> int:
-    """How many leading blocks may be used: verified (`ok`) and the ones asked for, in order."""
-    k = 0
-    while k < min(len(ok), len(asked)) and ok[k] and arrived_hashes[k] == asked[k]:
-        k += 1
-    return k
-
-
-class PlanView(NamedTuple):
-    """What `plan_fetch` decides with: this worker's place, its measured figures, the block shape."""
-
-    rank: int
-    world_size: int
-    links: dict[int, LinkEstimate | None]
-    lost: dict[int, str]
-    prefill_tokens_per_s: float
-    checksum_bytes_s: float
-    bytes_per_block: int
-    block_size: int
-
-
-def plan_fetch(hashes: Sequence[BlockHash], num_local: int, host_capacity: int,
-               hints: Sequence[PeerHint], view: PlanView) -> FetchPlan:
-    """Fetch or recompute the prompt blocks after the `num_local` held here? The hint with the
-    most blocks among usable peers (another rank of the group, link measured, not lost); at
-    most `host_capacity` blocks (what the host tier can stage). Pure arithmetic."""
-    usable = [h for h in hints if 0 <= h.rank < view.world_size and h.rank != view.rank
-              and view.links.get(h.rank) is not None and h.rank not in view.lost]
-    if not usable:
-        return FetchPlan(Decision.NO_PEER, None, (), num_local, 0.0, 0.0)
-    hint = max(usable, key=lambda h: h.num_blocks)
-    want = min(hint.num_blocks, len(hashes), num_local + host_capacity)
-    if want <= num_local:
-        return FetchPlan(Decision.LOCAL, hint, (), num_local, 0.0, 0.0)
-    link = view.links[hint.rank]
-    assert link is not None
-    cost = CostModel.from_link(link, view.prefill_tokens_per_s, view.checksum_bytes_s)
-    extra = want - num_local
-    fetch_s = cost.fetch_s(extra, view.bytes_per_block)
-    recompute_s = cost.recompute_s(extra * view.block_size)
-    decision = Decision.FETCH if fetch_s < recompute_s else Decision.RECOMPUTE
-    return FetchPlan(decision, hint, tuple(hashes[num_local:want]), num_local, fetch_s, recompute_s)
 
 
 class PeerPlane:
     """One worker's side of peer transfer (see the module docstring). Thread-safe counters;
     `fetch` and `serve_send` run on the server's event loop."""
 
-    def __init__(self, engine: Engine, group: TransferGroup, transfer: BlockTransfer,
-                 links: dict[int, LinkEstimate | None], prefill_tokens_per_s: float,
-                 checksum_bytes_s: float) -> None:
-        self.group, self.transfer, self.links = group, transfer, links
+    def __init__(self, engine: Engine, cfg: PeerConfig, prefill_tokens_per_s: float, checksum_bytes_s: float,
+                 generation: int | None = None) -> None:
+        """Hosts the rendezvous store (TransferError if it cannot bind) and starts the transfer
+        threads; measures nothing (see `start`)."""
+        self.me = PeerId(cfg.worker_id, time.time_ns() if generation is None else generation)
         self.prefill_tokens_per_s, self.checksum_bytes_s = prefill_tokens_per_s, checksum_bytes_s
         self.spec = BlockSpec.of(engine.store.kv.kv)
         self.block_size = engine.cfg.block_size
         self.salt = engine.salt
         self.host_num_blocks = engine.store.host_num_blocks   # the staging capacity
+        self.backend = cfg.transfer.resolve_backend(engine.device)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._c = PeerCounters()
+        self._links: dict[str, LinkEstimate] = {}
+        self._lost: dict[str, str] = {}
+        store = RendezvousStore(cfg.store_host, cfg.store_port, cfg.transfer.connect_timeout_s)
+        self.transfer = BlockTransfer(cfg.transfer.timeout_s, FaultPlan(cfg.faults) if cfg.faults else None,
+                                      on_broken=self._broken)
+        self.pairs = Pairs(self.me, cfg.transfer, engine.device, store, store.address(cfg.advertise_host),
+                           self.transfer, on_link=self._linked)
 
     @classmethod
     def start(cls, cfg: PeerConfig, engine: Engine) -> PeerPlane:
-        """Measure, attach the staging tier, join the group (blocks until every rank joined).
-        Raises TransferError when the rendezvous fails."""
+        """Measure, attach the staging tier, host the rendezvous store. Waits for no peer."""
         prefill = engine.measure_prefill(cfg.prefill_probe_tokens)
         checksum = measure_checksum()
         engine.store.ensure_host_tier(engine.layout.blocks_for(engine.max_model_len))
-        group = TransferGroup.form(cfg.transfer, engine.device)
-        links = measure_links(group)
-        transfer = BlockTransfer(group, FaultPlan(cfg.faults) if cfg.faults else None)
-        log.info("rank %d of %d: prefill %.0f tokens/s, links %s", group.rank, group.world_size, prefill,
-                 {p: None if e is None else f"{e.bandwidth_bytes_s / 1e9:.2f} GB/s {e.latency_s * 1e6:.0f} us"
-                  for p, e in links.items()})
-        return cls(engine, group, transfer, links, prefill, checksum)
+        plane = cls(engine, cfg, prefill, checksum)
+        log.info("peer plane of %s: store %s, prefill %.0f tokens/s, checksums %.2f GB/s", plane.me,
+                 plane.pairs.store_address, prefill, checksum / 1e9)
+        return plane
 
     @property
-    def rank(self) -> int:
-        return self.group.rank
+    def worker_id(self) -> str:
+        return self.me.worker_id
 
     def close(self, timeout_s: float = 5.0) -> None:
+        self.pairs.close()
         self.transfer.close(timeout_s)
-        self.group.close()
+
+    def _linked(self, worker_id: str, link: LinkEstimate) -> None:
+        with self._lock:
+            self._links[worker_id] = link
+            self._lost.pop(worker_id, None)
+
+    def _broken(self, pair: PairGroup, reason: str) -> None:
+        with self._lock:
+            self._lost[pair.peer.worker_id] = reason
+        self.pairs.broken(pair, reason)
 
     # -- the owner: SendBlocks ------------------------------------------------------------
     async def serve_send(self, ae: AsyncEngine, req: SendBlocksInput,
-                         still_wanted: Callable[[], bool]) -> tuple[int, int, str]:
-        """Queue the send of the leading run of `req.block_hashes` held here; returns
-        (num_blocks, num_bytes, reason when fewer than asked). Raises InvalidPeerRequest.
-        The copy waits for the engine's current step; if by then `still_wanted()` is False
-        (the caller's deadline is near) nothing is sent: a send nobody receives would time
-        out and close the pair for good."""
-        if req.src_rank != self.rank:
-            raise InvalidPeerRequest(f"src_rank: {req.src_rank}, but this worker is rank {self.rank}")
-        if not 0 <= req.dst_rank < self.group.world_size or req.dst_rank == self.rank:
-            raise InvalidPeerRequest(f"dst_rank: {req.dst_rank} is not another rank of world size "
-                                     f"{self.group.world_size}")
+                         still_wanted: Callable[[], bool]) -> tuple[int, int, str, bool]:
+        """Queue the send of the leading run of `req.block_hashes` held here on the caller's
+        pair; returns (num_blocks, num_bytes, reason when fewer than asked, pair_unknown).
+        Raises InvalidPeerRequest. Nothing is sent when `still_wanted()` turns False while
+        the blocks are copied (the caller's deadline is near)."""
+        if req.sender_id and req.sender_id != self.worker_id:
+            raise InvalidPeerRequest(f"sender_id: {req.sender_id!r}, but this worker is {self.worker_id!r}")
+        if req.receiver_id == self.worker_id:
+            raise InvalidPeerRequest(f"receiver_id: {req.receiver_id!r} is this worker")
         if req.transfer_id > MAX_TRANSFER_ID:
             raise InvalidPeerRequest(f"transfer_id: {req.transfer_id} exceeds {MAX_TRANSFER_ID}")
-        lost = self.transfer.lost_peers().get(req.dst_rank)
-        if lost is not None:
-            return 0, 0, f"rank {req.dst_rank} is lost: {lost}"
+        slot = None if req.new_pair else self.pairs.sending(req.pair_key)
+        stale = req.sender_generation not in (0, self.me.generation)
+        if not req.new_pair and (slot is None or stale or slot.peer_id != req.receiver_id):
+            return 0, 0, f"no live pair {req.pair_key!r} here (this is {self.me})", True
         hashes = tuple(BlockHash(h) for h in req.block_hashes)
-        held = await ae.run(ReadBlocks(hashes, self.group.device))
+        held = await ae.run(ReadBlocks(hashes, self.pairs.device))
         if held.blocks is None:
-            return 0, 0, "none of the blocks is held here"
+            return 0, 0, "none of the blocks is held here", False
         if not still_wanted():
-            return 0, 0, "too late: the caller's deadline is near"
-        future = self.transfer.send(req.dst_rank, req.transfer_id, held.blocks, hashes[:held.num_blocks])
-        future.add_done_callback(self._sent)
+            return 0, 0, "too late: the caller's deadline is near", False
+        if slot is None:
+            receiver = PeerId(req.receiver_id, req.receiver_generation)
+            slot = self.pairs.form_sending(req.pair_key, receiver, req.store_address)
+            if slot is None:
+                return 0, 0, "busy: too many pairs forming, or the key is taken", False
+        self._send_when_ready(slot, req.transfer_id, held.blocks, hashes[:held.num_blocks])
         reason = "" if held.num_blocks == len(hashes) else f"holds the first {held.num_blocks} of {len(hashes)}"
-        return held.num_blocks, held.num_blocks * self.spec.bytes_per_block, reason
+        return held.num_blocks, held.num_blocks * self.spec.bytes_per_block, reason, False
+
+    def _send_when_ready(self, slot: Slot, transfer_id: int, blocks: torch.Tensor,
+                         hashes: Sequence[BlockHash]) -> None:
+        def go(ready: Future[PairGroup]) -> None:
+            if ready.exception() is not None:
+                self._count_send_failure(ready.exception())
+                return
+            try:
+                future = self.transfer.send(ready.result(), transfer_id, blocks, hashes)
+            except RuntimeError as e:      # the transfer is closed: the worker is stopping
+                self._count_send_failure(e)
+                return
+            future.add_done_callback(self._sent)
+        slot.ready.add_done_callback(go)
+
+    def _count_send_failure(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._c.send_failures += 1
+        log.warning("send failed: %s", error)
 
     def _sent(self, future: Future[SendResult]) -> None:
+        if future.exception() is not None:
+            self._count_send_failure(future.exception())
+            return
         with self._lock:
-            if future.exception() is not None:
-                self._c.send_failures += 1
-                log.warning("send failed: %s", future.exception())
-            else:
-                self._c.blocks_sent += future.result().num_blocks
-                self._c.bytes_sent += future.result().num_bytes
+            self._c.blocks_sent += future.result().num_blocks
+            self._c.bytes_sent += future.result().num_bytes
 
     # -- the puller: fetch-or-recompute ---------------------------------------------------
     def view(self) -> PlanView:
-        return PlanView(self.rank, self.group.world_size, dict(self.links), self.transfer.lost_peers(),
-                        self.prefill_tokens_per_s, self.checksum_bytes_s, self.spec.bytes_per_block,
-                        self.block_size)
+        with self._lock:
+            links = dict(self._links)
+        return PlanView(self.worker_id, links, self.prefill_tokens_per_s, self.checksum_bytes_s,
+                        self.spec.bytes_per_block, self.block_size)
 
     async def fetch(self, ae: AsyncEngine, token_ids: Sequence[int], hints: Sequence[PeerHint],
                     ask: AskPeer) -> Fetched | None:
@@ -340,17 +307,61 @@ class PeerPlane:
         keep, blocks = stored
         return Fetched(StageBlocks(tuple(keep), blocks), plan.num_local, len(keep))
 
+    async def _pair_for(self, sender_id: str) -> tuple[Slot, bool]:
+        """The live (or forming) pair with `sender_id`, else a new key: (slot, is_new)."""
+        slot = self.pairs.receiving(sender_id)
+        if slot is not None:
+            try:
+                await asyncio.shield(asyncio.wrap_future(slot.ready))
+                return slot, False
+            except TransferError:
+                pass                       # it did not form: a new one below
+        return self.pairs.new_receiving(sender_id), True
+
+    async def _ask(self, hint: PeerHint, plan: FetchPlan, transfer_id: int,
+                   ask: AskPeer) -> tuple[Slot, PairGroup, int] | str:
+        """Ask the peer to send on our pair with it (one retry on a new pair when it knows
+        ours no more); the pair ready to receive on and the blocks coming, or why none."""
+        for _ in range(2):
+            slot, new = await self._pair_for(hint.worker_id)
+            old = None if new else slot.ready.result()
+            fields = dict(pair_key=slot.key, new_pair=new, store_address=self.pairs.store_address,
+                          receiver_id=self.worker_id, receiver_generation=self.me.generation,
+                          sender_id=hint.worker_id, sender_generation=0 if old is None else old.peer.generation)
+            try:
+                answer = await ask(hint.address, plan.block_hashes, transfer_id, fields)
+            except PeerUnavailable as e:
+                if new:
+                    self.pairs.abandon(slot)
+                return f"SendBlocks to {hint.address}: {e}"
+            if answer.pair_unknown and not new:
+                assert old is not None
+                self._broken(old, f"{hint.worker_id} knows pair {slot.key} no more")
+                continue
+            if answer.num_blocks <= 0:
+                if new:
+                    self.pairs.abandon(slot)
+                return f"{hint.worker_id} sends none of the {len(plan.block_hashes)} blocks"
+            if not new:
+                assert old is not None
+                return slot, old, answer.num_blocks
+            try:
+                pair = await asyncio.to_thread(self.pairs.form_receiving, slot,
+                                               PeerId(hint.worker_id, answer.generation))
+            except TransferError as e:
+                return str(e)
+            return slot, pair, answer.num_blocks
+        return f"{hint.worker_id} knows none of our pairs"
+
     async def _pull(self, plan: FetchPlan, hint: PeerHint,
                     ask: AskPeer) -> tuple[list[BlockHash], torch.Tensor] | None:
         transfer_id = next(self._ids) % (MAX_TRANSFER_ID + 1)
-        try:
-            n = await ask(hint.address, plan.block_hashes, self.rank, hint.rank, transfer_id)
-        except PeerUnavailable as e:
-            return self._failed(f"SendBlocks to {hint.address}: {e}")
-        if n <= 0:
-            return self._failed(f"rank {hint.rank} sends none of the {len(plan.block_hashes)} blocks")
-        # Post the receive at once and never cancel it: a send nobody receives loses the pair.
-        future = self.transfer.recv(hint.rank, transfer_id, n, self.spec)
+        asked = await self._ask(hint, plan, transfer_id, ask)
+        if isinstance(asked, str):
+            return self._failed(asked)
+        _, pair, n = asked
+        # Post the receive at once and never cancel it: a send nobody receives breaks the pair.
+        future = self.transfer.recv(pair, transfer_id, n, self.spec)
         try:
             got = await asyncio.shield(asyncio.wrap_future(future))
         except TransferError as e:
@@ -361,8 +372,8 @@ class PeerPlane:
             self._c.blocks_fetched += k
             self._c.bytes_fetched += k * self.spec.bytes_per_block
         if k < n:
-            log.warning("from rank %d: %d of %d blocks usable (bad: %s); recomputing the rest",
-                        hint.rank, k, n, got.bad_indices)
+            log.warning("from %s: %d of %d blocks usable (bad: %s); recomputing the rest",
+                        pair.peer, k, n, got.bad_indices)
         if k == 0:
             return None
         return list(plan.block_hashes[:k]), got.blocks[:, :, :k]   # [L, 2, k, bs, H, D]
@@ -390,7 +401,8 @@ class PeerPlane:
             self._c.recompute_decisions += plan.decision is Decision.RECOMPUTE
 
     def figures(self) -> PeerFigures:
+        formed, broken = self.pairs.counts()
         with self._lock:
-            return PeerFigures(
-                self.rank, self.group.world_size, self.group.backend, self.prefill_tokens_per_s,
-                self.checksum_bytes_s, dict(self.links), self.transfer.lost_peers(), replace(self._c))
+            return PeerFigures(self.me, self.pairs.store_address, self.backend, self.prefill_tokens_per_s,
+                               self.checksum_bytes_s, dict(self._links), dict(self._lost), formed, broken,
+                               replace(self._c))

@@ -10,6 +10,7 @@ import torch
 
 from kvstore.keys import BlockHash, extend_block_hashes
 from kvstore.pool import BlockId
+from worker.logprobs import TokenLogprob
 from worker.sampling import SamplingHistory, SamplingParams
 
 
@@ -80,10 +81,27 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None          # set by the scheduler's finish
+    # n / best_of (issue #22): sequence `index` of the client's request `group_id`
+    group_id: str = ""                          # "" until __post_init__: request_id
+    index: int = 0
+    forked: bool = False                        # its siblings exist (or it needs none)
+    logprobs: list[TokenLogprob] = field(default_factory=list)          # one per output token
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # prompt tokens 1..
+    cumulative_logprob: float = 0.0
+    sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.history = SamplingHistory(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+        self.forked = self.forked or self.params.num_sequences == 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (then no prefix-cache hit)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def held_block_ids(self) -> list[BlockId]:
@@ -171,3 +189,8 @@ class RequestOutput:
     completion_tokens: int
     num_cached_tokens: int
     timings: RequestTimings
+    index: int = 0                              # the sequence (n / best_of); request_id is the group's
+    new_logprobs: tuple[TokenLogprob, ...] = ()  # one per new_token_ids entry, when asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None   # in the group's first output only
+    cumulative_logprob: float | None = None
+    group_finished: bool = True                 # every sequence of the request finished

@@ -168,6 +168,7 @@ class Scheduler:
         need = self._blocks_needed(req, n)
         while True:
             try:
+                self._copy_shared_tail(req)
                 req.block_ids.extend(self.store.allocate(need))
                 return True
             except OutOfBlocks:
@@ -176,6 +177,29 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     return False
+
+    def _copy_shared_tail(self, req: Request) -> None:
+        """Copy-on-write: the block the next token's K/V goes into, if another sequence of
+        the same fork still references it, becomes a private copy (the last writer keeps the
+        original). Only a fork's partial block can be shared and written."""
+        at = (req.num_computed_tokens - req.num_evicted_tokens) // self.cfg.block_size
+        if at < len(req.block_ids) and req.block_ids[at] != NO_BLOCK and self.store.is_shared(req.block_ids[at]):
+            req.block_ids[at] = self.store.copy_on_write(req.block_ids[at])
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Running sequences that continue `parent`'s computed prompt (n / best_of): each
+        holds one more reference to every block of it; none is copied until written."""
+        for child in children:
+            self.store.share(parent.held_block_ids)
+            child.block_ids = list(parent.block_ids)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_evicted_tokens = parent.num_evicted_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.forked = True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -210,7 +234,8 @@ class Scheduler:
         bs = self.cfg.block_size
         # Keep at least the last token uncached: its logits are needed to sample.
         max_cached_blocks = (req.num_tokens - 1) // bs
-        hashes = req.block_hashes[:max_cached_blocks]
+        # prompt logprobs need the logits of every prompt position: no cache hit for those
+        hashes = req.block_hashes[:max_cached_blocks] if not req.needs_prompt_logits else []
         match = self.store.lookup(hashes)
         num_computed = match.num_blocks * bs
         remaining = req.num_tokens - num_computed

@@ -29,14 +29,15 @@ from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_reques
                             to_generate_input, to_send_blocks_input, to_send_blocks_request)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from worker.commands import ApplyChatTemplate, ListRequests, Snapshot, Tokenize
+from worker import cluster_auth
+from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.server_config import WorkerServerConfig
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
-    from worker.peer import Fetched, PeerFigures, PeerPlane
+    from worker.peer import AskAnswer, Fetched, PeerFigures, PeerPlane
     from worker.metrics import MetricsHTTP, WorkerMetrics
     from worker.request import RequestOutput
 
@@ -100,19 +101,20 @@ class WorkerServer:
             await self._health.set(service, _NOT_SERVING)
         limit = self.cfg.max_message_bytes
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit)])
+                                          ("grpc.max_send_message_length", limit)],
+                                 interceptors=cluster_auth.server_interceptors(self.cfg))
         server.add_generic_rpc_handlers((self._handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        self._port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self._port = cluster_auth.bind(server, self.cfg)
         await server.start()
         self._server = server
         self._idle.set()
         self._load_task = asyncio.create_task(self._load(), name=f"load-{self.cfg.worker_id}")
-        log.info("worker %s listening on %s:%d, loading %s", self.cfg.worker_id, self.cfg.host,
-                 self._port, self.engine_cfg.model)
+        log.info("worker %s listening on %s:%d (%s), loading %s", self.cfg.worker_id, self.cfg.host,
+                 self._port, ", ".join(cluster_auth.describe(self.cfg)), self.engine_cfg.model)
         return self._port
 
     async def wait_ready(self, timeout: float | None = None) -> None:
@@ -169,11 +171,11 @@ class WorkerServer:
     def _start_peer(self, engine: Engine) -> PeerPlane | None:
         from kvstore.transfer_group import TransferConfig, TransferError
         from worker.peer import PeerConfig, PeerPlane
-        assert self.cfg.dist_init_addr is not None
-        host, _, port = self.cfg.dist_init_addr.rpartition(":")
-        cfg = PeerConfig(TransferConfig(rank=self.cfg.rank, world_size=self.cfg.world_size, master_port=int(port),
-                                        master_addr=host, timeout_s=self.cfg.transfer_timeout_s,
-                                        rendezvous_timeout_s=180.0), faults=self.cfg.transfer_faults)
+        advertise_host = self.cfg.advertise_address.rpartition(":")[0] if self.cfg.advertise_address else None
+        timeout = self.cfg.transfer_timeout_s
+        cfg = PeerConfig(self.cfg.worker_id, TransferConfig(timeout_s=timeout, connect_timeout_s=timeout),
+                         store_host=self.cfg.host, store_port=self.cfg.transfer_port,
+                         advertise_host=advertise_host, faults=self.cfg.transfer_faults)
         try:
             return PeerPlane.start(cfg, engine)
         except TransferError as e:
@@ -238,6 +240,10 @@ class WorkerServer:
             "SendBlocks": grpc.unary_unary_rpc_method_handler(
                 self._send_blocks, request_deserializer=parse_send_blocks_request,
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
+            "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
+                                      pb.ResetPrefixCacheResponse),
+            "Attest": unary(lambda r, c: cluster_auth.attest(self.cfg, self.address, r, c),
+                            pb.AttestRequest, pb.AttestResponse),
         })
 
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -276,25 +282,33 @@ class WorkerServer:
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
                               staged=fetched.staged if fetched is not None else None, resume_tokens=inp.resume_tokens)
         t0, first = time.perf_counter(), True
+        completion_tokens = 0          # over every sequence (n / best_of)
         try:
             async for out in outputs:
                 if first and self._peer is not None:
                     self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False
-                await context.write(self._response(out, fetched))
+                completion_tokens += out.completion_tokens if out.finished else 0
+                await context.write(self._response(out, fetched, completion_tokens))
         finally:
             # Client cancelled or deadline passed (CancelledError here): closing the iterator
             # aborts the request and frees its blocks.
             await outputs.aclose()
 
-    def _response(self, out: RequestOutput, fetched: Fetched | None = None) -> pb.GenerateResponse:
+    def _response(self, out: RequestOutput, fetched: Fetched | None = None,
+                  completion_tokens: int = 0) -> pb.GenerateResponse:
+        from worker.logprobs import to_pb
         resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
-                                   text=out.new_text, worker_id=self.cfg.worker_id)
+                                   text=out.new_text, worker_id=self.cfg.worker_id, index=out.index,
+                                   logprobs=to_pb(out.new_logprobs), prompt_logprobs=to_pb(out.prompt_logprobs or ()),
+                                   cumulative_logprob=out.cumulative_logprob or 0.0)
         if out.finished:
-            resp.finished = True
+            resp.sequence_finished = True
             resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        if out.finished and out.group_finished:
+            resp.finished = True
             resp.prompt_tokens = out.prompt_tokens
-            resp.completion_tokens = out.completion_tokens
+            resp.completion_tokens = max(completion_tokens, out.completion_tokens)
             resp.cached_tokens = out.num_cached_tokens
             if fetched is not None:   # the fetched blocks follow the local ones, if admission used them
                 assert self._engine is not None
@@ -333,29 +347,33 @@ class WorkerServer:
         from worker.peer import PeerTransferOff
         inp = to_send_blocks_input(request)
         if self._peer is None:
-            raise PeerTransferOff(f"worker {self.cfg.worker_id} is in no transfer group")
+            raise PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off")
 
         def still_wanted() -> bool:    # the answer must reach the caller before its deadline
             remaining = context.time_remaining()
             return not context.done() and (remaining is None or remaining > _SEND_MARGIN_S)
-        num_blocks, num_bytes, reason = await self._peer.serve_send(ae, inp, still_wanted)
-        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason)
+        num_blocks, num_bytes, reason, unknown = await self._peer.serve_send(ae, inp, still_wanted)
+        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
+                                     generation=self._peer.me.generation, pair_unknown=unknown)
 
-    async def _ask_peer(self, address: str, block_hashes: Sequence[int], dst_rank: int, src_rank: int,
-                        transfer_id: int) -> int:
+    async def _ask_peer(self, address: str, block_hashes: Sequence[int], transfer_id: int,
+                        pair: dict[str, Any]) -> AskAnswer:
         """The control-plane call of a fetch (worker.peer.AskPeer)."""
-        from worker.peer import PeerUnavailable
+        from worker.peer import AskAnswer, PeerUnavailable
         channel = self._peer_channels.get(address)
         if channel is None:
-            limit = self.cfg.max_message_bytes
-            channel = self._peer_channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_send_message_length", limit)])
-        request = to_send_blocks_request(block_hashes, dst_rank, src_rank, transfer_id)
+            channel = self._peer_channels[address] = cluster_auth.peer_channel(self.cfg, address)
+        request = to_send_blocks_request(block_hashes, transfer_id, **pair)
         try:
             response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
-        return int(response.num_blocks)
+        return AskAnswer(int(response.num_blocks), int(response.generation), bool(response.pair_unknown))
+
+    async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
+        ae = await self._ready(context)
+        return pb.ResetPrefixCacheResponse(reset=await self._guard(context, ae.run(ResetPrefixCache())))
 
     async def _get_model_info(self, request: pb.ModelInfoRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelInfo:
@@ -403,12 +421,14 @@ class WorkerServer:
 
 
 def _peer_stats(f: PeerFigures) -> pb.PeerStats:
-    links = [pb.PeerLink(rank=r, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
-                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(r, ""))
-             for r, e in sorted(f.links.items())]
+    links = [pb.PeerLink(worker_id=w, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
+                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(w, ""))
+             for w in sorted(f.links.keys() | f.lost.keys()) for e in (f.links.get(w),)]
     return pb.PeerStats(
-        rank=f.rank, world_size=f.world_size, backend=f.backend, prefill_tokens_per_s=f.prefill_tokens_per_s,
-        checksum_bytes_s=f.checksum_bytes_s, links=links, **dataclasses.asdict(f.counters))
+        worker_id=f.me.worker_id, generation=f.me.generation, store_address=f.store_address,
+        pairs_formed=f.pairs_formed, pairs_broken=f.pairs_broken, backend=f.backend,
+        prefill_tokens_per_s=f.prefill_tokens_per_s, checksum_bytes_s=f.checksum_bytes_s, links=links,
+        **dataclasses.asdict(f.counters))
 
 
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:

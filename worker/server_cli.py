@@ -1,8 +1,11 @@
 """`kvmesh worker`: the flags and the process around one `WorkerServer` (worker/server.py).
 
-The rendezvous of the peer-transfer group comes from --rank / --world-size /
---dist-init-addr, else from KVMESH_RANK / KVMESH_WORLD_SIZE / KVMESH_DIST_INIT_ADDR (set by
-`kvmesh serve --ray` and the Helm chart). KVMESH_TEST_TRANSFER_FAULTS (tests only) injects
+Peer transfer is on with --peer-transfer (or KVMESH_PEER_TRANSFER=1): pairs with other
+workers form on demand (worker.peer), through a rendezvous store this worker hosts on
+--transfer-port (KVMESH_TRANSFER_PORT; 0 = a free port). The legacy static group flags
+--rank / --world-size / --dist-init-addr and KVMESH_RANK / KVMESH_WORLD_SIZE /
+KVMESH_DIST_INIT_ADDR are accepted and ignored (one deprecation line), except that a world
+size above 1 turns peer transfer on. KVMESH_TEST_TRANSFER_FAULTS (tests only) injects
 transfer faults (worker.peer.PeerConfig.faults, comma-separated). Imports no torch.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from contracts.cli import CLIError, flagify
+from contracts.cluster_token import TOKEN_ENV, token_from
+from contracts.tls import add_tls_arguments, tls_from_args
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.config import ModelLoadError
 from worker.server import WorkerServer, WorkerServerConfig
@@ -25,24 +30,41 @@ if TYPE_CHECKING:
     from worker.engine import EngineConfig
 
 log = logging.getLogger("kvmesh.worker")
+REDIS_URL_ENV = "KVMESH_REDIS_URL"
 
 
-class Rendezvous(NamedTuple):
-    rank: int
-    world_size: int
-    dist_init_addr: str | None
+class PeerFlags(NamedTuple):
+    peer_transfer: bool
+    transfer_port: int
+    legacy: tuple[str, ...]      # legacy static-group settings seen (ignored)
 
 
-def rendezvous_from_env(env: Mapping[str, str]) -> Rendezvous:
-    """KVMESH_RANK / KVMESH_WORLD_SIZE / KVMESH_DIST_INIT_ADDR as set by `kvmesh serve --ray`
-    and the Helm chart (absent: rank 0 of 1, no peer transfer); ValueError naming a bad one."""
-    values = []
-    for name, default in (("KVMESH_RANK", 0), ("KVMESH_WORLD_SIZE", 1)):
-        raw = env.get(name, "").strip()
-        if raw and not raw.isdigit():
-            raise ValueError(f"{name}={raw!r} must be a non-negative integer")
-        values.append(int(raw) if raw else default)
-    return Rendezvous(values[0], values[1], env.get("KVMESH_DIST_INIT_ADDR") or None)
+_LEGACY_ENV = ("KVMESH_RANK", "KVMESH_WORLD_SIZE", "KVMESH_DIST_INIT_ADDR")
+
+
+def peer_flags(args: argparse.Namespace, env: Mapping[str, str]) -> PeerFlags:
+    """--peer-transfer / --transfer-port with their KVMESH_* fallbacks, and the legacy
+    rank / world-size / dist-init-addr settings (a world size > 1 turns peer transfer on);
+    ValueError naming a bad one."""
+    port_raw = env.get("KVMESH_TRANSFER_PORT", "").strip()
+    if port_raw and not port_raw.isdigit():
+        raise ValueError(f"KVMESH_TRANSFER_PORT={port_raw!r} must be a port number")
+    world_raw = env.get("KVMESH_WORLD_SIZE", "").strip()
+    if world_raw and not world_raw.isdigit():
+        raise ValueError(f"KVMESH_WORLD_SIZE={world_raw!r} must be a non-negative integer")
+    world = args.world_size if args.world_size is not None else int(world_raw or 1)
+    legacy = tuple(name for name, value in (("--rank", args.rank), ("--world-size", args.world_size),
+                                            ("--dist-init-addr", args.dist_init_addr)) if value is not None)
+    legacy += tuple(name for name in _LEGACY_ENV if env.get(name))
+    on = args.peer_transfer or env.get("KVMESH_PEER_TRANSFER", "").strip().lower() in ("1", "true", "yes", "on")
+    port = args.transfer_port if args.transfer_port is not None else int(port_raw or 0)
+    return PeerFlags(on or world > 1, port, legacy)
+
+
+def peer_flags_from_env(env: Mapping[str, str]) -> PeerFlags:
+    """`peer_flags` with no command-line flags (a worker started in-process, e.g. by Ray)."""
+    none = argparse.Namespace(peer_transfer=False, transfer_port=None, rank=None, world_size=None, dist_init_addr=None)
+    return peer_flags(none, env)
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,19 +73,27 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="port to bind (0 = a free port, printed when serving)")
     g.add_argument("--worker-id", default="worker-0")
     g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
-    g.add_argument("--redis-url", default=None, help="metadata Redis (worker registry)")
+    g.add_argument("--redis-url", default=None,
+                   help=f"metadata Redis (worker registry; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
     g.add_argument("--cluster-name", default="kvmesh")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics port (default: --port + 1000, or a free one when --port is 0; "
                         "0 = a free port; -1 = off); logged to stderr when serving")
     g.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
-    g = p.add_argument_group("peer transfer (a torch.distributed group of the workers)")
-    g.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $KVMESH_RANK, else 0)")
-    g.add_argument("--world-size", type=int, default=None,
-                   help="workers in the transfer group (default: $KVMESH_WORLD_SIZE, else 1 = no peer transfer)")
-    g.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
-                   help="rendezvous of the group, where rank 0 listens (default: $KVMESH_DIST_INIT_ADDR)")
+    g = p.add_argument_group("cluster authentication (README: Security)")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"the secret shared with the router and peers (default: ${TOKEN_ENV}; prefer the "
+                        "environment: flags show in ps); every Worker RPC then needs it")
+    add_tls_arguments(g, "worker")
+    g = p.add_argument_group("peer transfer (pairs of workers formed on demand)")
+    g.add_argument("--peer-transfer", action="store_true",
+                   help="fetch hinted prefixes from peers and send to them (default: $KVMESH_PEER_TRANSFER=1, else off)")
+    g.add_argument("--transfer-port", type=int, default=None,
+                   help="port of this worker's pair rendezvous store (default: $KVMESH_TRANSFER_PORT, else a free one)")
+    for legacy in ("--rank", "--world-size"):
+        g.add_argument(legacy, type=int, default=None, help=argparse.SUPPRESS)   # deprecated, ignored
+    g.add_argument("--dist-init-addr", default=None, help=argparse.SUPPRESS)
     add_engine_arguments(p)
 
 
@@ -80,23 +110,26 @@ def run_worker(args: argparse.Namespace) -> int:
     `kvmesh worker <id> serving on <host>:<port>`; logs go to stderr."""
     engine_cfg = engine_config_from_args(args)
     try:
-        env = rendezvous_from_env(os.environ)
+        peer = peer_flags(args, os.environ)
     except ValueError as e:
         raise CLIError(f"environment: {e}") from None
     faults = os.environ.get("KVMESH_TEST_TRANSFER_FAULTS", "")   # tests only: worker.peer.FaultPlan
     try:
         cfg = WorkerServerConfig(host=args.host, port=args.port, worker_id=args.worker_id,
                                  advertise_address=args.advertise_address, drain_timeout_s=args.drain_timeout_s,
-                                 redis_url=args.redis_url, cluster_name=args.cluster_name,
-                                 rank=env.rank if args.rank is None else args.rank,
-                                 world_size=env.world_size if args.world_size is None else args.world_size,
-                                 dist_init_addr=args.dist_init_addr or env.dist_init_addr,
+                                 redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
+                                 cluster_name=args.cluster_name,
+                                 peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
                                  transfer_faults=tuple(a for a in faults.split(",") if a),
-                                 metrics_port=metrics_port_for(args.port, args.metrics_port))
+                                 metrics_port=metrics_port_for(args.port, args.metrics_port),
+                                 cluster_token=token_from(args.cluster_token), tls=tls_from_args(args))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if peer.legacy:
+        log.warning("deprecated and ignored: %s (pairs of workers form on demand; peer transfer is %s)",
+                    ", ".join(peer.legacy), "on" if peer.peer_transfer else "off")
     return asyncio.run(_serve_until_signal(engine_cfg, cfg))
 
 

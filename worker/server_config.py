@@ -4,7 +4,10 @@ Torch-free and gRPC-free, so the CLI and launchers can build and validate it che
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from contracts.cluster_token import check_token
+from contracts.tls import PLAINTEXT, TlsConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,8 +15,9 @@ class WorkerServerConfig:
     """Where the worker listens and how it drains. `advertise_address` (None → host:port) is
     what peers and the router dial. With `redis_url` the worker registers itself (heartbeat
     with a TTL) and publishes its KV events for the router's block index. With
-    `world_size > 1` it joins the peer-transfer group at `dist_init_addr` (HOST:PORT, where
-    rank 0 listens) as `rank`; `transfer_faults` is for tests only (worker.peer.PeerConfig)."""
+    `peer_transfer` it fetches hinted prefixes from peers and sends to them over pairs formed
+    on demand (worker.peer), hosting its rendezvous store on `host`:`transfer_port` (0 = a
+    free port); `transfer_faults` is for tests only (worker.peer.PeerConfig)."""
 
     host: str = "127.0.0.1"
     port: int = 0                        # 0 = a free port, returned by start()
@@ -23,23 +27,25 @@ class WorkerServerConfig:
     max_message_bytes: int = 4 * 2**20   # grpc's own default receive limit, made explicit
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
-    rank: int = 0
-    world_size: int = 1
-    dist_init_addr: str | None = None
+    peer_transfer: bool = False
+    transfer_port: int = 0
     transfer_timeout_s: float = 10.0
     transfer_faults: tuple[str, ...] = ()
     metrics_port: int | None = None      # Prometheus /metrics (worker/metrics.py); None = off, 0 = a free port
+    # Cluster authentication (worker/cluster_auth.py): the token every Worker RPC then needs, and TLS.
+    cluster_token: str | None = field(default=None, repr=False)
+    tls: TlsConfig = PLAINTEXT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_faults", tuple(self.transfer_faults))
+        if self.cluster_token is not None:
+            check_token(self.cluster_token)
+        if self.tls.ca is not None and not self.tls.serves_tls:
+            raise ValueError("tls_cert: a worker with --tls-ca needs its own --tls-cert/--tls-key (mutual TLS)")
         if not self.host:
             raise ValueError("host is empty")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size={self.world_size!r} must be a positive integer")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank={self.rank!r} must be in [0, world_size={self.world_size})")
-        if self.world_size > 1 and (self.dist_init_addr is None or not _is_host_port(self.dist_init_addr)):
-            raise ValueError(f"dist_init_addr={self.dist_init_addr!r} must be HOST:PORT when world_size > 1")
+        if not isinstance(self.transfer_port, int) or not 0 <= self.transfer_port <= 65535:
+            raise ValueError(f"transfer_port={self.transfer_port!r} must be in [0, 65535] (0 = a free port)")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s={self.transfer_timeout_s!r} must be > 0")
         if not 0 <= self.port <= 65535:
@@ -56,10 +62,6 @@ class WorkerServerConfig:
             raise ValueError("cluster_name is empty")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port} must be in [0, 65535] (0 = a free port)")
-
-    @property
-    def peer_transfer(self) -> bool:
-        return self.world_size > 1
 
 
 def _is_host_port(address: str) -> bool:

@@ -154,7 +154,8 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
 # Options the chart sets itself (addresses, identity) or leaves at the CLI default on purpose.
 CHART_OWNED = {"command", "run", "host", "worker_id", "advertise_address", "redis_url", "worker",
                "no_http",  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
-               "rank", "world_size", "dist_init_addr",  # worker: set through KVMESH_* env (configmap, pod ordinal)
+               "peer_transfer", "transfer_port",  # worker: set through KVMESH_* env (configmap)
+               "rank", "world_size", "dist_init_addr",  # worker: legacy, ignored
                "api_key", "api_keys_file"}  # router: keys are not wired into the chart yet (a Secret, #17 item 8)
 
 
@@ -183,14 +184,14 @@ def test_worker_rendezvous_and_identity(helm: Path, tmp_path: Path) -> None:
     sts = one(r.docs, "StatefulSet", "worker")
     c = container(sts)
     env = {e["name"]: e for e in c["env"]}
-    assert env["KVMESH_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert "KVMESH_RANK" not in env      # no ranks: pairs of workers form on demand
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     cm = one(r.docs, "ConfigMap")["data"]
-    assert cm["KVMESH_WORLD_SIZE"] == "3"
-    assert cm["KVMESH_DIST_INIT_ADDR"] == f"{host(0)}:29600"
+    assert (cm["KVMESH_PEER_TRANSFER"], cm["KVMESH_TRANSFER_PORT"]) == ("1", "29600")
+    assert "KVMESH_WORLD_SIZE" not in cm and "KVMESH_DIST_INIT_ADDR" not in cm
     headless = next(d for d in r.docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
-    assert sts["spec"]["podManagementPolicy"] == "Parallel"  # every rank must start to rendezvous
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"  # none waits for another
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["dist"] == 29600
 
 

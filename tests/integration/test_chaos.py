@@ -67,9 +67,9 @@ def _assert_equal_or_near_tie(outcomes: list[Outcome], baseline: dict[int, Outco
         assert_greedy_match(o.tokens, baseline[o.prompt].tokens, ids, hf_logits_fn(hf), hf_logits_fn(hf))
 
 
-def _running(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        load = pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10)
+def _running(serve: ServeProcess, i: int) -> int:
+    with grpc.insecure_channel(serve.worker_addresses[i]) as ch:
+        load = pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10, metadata=serve.worker_metadata)
     return load.num_running + load.num_waiting
 
 
@@ -84,7 +84,7 @@ def _in_background(serve: ServeProcess, order: list[int]) -> tuple[threading.Thr
 def test_kill9_worker_under_24_streams_migrates_them(serve: ServeProcess, baseline: dict[int, Outcome],
                                                      smollm2_dir: Path) -> None:
     thread, outcomes = _in_background(serve, [i % len(PROMPTS) for i in range(24)])
-    assert wait_until(lambda: _running(serve.worker_addresses[0]) >= 4, 60) is not None
+    assert wait_until(lambda: _running(serve, 0) >= 4, 60) is not None
     time.sleep(1.0)     # let its streams send some tokens
     pid = serve.kill("worker-0")
     killed_at = time.monotonic()
@@ -143,7 +143,7 @@ def _index_holds(serve: ServeProcess, stub: pb_grpc.RouterStub, req: pb.Generate
 def test_sigterm_worker_under_load_finishes_its_streams(serve: ServeProcess) -> None:
     assert wait_until(lambda: len([u for u in workers_up(serve.http_base).values() if u]) == 2, 120) is not None
     thread, outcomes = _in_background(serve, [i % len(PROMPTS) for i in range(8)])
-    assert wait_until(lambda: _running(serve.worker_addresses[1]) >= 2, 60) is not None
+    assert wait_until(lambda: _running(serve, 1) >= 2, 60) is not None
     serve.kill("worker-1", signal.SIGTERM)
     thread.join(240)
     assert len(outcomes) == 8 and [o for o in outcomes if not o.ok] == []
@@ -159,7 +159,7 @@ def test_sigterm_router_turns_unready_at_once_and_finishes_open_streams(serve: S
     import urllib.error
     import urllib.request
     thread, outcomes = _in_background(serve, [0, 1])
-    assert wait_until(lambda: _running(serve.worker_addresses[0]) >= 2, 60) is not None
+    assert wait_until(lambda: _running(serve, 0) >= 2, 60) is not None
     pid = serve.kill("router", signal.SIGTERM)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with pytest.raises(urllib.error.HTTPError) as err:

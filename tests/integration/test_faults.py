@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from tests.integration.test_serve import Launched, _alive, _launch_serve
+from tests.integration.test_serve import REDIS_PASSWORD, TOKEN, Launched, _alive, _launch_serve
 
 pytestmark = pytest.mark.multiproc
 
@@ -100,7 +100,7 @@ def test_killed_redis_is_restarted_on_its_port_and_requests_keep_succeeding(serv
     for i in range(200, 204):        # the router routes without Redis
         assert _generate(served.grpc_target, i).finished
     _wait_for_line(served, r"^kvmesh serve: restarted redis \(pid \d+\)$", 30)
-    with redis.Redis.from_url(redis_url.group(1), socket_timeout=2.0) as client:
+    with redis.Redis.from_url(redis_url.group(1).replace("***", REDIS_PASSWORD), socket_timeout=2.0) as client:
         assert client.ping()
     for i in range(300, 304):
         assert _generate(served.grpc_target, i).finished
@@ -113,7 +113,9 @@ def _busy_worker(served: Launched) -> int:
     assert addresses, served.out.read_text()
     for i, address in enumerate(addresses.group(1).split()):
         with grpc.insecure_channel(address) as ch:
-            if pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10).num_used_blocks > 0:
+            load = pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10,
+                                                  metadata=(("x-kvmesh-cluster-token", TOKEN),))
+            if load.num_used_blocks > 0:
                 return i
     raise AssertionError("no worker holds the stream's blocks")
 

@@ -8,6 +8,7 @@ Ray process on the host.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,7 +89,7 @@ def test_two_ray_actors_serve_generate_like_the_engine(smollm2_dir: Path, monkey
                                                engine_argv=("--num-blocks", NUM_BLOCKS), startup_timeout_s=240),
                              cpus_per_worker=1)
         cluster = RayCluster(cfg).start()
-        assert len(cluster.worker_addresses) == 2 and cluster.redis_url.startswith("redis://127.0.0.1:")
+        assert len(cluster.worker_addresses) == 2 and re.match(r"redis://:[^@]+@127\.0\.0\.1:", cluster.redis_url)
         with grpc.insecure_channel(cluster.grpc_target) as ch:
             ids: list[int] = []
             last = None

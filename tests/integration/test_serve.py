@@ -32,6 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KV_GIB = "0.25"
 MAX_TOKENS = 16
 PROMPTS = ("The capital of France is", "A paged KV cache splits memory into")
+# `kvmesh serve` makes a random cluster token and Redis password per start; these tests choose
+# theirs (by environment, as an operator may) to reach the workers and Redis directly.
+TOKEN = "serve-test-cluster-token-0123456789"
+REDIS_PASSWORD = "serve-test-redis-password-0123"
+SECRETS_ENV = {"KVMESH_CLUSTER_TOKEN": TOKEN, "KVMESH_REDIS_PASSWORD": REDIS_PASSWORD}
 CHAT = ({"role": "system", "content": "You answer in one short sentence."},
         {"role": "user", "content": "What is the tallest mountain on Earth?"})
 
@@ -86,7 +91,8 @@ def _launch_serve(tmp_path: Path, cluster_name: str, *flags: str, workers: int =
             "--http-port", "0", "--cluster-name", cluster_name, "--log-dir", str(tmp_path / f"{cluster_name}-logs"),
             "--kv-cache-memory-gib", KV_GIB, *flags]
     with open(out, "wb") as fo, open(err, "wb") as fe:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
+        proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                                env=os.environ | SECRETS_ENV)
     deadline = time.monotonic() + 120
     while "Ctrl-C stops everything" not in out.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -164,6 +170,8 @@ def test_serve_flags_become_config() -> None:
     cfg = config_from_args(args)
     assert (cfg.workers, cfg.model, cfg.grpc_port, cfg.http_port, cfg.cluster_name) == (3, "/m", 0, 8000, "c1")
     assert cfg.engine_argv == ("--kv-cache-memory-gib", "0.5", "--no-enable-prefix-caching")
+    assert cfg.cluster_token and cfg.cluster_token != config_from_args(args).cluster_token   # fresh per start
+    assert cfg.cluster_token not in repr(cfg)
     for bad in (dict(workers=0), dict(grpc_port=70000), dict(redis_url="localhost:6379"),
                 dict(engine_argv=("--port", "1")), dict(cluster_name="a b")):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -179,6 +187,7 @@ def test_serve_subprocess_sigterm_leaves_nothing(tmp_path: Path) -> None:
                                  launched.grpc_target, "--json", "--max-tokens", "8", "Hello, my name is"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert client.returncode == 0, client.stderr
+        _secrets_kept_out_of_sight(launched)
         result = json.loads(client.stdout)
         assert result["completion_tokens"] >= 1 and result["worker_id"] == "worker-0"
         assert all(_alive(p) for p in launched.child_pids)
@@ -191,6 +200,23 @@ def test_serve_subprocess_sigterm_leaves_nothing(tmp_path: Path) -> None:
             launched.proc.kill()
             launched.proc.wait()
     assert _wait_gone(launched.child_pids, f"--cluster-name {name}", 1.0) == []
+
+
+def _secrets_kept_out_of_sight(launched: Launched) -> None:
+    """The token and the Redis password reach the children by environment only: not in any
+    command line (ps), not in the banner (masked); Redis refuses a client without the password."""
+    banner = launched.out.read_text()
+    assert TOKEN not in banner and REDIS_PASSWORD not in banner and f"cluster token {TOKEN[:4]}" in banner
+    m = re.search(r"^\s+redis\s+redis://:\*\*\*@127\.0\.0\.1:(\d+)/0", banner, re.M)
+    assert m, banner
+    for pid in launched.child_pids:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert TOKEN.encode() not in cmdline and REDIS_PASSWORD.encode() not in cmdline
+    router_env = Path(f"/proc/{launched.child_pids[-1]}/environ").read_bytes()
+    assert f"KVMESH_CLUSTER_TOKEN={TOKEN}".encode() in router_env
+    with socket.create_connection(("127.0.0.1", int(m.group(1))), timeout=5) as anonymous:
+        anonymous.sendall(b"PING\r\n")
+        assert anonymous.recv(100).startswith(b"-NOAUTH")
 
 
 def test_serve_subprocess_sigkill_children_follow(tmp_path: Path) -> None:
@@ -255,7 +281,7 @@ def _greedy(engine: Any, ids: list[int]) -> Any:   # -> RequestOutput
 def test_cluster_addresses(cluster: LocalCluster) -> None:
     assert re.fullmatch(r"127\.0\.0\.1:\d+", cluster.grpc_target)
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/v1", cluster.http_base_url)
-    assert len(cluster.worker_addresses) == 2 and cluster.redis_url.startswith("redis://127.0.0.1:")
+    assert len(cluster.worker_addresses) == 2 and re.match(r"redis://:[^@]+@127\.0\.0\.1:", cluster.redis_url)
     assert cluster.poll() is None
 
 

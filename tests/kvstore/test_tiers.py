@@ -185,3 +185,22 @@ class TierMachine(RuleBasedStateMachine):
 TierMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=20, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_tier_state_machine = TierMachine.TestCase
+
+
+def test_offload_while_a_load_pins_the_tier_keeps_what_fits() -> None:
+    # a load pins its host blocks while its device allocation evicts into this very tier
+    # (found by test_store_state_machine): the youngest evicted blocks that fit are kept
+    lay = layout()
+    dev = filled(lay, 8)
+    tier = HostTier(lay, 3)
+    tier.offload(dev, [BlockId(0), BlockId(1), BlockId(2)], [H(0), H(1), H(2)])
+    tier.pin([H(0), H(1)])
+    assert tier.offload(dev, [BlockId(5), BlockId(6), BlockId(7)], [H(5), H(6), H(7)]) == 1
+    assert tier.match_prefix([H(7)]) == 1 and tier.match_prefix([H(5)]) == tier.match_prefix([H(2)]) == 0
+    assert tier.match_prefix([H(0), H(1)]) == 2
+    tier.pin([H(7)])
+    assert tier.offload(dev, [BlockId(4)], [H(4)]) == 0
+    assert tier.store([H(9)], dev.kv[:, :, [3]]) == 0
+    tier.unpin([H(0), H(1), H(7)])
+    assert tier.offload(dev, [BlockId(4)], [H(4)]) == 1
+    tier.check_integrity()

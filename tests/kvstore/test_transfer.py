@@ -1,7 +1,8 @@
 """Peer block transfer: two real processes over gloo on loopback, plus the cost model.
 
-This process is rank 0 and receives; `tests/kvstore/transfer_peer.py` is rank 1. The oracle
-is the sender's pool rebuilt here from the same seed and gathered with `gather_blocks`.
+This process hosts the rendezvous store and is member 0 of each pair (it receives);
+`tests/kvstore/transfer_peer.py` is member 1. The oracle is the sender's pool rebuilt here
+from the same seed and gathered with `gather_blocks`.
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import pytest
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
 from kvstore.transfer import BlockSpec, BlockTransfer, block_checksums
-from kvstore.transfer_group import TransferConfig, TransferError, TransferGroup, free_port
+from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, TransferError, connect_store
+from kvstore.transfer_wire import BlockHashers, num_pieces
 from kvstore.transfer_cost import CostModel, LinkEstimate, peer_vs_raw
 from tests.kvstore.transfer_peer import CORRUPT_INDEX, HASHES, LAYOUTS, SEND_IDS, TRANSFER_IDS, make_pool
 
@@ -28,27 +29,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
-def peer(mode: str, world_size: int = 2,
-         timeout_s: float = 10.0) -> Iterator[tuple[BlockTransfer, subprocess.Popen[bytes]]]:
-    """Start the peer process (ranks 1.. of `world_size`) in `mode`, form the group here as
-    rank 0, and clean both up."""
-    port = free_port()
-    args = [str(port), mode] if mode == "silent+late" else [str(port), mode, "1", str(world_size)]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.transfer_peer", *args], cwd=REPO)
-    group = transfer = None
+def peer(mode: str, timeout_s: float = 10.0) -> Iterator[tuple[BlockTransfer, dict[str, PairGroup],
+                                                                 subprocess.Popen[bytes]]]:
+    """Start the peer process in `mode`, form its pair(s) here as member 0 (keyed by mode:
+    `silent` and `late` for silent+late), and clean both up. A broken pair is retired."""
+    store = RendezvousStore("127.0.0.1", 0, 30.0)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.transfer_peer", store.address(), mode], cwd=REPO)
+    cfg = TransferConfig(timeout_s=timeout_s, connect_timeout_s=30.0)
+    pairs: dict[str, PairGroup] = {}
+    transfer = BlockTransfer(timeout_s, on_broken=lambda pair, why: transfer.retire(pair))
     try:
-        group = TransferGroup.form(TransferConfig(rank=0, world_size=world_size, master_port=port,
-                                                  timeout_s=timeout_s, rendezvous_timeout_s=30.0))
-        transfer = BlockTransfer(group)
-        yield transfer, proc
+        for key in mode.split("+"):
+            pairs[key] = PairGroup.form(key, store.store, 0, PeerId(f"peer-{key}", 1), "cpu", cfg)
+        yield transfer, pairs, proc
     finally:
-        if transfer is not None:
-            transfer.close(timeout_s=timeout_s)
+        transfer.close(timeout_s=timeout_s)
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
-        if group is not None:
-            group.close()
+        for pair in pairs.values():
+            pair.close()
 
 
 def _spec(kind: str) -> BlockSpec:
@@ -57,11 +57,12 @@ def _spec(kind: str) -> BlockSpec:
 
 @pytest.mark.multiproc
 def test_round_trip_is_bit_exact_fp32_and_int8_both_directions() -> None:
-    with peer("roundtrip") as (transfer, proc):
+    with peer("roundtrip") as (transfer, pairs, proc):
+        pair = pairs["roundtrip"]
         # the peer receives from us while it sends to us: neither side may deadlock
-        sent = transfer.send(1, TRANSFER_IDS["reverse"], make_pool("fp32", seed=2).gather_blocks(SEND_IDS), HASHES)
+        sent = transfer.send(pair, TRANSFER_IDS["reverse"], make_pool("fp32", seed=2).gather_blocks(SEND_IDS), HASHES)
         for kind in ("fp32", "int8"):
-            got = transfer.recv(1, TRANSFER_IDS[kind], len(SEND_IDS), _spec(kind)).result(timeout=20)
+            got = transfer.recv(pair, TRANSFER_IDS[kind], len(SEND_IDS), _spec(kind)).result(timeout=20)
             expected = make_pool(kind, seed=1).gather_blocks(SEND_IDS)
             assert got.blocks.dtype == expected.dtype and torch.equal(got.blocks, expected), kind
             assert got.ok == (True,) * len(SEND_IDS) and got.bad_indices == []
@@ -76,9 +77,9 @@ def test_round_trip_is_bit_exact_fp32_and_int8_both_directions() -> None:
 
 @pytest.mark.multiproc
 def test_corrupted_block_is_marked_bad_and_only_that_block() -> None:
-    with peer("corrupt") as (transfer, proc):
+    with peer("corrupt") as (transfer, pairs, proc):
         out = torch.zeros(_spec("fp32").shape(len(SEND_IDS)))  # a reused staging buffer
-        got = transfer.recv(1, TRANSFER_IDS["corrupt"], len(SEND_IDS), _spec("fp32"), out=out).result(timeout=20)
+        got = transfer.recv(pairs["corrupt"], TRANSFER_IDS["corrupt"], len(SEND_IDS), _spec("fp32"), out=out).result(timeout=20)
         expected = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
         assert got.blocks.data_ptr() == out.data_ptr()
         assert got.bad_indices == [CORRUPT_INDEX]
@@ -91,36 +92,37 @@ def test_corrupted_block_is_marked_bad_and_only_that_block() -> None:
 
 @pytest.mark.multiproc
 def test_peer_killed_mid_transfer_fails_fast_and_receiver_lives_on() -> None:
-    with peer("die", timeout_s=8.0) as (transfer, proc):
+    with peer("die", timeout_s=8.0) as (transfer, pairs, proc):
+        pair = pairs["die"]
         t0 = time.perf_counter()
-        future = transfer.recv(1, TRANSFER_IDS["die"], len(SEND_IDS), _spec("fp32"))
+        future = transfer.recv(pair, TRANSFER_IDS["die"], len(SEND_IDS), _spec("fp32"))
         with pytest.raises(TransferError) as info:
             future.result(timeout=20)
         elapsed = time.perf_counter() - t0
         assert proc.wait(timeout=10) == 17  # the peer did send the preamble, then died
         assert elapsed < 8.0  # gloo reports a closed connection at once, not at the timeout
-        assert isinstance(info.value, KVStoreError) and info.value.peer == 1
-        assert 1 in transfer.lost_peers()
-        # later transfers with the lost peer fail at once too; this process carries on
+        assert isinstance(info.value, KVStoreError) and info.value.peer == "peer-die#1"
+        assert pair.broken
+        # later transfers on the broken pair fail at once too; this process carries on
         t1 = time.perf_counter()
-        with pytest.raises(TransferError, match="peer lost earlier"):
-            transfer.recv(1, 99, 1, _spec("fp32")).result(timeout=20)
+        with pytest.raises(TransferError, match="pair broken earlier"):
+            transfer.recv(pair, 99, 1, _spec("fp32")).result(timeout=20)
         assert time.perf_counter() - t1 < 1.0
 
 
 @pytest.mark.multiproc
-def test_silent_peer_times_out_and_only_that_peer_is_lost() -> None:
-    # one peer process holds rank 1 (alive, never sends) and rank 2 (sends)
-    with peer("silent+late", world_size=3, timeout_s=1.0) as (transfer, proc):
+def test_silent_peer_times_out_and_only_that_pair_breaks() -> None:
+    # one peer process holds two pairs: `silent` (alive, never sends) and `late` (sends)
+    with peer("silent+late", timeout_s=1.0) as (transfer, pairs, proc):
         t0 = time.perf_counter()
         with pytest.raises(TransferError, match="Timed out"):
-            transfer.recv(1, TRANSFER_IDS["silent"], len(SEND_IDS), _spec("fp32")).result(timeout=20)
+            transfer.recv(pairs["silent"], TRANSFER_IDS["silent"], len(SEND_IDS), _spec("fp32")).result(timeout=20)
         elapsed = time.perf_counter() - t0
         assert 0.9 < elapsed < 3.0, elapsed
-        assert proc.poll() is None  # rank 1 is alive: gloo closed the pair, not the process
-        assert list(transfer.lost_peers()) == [1]
-        # the other peer's pair survived the timeout (in one shared gloo group it would not)
-        got = transfer.recv(2, TRANSFER_IDS["late"], len(SEND_IDS), _spec("fp32")).result(timeout=20)
+        assert proc.poll() is None  # the peer is alive: gloo closed the pair, not the process
+        assert pairs["silent"].broken and pairs["late"].broken is None
+        # the other pair survived the timeout (in one shared gloo group it would not)
+        got = transfer.recv(pairs["late"], TRANSFER_IDS["late"], len(SEND_IDS), _spec("fp32")).result(timeout=20)
         assert torch.equal(got.blocks, make_pool("fp32", seed=3).gather_blocks(SEND_IDS)) and all(got.ok)
         assert proc.wait(timeout=20) == 0
 
@@ -147,22 +149,37 @@ def test_block_checksums_cover_every_plane_of_each_block_and_nothing_else() -> N
 
 
 def test_config_validation_and_backend_choice() -> None:
-    config = TransferConfig(rank=1, world_size=2, master_port=29500)
+    config = TransferConfig()
     assert config.resolve_backend(torch.device("cpu")) == "gloo"
     assert config.resolve_backend(torch.device("cuda", 0)) == "nccl"
-    bad = [dict(rank=2, world_size=2), dict(world_size=0), dict(master_port=0), dict(backend="mpi"),
-           dict(timeout_s=0.0), dict(master_addr="")]
-    for kw in bad:
-        args = dict(rank=0, world_size=2, master_port=29500) | kw
+    for kw in (dict(backend="mpi"), dict(timeout_s=0.0), dict(connect_timeout_s=-1.0)):
         with pytest.raises(ValueError, match=next(iter(kw))):
-            TransferConfig(**args)  # type: ignore[arg-type]
+            TransferConfig(**kw)  # type: ignore[arg-type]
+    for kw in (dict(worker_id=""), dict(worker_id="a b"), dict(generation=-1)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            PeerId(**(dict(worker_id="w", generation=1) | kw))  # type: ignore[arg-type]
+    assert str(PeerId("w-0", 7)) == "w-0#7"
+
+
+def test_a_pair_nobody_joins_fails_within_the_connect_timeout() -> None:
+    """Forming is bounded on both sides: the receiver waiting at its store, the sender at a
+    store nobody serves, the sender at a store where the receiver never forms."""
+    store = RendezvousStore("127.0.0.1", 0, 30.0)
+    cfg = TransferConfig(timeout_s=1.0, connect_timeout_s=1.0)
+    for form in (lambda: PairGroup.form("k0", store.store, 0, PeerId("x", 1), "cpu", cfg),
+                 lambda: PairGroup.form("k1", connect_store(store.address(), 1.0), 1, PeerId("x", 1), "cpu", cfg),
+                 lambda: connect_store("127.0.0.1:1", 1.0)):
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError):
+            form()
+        assert time.perf_counter() - t0 < 5.0
 
 
 @pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="checks the no-NCCL build")
 def test_nccl_on_a_build_without_it_is_a_typed_error() -> None:
-    config = TransferConfig(rank=0, world_size=1, master_port=free_port(), backend="nccl")
+    store = RendezvousStore("127.0.0.1", 0, 5.0)
     with pytest.raises(TransferError, match="no NCCL"):
-        TransferGroup.form(config)
+        PairGroup.form("k", store.store, 0, PeerId("x", 1), "cpu", TransferConfig(backend="nccl"))
 
 
 def test_block_spec_sizes_match_the_layout() -> None:
@@ -193,20 +210,34 @@ def test_cost_model_arithmetic() -> None:
 
 
 def test_bad_arguments_raise_at_the_call_not_in_the_future() -> None:
-    group = TransferGroup.form(TransferConfig(rank=0, world_size=1, master_port=free_port()))
-    transfer = BlockTransfer(group)
+    pair = PairGroup("k", PeerId("x", 1), 0, torch.device("cpu"), "gloo", None, None)   # never formed: no op runs
+    transfer = BlockTransfer(5.0)
     try:
         blocks = make_pool("fp32", seed=6).gather_blocks([0, 1])
         with pytest.raises(ValueError, match="block_hashes"):
-            transfer.send(0, 1, blocks, [1 << 128, 0])
+            transfer.send(pair, 1, blocks, [1 << 128, 0])
         with pytest.raises(ValueError, match="len\\(block_hashes\\)"):
-            transfer.send(0, 1, blocks, [1])
-        with pytest.raises(ValueError, match="peer rank 0"):
-            transfer.send(0, 1, blocks, [1, 2])  # itself
+            transfer.send(pair, 1, blocks, [1])
         with pytest.raises(ValueError, match="transfer_id"):
-            transfer.recv(0, -1, 2, _spec("fp32"))
+            transfer.recv(pair, -1, 2, _spec("fp32"))
+        with pytest.raises(ValueError, match="num_blocks"):
+            transfer.recv(pair, 1, 0, _spec("fp32"))
         with pytest.raises(ValueError, match="out is"):
-            transfer.recv(1, 1, 2, _spec("fp32"), out=torch.zeros(_spec("fp32").shape(3)))
+            transfer.recv(pair, 1, 2, _spec("fp32"), out=torch.zeros(_spec("fp32").shape(3)))
+        with pytest.raises(ValueError, match="timeout_s"):
+            BlockTransfer(0.0)
     finally:
         transfer.close()
-        group.close()
+
+
+def test_piecewise_hashing_equals_whole_payload_hashing() -> None:
+    """The receiver hashes piece by piece as they arrive: same digests as the whole payload."""
+    blocks = torch.randn(7, 2, 5, 4, 2, 8)                      # [L, 2, n, bs, H, D], 7 layers
+    whole = block_checksums(blocks, 5)
+    for count in (1, 2, 3, 7):
+        hashers = BlockHashers(5)
+        for piece in torch.tensor_split(blocks, count, dim=0):
+            hashers.update(piece)
+        assert hashers.digests() == whole, count
+    big = BlockSpec(num_layers=30, block_size=16, num_kv_heads=3, last_dim=64, dtype=torch.float32)
+    assert num_pieces(big, 1) == 1 and 1 < num_pieces(big, 64) <= 14

@@ -1,13 +1,15 @@
-"""A peer of the transfer tests: `python -m tests.kvstore.transfer_peer PORT MODE [RANK WORLD]`.
+"""A peer of the transfer tests: `python -m tests.kvstore.transfer_peer STORE_ADDRESS MODE`.
 
-The test process is rank 0 (the receiver); this process (rank 1 of 2 unless told) builds
-the same pools from the same seeds (see `make_pool`) and plays the sender. Modes:
+The test process hosts the rendezvous store and is member 0 (the receiver) of each pair;
+this process joins the pair keyed MODE (two pairs, `silent` and `late`, for silent+late) as
+member 1, builds the same pools from the same seeds (see `make_pool`) and plays the sender.
+Modes:
   roundtrip  receive one transfer from rank 0 while sending fp32 and int8-quantized blocks
   corrupt    send fp32 blocks, flipping one byte of block CORRUPT_INDEX after the checksum
   die        send only the preamble of a transfer, then exit hard (peer killed mid-transfer)
   silent     join the group and never send
   late       send fp32 blocks (rank 0 receives them only after another peer timed out)
-  silent+late  ranks 1 (silent) and 2 (late) of 3, one thread each, to save a process
+  silent+late  two pairs (silent, late), one thread each, to save a process
 Exit status 0 means every check on this side passed.
 """
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
-from kvstore.transfer import _MAGIC, BlockSpec, BlockTransfer
-from kvstore.transfer_group import TransferConfig, TransferGroup
+from kvstore.transfer import BlockSpec, BlockTransfer
+from kvstore.transfer_group import PairGroup, PeerId, TransferConfig, connect_store
+from kvstore.transfer_wire import MAGIC, TAGS
 
 SEND_IDS = [3, 7, 1, 5]  # pool block ids the sender gathers, in wire order
 HASHES = [0, (1 << 128) - 1, 1 << 127, 0x0123456789ABCDEF_FEDCBA9876543210]
@@ -50,21 +53,27 @@ def _flip_byte(transfer_id: int, blocks: torch.Tensor) -> None:
     plane.view(torch.uint8).view(-1)[5] ^= 0x01
 
 
-def main(port: int, mode: str, rank: int, world_size: int) -> int:
-    group = TransferGroup.form(TransferConfig(rank=rank, world_size=world_size, master_port=port, timeout_s=20.0))
+def join(address: str, key: str) -> PairGroup:
+    """This process's end (member 1) of the pair `key` at the test's store."""
+    cfg = TransferConfig(timeout_s=20.0, connect_timeout_s=30.0)
+    return PairGroup.form(key, connect_store(address, 30.0), 1, PeerId("test", 0), "cpu", cfg)
+
+
+def main(address: str, mode: str) -> int:
+    group = join(address, mode)
     if mode == "silent":
         time.sleep(60)
         return 0
     if mode == "die":
         # a valid preamble (the wire format, by hand), so rank 0 goes on to wait for the body
         nbytes = len(SEND_IDS) * BlockSpec.of(make_pool("fp32", seed=3).kv).bytes_per_block
-        preamble = torch.tensor([_MAGIC, TRANSFER_IDS["die"], len(SEND_IDS), nbytes], dtype=torch.int64)
-        group.wait(group.isend(preamble, 0, 3 * TRANSFER_IDS["die"]), 20.0)
+        preamble = torch.tensor([MAGIC, TRANSFER_IDS["die"], len(SEND_IDS), nbytes], dtype=torch.int64)
+        group.wait(group.isend(preamble, TAGS * TRANSFER_IDS["die"]), 20.0)
         os._exit(17)
-    transfer = BlockTransfer(group, fault_hook=_flip_byte if mode == "corrupt" else None)
+    transfer = BlockTransfer(20.0, fault_hook=_flip_byte if mode == "corrupt" else None)
     if mode in ("corrupt", "late"):
         blocks = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
-        transfer.send(0, TRANSFER_IDS[mode], blocks, HASHES).result()
+        transfer.send(group, TRANSFER_IDS[mode], blocks, HASHES).result()
         # close before exit: a gloo group destroyed at interpreter exit while its threads
         # still run aborts the process ("terminate called without an active exception")
         transfer.close()
@@ -72,8 +81,8 @@ def main(port: int, mode: str, rank: int, world_size: int) -> int:
         return 0
     assert mode == "roundtrip", mode
     spec = BlockSpec.of(KVTensors(LAYOUTS["fp32"], 1).kv)
-    pending = transfer.recv(0, TRANSFER_IDS["reverse"], len(SEND_IDS), spec)
-    sent = [transfer.send(0, TRANSFER_IDS[kind], make_pool(kind, seed=1).gather_blocks(SEND_IDS), HASHES)
+    pending = transfer.recv(group, TRANSFER_IDS["reverse"], len(SEND_IDS), spec)
+    sent = [transfer.send(group, TRANSFER_IDS[kind], make_pool(kind, seed=1).gather_blocks(SEND_IDS), HASHES)
             for kind in ("fp32", "int8")]
     got = pending.result()
     for f in sent:
@@ -85,9 +94,9 @@ def main(port: int, mode: str, rank: int, world_size: int) -> int:
     return 0 if ok else 3
 
 
-def main_silent_and_late(port: int) -> int:
-    threading.Thread(target=main, args=(port, "silent", 1, 3), daemon=True).start()
-    code = main(port, "late", 2, 3)
+def main_silent_and_late(address: str) -> int:
+    threading.Thread(target=main, args=(address, "silent"), daemon=True).start()
+    code = main(address, "late")
     # the silent rank's thread never ends on purpose: leave without tearing its group down
     sys.stdout.flush()
     sys.stderr.flush()
@@ -96,6 +105,5 @@ def main_silent_and_late(port: int) -> int:
 
 if __name__ == "__main__":
     if sys.argv[2] == "silent+late":
-        sys.exit(main_silent_and_late(int(sys.argv[1])))
-    rank, world_size = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 3 else (1, 2)
-    sys.exit(main(int(sys.argv[1]), sys.argv[2], rank, world_size))
+        sys.exit(main_silent_and_late(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2]))

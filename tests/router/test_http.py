@@ -128,9 +128,13 @@ BAD: dict[str, tuple[str, bytes, int]] = {
     "negative temperature": (COMPLETIONS, _j(prompt="hi", temperature=-0.5), 400),
     "top_p 0": (COMPLETIONS, _j(prompt="hi", top_p=0), 400),
     "presence_penalty 3": (COMPLETIONS, _j(prompt="hi", presence_penalty=3), 400),
-    "n 2": (COMPLETIONS, _j(prompt="hi", n=2), 400),
-    "echo": (COMPLETIONS, _j(prompt="hi", echo=True), 400),
-    "logprobs": (COMPLETIONS, _j(prompt="hi", logprobs=2), 400),
+    "n over the cap": (COMPLETIONS, _j(prompt="hi", n=17), 400),
+    "best_of under n": (COMPLETIONS, _j(prompt="hi", n=3, best_of=2), 400),
+    "best_of streamed": (COMPLETIONS, _j(prompt="hi", n=1, best_of=2, stream=True), 400),
+    "echo string": (COMPLETIONS, _j(prompt="hi", echo="yes"), 400),
+    "logprobs 21": (COMPLETIONS, _j(prompt="hi", logprobs=21), 400),
+    "chat logprobs number": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], logprobs=3), 400),
+    "top_logprobs without logprobs": (CHAT, _j(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), 400),
     "stream not bool": (COMPLETIONS, _j(prompt="hi", stream="yes"), 400),
     "empty stop string": (COMPLETIONS, _j(prompt="hi", stop=[""]), 400),
     "unknown model": (COMPLETIONS, json.dumps({"model": "gpt-9", "prompt": "hi"}).encode(), 404),
@@ -156,7 +160,10 @@ BAD: dict[str, tuple[str, bytes, int]] = {
 BAD_PARAM = {"top_k -5": "top_k", "min_p 2": "min_p", "repetition_penalty 0": "repetition_penalty",
              "stop_token_ids strings": "stop_token_ids", "min_tokens over max_tokens": "min_tokens",
              "ignore_eos string": "ignore_eos", "priority string": "priority", "cache_salt number": "cache_salt",
-             "truncate_prompt_tokens 0": "truncate_prompt_tokens", "add_special_tokens string": "add_special_tokens"}
+             "truncate_prompt_tokens 0": "truncate_prompt_tokens", "add_special_tokens string": "add_special_tokens",
+             "n over the cap": "n", "best_of under n": "best_of", "best_of streamed": "best_of",
+             "echo string": "echo", "logprobs 21": "logprobs", "chat logprobs number": "logprobs",
+             "top_logprobs without logprobs": "top_logprobs"}
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -35,10 +35,12 @@ def test_best_peer_hint_names_the_peer_holding_the_most_blocks() -> None:
     assert best_peer_hint(W1, {W0: 1, W1: 5}, PEERS, 10) is None                       # it holds the most
     assert best_peer_hint(W0, {W0: 4, W1: 9}, PEERS, 4) is None                        # equal once capped
     assert best_peer_hint(W0, {}, PEERS, 10) is None
-    # no rank (not in a group), or a different group: no hint
+    # no peer plane on the chosen worker, or a different world size: no hint
     assert best_peer_hint(W0, {W0: 1, W1: 5}, {W1: PEERS[W1]}, 10) is None
     assert best_peer_hint(W0, {W0: 1, W1: 5}, {W0: PEERS[W0], W1: ("h:2", 1, 2)}, 10) is None
-    assert best_peer_hint(W0, {W0: 1, W1: 5}, {W0: PEERS[W0], W1: ("h:2", 0, 3)}, 10) is None  # same rank
+    # pairs form on demand: workers reporting the same (legacy 0) rank still get hints
+    on_demand = {W0: ("h:1", 0, 0), W1: ("h:2", 0, 0)}
+    assert best_peer_hint(W0, {W0: 1, W1: 5}, on_demand, 10) == PeerHint("w1", "h:2", 0, 5)
 
 
 class FakeIndex:

@@ -7,6 +7,7 @@ and one with keys (`--api-key` style and a keys file with a tenant).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import logging
@@ -21,6 +22,8 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
@@ -99,6 +102,23 @@ def test_http_missing_or_malformed_header_is_401_and_health_open(keyed: Keyed) -
         assert json.loads(r.read())["data"][0]["id"] == "smollm2"
 
 
+def test_metrics_open_by_default_keyed_with_metrics_require_key(keyed: Keyed) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{keyed.http_port}/metrics", timeout=10) as r:
+        assert r.status == 200 and b"kvmesh:router_" in r.read()      # a keyed router, no key sent
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="m 1\n")
+
+    async def scrape(require: bool, headers: dict[str, str]) -> int:
+        app = web.Application(middlewares=[Authenticator([ApiKey(KEY)], metrics_require_key=require).http_middleware()])
+        app.add_routes([web.get("/metrics", metrics)])
+        async with TestClient(TestServer(app)) as client:
+            return (await client.get("/metrics", headers=headers)).status
+    assert asyncio.run(scrape(False, {})) == 200
+    assert asyncio.run(scrape(True, {})) == 401
+    assert asyncio.run(scrape(True, {"Authorization": f"Bearer {KEY}"})) == 200
+
+
 def test_grpc_unauthenticated_without_key(keyed: Keyed) -> None:
     req = pb.GenerateRequest(text=PROMPT, sampling=greedy(2))
     with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
@@ -131,7 +151,7 @@ def test_keys_file_parsing_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [(k.key, k.tenant, k.priority) for k in parse_keys_file(f)] == [
         ("k1", "alpha", False), ("k2", "beta", True)]
     assert "k1" not in repr(parse_keys_file(f)[0])
-    for bad in ("k1\n", "k1 alpha admin\n", "", "a b c d\n"):
+    for bad in ("k1\n", "k1 alpha root\n", "", "a b c d\n"):  # admin is a flag now (issue #22)
         f.write_text(bad)
         with pytest.raises(ValueError, match="api_keys_file"):
             parse_keys_file(f)
@@ -264,7 +284,7 @@ def test_grpc_garbage_bytes_on_every_router_method(keyed: Keyed) -> None:
 def test_grpc_garbage_bytes_on_every_worker_method(keyed: Keyed, caplog: pytest.LogCaptureFixture) -> None:
     with grpc.insecure_channel(keyed.open.worker_addresses[0]) as ch, caplog.at_level(logging.ERROR):
         for method, streaming in (("Generate", True), ("Abort", False), ("GetModelInfo", False),
-                                  ("GetLoad", False), ("SendBlocks", False)):
+                                  ("GetLoad", False), ("SendBlocks", False), ("Attest", False)):
             path = f"/kvmesh.v1.Worker/{method}"
             call = ch.unary_stream(path) if streaming else ch.unary_unary(path)
             with pytest.raises(grpc.RpcError) as e:

@@ -156,3 +156,43 @@ def test_kernels_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None
     from worker.loader import cache_root
 
     assert native.build_dir().parent == cache_root() / "kernels"
+
+
+# -- copy_blocks: KV blocks between the pool and the host tier (csrc/block_copy.cpp) ---------------
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+def test_host_tier_with_native_copy_equals_the_torch_copies(dtype: str, threads: int) -> None:
+    from kvstore.pool import BlockId
+    from kvstore.tensors import KVTensors
+    from kvstore.tiers import HostTier
+    from tests.kvstore.test_tiers import H, filled, layout
+
+    lay = layout(dtype)
+    dev = filled(lay, 9, seed=3)
+    tiers = [HostTier(lay, 5), HostTier(lay, 5, copy_blocks=native.block_copier())]
+    assert tiers[1]._copy_blocks is not None
+    ids = [BlockId(7), BlockId(0), BlockId(4), BlockId(2)]
+    outs = []
+    for tier in tiers:
+        tier.offload(dev, ids, [H(i) for i in ids])
+        back = KVTensors(lay, 9)
+        tier.onload(back, [H(4), H(7)], [BlockId(1), BlockId(8)])
+        read = tier.read([H(2), H(0)])
+        tier.store([H(20), H(21)], read)        # as a peer's blocks arrive; evicts the oldest
+        outs.append((back.kv.clone(), read, tier.read([H(20), H(21)]), tier.data.clone()))
+        tier.check_integrity()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[1][0][:, :, 1], dev.kv[:, :, 4]) and torch.equal(outs[1][0][:, :, 8], dev.kv[:, :, 7])
+    assert torch.equal(outs[1][1], dev.kv[:, :, [2, 0]])
+
+
+def test_copy_blocks_rejects_out_of_range_ids() -> None:
+    from kvstore.tensors import KVTensors
+    from tests.kvstore.test_tiers import layout
+
+    pool = KVTensors(layout(), 4).kv
+    host = torch.zeros(2, *pool.shape[:2], *pool.shape[3:])
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.block_copier()(host, torch.tensor([0]), pool, torch.tensor([4]), True)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.block_copier()(host, torch.tensor([2]), pool, torch.tensor([0]), True)

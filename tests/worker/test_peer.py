@@ -3,9 +3,11 @@
 Unit tests run the cost decision, the engine-thread helpers and the fault hook against
 oracles (hand-computed costs, the pool's own gather, an engine without any cache). The
 two-worker test runs two WorkerServers of the tiny model in this process, each in its own
-transfer group rank over gloo on loopback: a hinted request is fetched, a corrupted block
-is recomputed, bad SendBlocks input is INVALID_ARGUMENT — and every output equals a
-cache-less engine's. The same on SmolLM2 across processes: tests/integration/test_peer.py.
+peer plane, pairs formed on demand over gloo on loopback: a hinted request is fetched, a
+corrupted block is recomputed, a rogue SendBlocks (a send nobody receives) breaks one pair
+which the next fetch forms anew, bad SendBlocks input is INVALID_ARGUMENT — and every output
+equals a cache-less engine's. Across processes (a peer killed and restarted, three workers
+with one leaving): tests/integration/test_peer.py.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import pytest
 import torch
 
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.transfer import MAX_TRANSFER_ID, BlockTransfer
-from kvstore.transfer_group import TransferConfig, TransferGroup, free_port
+from kvstore.transfer import MAX_TRANSFER_ID
+from kvstore.transfer_group import free_port
 from kvstore.transfer_cost import LinkEstimate
 from contracts.requests import PeerHint, SendBlocksInput
 from contracts.wire import to_send_blocks_request
@@ -26,7 +28,8 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import LoopThread, collect, request
 from worker.engine import Engine, EngineConfig
-from worker.peer import Decision, FaultPlan, PeerConfig, PeerPlane, PlanView, good_leading_run, plan_fetch
+from worker.peer import (ASSUMED_LINK, Decision, FaultPlan, PeerConfig, PeerPlane, PlanView, good_leading_run,
+                         plan_fetch)
 from worker.sampling import SamplingParams
 from worker.server import WorkerServer, WorkerServerConfig
 
@@ -39,7 +42,7 @@ def _cfg(tiny_model_dir: Any, **kw: Any) -> EngineConfig:
 
 
 def _view(bandwidth: float = 1e9, latency: float = 1e-3, prefill: float = 1000.0, **kw: Any) -> PlanView:
-    base = dict(rank=1, world_size=3, links={0: LinkEstimate(bandwidth, latency), 2: None}, lost={},
+    base = dict(worker_id="w1", links={"w0": LinkEstimate(bandwidth, latency)},
                 prefill_tokens_per_s=prefill, checksum_bytes_s=float("inf"), bytes_per_block=1_000_000,
                 block_size=16)
     return PlanView(**(base | kw))  # type: ignore[arg-type]
@@ -66,14 +69,16 @@ def test_plan_fetch_weighs_link_against_prefill() -> None:
 
 
 def test_plan_fetch_ignores_unusable_hints() -> None:
-    for hints, view in (([], _view()), ([_hint(1, 10)], _view()),            # itself
-                        ([_hint(3, 10)], _view()), ([_hint(2, 10)], _view()),  # no such rank; unmeasured
-                        ([_hint(0, 10)], _view(lost={0: "Connection closed by peer"}))):
-        assert plan_fetch(H, 2, 100, hints, view).decision is Decision.NO_PEER, (hints, view.lost)
+    for hints in ([], [_hint(1, 10)], [PeerHint("", "127.0.0.1:1", 0, 10)]):   # none, itself, no id
+        assert plan_fetch(H, 2, 100, hints, _view()).decision is Decision.NO_PEER, hints
     assert plan_fetch(H, 6, 100, [_hint(0, 6)], _view()).decision is Decision.LOCAL
+    # a peer no pair has measured yet: the assumed link (1 GB/s, 1 ms) until one forms
+    plan = plan_fetch(H, 2, 100, [_hint(2, 10)], _view())
+    assert plan.decision is Decision.FETCH and plan.fetch_s == pytest.approx(
+        ASSUMED_LINK.latency_s + 8e6 / ASSUMED_LINK.bandwidth_bytes_s)
     # of several hints, the usable one holding the most blocks
-    best = plan_fetch(H, 0, 100, [_hint(0, 4), _hint(2, 10), _hint(0, 7)], _view())
-    assert best.hint == _hint(0, 7) and len(best.block_hashes) == 7
+    best = plan_fetch(H, 0, 100, [_hint(0, 4), _hint(2, 9), _hint(0, 7)], _view())
+    assert best.hint == _hint(2, 9) and len(best.block_hashes) == 9
 
 
 def test_good_leading_run_stops_at_the_first_bad_or_unexpected_block() -> None:
@@ -94,9 +99,11 @@ def test_fault_plan_acts_per_send_in_order() -> None:
         if changed:
             assert int((before.view(torch.uint8) != blocks.view(torch.uint8)).sum()) == 1
     with pytest.raises(ValueError, match="faults"):
-        PeerConfig(transfer=None, faults=("corrupt:x",))         # type: ignore[arg-type]
+        PeerConfig("w", faults=("corrupt:x",))
     with pytest.raises(ValueError, match="prefill_probe_tokens"):
-        PeerConfig(transfer=None, prefill_probe_tokens=0)        # type: ignore[arg-type]
+        PeerConfig("w", prefill_probe_tokens=0)
+    with pytest.raises(ValueError, match="store_port"):
+        PeerConfig("w", store_port=70000)
 
 
 # -- on the engine -------------------------------------------------------------------------
@@ -151,8 +158,7 @@ def test_measure_prefill_leaves_no_cached_blocks(tiny_model_dir: Any) -> None:
 
 
 def test_observed_prefills_raise_the_prefill_figure_only(tiny_model_dir: Any) -> None:
-    group = TransferGroup.form(TransferConfig(rank=0, world_size=1, master_port=free_port()))
-    plane = PeerPlane(Engine(_cfg(tiny_model_dir)), group, BlockTransfer(group), {}, 100.0, 1e9)
+    plane = PeerPlane(Engine(_cfg(tiny_model_dir)), PeerConfig("w-solo"), 100.0, 1e9)
     try:
         for tokens, seconds, rate in ((64, 0.5, 128.0), (64, 1.0, 128.0), (16, 0.001, 128.0), (300, 1.0, 300.0)):
             plane.observe_prefill(tokens, seconds)                # 16 tokens: too few to tell
@@ -162,7 +168,7 @@ def test_observed_prefills_raise_the_prefill_figure_only(tiny_model_dir: Any) ->
         plane.close()
 
 
-# -- two workers, one transfer group -------------------------------------------------------
+# -- two workers, pairs formed on demand ---------------------------------------------------
 def _send_blocks(channel: grpc.Channel, req: pb.SendBlocksRequest | bytes) -> pb.SendBlocksResponse:
     call = channel.unary_unary("/kvmesh.v1.Worker/SendBlocks", request_serializer=None,
                                response_deserializer=pb.SendBlocksResponse.FromString)
@@ -177,99 +183,28 @@ def _wait_for(fn: Any, what: str, timeout: float = 10.0) -> Any:
     return value
 
 
-def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any) -> None:
+def _pair_fields(key: str, store: str, **kw: Any) -> dict[str, Any]:
+    return dict(pair_key=key, store_address=store, receiver_id="w-b", **kw)
+
+
+TIMEOUT_S = 3.0          # transfers and pair formation in the two-worker test
+
+
+@pytest.fixture(scope="module")
+def two_workers(tiny_model_dir: Any) -> Any:
+    """A (sends; its second send corrupts block 1) and B, both with peer transfer on."""
     loop = LoopThread()
-    port = free_port()
-    group = dict(world_size=2, dist_init_addr=f"127.0.0.1:{port}", transfer_timeout_s=5.0)
     engines = [Engine(_cfg(tiny_model_dir, check_integrity=True)) for _ in range(2)]
-    oracle = Engine(_cfg(tiny_model_dir, enable_prefix_caching=False))
-    servers = [WorkerServer(engines[0].cfg, WorkerServerConfig(worker_id="w-a", rank=0, **group,
+    common = dict(peer_transfer=True, transfer_timeout_s=TIMEOUT_S)
+    servers = [WorkerServer(engines[0].cfg, WorkerServerConfig(worker_id="w-a", **common,   # type: ignore[arg-type]
                                                                transfer_faults=("ok", "corrupt:1")), engines[0]),
-               WorkerServer(engines[1].cfg, WorkerServerConfig(worker_id="w-b", rank=1, **group), engines[1])]
+               WorkerServer(engines[1].cfg, WorkerServerConfig(worker_id="w-b", **common), engines[1])]  # type: ignore[arg-type]
     try:
         ports = [loop.run(s.start()) for s in servers]
         for s in servers:
             loop.run(s.wait_ready(60))
         with grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as ca, grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as cb:
-            a, b = pb_grpc.WorkerStub(ca), pb_grpc.WorkerStub(cb)
-            figures = b.GetLoad(pb.LoadRequest()).peer
-            assert (figures.rank, figures.world_size, figures.backend) == (1, 2, "gloo")
-            assert figures.prefill_tokens_per_s > 0 and figures.checksum_bytes_s > 0
-            assert [(link.rank, link.lost) for link in figures.links] == [(0, "")]
-            assert figures.links[0].bandwidth_bytes_s > 0 and figures.links[0].latency_s > 0
-            hint = pb.PeerHint(worker_id="w-a", address=f"127.0.0.1:{ports[0]}", rank=0, num_blocks=20)
-
-            def run(stub: Any, prompt: list[int], hinted: bool = False) -> tuple[tuple[int, ...], pb.GenerateResponse]:
-                req = request(prompt, max_tokens=6, ignore_eos=True)
-                if hinted:
-                    req.peer_hints.append(hint)
-                ids, _, msgs = collect(stub.Generate(req, timeout=60))
-                return tuple(ids), msgs[-1]
-
-            # 1. A computes; B, hinted, fetches all 20 leading blocks (the last token is recomputed)
-            p1 = [(7 * i) % 200 + 3 for i in range(81)]
-            want1 = oracle.generate(p1, GREEDY)[0].token_ids
-            assert run(a, p1)[0] == want1
-            got, final = run(b, p1, hinted=True)
-            assert got == want1
-            assert (final.cached_tokens, final.peer_cached_tokens) == (80, 80)
-            load = b.GetLoad(pb.LoadRequest())
-            assert (load.peer.fetch_decisions, load.peer.blocks_fetched, load.peer.blocks_bad) == (1, 20, 0)
-            assert load.peer.last_decision == "fetch" and load.num_onloaded_blocks == 20
-            assert load.peer.last_fetch_estimate_s < load.peer.last_recompute_estimate_s
-            spec_bytes = engines[0].layout.bytes_per_block
-            assert load.peer.bytes_fetched == 20 * spec_bytes
-            _wait_for(lambda: a.GetLoad(pb.LoadRequest()).peer.blocks_sent == 20, "A never saw its send complete")
-
-            # 2. A's second send flips a byte of block 1: B keeps block 0, recomputes the rest
-            p2 = [(11 * i) % 200 + 3 for i in range(81)]
-            want2 = oracle.generate(p2, GREEDY)[0].token_ids
-            assert run(a, p2)[0] == want2
-            got, final = run(b, p2, hinted=True)
-            assert got == want2 and (final.cached_tokens, final.peer_cached_tokens) == (4, 4)
-            load = b.GetLoad(pb.LoadRequest())
-            assert (load.peer.blocks_fetched, load.peer.blocks_bad, load.peer.fetch_failures) == (21, 1, 0)
-
-            # 3. B already holds p1: nothing to fetch
-            assert run(b, p1, hinted=True)[0] == want1
-            assert b.GetLoad(pb.LoadRequest()).peer.last_decision == "local"
-
-            # 4. SendBlocks: what A does not hold is not sent; bad input is INVALID_ARGUMENT
-            h1 = block_hashes(p1, 4, engines[0].salt)
-            assert _send_blocks(ca, to_send_blocks_request([1, 2], 1, 0, 77)).num_blocks == 0
-            bad = {"block_hashes": pb.SendBlocksRequest(dst_rank=1, src_rank=0),
-                   "a block hash has 16": pb.SendBlocksRequest(block_hashes=[b"\x01" * 15], dst_rank=1),
-                   "dst_rank: -1": to_send_blocks_request(h1, -1, 0, 1),
-                   "dst_rank: 0": to_send_blocks_request(h1, 0, 0, 1),
-                   "dst_rank: 2": to_send_blocks_request(h1, 2, 0, 1),
-                   "src_rank: 1": to_send_blocks_request(h1, 1, 1, 1),
-                   "transfer_id": to_send_blocks_request(h1, 1, 0, MAX_TRANSFER_ID + 1),
-                   "malformed": b"\xff\xff\xff"}
-            for expected, req in bad.items():
-                with pytest.raises(grpc.RpcError) as err:
-                    _send_blocks(ca, req)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (expected, err.value.details())
-                assert expected in err.value.details()
-            # a caller whose deadline passed while A copied the blocks gets none: nothing is sent
-            owner = servers[0]
-            sent = a.GetLoad(pb.LoadRequest()).peer.blocks_sent
-            late = loop.run(owner._peer.serve_send(owner._ae, SendBlocksInput(tuple(h1), 1, 0, 99),  # type: ignore[union-attr]
-                                                   lambda: False))
-            assert late[:2] == (0, 0) and "too late" in late[2]
-            assert a.GetLoad(pb.LoadRequest()).peer.blocks_sent == sent
-            # and A keeps serving, its pair with B intact: B still fetches a third prompt
-            p3 = [(13 * i) % 200 + 3 for i in range(41)]
-            assert run(a, p3)[0] == oracle.generate(p3, GREEDY)[0].token_ids
-            got, final = run(b, p3, hinted=True)
-            assert got == oracle.generate(p3, GREEDY)[0].token_ids and final.peer_cached_tokens == 40
-            assert b.GetLoad(pb.LoadRequest()).peer.links[0].lost == ""
-
-            # 5. the hinted peer's control plane does not answer: B recomputes, same tokens
-            p4 = [(17 * i) % 200 + 3 for i in range(41)]
-            hint.address = f"127.0.0.1:{free_port()}"
-            got, final = run(b, p4, hinted=True)
-            assert got == oracle.generate(p4, GREEDY)[0].token_ids and final.peer_cached_tokens == 0
-            assert b.GetLoad(pb.LoadRequest()).peer.fetch_failures == 1
+            yield loop, servers, engines, ports, ca, cb
     finally:
         for s in servers:
             loop.run(s.stop(grace=1))
@@ -277,6 +212,136 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any) 
     for eng in engines:
         eng.check_integrity()
         assert eng.store.pool.num_used_blocks == 0
+
+
+def _runner(stub: Any, hint: pb.PeerHint) -> Any:
+    def run(prompt: list[int], hinted: bool = False) -> tuple[tuple[int, ...], pb.GenerateResponse]:
+        req = request(prompt, max_tokens=6, ignore_eos=True)
+        if hinted:
+            req.peer_hints.append(hint)
+        ids, _, msgs = collect(stub.Generate(req, timeout=60))
+        return tuple(ids), msgs[-1]
+    return run
+
+
+def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, two_workers: Any) -> None:
+    loop, servers, engines, ports, ca, cb = two_workers
+    oracle = Engine(_cfg(tiny_model_dir, enable_prefix_caching=False))
+    a, b = pb_grpc.WorkerStub(ca), pb_grpc.WorkerStub(cb)
+    figures = b.GetLoad(pb.LoadRequest()).peer
+    assert (figures.worker_id, figures.backend, figures.pairs_formed) == ("w-b", "gloo", 0)
+    assert figures.generation > 0 and figures.store_address.startswith("127.0.0.1:")
+    assert figures.prefill_tokens_per_s > 0 and figures.checksum_bytes_s > 0 and not figures.links
+    hint = pb.PeerHint(worker_id="w-a", address=f"127.0.0.1:{ports[0]}", num_blocks=20)
+    run_a, run_b = _runner(a, hint), _runner(b, hint)
+
+    # 1. A computes; B, hinted, forms a pair with A and fetches all 20 leading blocks
+    p1 = [(7 * i) % 200 + 3 for i in range(81)]
+    want1 = oracle.generate(p1, GREEDY)[0].token_ids
+    assert run_a(p1)[0] == want1
+    got, final = run_b(p1, hinted=True)
+    assert got == want1
+    assert (final.cached_tokens, final.peer_cached_tokens) == (80, 80)
+    load = b.GetLoad(pb.LoadRequest())
+    assert (load.peer.fetch_decisions, load.peer.blocks_fetched, load.peer.blocks_bad) == (1, 20, 0)
+    assert load.peer.last_decision == "fetch" and load.num_onloaded_blocks == 20 and load.peer.pairs_formed == 1
+    assert [(link.worker_id, link.lost) for link in load.peer.links] == [("w-a", "")]
+    assert load.peer.links[0].bandwidth_bytes_s > 0 and load.peer.links[0].latency_s > 0
+    assert load.peer.bytes_fetched == 20 * engines[0].layout.bytes_per_block
+    _wait_for(lambda: a.GetLoad(pb.LoadRequest()).peer.blocks_sent == 20, "A never saw its send complete")
+
+    # 2. A's second send flips a byte of block 1: B keeps block 0, recomputes the rest; same pair
+    p2 = [(11 * i) % 200 + 3 for i in range(81)]
+    want2 = oracle.generate(p2, GREEDY)[0].token_ids
+    assert run_a(p2)[0] == want2
+    got, final = run_b(p2, hinted=True)
+    assert got == want2 and (final.cached_tokens, final.peer_cached_tokens) == (4, 4)
+    load = b.GetLoad(pb.LoadRequest())
+    assert (load.peer.blocks_fetched, load.peer.blocks_bad, load.peer.fetch_failures) == (21, 1, 0)
+    assert load.peer.pairs_formed == 1
+
+    # 3. B already holds p1: nothing to fetch
+    assert run_b(p1, hinted=True)[0] == want1
+    assert b.GetLoad(pb.LoadRequest()).peer.last_decision == "local"
+
+    # 4. SendBlocks: what A does not hold is not sent; bad input is INVALID_ARGUMENT
+    h1 = block_hashes(p1, 4, engines[0].salt)
+    store_b = figures.store_address
+    ok = _pair_fields("k1", store_b, new_pair=True)
+    assert _send_blocks(ca, to_send_blocks_request([1, 2], 77, **ok)).num_blocks == 0
+    unknown = _send_blocks(ca, to_send_blocks_request(h1, 78, **_pair_fields("nope", store_b)))
+    assert unknown.pair_unknown and unknown.num_blocks == 0 and "no live pair" in unknown.reason
+    assert unknown.generation == a.GetLoad(pb.LoadRequest()).peer.generation
+    bad = {"block_hashes": pb.SendBlocksRequest(**ok),
+           "a block hash has 16": pb.SendBlocksRequest(block_hashes=[b"\x01" * 15], **ok),
+           "pair_key": to_send_blocks_request(h1, 1, **(ok | dict(pair_key=""))),
+           "store_address": to_send_blocks_request(h1, 1, **(ok | dict(store_address="nowhere"))),
+           "receiver_id: ''": to_send_blocks_request(h1, 1, **(ok | dict(receiver_id=""))),
+           "receiver_id: 'w-a' is this worker": to_send_blocks_request(h1, 1, **(ok | dict(receiver_id="w-a"))),
+           "sender_id: 'w-z'": to_send_blocks_request(h1, 1, **(ok | dict(sender_id="w-z"))),
+           "transfer_id": to_send_blocks_request(h1, MAX_TRANSFER_ID + 1, **ok),
+           "malformed": b"\xff\xff\xff"}
+    for expected, req in bad.items():
+        with pytest.raises(grpc.RpcError) as err:
+            _send_blocks(ca, req)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (expected, err.value.details())
+        assert expected in err.value.details()
+    # a caller whose deadline passed while A copied the blocks gets none: nothing is sent
+    owner = servers[0]
+    sent = a.GetLoad(pb.LoadRequest()).peer.blocks_sent
+    late = loop.run(owner._peer.serve_send(owner._ae, SendBlocksInput(tuple(h1), 0, 0, 99, **ok),  # type: ignore[union-attr]
+                                           lambda: False))
+    assert late[:2] == (0, 0) and "too late" in late[2]
+    assert a.GetLoad(pb.LoadRequest()).peer.blocks_sent == sent
+    # and A keeps serving, its pair with B intact: B still fetches a third prompt
+    p3 = [(13 * i) % 200 + 3 for i in range(41)]
+    assert run_a(p3)[0] == oracle.generate(p3, GREEDY)[0].token_ids
+    got, final = run_b(p3, hinted=True)
+    assert got == oracle.generate(p3, GREEDY)[0].token_ids and final.peer_cached_tokens == 40
+    assert b.GetLoad(pb.LoadRequest()).peer.pairs_broken == 0
+
+    # 5. the hinted peer's control plane does not answer: B recomputes, same tokens
+    p4 = [(17 * i) % 200 + 3 for i in range(41)]
+    gone = pb.PeerHint(worker_id="w-gone", address=f"127.0.0.1:{free_port()}", num_blocks=10)
+    got, final = _runner(b, gone)(p4, hinted=True)
+    assert got == oracle.generate(p4, GREEDY)[0].token_ids and final.peer_cached_tokens == 0
+    assert b.GetLoad(pb.LoadRequest()).peer.fetch_failures == 1
+
+
+def test_rogue_send_blocks_breaks_one_pair_and_the_next_fetch_forms_a_new_one(tiny_model_dir: Any,
+                                                                              two_workers: Any) -> None:
+    """The attack of issue 17: SendBlocks for 8 blocks A holds with nobody to receive them —
+    on B's live pair with A (its key read from B: the worst case), and on a new key at B's
+    store that B never joins. A's sends time out; only that pair breaks; B's next hinted
+    fetch finds its pair unknown, forms a new one and gets every block."""
+    loop, servers, engines, ports, ca, cb = two_workers
+    oracle = Engine(_cfg(tiny_model_dir, enable_prefix_caching=False))
+    a, b = pb_grpc.WorkerStub(ca), pb_grpc.WorkerStub(cb)
+    hint = pb.PeerHint(worker_id="w-a", address=f"127.0.0.1:{ports[0]}", num_blocks=20)
+    run_a, run_b = _runner(a, hint), _runner(b, hint)
+    p1 = [(19 * i) % 200 + 3 for i in range(41)]
+    want = oracle.generate(p1, GREEDY)[0].token_ids
+    assert run_a(p1)[0] == want
+    if servers[1]._peer.pairs.receiving("w-a") is None:          # (run alone: form the pair first)
+        run_b([(23 * i) % 200 + 3 for i in range(41)], hinted=True)
+    live = servers[1]._peer.pairs.receiving("w-a")
+    assert live is not None and live.ready.done()
+    store_b = b.GetLoad(pb.LoadRequest()).peer.store_address
+    held = block_hashes(p1, 4, engines[0].salt)[:8]
+    before, before_b = a.GetLoad(pb.LoadRequest()).peer, b.GetLoad(pb.LoadRequest()).peer
+    for fields in (_pair_fields(live.key, store_b), _pair_fields("rogue-new-key", store_b, new_pair=True)):
+        answer = _send_blocks(ca, to_send_blocks_request(held, 4242, **fields))
+        assert answer.num_blocks == 8 and not answer.pair_unknown
+    after = _wait_for(lambda: (p := a.GetLoad(pb.LoadRequest()).peer).send_failures == before.send_failures + 2
+                      and p, "the rogue sends never failed", timeout=4 * TIMEOUT_S)
+    assert after.pairs_broken == before.pairs_broken + 1 and after.blocks_sent == before.blocks_sent
+    t0 = time.monotonic()
+    got, final = run_b(p1, hinted=True)
+    assert got == want and final.peer_cached_tokens == 40 and time.monotonic() - t0 < 2 * TIMEOUT_S
+    load = b.GetLoad(pb.LoadRequest()).peer    # B learned its pair was gone from A's answer, not a failure
+    assert (load.pairs_broken, load.fetch_failures) == (before_b.pairs_broken + 1, before_b.fetch_failures)
+    assert load.pairs_formed == before_b.pairs_formed + 1
+    assert servers[1]._peer.pairs.receiving("w-a").key != live.key
 
 
 def test_send_blocks_without_a_transfer_group_is_failed_precondition(tiny_model_dir: Any) -> None:
@@ -288,11 +353,11 @@ def test_send_blocks_without_a_transfer_group_is_failed_precondition(tiny_model_
         loop.run(server.wait_ready(30))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             with pytest.raises(grpc.RpcError) as err:
-                _send_blocks(ch, to_send_blocks_request([5], 1, 0, 1))
+                _send_blocks(ch, to_send_blocks_request([5], 1, **_pair_fields("k", "127.0.0.1:1", new_pair=True)))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             # a hint is ignored by a worker outside any group: it just computes
             req = request(list(range(3, 30)), max_tokens=4, ignore_eos=True)
-            req.peer_hints.append(pb.PeerHint(worker_id="w-x", address="127.0.0.1:1", rank=0, num_blocks=6))
+            req.peer_hints.append(pb.PeerHint(worker_id="w-x", address="127.0.0.1:1", num_blocks=6))
             ids, _, msgs = collect(pb_grpc.WorkerStub(ch).Generate(req, timeout=30))
             assert len(ids) == 4 and msgs[-1].peer_cached_tokens == 0
             assert not pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest()).HasField("peer")

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -39,7 +40,7 @@ from kvstore.quant import KVCache, QuantizedKV
 log = logging.getLogger(__name__)
 
 NAME = "kvmesh_native"
-SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp", Path(__file__).parent / "csrc" / "linear.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "linear.cpp", "block_copy.cpp"))
 ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
 ENV_DIR = "KVMESH_KERNELS_DIR"
 
@@ -128,6 +129,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     module = load()
     assert module is not None, "paged_decode: the native kernels are not built"
     return module.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
+
+
+def block_copier() -> Callable[..., None] | None:
+    """The native `copy_blocks` for `kvstore.tiers.HostTier` (KV blocks between the pool and the
+    host tier as one parallel loop of memcpys), or None when the kernels are not built."""
+    module = load()
+    return None if module is None else module.copy_blocks
 
 
 def linear_supported(weight: torch.Tensor) -> bool:

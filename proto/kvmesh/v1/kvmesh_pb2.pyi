@@ -19,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "min_tokens", "truncate_prompt_tokens")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "min_tokens", "truncate_prompt_tokens", "logprobs", "prompt_logprobs", "n", "best_of")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,10 @@ class SamplingParams(_message.Message):
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -54,7 +58,29 @@ class SamplingParams(_message.Message):
     spaces_between_special_tokens: bool
     min_tokens: int
     truncate_prompt_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    prompt_logprobs: int
+    n: int
+    best_of: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
+
+class LogprobEntry(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[LogprobEntry]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[LogprobEntry, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -111,7 +137,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., resume_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "migrations")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "index", "logprobs", "prompt_logprobs", "sequence_finished", "cumulative_logprob", "migrations")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +148,11 @@ class GenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,8 +164,13 @@ class GenerateResponse(_message.Message):
     cached_tokens: int
     worker_id: str
     peer_cached_tokens: int
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    sequence_finished: bool
+    cumulative_logprob: float
     migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sequence_finished: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -211,19 +247,21 @@ class Load(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
-    __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost")
+    __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost", "worker_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_S_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     bandwidth_bytes_s: float
     latency_s: float
     lost: str
-    def __init__(self, rank: _Optional[int] = ..., bandwidth_bytes_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., lost: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, rank: _Optional[int] = ..., bandwidth_bytes_s: _Optional[float] = ..., latency_s: _Optional[float] = ..., lost: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class PeerStats(_message.Message):
-    __slots__ = ("rank", "world_size", "backend", "prefill_tokens_per_s", "checksum_bytes_s", "links", "fetch_decisions", "recompute_decisions", "blocks_fetched", "bytes_fetched", "blocks_bad", "fetch_failures", "blocks_sent", "bytes_sent", "send_failures", "fetch_seconds", "last_decision", "last_fetch_estimate_s", "last_recompute_estimate_s")
+    __slots__ = ("rank", "world_size", "backend", "prefill_tokens_per_s", "checksum_bytes_s", "links", "fetch_decisions", "recompute_decisions", "blocks_fetched", "bytes_fetched", "blocks_bad", "fetch_failures", "blocks_sent", "bytes_sent", "send_failures", "fetch_seconds", "last_decision", "last_fetch_estimate_s", "last_recompute_estimate_s", "worker_id", "generation", "store_address", "pairs_formed", "pairs_broken")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +281,11 @@ class PeerStats(_message.Message):
     LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
     LAST_FETCH_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOMPUTE_ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FORMED_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_BROKEN_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     backend: str
@@ -262,26 +305,75 @@ class PeerStats(_message.Message):
     last_decision: str
     last_fetch_estimate_s: float
     last_recompute_estimate_s: float
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., checksum_bytes_s: _Optional[float] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., fetch_decisions: _Optional[int] = ..., recompute_decisions: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., blocks_bad: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., send_failures: _Optional[int] = ..., fetch_seconds: _Optional[float] = ..., last_decision: _Optional[str] = ..., last_fetch_estimate_s: _Optional[float] = ..., last_recompute_estimate_s: _Optional[float] = ...) -> None: ...
+    worker_id: str
+    generation: int
+    store_address: str
+    pairs_formed: int
+    pairs_broken: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., checksum_bytes_s: _Optional[float] = ..., links: _Optional[_Iterable[_Union[PeerLink, _Mapping]]] = ..., fetch_decisions: _Optional[int] = ..., recompute_decisions: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., blocks_bad: _Optional[int] = ..., fetch_failures: _Optional[int] = ..., blocks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., send_failures: _Optional[int] = ..., fetch_seconds: _Optional[float] = ..., last_decision: _Optional[str] = ..., last_fetch_estimate_s: _Optional[float] = ..., last_recompute_estimate_s: _Optional[float] = ..., worker_id: _Optional[str] = ..., generation: _Optional[int] = ..., store_address: _Optional[str] = ..., pairs_formed: _Optional[int] = ..., pairs_broken: _Optional[int] = ...) -> None: ...
 
 class SendBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "dst_rank", "src_rank", "transfer_id")
+    __slots__ = ("block_hashes", "dst_rank", "src_rank", "transfer_id", "pair_key", "new_pair", "store_address", "receiver_id", "receiver_generation", "sender_id", "sender_generation")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_KEY_FIELD_NUMBER: _ClassVar[int]
+    NEW_PAIR_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_GENERATION_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     dst_rank: int
     src_rank: int
     transfer_id: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., dst_rank: _Optional[int] = ..., src_rank: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    pair_key: str
+    new_pair: bool
+    store_address: str
+    receiver_id: str
+    receiver_generation: int
+    sender_id: str
+    sender_generation: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., dst_rank: _Optional[int] = ..., src_rank: _Optional[int] = ..., transfer_id: _Optional[int] = ..., pair_key: _Optional[str] = ..., new_pair: _Optional[bool] = ..., store_address: _Optional[str] = ..., receiver_id: _Optional[str] = ..., receiver_generation: _Optional[int] = ..., sender_id: _Optional[str] = ..., sender_generation: _Optional[int] = ...) -> None: ...
 
 class SendBlocksResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "reason")
+    __slots__ = ("num_blocks", "num_bytes", "reason", "generation", "pair_unknown")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAIR_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
     reason: str
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    generation: int
+    pair_unknown: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., pair_unknown: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class AttestRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttestResponse(_message.Message):
+    __slots__ = ("worker_id", "address", "mac")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    mac: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...

@@ -59,6 +59,16 @@ class WorkerStub:
                 request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.SerializeToString,
                 response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/kvmesh.v1.Worker/ResetPrefixCache',
+                request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.Attest = channel.unary_unary(
+                '/kvmesh.v1.Worker/Attest',
+                request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -94,6 +104,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attest(self, request, context):
+        """The router's admission handshake (contracts/cluster_token.py): the worker proves it holds
+        the cluster token by answering an HMAC over the router's nonce, its id and its address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +145,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SendBlocks,
                     request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.FromString,
                     response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Attest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attest,
+                    request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestRequest.FromString,
+                    response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +292,60 @@ class Worker:
             '/kvmesh.v1.Worker/SendBlocks',
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.SerializeToString,
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/ResetPrefixCache',
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/Attest',
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestRequest.SerializeToString,
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -243,9 +243,11 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 }
 
 void bind_linear(pybind11::module& m);  // csrc/linear.cpp: the packed-weight linear kernels
+void bind_block_copy(pybind11::module& m);  // csrc/block_copy.cpp: KV blocks between the pool and the host tier
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_linear(m);
+  bind_block_copy(m);
   m.def("paged_decode", &paged_decode, "decode attention over a paged fp32 KV cache (CPU)");
   m.attr("max_group") = kMaxGroup;
 }
