@@ -100,7 +100,7 @@ class ServeProcess:
     workers: int
     log_dir: Path
     flags: tuple[str, ...] = ()
-    startup_timeout_s: float = 240.0
+    startup_timeout_s: float = 420.0   # a loaded 2-core machine loads 3 workers slowly
     proc: subprocess.Popen[bytes] | None = None
     grpc_target: str = ""
     http_base: str = ""
@@ -126,6 +126,7 @@ class ServeProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "router.cli", "serve", "--workers", str(self.workers), "--grpc-port", "0",
                 "--http-port", "0", "--log-dir", str(self.log_dir / "children"), "--kv-cache-memory-gib", "0.25",
+                "--startup-timeout-s", str(self.startup_timeout_s - 20),
                 "--cluster-name", f"chaos-{os.getpid()}-{time.monotonic_ns() % 10**6}", *self.flags]
         password = secrets.token_urlsafe(24)      # the embedded Redis's, so that a fault can PING it
         env = os.environ | {REDIS_PASSWORD_ENV: password, TOKEN_ENV: self.token}
