@@ -201,6 +201,9 @@ def _partition(serve: ServeProcess, i: int, seconds: float) -> dict[str, float |
     """Cut router <-> worker i for `seconds`: how long until it left routing, and from the
     heal until it was back."""
     name = f"worker-{i}"
+    # in routing first (and so listed in the router's metrics, which only name workers seen up)
+    if wait_until(lambda: workers_up(serve.http_base).get(name, False), 120) is None:
+        return {"left_routing_s": None, "back_after_heal_s": None}
     cut = Partition(serve.worker_port(i))
     cut.cut()
     try:
