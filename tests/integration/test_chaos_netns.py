@@ -33,7 +33,7 @@ def _netns_or_skip() -> str:
     return name
 
 
-def test_partition_router_worker_leaves_routing_migrates_and_returns(tmp_path: Path) -> None:
+def test_partition_router_worker_leaves_routing_and_returns(tmp_path: Path) -> None:
     ns = _netns_or_skip()
     out = tmp_path / "chaos.json"
     try:
