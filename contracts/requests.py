@@ -36,7 +36,9 @@ class GenerateInput:
     """Exactly one of text / token_ids / chat is set. `cache_salt` ("" = none) keys the
     request's blocks apart from other salts' (kvstore.keys.cache_salt_root);
     `max_tokens_given` is False when `params.max_tokens` is the front's default, which the
-    router may then shorten to fit the context instead of rejecting the request."""
+    router may then shorten to fit the context instead of rejecting the request.
+    `resume_tokens` > 0 (only with token_ids): the last that many ids are output already
+    generated (a migrated request)."""
 
     request_id: str
     text: str | None
@@ -47,6 +49,7 @@ class GenerateInput:
     peer_hints: tuple[PeerHint, ...] = ()
     cache_salt: str = ""
     max_tokens_given: bool = True
+    resume_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

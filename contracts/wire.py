@@ -81,10 +81,13 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
                 raise BadRequest(f"chat.role: {m.role!r}; accepted: system, user, assistant")
     if len(msg.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise BadRequest(f"cache_salt: {len(msg.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+    resume = msg.resume_tokens
+    if resume and (token_ids is None or not 0 < resume < len(token_ids)):
+        raise BadRequest(f"resume_tokens: {resume} must be in [0, len(token_ids)) and needs token_ids")
     return GenerateInput(msg.request_id, text, token_ids, chat,
                          to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
                          tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)),
-                         msg.cache_salt, msg.sampling.HasField("max_tokens"))
+                         msg.cache_salt, msg.sampling.HasField("max_tokens"), resume)
 
 
 def _is_host_port(address: str) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from contracts.cli import CLIError
 from kvstore import plan
-from router import bench as router_bench, client, serve_cli, server
+from router import bench as router_bench, bench_chaos, client, serve_cli, server
 from worker import bench, bench_transfer, cli as wcli, server_cli
 
 
@@ -34,6 +34,7 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     bench.register(bsub)
     bench_transfer.register(bsub)
     router_bench.register(bsub)
+    bench_chaos.register(bsub)
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:

@@ -36,6 +36,8 @@ class RouterConfig:
     max_concurrent_per_tenant: int | None = None   # requests in flight per tenant; None = unlimited
     max_tokens_limit: int | None = None     # --max-tokens-limit: default and cap of max_tokens; None = the context
     grpc_idle_timeout_s: float = 300.0      # a gRPC connection with no call is closed after this
+    migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
+    drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
     # Cluster authentication (router/attest.py): TLS of both fronts and to the workers, and the
     # token workers must prove they hold before they are admitted (and that every call to them carries).
@@ -56,6 +58,11 @@ class RouterConfig:
         t = self.max_tokens_limit
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"max_tokens_limit={t!r} must be a positive integer")
+        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
+                or self.migration_limit < 0:
+            raise ValueError(f"migration_limit={self.migration_limit!r} must be an integer >= 0")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be >= 0")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
         for a in self.worker_addresses:

@@ -1,7 +1,7 @@
 """The routing core: `Router` takes a validated request (contracts `GenerateInput`) through
 prepare (tokenize, range-check, chained block hashes) → pick (the policy over the live
 workers, the block index and the router's in-flight counts) → generate (stream from the
-chosen worker; failover once before the first response) → abort.
+chosen worker; a worker lost mid-stream: migrate, router/migrate.py) → abort.
 
 No gRPC servicer and no HTTP here: the fronts (router/grpc_front.py, router/http.py) call
 this and map its exceptions (router/errors.py) to their status codes. The only gRPC in
@@ -10,6 +10,7 @@ this module is the client call to a worker. torch-free.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -29,6 +30,7 @@ from router.config import RouterConfig
 from router.errors import NoWorkerAvailable, UpstreamError
 from router.index import BlockIndex
 from router.inflight import InFlightPrefills
+from router.migrate import MAX_WAIT_FOR_WORKER_S, Progress, WorkerLost, is_migratable, log_migration, read_until_lost
 from router.policy import Policy, make_policy
 from router.registry import WorkerEntry, WorkerRegistry
 from router.routing import RouteRequest, RoutingState, WorkerId, WorkerInfo
@@ -91,6 +93,13 @@ class RouteObserver:
     def failed(self, request_id: str, worker_id: str) -> None:
         """The call to `worker_id` failed."""
 
+    def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
+        """The request moves off `worker_id` after `tokens` streamed tokens (router/migrate.py)."""
+
+
+class _Failed(Exception):
+    """One attempt's worker is gone (the message says how); the request may move on."""
+
 
 class Router:
     """Routes requests over `registry` (its live workers and its block index) with the
@@ -127,6 +136,8 @@ class Router:
         BadRequest, or NoWorkerAvailable before any worker has told the router its model.
         `caller` (the authenticated key) decides the default cache_salt (router/tenancy.py)."""
         info, tok = self.model_info, self.tokenizer
+        if self.draining:
+            raise NoWorkerAvailable("the router is draining (shutting down)")
         if info is None or tok is None:
             raise NoWorkerAvailable("no worker is ready")
         try:
@@ -158,10 +169,11 @@ class Router:
         return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)), caller.tenant)
 
     async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        """Forward to the policy's worker and yield its responses. A worker that is
-        UNAVAILABLE before its first response is marked down and the request retried once on
-        another. Closing the iterator cancels the upstream call (the worker aborts it).
-        Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
+        """Forward to the policy's worker and yield its responses. A worker that dies or
+        becomes unreachable is marked down and the request re-submitted to another, with the
+        tokens already streamed (router/migrate.py), at most `cfg.migration_limit` times; the
+        client's stream goes on. Closing the iterator cancels the upstream call (the worker
+        aborts it). Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
         rid = prepared.request.request_id
         REQUEST_ID.set(rid)      # on every log line of this request, and to the worker as metadata
         if rid in self._inflight:
@@ -169,61 +181,108 @@ class Router:
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
         self._inflight[rid] = None
         self._owners[rid] = prepared.tenant
+        progress = Progress(prepared.request, self.cfg.migration_limit, started=time.perf_counter())
+        request, route = prepared.request, prepared.route
         tried: set[WorkerId] = set()
-        started = time.perf_counter()
         try:
-            for attempt in range(2):
-                pick = self.pick(prepared.route, tried)
-                self.observer.decided(time.perf_counter() - started if attempt == 0 else 0.0)
-                worker = pick.worker
-                assert worker.info is not None
-                worker_id = worker.info.worker_id   # info may be cleared by a probe while streaming
+            while True:
+                pick = await self._pick_next(route, tried, progress, deadline)
+                assert pick.worker.info is not None
+                worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
-                self.observer.picked(prepared.route, worker_id)
-                self._inflight[rid] = worker
-                self.prefills.dispatched(self.registry.index, rid, worker_id, prepared.route, pick.predicted_tokens)
-                streamed = finished = False
-                ttft_s = 0.0
-                worker.in_flight += 1
-                call = None
+                self.observer.picked(route, worker_id)
                 try:
-                    await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
-                    call = worker.stub.Generate(self._with_hint(prepared.request, pick.hint),
-                                                timeout=max(deadline - time.monotonic(), 0.001),
-                                                metadata=((REQUEST_ID_HEADER, rid),))
-                    async for response in call:
-                        if not streamed:
-                            self.prefills.prefilled(self.registry.index, rid)
-                            ttft_s = time.perf_counter() - started
-                            self.observer.first_response(rid, worker_id, ttft_s)
-                        streamed = True
-                        if response.finished:   # what came from a peer is no index mismatch
-                            self.stats.record(pick.predicted_tokens,
-                                              response.cached_tokens - response.peer_cached_tokens)
-                            self.observer.finished(rid, worker_id, response, ttft_s, time.perf_counter() - started)
-                        finished = finished or response.finished
-                        yield response
-                    if finished:
-                        return
-                    # No silent truncation: a stream that ends without a finished response is an error.
-                    raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
-                                        f"worker {worker.address} closed the stream before it finished")
-                except grpc.aio.AioRpcError as e:
-                    self.observer.failed(rid, worker_id)
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise UpstreamError(e.code(), e.details() or "") from None
-                    self.registry.mark_down(worker, e.details() or "")
-                    if streamed or attempt == 1:
+                    async with contextlib.aclosing(self._attempt(rid, request, route, pick, deadline, progress)) as attempt:
+                        async for response in attempt:
+                            yield response
+                    return
+                except _Failed as f:
+                    if not progress.may_resubmit():
                         raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
-                                            f"worker {worker.address} became unavailable: {e.details()}") from None
-                finally:
-                    worker.in_flight -= 1
-                    self.prefills.done(self.registry.index, rid, streamed)
-                    if call is not None:
-                        call.cancel()
+                                            f"worker {pick.worker.address} {f}") from None
+                    if progress.generated:
+                        log_migration(rid, worker_id, str(f), progress)
+                        self.observer.migrated(rid, worker_id, len(progress.generated))
+                info = self.model_info
+                assert info is not None
+                request, route = progress.resubmit(info.block_size, bytes.fromhex(info.hash_salt_hex))
         finally:
             self._inflight.pop(rid, None)
             self._owners.pop(rid, None)
+
+    async def _pick_next(self, route: RouteRequest, tried: set[WorkerId], progress: Progress,
+                         deadline: float) -> Pick:
+        """The next worker. Mid-stream, with no other worker ready (e.g. the only one is
+        restarting), wait for one (any, the failed one included) up to `MAX_WAIT_FOR_WORKER_S`."""
+        decided = time.perf_counter()
+        try:
+            return self.pick(route, tried)
+        except NoWorkerAvailable:
+            if not progress.generated:
+                raise
+        finally:
+            self.observer.decided(time.perf_counter() - decided)
+        until = min(deadline, time.monotonic() + MAX_WAIT_FOR_WORKER_S)
+        while time.monotonic() < until:
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(NoWorkerAvailable):
+                return self.pick(route, set())
+        raise NoWorkerAvailable("no worker is available (retry failed)")
+
+    async def _attempt(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
+                       deadline: float, progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream `request` from `pick.worker` until its finished response; raises _Failed
+        when the worker is gone (its call UNAVAILABLE, its stream cut, its probes failing)."""
+        worker = pick.worker
+        assert worker.info is not None
+        worker_id = worker.info.worker_id
+        self._inflight[rid] = worker
+        # pending blocks on the pick until its worker stores them (router/inflight.py)
+        self.prefills.dispatched(self.registry.index, rid, worker_id, route, pick.predicted_tokens)
+        streamed = False
+        worker.in_flight += 1
+        call = responses = None
+        try:
+            await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
+            call = worker.stub.Generate(self._with_hint(request, pick.hint),
+                                        timeout=max(deadline - time.monotonic(), 0.001),
+                                        metadata=((REQUEST_ID_HEADER, rid),))
+            responses = read_until_lost(call, worker.lost)
+            async for response in responses:
+                if not streamed:
+                    streamed = True
+                    self.prefills.prefilled(self.registry.index, rid)
+                if progress.ttft_s is None:
+                    progress.ttft_s = time.perf_counter() - progress.started
+                    self.observer.first_response(rid, worker_id, progress.ttft_s)
+                progress.note(response)
+                if response.finished:
+                    if not progress.migrations:   # what came from a peer is no index mismatch
+                        self.stats.record(pick.predicted_tokens, response.cached_tokens - response.peer_cached_tokens)
+                    response.migrations = progress.migrations
+                    self.observer.finished(rid, worker_id, response, progress.ttft_s,
+                                           time.perf_counter() - progress.started)
+                    yield response
+                    return
+                yield response
+            # No silent truncation: a stream that ends without a finished response is a failure.
+            raise _Failed("closed the stream before it finished")
+        except grpc.aio.AioRpcError as e:
+            self.observer.failed(rid, worker_id)
+            if not is_migratable(e):
+                raise UpstreamError(e.code(), e.details() or "") from None
+            self.registry.mark_down(worker, e.details() or "")
+            raise _Failed(f"became unavailable: {e.details()}") from None
+        except WorkerLost as e:
+            self.observer.failed(rid, worker_id)
+            raise _Failed(f"became unreachable: {e}") from None
+        finally:
+            worker.in_flight -= 1
+            self.prefills.done(self.registry.index, rid, streamed)
+            if call is not None:
+                call.cancel()
+            if responses is not None:
+                await responses.aclose()
 
     async def abort(self, request_id: str, tenant: TenantId | None = None) -> bool:
         """Abort a request in flight on the worker serving it; False when none is, or when

@@ -53,6 +53,8 @@ class RouterMetrics(RouteObserver):
         self.event_lag = Gauge("kvmesh:router_kv_event_lag_seconds",
                                "How far the block index is behind each worker's Redis event stream (stream time)",
                                ("worker_id",), registry=r)
+        self.migrations = Counter("kvmesh:router_migrations", "Requests moved to another worker mid-stream "
+                                  "(their worker died or became unreachable)", ("worker_id",), registry=r)
         r.register(_CoreCollector(router))
         self.request_counts: dict[tuple[str, str, str], int] = {}   # (worker_id, policy, outcome), for /v1/cluster
         self.cluster = ClusterView(router, self.request_counts)
@@ -82,6 +84,9 @@ class RouterMetrics(RouteObserver):
 
     def failed(self, request_id: str, worker_id: str) -> None:
         self._count(worker_id, "error")
+
+    def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
+        self.migrations.labels(worker_id).inc()
 
     def _count(self, worker_id: str, outcome: str) -> None:
         self.requests.labels(worker_id, self.policy, outcome).inc()

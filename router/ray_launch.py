@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import os
 import shutil
 import socket
@@ -93,6 +95,7 @@ class WorkerSpec:
     loopback: bool
     env: tuple[tuple[str, str], ...]
     startup_timeout_s: float
+    port: int = 0          # 0: a free port; a replacement actor serves where its predecessor did
 
 
 class WorkerActor:
@@ -125,7 +128,7 @@ class WorkerActor:
         host = self.host(spec.loopback)
         peer = peer_flags_from_env(os.environ)   # peer transfer on with KVMESH_WORLD_SIZE > 1 (legacy)
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
-            host=host, port=0, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
+            host=host, port=spec.port, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
             peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
             cluster_token=token_from(None)))   # KVMESH_CLUSTER_TOKEN, from spec.env
 
@@ -162,6 +165,8 @@ class RayPlacement:
         self._ray_temp: Path | None = None
         self._pg: Any = None
         self._actors: list[Any] = []
+        self._addresses: list[str] = []      # where each rank's actor serves
+        self._specs: list[WorkerSpec] = []   # what each rank's actor was started with
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         """Connect, reserve one bundle per worker; Redis binds loopback if every bundle is here."""
@@ -188,15 +193,8 @@ class RayPlacement:
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        remote = ray.remote(max_restarts=0)(WorkerActor)
         for rank in range(cfg.workers):
-            resources = (dict(num_gpus=self.cfg.gpus_per_worker, num_cpus=0) if self._gpu
-                         else dict(num_cpus=self.cfg.cpus_per_worker))
-            self._actors.append(remote.options(  # type: ignore[attr-defined]
-                name=f"worker-{rank}", namespace=self.cfg.namespace, **resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-            ).remote())
+            self._actors.append(self._new_actor(rank))
         self.dist_init_addr = ray.get(self._actors[0].reserve_address.remote(self._loopback))
         specs = [WorkerSpec(worker_id=f"worker-{rank}", model=cfg.model, engine_argv=cfg.engine_argv,
                             redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=self._loopback,
@@ -205,9 +203,11 @@ class RayPlacement:
                                  *((TOKEN_ENV, cfg.cluster_token),) * (cfg.cluster_token is not None)),
                             startup_timeout_s=cfg.startup_timeout_s)
                  for rank in range(cfg.workers)]
+        self._specs = specs
         started = [a.start.remote(s) for a, s in zip(self._actors, specs)]
         try:
-            return tuple(ray.get(started, timeout=max(deadline - time.monotonic(), 1.0)))
+            self._addresses = list(ray.get(started, timeout=max(deadline - time.monotonic(), 1.0)))
+            return tuple(self._addresses)
         except ray.exceptions.GetTimeoutError:
             raise LaunchError(f"worker actors did not load {cfg.model} within {cfg.startup_timeout_s:.0f} s") from None
         except ray.exceptions.RayTaskError as e:
@@ -227,10 +227,40 @@ class RayPlacement:
         return None
 
     def restart(self, name: str, cfg: ServeConfig, redis_url: str, log_dir: Path) -> None:
-        """Not yet: replacing an actor in its bundle (issue #18 item 1 under Ray) is not built;
-        the supervisor counts this as a failed restart and gives up on the worker after its
-        allowed deaths, while the rest keep serving."""
-        raise LaunchError(f"{name}: restarting a Ray worker actor is not supported yet")
+        """Replace the dead actor `name` with a new one in the same placement-group bundle,
+        serving on the same HOST:PORT (the router dials it there again) with the same
+        environment (peer plane, cluster token). Returns once it serves (the model load is
+        part of the restart); LaunchError if it cannot."""
+        import ray
+        rank = int(name.rsplit("-", 1)[1])
+        with contextlib.suppress(ray.exceptions.RayError, ValueError):
+            ray.kill(self._actors[rank], no_restart=True)
+        port = int(self._addresses[rank].rsplit(":", 1)[1])
+        spec = dataclasses.replace(self._specs[rank], port=port)   # same env: peer plane, cluster token
+        deadline = time.monotonic() + 30
+        while True:     # the dead actor's name is released asynchronously
+            try:
+                self._actors[rank] = self._new_actor(rank)
+                break
+            except ValueError as e:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"{name}: its actor name is still taken: {e}") from None
+                time.sleep(0.5)
+        try:
+            ray.get(self._actors[rank].start.remote(spec), timeout=cfg.startup_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise LaunchError(f"{name}: the replacement actor did not start: {str(e).strip().splitlines()[-1]}") from None
+
+    def _new_actor(self, rank: int) -> Any:
+        """A WorkerActor named worker-<rank> in bundle `rank` of the placement group."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        resources = (dict(num_gpus=self.cfg.gpus_per_worker, num_cpus=0) if self._gpu
+                     else dict(num_cpus=self.cfg.cpus_per_worker))
+        return ray.remote(max_restarts=0)(WorkerActor).options(  # type: ignore[attr-defined]
+            name=f"worker-{rank}", namespace=self.cfg.namespace, **resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+        ).remote()
 
     def pids(self) -> dict[str, int]:
         return {}

@@ -30,6 +30,7 @@ log = logging.getLogger("kvmesh.router")
 
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+LOST_AFTER_PROBES = 2   # unanswered probes in a row before a worker's open streams migrate
 
 
 @dataclass(eq=False)
@@ -48,6 +49,8 @@ class WorkerEntry:
     rank: int | None = None                 # set (legacy 0) when it has a peer plane (from GetLoad)
     world_size: int = 0
     refused: str | None = None              # why it may never serve (logged once)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/migrate.py)
+    failed_probes: int = 0                  # consecutive probes that got no answer
     admitted: bool = False                  # passed router/attest.py's handshake on this connection
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -191,6 +194,7 @@ class WorkerRegistry:
             try:
                 status = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
                                               timeout=timeout)
+                w.failed_probes = 0     # it answers (a draining worker's streams stay on it)
                 if status.status != _SERVING:
                     w.info = None
                     return None
@@ -203,8 +207,8 @@ class WorkerRegistry:
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                w.info = None
+            except grpc.aio.AioRpcError as e:
+                self._unanswered(w, e)
                 w.admitted = False     # perhaps another process by now: the handshake again
                 return None
             w.refused = self._mismatch(w, info, WorkerId(load.worker_id))
@@ -213,8 +217,20 @@ class WorkerRegistry:
             if self.model_info is None:
                 self.model_info = info
             w.info = WorkerInfo(WorkerId(load.worker_id), w.address)
+            w.lost = asyncio.Event()
             log.info("kvmesh router: worker %s at %s is ready", load.worker_id, w.address)
             return None
+
+    def _unanswered(self, w: WorkerEntry, e: grpc.aio.AioRpcError) -> None:
+        """A probe got no answer: the worker leaves routing at once; after `LOST_AFTER_PROBES`
+        in a row (a partition, a hung process) the streams still open on it move elsewhere."""
+        if w.info is not None:
+            log.warning("kvmesh router: worker %s at %s does not answer its probe: %s", w.info.worker_id,
+                        w.address, e.code().name)
+        w.info = None
+        w.failed_probes += 1
+        if w.failed_probes >= LOST_AFTER_PROBES:
+            w.lost.set()
 
     async def _admit(self, w: WorkerEntry, timeout: float) -> bool:
         """router/attest.py's handshake; a rejected worker is refused for good (logged there)."""

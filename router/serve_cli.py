@@ -14,6 +14,7 @@ from router.auth import add_auth_arguments, auth_argv
 from router.launch import run_serve
 from router.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
 from router.restarts import RestartPolicy
+from router.server import add_migration_argument
 from router.supervise import ServeConfig
 from router.tenancy import add_limit_arguments, limit_argv
 from worker.cli import add_engine_arguments
@@ -36,6 +37,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="restart a child that exits: always, on-failure (non-zero status; default), or never "
                         "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
     add_log_format_argument(g)
+    add_migration_argument(g)
     add_auth_arguments(g)
     add_limit_arguments(g)
     g = p.add_argument_group("cluster authentication (README: Security)")
@@ -87,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                            restart_policy=RestartPolicy(args.restart_policy),
                            router_argv=auth_argv(args) + limit_argv(args),
                            cluster_token=token_from(args.cluster_token) or new_token(), tls=tls_from_args(args),
-                           log_format=args.log_format)
+                           log_format=args.log_format, migration_limit=args.migration_limit)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

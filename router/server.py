@@ -128,6 +128,13 @@ def _prepare_in_child(model: str) -> None:
 
 
 # -- `kvmesh router` ----------------------------------------------------------------------
+def add_migration_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--migration-limit` (kvmesh router and kvmesh serve)."""
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="re-submit a request to another worker at most N times when its worker dies or "
+                        "becomes unreachable mid-stream; the client's stream continues (0 = off)")
+
+
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC and HTTP)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free port)")
@@ -143,6 +150,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="how a request picks its worker (see README: Routing)")
     p.add_argument("--load-factor", type=float, default=1.25,
                    help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
+    add_migration_argument(p)
+    p.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: readiness turns 503 at once, open streams get this long to finish")
     add_auth_arguments(p)
     add_limit_arguments(p)
     g = p.add_argument_group("cluster authentication (README: Security)")
@@ -167,7 +177,8 @@ def run_router(args: argparse.Namespace) -> int:
                            routing_policy=args.routing_policy, load_factor=args.load_factor,
                            api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant,
                            max_tokens_limit=args.max_tokens_limit, metrics_require_key=args.metrics_require_key,
-                           tls=tls_from_args(args), cluster_token=token_from(args.cluster_token))
+                           tls=tls_from_args(args), cluster_token=token_from(args.cluster_token),
+                           migration_limit=args.migration_limit, drain_timeout_s=args.drain_timeout_s)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
     configure_logging(args.log_format)
@@ -192,9 +203,10 @@ async def _serve_until_signal(cfg: RouterConfig) -> int:
         http = f"http on {cfg.host}:{http_port}" if http_port is not None else "http off"
         print(f"kvmesh router serving grpc on {cfg.host}:{grpc_port} {http}", flush=True)
         await stop.wait()
-        log.info("kvmesh router: signal received, shutting down")
+        log.info("kvmesh router: signal received: not ready; draining open streams (up to %.0f s)",
+                 cfg.drain_timeout_s)
     finally:
-        await server.stop()
+        await server.stop(cfg.drain_timeout_s)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return 0

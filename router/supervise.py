@@ -70,6 +70,7 @@ class ServeConfig:
     stop_timeout_s: float = 10.0
     python: str = sys.executable
     restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
+    migration_limit: int = 3                # the router's --migration-limit
     # Cluster authentication (README: Security): the token every child gets by environment
     # (`kvmesh serve` makes a fresh one per start), and TLS flags passed through to the router
     # (with --tls-ca also to every worker: mutual TLS between them).
@@ -107,6 +108,9 @@ class ServeConfig:
                  "--cluster-token", "--tls-cert", "--tls-key", "--tls-ca", "--redis-url")
         if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
             raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
+        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
+                or self.migration_limit < 0:
+            raise ValueError(f"migration_limit={self.migration_limit!r} must be an integer >= 0")
         for name in ("startup_timeout_s", "stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
@@ -299,6 +303,7 @@ class Cluster:
                 "--http-port", str(http_port), "--routing-policy", cfg.routing_policy,
                 "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
                 "--cluster-name", cfg.cluster_name, "--model", cfg.model, "--log-format", cfg.log_format, *tls_argv(cfg.tls),
+                "--migration-limit", str(cfg.migration_limit), "--drain-timeout-s", str(cfg.stop_timeout_s / 2),
                 *cfg.router_argv]    # the Redis URL (password) and the cluster token: cfg.child_env
 
 

@@ -70,13 +70,14 @@ class AsyncEngine:
     # -- public, called from the event loop -----------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
                        priority: int = 0, staged: StageBlocks | None = None, cache_salt: str = "",
-                       fit_context: bool = False) -> AsyncIterator[RequestOutput]:
+                       fit_context: bool = False, resume_tokens: int = 0) -> AsyncIterator[RequestOutput]:
         """Send `AddRequest` and yield the request's outputs until it finishes."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         finished = False
         try:
-            await self.run(_Open(AddRequest(prompt, params, request_id, priority, staged, cache_salt, fit_context), stream))
+            await self.run(_Open(AddRequest(prompt, params, request_id, priority, staged, cache_salt, fit_context,
+                                       resume_tokens), stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -176,7 +177,8 @@ class AsyncEngine:
         if add.staged is not None:
             self.engine.store.stage(add.staged.block_hashes, add.staged.data)
         self.engine.add_request(add.prompt, add.params, request_id=add.request_id, priority=add.priority,
-                                cache_salt=add.cache_salt, fit_context=add.fit_context)
+                                cache_salt=add.cache_salt, fit_context=add.fit_context,
+                                resume_tokens=add.resume_tokens)
         self._streams[add.request_id] = stream
 
     def _abort(self, request_id: str, stream: _Stream | None = None) -> bool:

@@ -64,6 +64,7 @@ class AddRequest(Command[None]):
     staged: StageBlocks | None = None
     cache_salt: str = ""
     fit_context: bool = False
+    resume_tokens: int = 0          # the last that many prompt ids are resumed output (migration)
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,15 +119,23 @@ class Engine:
             raise InvalidRequest(str(e)) from None
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str = "", fit_context: bool = False) -> str:
+                    priority: int = 0, cache_salt: str = "", fit_context: bool = False,
+                    resume_tokens: int = 0) -> str:
         """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing.
         Lower `priority` is admitted first (in [MIN_PRIORITY, MAX_PRIORITY]). `cache_salt`
         keys its blocks apart from other salts' (kvstore.keys.cache_salt_root). With
         `fit_context`, a prompt plus `max_tokens` beyond max_model_len is an InvalidRequest
-        instead of a generation cut at max_model_len."""
+        instead of a generation cut at max_model_len. `resume_tokens` > 0: the last that many
+        ids of `prompt` are output a previous worker already generated and reported (a migrated
+        request); they count as output everywhere (see `_resume`)."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         ids = self.encode(prompt)
+        resumed: list[int] = []
+        if resume_tokens:
+            if not 0 < resume_tokens < len(ids):
+                raise InvalidRequest(f"resume_tokens={resume_tokens} must be in [0, {len(ids)}) (the prompt's length)")
+            ids, resumed = ids[:-resume_tokens], ids[-resume_tokens:]
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
         request_id = request_id or f"req-{next(self._ids)}"
@@ -142,8 +150,12 @@ class Engine:
             raise InvalidRequest(f"n / best_of: {params.num_sequences} sequences with kv_eviction on; use 1")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; this model takes at most "
+        if resumed and params.num_sequences > 1:
+            raise InvalidRequest("resume_tokens: only for a single sequence (n = best_of = 1)")
+        if any(t < 0 or t >= vocab for t in resumed) or len(resumed) >= params.max_tokens:
+            raise InvalidRequest(f"resumed token ids must be in [0, {vocab}) and fewer than max_tokens")
+        if len(ids) + len(resumed) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(ids) + len(resumed)} tokens; this model takes at most "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
         if fit_context and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(context_length_error(self.max_model_len, len(ids), params.max_tokens))
@@ -152,9 +164,31 @@ class Engine:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
                       cache_salt_root(cache_salt))
+        if resumed:
+            self._resume(req, resumed)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _resume(self, req: Request, resumed: list[int]) -> None:
+        """Make `req` look as if it had generated `resumed` and reported them: output tokens
+        (penalties, min/max_tokens, usage), the text already sent (stop strings that span the
+        seam are still found), and a seeded generator advanced by one draw per token (each
+        draw of `Sampler` consumes the same random numbers whatever the logits: one
+        exponential per vocabulary entry), so seeded sampling continues as it would have."""
+        assert req.history is not None
+        for t in resumed:
+            req.output_token_ids.append(t)
+            req.all_token_ids.append(t)
+            req.history.append(t)
+        req.sent_tokens = len(resumed)
+        if self.tokenizer is not None:
+            req.output_text = self.tokenizer.decode(resumed, skip_special_tokens=req.params.skip_special_tokens)
+            req.sent_text = len(req.output_text.rstrip("\ufffd"))
+        if req.generator is not None and not req.params.is_greedy:
+            scratch = torch.empty(self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+            for _ in resumed:
+                scratch.exponential_(1, generator=req.generator)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request (every sequence of it) and free its blocks; returns its final

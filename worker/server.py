@@ -284,7 +284,8 @@ class WorkerServer:
             fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer, inp.cache_salt)
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
                               staged=fetched.staged if fetched is not None else None,
-                              cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given)
+                              cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given,
+                              resume_tokens=inp.resume_tokens)
         t0, first = time.perf_counter(), True
         gaps = self.metrics.token_gaps() if self.metrics is not None else None
         completion_tokens = 0          # over every sequence (n / best_of)

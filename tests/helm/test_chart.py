@@ -32,15 +32,18 @@ ALL_VALUES: Doc = {
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
                "h2oDecay": 0.9, "attentionBackend": "triton", "enforceEager": True},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
-               "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json"},
+               "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json", "preStopSleepS": 3},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
-               "maxConcurrentPerTenant": 7, "logFormat": "json"},
+               "maxConcurrentPerTenant": 7, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
+               "preStopSleepS": 2, "terminationGracePeriodSeconds": 33},
 }
 # Values whose flag is spelled differently from the camelCase rule.
-FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s"}
+FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s",
+           ("router", "drainTimeoutS"): "drain_timeout_s"}
 NOT_FLAGS = {("worker", "replicas"), ("worker", "distPort"), ("worker", "terminationGracePeriodSeconds"),
-             ("router", "replicas")}
+             ("router", "replicas"), ("worker", "preStopSleepS"), ("router", "preStopSleepS"),
+             ("router", "terminationGracePeriodSeconds")}
 
 VALUE_SETS: dict[str, Doc] = {
     "default": {},
@@ -320,10 +323,26 @@ def test_lint_reports_every_bad_value_at_once(helm: Path, tmp_path: Path) -> Non
         assert path in proc.stdout + proc.stderr, path
 
 
-def test_grace_period_must_cover_the_drain(helm: Path, tmp_path: Path) -> None:
-    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "worker.drainTimeoutS=60",
-                    "--set", "worker.terminationGracePeriodSeconds=60")
-    assert proc.returncode != 0 and "must exceed worker.drainTimeoutS" in proc.stderr
+@pytest.mark.parametrize("part", ["worker", "router"])
+def test_grace_period_must_cover_the_drain(helm: Path, tmp_path: Path, part: str) -> None:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", f"{part}.drainTimeoutS=60",
+                    "--set", f"{part}.terminationGracePeriodSeconds=60")
+    assert proc.returncode != 0 and f"must exceed {part}.preStopSleepS + {part}.drainTimeoutS" in proc.stderr
+
+
+def test_pods_sleep_before_sigterm_and_get_their_grace(helm: Path) -> None:
+    """preStop (a sleep while endpoints update) then SIGTERM drains; grace from values."""
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "router.preStopSleepS=4",
+                    "--set", "router.terminationGracePeriodSeconds=50")
+    assert proc.returncode == 0, proc.stderr
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(proc.stdout) if d}
+    for kind, part, sleep, grace in (("StatefulSet", "worker", "5", 60), ("Deployment", "router", "4", 50)):
+        pod = next(d for (k, n), d in docs.items() if k == kind and n.endswith(part))["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", sleep], c.get("lifecycle")
+        assert pod["terminationGracePeriodSeconds"] == grace
+    off = run_helm(helm, "template", RELEASE, str(CHART), "--set", "worker.preStopSleepS=0")
+    assert off.returncode == 0 and "preStop" in off.stdout and off.stdout.count("preStop:") == 1
 
 
 # -- Dockerfiles -------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Faults a user meets on `kvmesh serve --workers 2` (real processes on 127.0.0.1): `kill -9`
 of a worker or of the embedded Redis. The supervisor restarts the dead child on its port while
-the cluster keeps serving (issue #18 item 1). One `kvmesh serve` for the whole file.
+the cluster keeps serving (issue #18 item 1). One `kvmesh serve` for the whole file, with
+`--migration-limit 0`: a stream cut by a dead worker must end with an error, never silently
+(tests/integration/test_chaos.py has migration on, the default).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     launched = _launch_serve(tmp_path_factory.mktemp("faults"), f"kvmesh-test-{uuid.uuid4().hex[:8]}",
-                             "--routing-policy", "round_robin", workers=2)
+                             "--routing-policy", "round_robin", "--migration-limit", "0", workers=2)
     try:
         yield launched
     finally:

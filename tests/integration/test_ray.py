@@ -123,6 +123,55 @@ def test_two_ray_actors_serve_generate_like_the_engine(smollm2_dir: Path, monkey
         shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_dead_worker_actor_is_replaced_in_its_bundle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill the actor of worker-0: the supervisor's restart puts a new actor in the same
+    placement-group bundle, serving at the same address; the router routes to it again."""
+    import ray
+    name = f"raykill-{uuid.uuid4().hex[:6]}"
+    namespace = namespace_for(name)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    temp = Path(tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
+    cluster: RayCluster | None = None
+    try:
+        ray.init(num_cpus=2, object_store_memory=100 * 2**20, _temp_dir=str(temp), include_dashboard=False,
+                 namespace=namespace, log_to_driver=False)
+        cfg = RayServeConfig(serve=ServeConfig(workers=1, grpc_port=0, http_port=0, cluster_name=name,
+                                               engine_argv=("--num-blocks", NUM_BLOCKS), startup_timeout_s=240),
+                             cpus_per_worker=1)
+        cluster = RayCluster(cfg).start()
+        address = cluster.worker_addresses[0]
+        old = ray.get_actor("worker-0", namespace=namespace)
+        ray.kill(old, no_restart=True)
+        deadline = time.monotonic() + 60
+        while (event := cluster.poll()) is None:
+            assert time.monotonic() < deadline, "the dead actor was not noticed"
+            time.sleep(0.5)
+        assert event.name == "worker-0"
+        cluster.restart("worker-0")
+        new = ray.get_actor("worker-0", namespace=namespace)
+        assert new._actor_id != old._actor_id and cluster.poll() is None
+        table = ray.util.placement_group_table(cluster.placement._pg)   # type: ignore[attr-defined]
+        assert table["state"] == "CREATED"
+        with grpc.insecure_channel(cluster.grpc_target) as ch:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    last = list(pb_grpc.RouterStub(ch).Generate(_chat_request(), timeout=120))[-1]
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline
+                    time.sleep(1.0)
+        assert last.finished and last.worker_id == "worker-0" and cluster.worker_addresses[0] == address
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        ray.shutdown()
+        import shutil
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 class _Bystander:
     """An actor that is not ours: teardown must leave it alone."""
 
