@@ -35,7 +35,7 @@ ALL_VALUES: Doc = {
                "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json", "preStopSleepS": 3},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
-               "maxConcurrentPerTenant": 7, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
+               "maxConcurrentPerTenant": 7, "maxTokensLimit": 512, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
                "preStopSleepS": 2, "terminationGracePeriodSeconds": 33},
 }
 # Values whose flag is spelled differently from the camelCase rule.
