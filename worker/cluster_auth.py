@@ -16,13 +16,19 @@ Without a token or TLS the worker behaves as before (plain loopback dev).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from contracts.cluster_token import NONCE_BYTES, attestation_mac
 from contracts.grpc_auth import ClusterTokenGuard, token_interceptors
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from contracts.wire import to_send_blocks_request
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from worker.server_config import WorkerServerConfig
+
+if TYPE_CHECKING:
+    from worker.peer import AskAnswer
 
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 OPEN_METHODS = ("Attest",)
@@ -63,3 +69,29 @@ def describe(cfg: WorkerServerConfig) -> Sequence[str]:
     """What is on, for the startup log line (never a secret)."""
     return (("mutual TLS" if cfg.tls.ca is not None else "TLS") if cfg.tls.serves_tls else "plaintext",
             "cluster token" if cfg.cluster_token is not None else "no cluster token")
+
+
+class PeerCalls:
+    """The control-plane call of a fetch (`worker.peer.AskPeer`): `SendBlocks` to the peer
+    holding the blocks, over one authenticated channel per peer address."""
+
+    def __init__(self, cfg: WorkerServerConfig) -> None:
+        self.cfg = cfg
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def ask(self, address: str, block_hashes: Sequence[int], transfer_id: int,
+                  pair: dict[str, Any]) -> AskAnswer:
+        from worker.peer import AskAnswer, PeerUnavailable
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = peer_channel(self.cfg, address)
+        request = to_send_blocks_request(block_hashes, transfer_id, **pair)
+        try:
+            response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
+        return AskAnswer(int(response.num_blocks), int(response.generation), bool(response.pair_unknown))
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

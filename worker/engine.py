@@ -32,6 +32,7 @@ from worker.fork import fork_sequences
 from worker.logprobs import (PromptSpan, prompt_span, record_prompt_logprobs, record_sampled_logprobs,
                              take_unsent_logprobs)
 from worker.model import LlamaModel
+from worker.resume import resume
 from worker.request import (MAX_PRIORITY, MIN_PRIORITY, EngineError, FinishReason, InvalidRequest,
                             QueueFull, Request, RequestOutput, RequestStatus)
 from worker.sampling import Sampler, SamplingParams, check_stop_token, find_stop, make_generator, suppress_stop_tokens
@@ -127,7 +128,7 @@ class Engine:
         `fit_context`, a prompt plus `max_tokens` beyond max_model_len is an InvalidRequest
         instead of a generation cut at max_model_len. `resume_tokens` > 0: the last that many
         ids of `prompt` are output a previous worker already generated and reported (a migrated
-        request); they count as output everywhere (see `_resume`)."""
+        request); they count as output everywhere (see `worker.resume`)."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         ids = self.encode(prompt)
@@ -152,7 +153,7 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
         if resumed and params.num_sequences > 1:
             raise InvalidRequest("resume_tokens: only for a single sequence (n = best_of = 1)")
-        if any(t < 0 or t >= vocab for t in resumed) or len(resumed) >= params.max_tokens:
+        if resumed and (any(t < 0 or t >= vocab for t in resumed) or len(resumed) >= params.max_tokens):
             raise InvalidRequest(f"resumed token ids must be in [0, {vocab}) and fewer than max_tokens")
         if len(ids) + len(resumed) >= self.max_model_len:
             raise InvalidRequest(f"prompt has {len(ids) + len(resumed)} tokens; this model takes at most "
@@ -165,30 +166,10 @@ class Engine:
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
                       cache_salt_root(cache_salt))
         if resumed:
-            self._resume(req, resumed)
+            resume(req, resumed, self.tokenizer, self.model_config.vocab_size, self.device)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
-
-    def _resume(self, req: Request, resumed: list[int]) -> None:
-        """Make `req` look as if it had generated `resumed` and reported them: output tokens
-        (penalties, min/max_tokens, usage), the text already sent (stop strings that span the
-        seam are still found), and a seeded generator advanced by one draw per token (each
-        draw of `Sampler` consumes the same random numbers whatever the logits: one
-        exponential per vocabulary entry), so seeded sampling continues as it would have."""
-        assert req.history is not None
-        for t in resumed:
-            req.output_token_ids.append(t)
-            req.all_token_ids.append(t)
-            req.history.append(t)
-        req.sent_tokens = len(resumed)
-        if self.tokenizer is not None:
-            req.output_text = self.tokenizer.decode(resumed, skip_special_tokens=req.params.skip_special_tokens)
-            req.sent_text = len(req.output_text.rstrip("\ufffd"))
-        if req.generator is not None and not req.params.is_greedy:
-            scratch = torch.empty(self.model_config.vocab_size, dtype=torch.float32, device=self.device)
-            for _ in resumed:
-                scratch.exponential_(1, generator=req.generator)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request (every sequence of it) and free its blocks; returns its final

@@ -8,23 +8,13 @@ request wants them pays nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
-if TYPE_CHECKING:
-    from worker.request import Request
-
-
-class TokenLogprob(NamedTuple):
-    """`token_id`'s log-probability at one position, and the `top` (token id, logprob) pairs
-    there, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+from worker.request import Request, TokenLogprob
 
 
 def token_logprobs(logits: torch.Tensor, targets: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprob]:

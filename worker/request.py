@@ -10,8 +10,16 @@ import torch
 
 from kvstore.keys import BlockHash, extend_block_hashes
 from kvstore.pool import BlockId
-from worker.logprobs import TokenLogprob
 from worker.sampling import SamplingHistory, SamplingParams
+
+
+class TokenLogprob(NamedTuple):
+    """`token_id`'s log-probability at one position, and the `top` (token id, logprob) pairs
+    there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class EngineError(Exception):

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 import dataclasses
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -27,19 +27,19 @@ from contracts.grpc_options import grpc_server_options
 from contracts.logs import REQUEST_ID, trace_id
 from contracts.requests import BadRequest
 from contracts.sampling import SamplingParamsError
-from contracts.wire import (FINISH_REASONS, ParsedRequest, parse_generate_request, parse_send_blocks_request,
-                            to_generate_input, to_send_blocks_input, to_send_blocks_request)
+from contracts.wire import (ParsedRequest, parse_generate_request, parse_send_blocks_request,
+                            to_generate_input, to_send_blocks_input)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from worker import cluster_auth
 from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
 from worker.metadata_hook import WorkerMetadata as _Metadata
+from worker.responses import stream_response
 from worker.server_config import WorkerServerConfig
 
 if TYPE_CHECKING:
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
-    from worker.peer import AskAnswer, Fetched, PeerFigures, PeerPlane
+    from worker.peer import Fetched, PeerFigures, PeerPlane
     from worker.metrics import MetricsHTTP, WorkerMetrics
     from worker.request import RequestOutput
 
@@ -75,7 +75,7 @@ class WorkerServer:
         self._cached_prompt_tokens = 0
         self._metadata: _Metadata | None = None
         self._peer: PeerPlane | None = None
-        self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self._peer_calls = cluster_auth.PeerCalls(cfg)   # the control-plane calls of fetches
         self.metrics: WorkerMetrics | None = None       # set once loaded, with cfg.metrics_port
         self._metrics_http: MetricsHTTP | None = None
         self._metrics_task: asyncio.Task[None] | None = None
@@ -219,8 +219,7 @@ class WorkerServer:
             await asyncio.to_thread(self._metadata.close)
         if self._peer is not None:
             await asyncio.to_thread(self._peer.close)
-        for channel in self._peer_channels.values():
-            await channel.close()
+        await self._peer_calls.close()
         log.info("worker %s stopped", self.cfg.worker_id)
 
     # -- RPCs -----------------------------------------------------------------------------
@@ -281,7 +280,7 @@ class WorkerServer:
         if inp.peer_hints and self._peer is not None:
             if isinstance(prompt, str):
                 prompt = await ae.run(Tokenize(prompt))
-            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._ask_peer, inp.cache_salt)
+            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._peer_calls.ask, inp.cache_salt)
         outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
                               staged=fetched.staged if fetched is not None else None,
                               cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given,
@@ -305,14 +304,7 @@ class WorkerServer:
 
     def _response(self, out: RequestOutput, fetched: Fetched | None = None,
                   completion_tokens: int = 0) -> pb.GenerateResponse:
-        from worker.logprobs import to_pb
-        resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
-                                   text=out.new_text, worker_id=self.cfg.worker_id, index=out.index,
-                                   logprobs=to_pb(out.new_logprobs), prompt_logprobs=to_pb(out.prompt_logprobs or ()),
-                                   cumulative_logprob=out.cumulative_logprob or 0.0)
-        if out.finished:
-            resp.sequence_finished = True
-            resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        resp = stream_response(out, self.cfg.worker_id)
         if out.finished and out.group_finished:
             resp.finished = True
             resp.prompt_tokens = out.prompt_tokens
@@ -363,20 +355,6 @@ class WorkerServer:
         num_blocks, num_bytes, reason, unknown = await self._peer.serve_send(ae, inp, still_wanted)
         return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
                                      generation=self._peer.me.generation, pair_unknown=unknown)
-
-    async def _ask_peer(self, address: str, block_hashes: Sequence[int], transfer_id: int,
-                        pair: dict[str, Any]) -> AskAnswer:
-        """The control-plane call of a fetch (worker.peer.AskPeer)."""
-        from worker.peer import AskAnswer, PeerUnavailable
-        channel = self._peer_channels.get(address)
-        if channel is None:
-            channel = self._peer_channels[address] = cluster_auth.peer_channel(self.cfg, address)
-        request = to_send_blocks_request(block_hashes, transfer_id, **pair)
-        try:
-            response = await pb_grpc.WorkerStub(channel).SendBlocks(request, timeout=self.cfg.transfer_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise PeerUnavailable(f"{e.code().name}: {e.details()}") from None
-        return AskAnswer(int(response.num_blocks), int(response.generation), bool(response.pair_unknown))
 
     async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
                                   context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
