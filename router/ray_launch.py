@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.cluster_token import TOKEN_ENV, token_from
+from contracts.tls import PLAINTEXT, TlsConfig
 from kvstore.metadata import parse_redis_url
 from router.processes import LaunchError
 from router.supervise import Cluster, PartExited, ServeConfig, Supervisor
@@ -96,6 +97,7 @@ class WorkerSpec:
     env: tuple[tuple[str, str], ...]
     startup_timeout_s: float
     port: int = 0          # 0: a free port; a replacement actor serves where its predecessor did
+    tls: TlsConfig = PLAINTEXT   # mutual TLS with --tls-ca (the files must exist on the actor's node)
 
 
 class WorkerActor:
@@ -130,7 +132,7 @@ class WorkerActor:
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
             host=host, port=spec.port, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
             peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
-            cluster_token=token_from(None)))   # KVMESH_CLUSTER_TOKEN, from spec.env
+            cluster_token=token_from(None), tls=spec.tls))   # KVMESH_CLUSTER_TOKEN, from spec.env
 
         async def go() -> int:
             port = await server.start()
@@ -196,13 +198,7 @@ class RayPlacement:
         for rank in range(cfg.workers):
             self._actors.append(self._new_actor(rank))
         self.dist_init_addr = ray.get(self._actors[0].reserve_address.remote(self._loopback))
-        specs = [WorkerSpec(worker_id=f"worker-{rank}", model=cfg.model, engine_argv=cfg.engine_argv,
-                            redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=self._loopback,
-                            env=(("KVMESH_RANK", str(rank)), ("KVMESH_WORLD_SIZE", str(cfg.workers)),
-                                 ("KVMESH_DIST_INIT_ADDR", self.dist_init_addr),
-                                 *((TOKEN_ENV, cfg.cluster_token),) * (cfg.cluster_token is not None)),
-                            startup_timeout_s=cfg.startup_timeout_s)
-                 for rank in range(cfg.workers)]
+        specs = worker_specs(cfg, redis_url, self._loopback, self.dist_init_addr)
         self._specs = specs
         started = [a.start.remote(s) for a, s in zip(self._actors, specs)]
         try:
@@ -372,3 +368,15 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
         ]), flush=True)
 
     return Supervisor(cluster, "serve --ray", banner, poll_s=1.0).run()
+
+
+def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool, dist_init_addr: str) -> list[WorkerSpec]:
+    """One spec per worker actor: the peer plane and the cluster token by environment, and
+    with --tls-ca the same TLS files as `kvmesh serve`'s local workers (mutual TLS)."""
+    token = ((TOKEN_ENV, cfg.cluster_token),) if cfg.cluster_token is not None else ()
+    return [WorkerSpec(worker_id=f"worker-{rank}", model=cfg.model, engine_argv=cfg.engine_argv,
+                       redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=loopback,
+                       env=(("KVMESH_RANK", str(rank)), ("KVMESH_WORLD_SIZE", str(cfg.workers)),
+                            ("KVMESH_DIST_INIT_ADDR", dist_init_addr), *token),
+                       startup_timeout_s=cfg.startup_timeout_s, tls=cfg.tls if cfg.tls.ca is not None else PLAINTEXT)
+            for rank in range(cfg.workers)]

@@ -46,6 +46,23 @@ def test_ray_flags_become_config() -> None:
             RayServeConfig(**bad)  # type: ignore[arg-type]
 
 
+def test_ray_worker_actors_get_the_tls_files_with_tls_ca(tmp_path: Path) -> None:
+    # as `kvmesh serve`'s local workers: with --tls-ca every worker serves mutual TLS
+    from contracts.tls import PLAINTEXT
+    from router.cli import build_parser
+    from router.ray_launch import worker_specs
+    from router.serve_cli import ray_config_from_args
+    for name in ("c.pem", "k.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    for extra, mutual in ((["--tls-ca", str(tmp_path / "ca.pem")], True), ([], False)):
+        cfg = ray_config_from_args(build_parser().parse_args(["serve", "--ray", "--workers", "2", *tls, *extra]))
+        specs = worker_specs(cfg.serve, "redis://127.0.0.1:1/0", True, "127.0.0.1:2")
+        assert [s.worker_id for s in specs] == ["worker-0", "worker-1"]
+        assert all((s.tls == cfg.serve.tls) if mutual else (s.tls == PLAINTEXT) for s in specs)
+        assert all(dict(s.env).get("KVMESH_CLUSTER_TOKEN") == cfg.serve.cluster_token for s in specs)
+
+
 def test_stop_without_ray_is_a_usage_error() -> None:
     r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--stop"], cwd=ROOT, capture_output=True,
                        text=True, timeout=30)
