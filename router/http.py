@@ -111,13 +111,18 @@ class HttpFrontend:
         await web.TCPSite(self._runner, host, port, ssl_context=tls.http_ssl_context() if tls.serves_tls else None).start()
         return int(self._runner.addresses[0][1])
 
-    async def stop(self, grace: float | None) -> None:
-        """Let requests in flight finish for `grace` s (None: wait), cancel the rest, close."""
+    async def drain(self, grace: float | None) -> None:
+        """Let requests in flight finish for `grace` s (None: wait) and cancel the rest; the
+        port stays open (readiness answers 503 meanwhile)."""
         if self._active:
             _, pending = await asyncio.wait(set(self._active), timeout=grace)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+
+    async def stop(self, grace: float | None) -> None:
+        """`drain`, then close the port."""
+        await self.drain(grace)
         await self._runner.cleanup()
 
     @web.middleware

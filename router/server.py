@@ -91,8 +91,11 @@ class RouterServer:
         self._stopped = True
         self.core.draining = True
         await self._grpc.set_health(False)
-        await asyncio.gather(self._http.stop(grace) if self._http is not None else asyncio.sleep(0),
+        # HTTP stays open (its /health says 503) until the gRPC streams have drained too
+        await asyncio.gather(self._http.drain(grace) if self._http is not None else asyncio.sleep(0),
                              self._grpc.stop(grace))
+        if self._http is not None:
+            await self._http.stop(0)
         await self.registry.stop()
 
     def set_workers(self, addresses: Iterable[str]) -> None:

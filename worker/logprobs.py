@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
 from worker.request import Request, TokenLogprob
 
@@ -88,8 +87,3 @@ def take_unsent_logprobs(req: Request) -> tuple[tuple[TokenLogprob, ...], tuple[
         prompt = tuple(req.prompt_logprobs)
         req.sent_prompt_logprobs = True
     return new, prompt
-
-
-def to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                            top=[pb.LogprobEntry(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]

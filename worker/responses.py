@@ -1,11 +1,16 @@
 """One engine output as the Worker's gRPC `GenerateResponse` (what every streamed response
-carries; the server adds the usage figures to the group's last one)."""
+carries; the server adds the usage figures to the group's last one). Torch-free: the router's
+CLI imports the worker server."""
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from contracts.wire import FINISH_REASONS
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from worker.logprobs import to_pb
-from worker.request import RequestOutput
+
+if TYPE_CHECKING:
+    from worker.request import RequestOutput, TokenLogprob
 
 
 def stream_response(out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
@@ -18,3 +23,8 @@ def stream_response(out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
         resp.sequence_finished = True
         resp.finish_reason = FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
     return resp
+
+
+def to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.LogprobEntry(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]

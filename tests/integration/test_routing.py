@@ -300,12 +300,15 @@ def test_retry_before_first_token_and_unavailable_mid_stream(cluster: LocalClust
     try:
         async def main() -> None:
             # Probed once at start, then not again for an hour: they go on believing what they saw.
-            mid = await _start_router(tokenizer, worker_addresses=addresses, health_interval_s=3600.0)
-            stale = await _start_router(tokenizer, worker_addresses=addresses, health_interval_s=3600.0)
+            # No migration: this test is about the error path (migration: tests/integration/test_chaos.py).
+            mid = await _start_router(tokenizer, worker_addresses=addresses, health_interval_s=3600.0,
+                                      migration_limit=0)
+            stale = await _start_router(tokenizer, worker_addresses=addresses, health_interval_s=3600.0,
+                                        migration_limit=0)
             try:
                 for router in (mid, stale):
                     assert _live(router) == {"w-victim", "worker-0", "worker-1"}
-                long_req = await _prompt_for(mid, "w-victim", "long", max_tokens=1000, ignore_eos=True)
+                long_req = await _prompt_for(mid, "w-victim", "long", max_tokens=800, ignore_eos=True)   # fits the context
                 retried = await _prompt_for(stale, "w-victim", "retried")
 
                 async def stream_then_kill() -> None:
