@@ -14,6 +14,7 @@ Torch- and gRPC-free.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import os
@@ -68,3 +69,13 @@ def attestation_mac(token: str, nonce: bytes, worker_id: str, address: str) -> b
 
 def verify_attestation(token: str, nonce: bytes, worker_id: str, address: str, mac: bytes) -> bool:
     return hmac.compare_digest(attestation_mac(token, nonce, worker_id, address), mac)
+
+
+def add_cluster_auth_arguments(p: argparse.ArgumentParser, role: str, token_help: str) -> None:
+    """The "cluster authentication" flags of `role` (router, worker, serve): `--cluster-token`
+    (its meaning for that role in `token_help`) and the TLS files (contracts.tls)."""
+    from contracts.tls import add_tls_arguments
+    g = p.add_argument_group("cluster authentication (README: Security)")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"{token_help} (default: ${TOKEN_ENV}; prefer the environment: flags show in ps)")
+    add_tls_arguments(g, role)

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from contracts.cli import CLIError, flagify
-from contracts.cluster_token import TOKEN_ENV, new_token, token_from
-from contracts.tls import add_tls_arguments, tls_from_args
+from contracts.cluster_token import add_cluster_auth_arguments, new_token, token_from
+from contracts.tls import tls_from_args
 from contracts.logs import add_log_format_argument
 from router.auth import add_auth_arguments, auth_argv
 from router.launch import run_serve
@@ -40,11 +40,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_migration_argument(g)
     add_auth_arguments(g)
     add_limit_arguments(g)
-    g = p.add_argument_group("cluster authentication (README: Security)")
-    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
-                   help=f"the router's and workers' shared secret (default: ${TOKEN_ENV}, else a fresh random "
-                        "one per start); children get it by environment")
-    add_tls_arguments(g, "serve")
+    add_cluster_auth_arguments(p, "serve",
+                               "the router's and workers' shared secret, else a fresh random one per start; children get it by environment")
     add_engine_arguments(p)
     add_ray_arguments(p)
 

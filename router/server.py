@@ -16,10 +16,10 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
-from contracts.cluster_token import TOKEN_ENV, token_from
+from contracts.cluster_token import add_cluster_auth_arguments, token_from
 from contracts.logs import add_log_format_argument, configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
-from contracts.tls import add_tls_arguments, tls_from_args
+from contracts.tls import tls_from_args
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from router.auth import add_auth_arguments, keys_from_args, warn_if_open
 from router.config import RouterConfig
@@ -158,11 +158,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM: readiness turns 503 at once, open streams get this long to finish")
     add_auth_arguments(p)
     add_limit_arguments(p)
-    g = p.add_argument_group("cluster authentication (README: Security)")
-    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
-                   help=f"the secret shared with the workers (default: ${TOKEN_ENV}; prefer the environment: "
-                        "flags show in ps): workers are admitted only after proving they hold it")
-    add_tls_arguments(g, "router")
+    add_cluster_auth_arguments(p, "router",
+                               "the secret shared with the workers: workers are admitted only after proving they hold it")
     add_log_format_argument(p)
 
 

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from contracts.cli import CLIError, flagify
-from contracts.cluster_token import TOKEN_ENV, token_from
-from contracts.tls import add_tls_arguments, tls_from_args
+from contracts.cluster_token import add_cluster_auth_arguments, token_from
+from contracts.tls import tls_from_args
 from contracts.logs import add_log_format_argument, configure_logging
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.config import ModelLoadError
@@ -81,11 +81,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "0 = a free port; -1 = off); logged to stderr when serving")
     g.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
-    g = p.add_argument_group("cluster authentication (README: Security)")
-    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
-                   help=f"the secret shared with the router and peers (default: ${TOKEN_ENV}; prefer the "
-                        "environment: flags show in ps); every Worker RPC then needs it")
-    add_tls_arguments(g, "worker")
+    add_cluster_auth_arguments(p, "worker",
+                               "the secret shared with the router and peers: every Worker RPC then needs it")
     add_log_format_argument(g)
     g = p.add_argument_group("peer transfer (pairs of workers formed on demand)")
     g.add_argument("--peer-transfer", action="store_true",

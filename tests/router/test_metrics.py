@@ -3,7 +3,6 @@ real router over one real SmolLM2 worker: after a known sequence of gRPC request
 shared prefix) the counters equal what the clients were told."""
 from __future__ import annotations
 
-import io
 import json
 import logging
 import urllib.error
@@ -15,8 +14,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from contracts.logs import make_handler
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from tests.json_logs import json_logs
 from tests.prometheus_server import Prometheus, needs_prometheus
 from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary
 
@@ -131,22 +130,13 @@ def test_tenant_counts_and_cluster_json_agree(web: Cluster) -> None:
 def test_request_id_on_every_router_and_worker_json_line(web: Cluster) -> None:
     """With the JSON log format, every line logged while serving a request carries its id (a
     contextvar), in the router and, through gRPC metadata, in the worker."""
-    out = io.StringIO()
-    handler = make_handler("json", out)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    old_level = root.level
-    root.setLevel(logging.INFO)
-    try:
+    with json_logs() as logs:
         body = json.dumps({"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "no_such_field": 1}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{web.http_port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json", "x-request-id": "json-trace-9"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert json.loads(resp.read())["id"] == "json-trace-9"
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    lines = logs.lines
     traced = {d["logger"] for d in lines if d.get("request_id") == "json-trace-9"}
     assert {"kvmesh.router", "kvmesh.worker"} <= traced, lines
     assert all(d.get("request_id") == "json-trace-9" for d in lines if "json-trace-9" in d["msg"])

@@ -6,9 +6,6 @@ the request id of gRPC metadata names the worker's JSON log lines; a real Promet
 same names and values."""
 from __future__ import annotations
 
-import io
-import json
-import logging
 import random
 import time
 from collections.abc import Iterator
@@ -18,9 +15,10 @@ from typing import Any
 import grpc
 import pytest
 
-from contracts.logs import JsonFormatter, make_handler
+from contracts.logs import JsonFormatter
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from tests.json_logs import json_logs
 from tests.prometheus_server import Prometheus, needs_prometheus
 from tests.worker.test_metrics import scrape
 from tests.worker.test_server import LoopThread, collect, request, serving, wait_idle
@@ -96,25 +94,16 @@ def test_offload_onload_eviction_and_preemption_counters(tiered):
 
 def test_metadata_request_id_on_every_worker_json_line(tiered):
     _, channel, _ = tiered
-    out = io.StringIO()
-    handler = make_handler("json", out)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    old_level = root.level
-    root.setLevel(logging.INFO)
-    try:
+    with json_logs() as logs:
         collect(pb_grpc.WorkerStub(channel).Generate(request([5, 6, 7, 8, 9], request_id="engine-id-1", max_tokens=2),
                                                      metadata=(("x-request-id", "trace-meta-7"),)))
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    lines = logs.lines
     mine = [d for d in lines if d.get("request_id") == "trace-meta-7"]
     assert any(d["msg"].startswith("request engine-id-1 finished on w-tiers:") for d in mine), lines
     for d in mine:
         assert set(d) >= {"ts", "level", "logger", "msg"} and d["logger"].startswith("kvmesh.")
     assert not [d for d in lines if "engine-id-1" in d["msg"] and d.get("request_id") != "trace-meta-7"]
-    assert isinstance(handler.formatter, JsonFormatter)
+    assert isinstance(logs.handler.formatter, JsonFormatter)
 
 
 @needs_prometheus
