@@ -189,7 +189,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "kv_cache_dtype", "eos_token_ids", "hash_salt_hex", "attention_backend")
+    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "kv_cache_dtype", "eos_token_ids", "hash_salt_hex", "attention_backend", "tokenizer_sha256")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HASH_SALT_HEX_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -206,7 +207,31 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hash_salt_hex: str
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hash_salt_hex: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    tokenizer_sha256: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hash_salt_hex: _Optional[str] = ..., attention_backend: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ...) -> None: ...
+
+class TokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("model", "hash_salt_hex", "sha256", "files")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HASH_SALT_HEX_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    hash_salt_hex: str
+    sha256: str
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, model: _Optional[str] = ..., hash_salt_hex: _Optional[str] = ..., sha256: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

@@ -69,6 +69,11 @@ class WorkerStub:
                 request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestRequest.SerializeToString,
                 response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/kvmesh.v1.Worker/GetTokenizer',
+                request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.TokenizerRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -118,6 +123,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The tokenizer files and chat template of the served model (a router without model storage).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +167,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Attest,
                     request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestRequest.FromString,
                     response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.TokenizerRequest.FromString,
+                    response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +363,33 @@ class Worker:
             '/kvmesh.v1.Worker/Attest',
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestRequest.SerializeToString,
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.AttestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/GetTokenizer',
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.TokenizerRequest.SerializeToString,
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,
