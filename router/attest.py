@@ -28,6 +28,8 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 
 log = logging.getLogger("kvmesh.router")
+# What one worker reply may hold: GetTokenizer's files (a large tokenizer.json is ~10 MB).
+MAX_WORKER_REPLY_BYTES = 64 * 2**20
 
 
 class Verdict(enum.Enum):
@@ -44,7 +46,8 @@ def worker_channel(cfg: RouterConfig, address: str, admitted: Callable[[], bool]
     """The router's channel to one worker: TLS per `cfg.tls` (the router's certificate is its
     client certificate), the cluster token on each call once `admitted()` says so."""
     token = cfg.cluster_token
-    return cfg.tls.aio_channel(address, interceptors=token_interceptors(
+    return cfg.tls.aio_channel(address, options=(("grpc.max_receive_message_length", MAX_WORKER_REPLY_BYTES),),
+                               interceptors=token_interceptors(
         lambda: token if token is not None and admitted() else None))
 
 
