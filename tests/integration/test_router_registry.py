@@ -27,7 +27,7 @@ from router.processes import Child, spawn, terminate
 from router.worker_tokenizer import tokenizer_digest
 from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_LINE = re.compile(r"^kvmesh worker (\S+) serving on (\S+):(\d+)$", re.M)
