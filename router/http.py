@@ -137,7 +137,9 @@ class HttpFrontend:
     def _tokenizer(self) -> ModelTokenizer:
         tok = self.router.tokenizer
         if tok is None:
-            raise TokenizerNotLoaded() if self.router.model_info is not None else NoWorkerAvailable("no worker is ready")
+            if self.router.model_info is None:
+                raise NoWorkerAvailable("no worker is ready")
+            raise TokenizerNotLoaded()
         return tok
 
     @property

@@ -61,6 +61,9 @@ class RouterServer:
         self._stopped = False
         self.tokenizer_source = resolve_tokenizer_source(cfg.tokenizer_source, cfg.model)
         self._fetch: WorkerTokenizer | None = None
+        self._tokenizer_ready = asyncio.Event()
+        if tokenizer is not None:
+            self._tokenizer_ready.set()
         if self.tokenizer_source is TokenizerSource.WORKER and tokenizer is None:
             self._fetch = WorkerTokenizer(cfg, self.registry, self._tokenizer_loaded)
             self.registry.strict_tokenizer = True     # a worker without the digest cannot be checked
@@ -77,6 +80,7 @@ class RouterServer:
             if self.core.tokenizer is None:
                 self.core.tokenizer = _load_tokenizer(self.cfg.model)
             self.core.default_temperature = generation_default_temperature(self.cfg.model)
+            self._tokenizer_ready.set()
         log.info("kvmesh router: tokenizer from %s", "the model dir of --model" if self._fetch is None
                  else "the first ready worker (GetTokenizer)")
         grpc_port = await self._grpc.start(self.cfg.host, self.cfg.grpc_port)
@@ -100,8 +104,7 @@ class RouterServer:
         """Until at least one worker is ready and the tokenizer is loaded; raises TimeoutError."""
         async def ready() -> None:
             await self.registry.wait_ready(timeout)
-            while self.core.tokenizer is None:
-                await asyncio.sleep(0.02)
+            await self._tokenizer_ready.wait()
         await asyncio.wait_for(ready(), timeout)
 
     async def stop(self, grace: float | None = 5.0) -> None:
@@ -133,6 +136,7 @@ class RouterServer:
     async def _tokenizer_loaded(self, loaded: LoadedTokenizer) -> None:
         self.core.tokenizer = loaded.tokenizer
         self.core.default_temperature = loaded.default_temperature
+        self._tokenizer_ready.set()
         await self._grpc.set_health(self.registry.ready)
 
 
@@ -207,7 +211,8 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         cfg = RouterConfig(worker_addresses=tuple(args.worker), host=args.host, grpc_port=args.grpc_port,
                            http_port=None if args.no_http else args.http_port, model=args.model,
-                           served_model_name=args.served_model_name, tokenizer_source=args.tokenizer_source,
+                           served_model_name=args.served_model_name,
+                           tokenizer_source=args.tokenizer_source,
                            redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
                            cluster_name=args.cluster_name,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,

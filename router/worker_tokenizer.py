@@ -67,9 +67,12 @@ def resolve_tokenizer_source(source: TokenizerSource, model: str) -> TokenizerSo
         return source
     try:
         located = locate_model(model)
-    except ModelLocateError:
+    except ModelLocateError as e:
+        log.info("kvmesh router: --tokenizer-source auto: the tokenizer comes from a worker (%s)", e)
         return TokenizerSource.WORKER
     if located.gguf is None and not (located.model_dir / _REQUIRED).is_file():
+        log.info("kvmesh router: --tokenizer-source auto: %s has no %s; the tokenizer comes from a worker",
+                 located.model_dir, _REQUIRED)
         return TokenizerSource.WORKER
     return TokenizerSource.LOCAL
 
