@@ -234,6 +234,8 @@ class WorkerTokenizer:
                             else "")
             except TokenizerMismatch as e:
                 self.registry.refuse(w, f"its tokenizer files: {e}")
+            except OSError as e:     # the cache dir: not writable, full (set KVMESH_CACHE_DIR)
+                log.error("kvmesh router: cannot cache the tokenizer under %s: %s", cache_root() / TOKENIZERS_DIR, e)
             else:
                 self.loaded = loaded
                 if info.model and info.model not in (self.cfg.model, self.cfg.served_model_name):

@@ -256,3 +256,25 @@ def test_a_worker_without_the_digest_is_refused_when_the_router_needs_it() -> No
         finally:
             await old.stop()
     asyncio.run(run())
+
+
+def test_an_unwritable_cache_keeps_the_router_not_ready_and_says_why(
+        cache_in_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache_in_tmp.parent.mkdir(parents=True, exist_ok=True)
+    cache_in_tmp.write_text("a file where the cache dir should be")
+
+    async def run() -> None:
+        worker = FakeWorker("w0")
+        await worker.start()
+        router = RouterServer(_cfg(worker, http_port=None))
+        try:
+            await router.start()
+            await _until(lambda: worker.calls.get("GetTokenizer", 0) >= 2)    # retried
+            assert not router.core.serving and router.registry.ready
+            assert any("cannot cache the tokenizer" in m for m in caplog.messages)
+            cache_in_tmp.unlink()                                         # fixed: it loads on the next try
+            await router.wait_ready(10)
+        finally:
+            await router.stop(0)
+            await worker.stop()
+    asyncio.run(run())
