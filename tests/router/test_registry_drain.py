@@ -27,8 +27,9 @@ pytestmark = pytest.mark.redis
 
 A_BLOCKS = [BlockHash(0xA0 + i) for i in range(4)]
 B_BLOCKS = [BlockHash(0xB0 + i) for i in range(4)]
-# A worker's departure reaches the router within one registry refresh (1 s) + one consumer poll.
-LEAVE_S = 2.0
+# A departure reaches the router within one registry refresh (1 s) + one consumer poll (0.1 s); slack
+# for a loaded machine. A drain (NOT_SERVING) within one probe (0.1 s here).
+LEAVE_S = 3.0
 
 
 async def _until(predicate: Any, timeout: float, what: str) -> float:
