@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore.events import Tier, WireEvent, EventType, WorkerId
+from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
 from kvstore.metadata import RedisConfig, WorkerRecord, WorkerRegistry
 from kvstore.streams import EventPublisher

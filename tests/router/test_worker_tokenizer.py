@@ -278,3 +278,27 @@ def test_an_unwritable_cache_keeps_the_router_not_ready_and_says_why(
             await router.stop(0)
             await worker.stop()
     asyncio.run(run())
+
+
+def test_probes_need_no_api_key_and_are_in_the_openapi_document() -> None:
+    from router.auth import ApiKey
+
+    async def run() -> None:
+        router = RouterServer(_cfg(api_keys=(ApiKey("sk-test-key-0123456789"),)))
+        _, http_port = await router.start()
+        base = f"http://127.0.0.1:{http_port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                got = {}
+                for path in ("/health", "/readyz", "/live", "/livez", "/v1/models", "/openapi.json"):
+                    async with http.get(base + path) as r:
+                        got[path] = r.status
+                assert got == {"/health": 503, "/readyz": 503, "/live": 200, "/livez": 200, "/v1/models": 401,
+                               "/openapi.json": 401}
+                async with http.get(base + "/openapi.json",
+                                    headers={"Authorization": "Bearer sk-test-key-0123456789"}) as r:
+                    paths = (await r.json())["paths"]
+                assert {"/health", "/readyz", "/live", "/livez"} <= set(paths)
+        finally:
+            await router.stop(0)
+    asyncio.run(run())
