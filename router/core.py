@@ -188,6 +188,9 @@ class Router:
         progress = Progress(prepared.request, self.cfg.migration_limit, started=time.perf_counter())
         request, route = prepared.request, prepared.route
         tried: set[WorkerId] = set()
+        # The model the request was prepared for; the registry may forget it while no worker is
+        # ready (a router whose tokenizer comes from the workers), e.g. while its only worker restarts.
+        prepared_for = self.model_info
         try:
             while True:
                 pick = await self._pick_next(route, tried, progress, deadline)
@@ -207,8 +210,9 @@ class Router:
                     if progress.generated:
                         log_migration(rid, worker_id, str(f), progress)
                         self.observer.migrated(rid, worker_id, len(progress.generated))
-                info = self.model_info
-                assert info is not None
+                info = self.model_info or prepared_for
+                if info is None:
+                    raise NoWorkerAvailable("no worker is ready")
                 request, route = progress.resubmit(info.block_size, bytes.fromhex(info.hash_salt_hex))
         finally:
             self._inflight.pop(rid, None)

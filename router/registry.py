@@ -60,6 +60,7 @@ class WorkerEntry:
     failed_probes: int = 0                  # consecutive probes that got no answer
     admitted: bool = False                  # passed router/attest.py's handshake on this connection
     worker_id: WorkerId | None = None       # last known (its Redis record, its GetLoad)
+    mismatched: bool = False                # `refused` because it disagreed with the reference model
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -78,6 +79,10 @@ class WorkerRegistry:
         self.consumer: EventConsumer | None = None
         self.gate: GatedIndex | None = None          # the consumer's sink over `index`
         self.strict_tokenizer = False                # tokenizer_sha256 must be set (and agree)
+        # A router with no model of its own (tokenizer from the workers) forgets the reference
+        # model when no worker is ready, so that a roll to another model can complete; it calls
+        # `on_forget` then (synchronously: the tokenizer of the old model must go with it).
+        self.on_forget: Callable[[], None] | None = None
         self._on_ready = on_ready
         self._workers: dict[str, WorkerEntry] = {}
         self._consume_task: asyncio.Task[None] | None = None
@@ -272,6 +277,7 @@ class WorkerRegistry:
                 return None
             w.refused = self._mismatch(w, info, WorkerId(load.worker_id))
             if w.refused is not None:
+                w.mismatched = True
                 return w.refused
             if self.model_info is None:
                 self.model_info = info
@@ -326,7 +332,22 @@ class WorkerRegistry:
         ready = any(w.info is not None for w in self._workers.values())
         if ready != self._ready.is_set():
             (self._ready.set if ready else self._ready.clear)()
+            if not ready and self.on_forget is not None:
+                self._forget_model()
             self._spawn(self._on_ready(ready))
+
+    def _forget_model(self) -> None:
+        """No worker is ready: the next one to be ready sets the reference model again, and the
+        workers refused for disagreeing with the old one are probed again."""
+        if self.model_info is not None:
+            log.info("kvmesh router: no worker is ready; the next ready worker sets the model (was %r, "
+                     "tokenizer %s)", self.model_info.model, self.model_info.tokenizer_sha256[:12] or "-")
+        self.model_info = None
+        for w in self._workers.values():
+            if w.mismatched:
+                w.refused, w.mismatched = None, False
+        assert self.on_forget is not None
+        self.on_forget()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

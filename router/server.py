@@ -67,6 +67,7 @@ class RouterServer:
         if self.tokenizer_source is TokenizerSource.WORKER and tokenizer is None:
             self._fetch = WorkerTokenizer(cfg, self.registry, self._tokenizer_loaded)
             self.registry.strict_tokenizer = True     # a worker without the digest cannot be checked
+            self.registry.on_forget = self._forget_tokenizer
 
     async def start(self) -> tuple[int, int | None]:
         """Bind, probe the workers once, then keep probing; returns (grpc_port, http_port).
@@ -132,6 +133,14 @@ class RouterServer:
         if ready and self._fetch is not None:
             self._fetch.wake()
         await self._grpc.set_health(ready and self.core.tokenizer is not None)
+
+    def _forget_tokenizer(self) -> None:
+        """No worker is ready (registry `on_forget`): the tokenizer goes with the reference model;
+        the next ready worker's is loaded (from the cache when it is the same)."""
+        assert self._fetch is not None
+        self._fetch.forget()
+        self.core.tokenizer = None
+        self._tokenizer_ready.clear()
 
     async def _tokenizer_loaded(self, loaded: LoadedTokenizer) -> None:
         self.core.tokenizer = loaded.tokenizer

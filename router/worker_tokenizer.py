@@ -207,6 +207,13 @@ class WorkerTokenizer:
         self._on_loaded = on_loaded
         self._task: asyncio.Task[None] | None = None
 
+    def forget(self) -> None:
+        """Drop the loaded tokenizer (the reference model is gone); the next `wake` loads again."""
+        self.loaded = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
     def wake(self) -> None:
         if self.loaded is None and (self._task is None or self._task.done()):
             self._task = asyncio.create_task(self._run(), name="router-tokenizer")

@@ -56,6 +56,7 @@ class FakeWorker:
     sent_sha256: str | None = None          # TokenizerFiles.sha256; None: the files' digest
     sent_files: dict[str, bytes] | None = None   # what GetTokenizer sends; None: `files`
     tokenizer_gate: asyncio.Event | None = None  # GetTokenizer waits for it when set
+    cut_streams: int = 0                    # this many Generate calls stream a token, then UNAVAILABLE
     calls: dict[str, int] = field(default_factory=dict)
     prompts: list[list[int]] = field(default_factory=list)
     blocks: list[BlockHash] = field(default_factory=list)     # its device blocks (inventory)
@@ -102,6 +103,11 @@ class FakeWorker:
         async def generate(req: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
             self._count("Generate")
             self.prompts.append(list(req.token_ids.ids))
+            if self.cut_streams > 0:
+                self.cut_streams -= 1
+                yield pb.GenerateResponse(request_id=req.request_id, token_ids=[9], text="paris",
+                                          worker_id=self.worker_id)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "engine restarting (test)")
             yield pb.GenerateResponse(request_id=req.request_id, token_ids=[9], text="paris", finished=True,
                                       finish_reason=pb.FINISH_REASON_STOP, prompt_tokens=len(req.token_ids.ids),
                                       completion_tokens=1, worker_id=self.worker_id)

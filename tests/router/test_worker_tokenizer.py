@@ -302,3 +302,59 @@ def test_probes_need_no_api_key_and_are_in_the_openapi_document() -> None:
         finally:
             await router.stop(0)
     asyncio.run(run())
+
+
+def test_a_roll_to_another_model_completes_once_no_old_worker_is_ready(cache_in_tmp: Path) -> None:
+    """The router has no model of its own: when the last worker of the old model stops being
+    ready, the next ready worker sets the model (and the tokenizer) again; workers refused for
+    disagreeing with the old model are probed again."""
+    async def run() -> None:
+        old = FakeWorker("old")
+        new = FakeWorker("new", hash_salt_hex="cd",
+                         files=tiny_tokenizer_files() | {"generation_config.json": b'{"temperature": 0.5}'})
+        for w in (old, new):
+            await w.start()
+        router = RouterServer(_cfg(old, http_port=None))
+        try:
+            await router.start()
+            await router.wait_ready(10)
+            old_tokenizer = router.core.tokenizer
+            router.set_workers([old.address, new.address])
+            await _until(lambda: router.registry.entry(new.address).refused is not None)   # mid-roll
+            await old.set_serving(False)                                # the last old worker drains
+            await _until(lambda: [w.info.worker_id for w in router.registry.live() if w.info] == ["new"])
+            await router.wait_ready(10)
+            info = router.core.model_info
+            assert info is not None and (info.hash_salt_hex, info.tokenizer_sha256) == ("cd", new.digest)
+            assert router.core.tokenizer is not None and router.core.tokenizer is not old_tokenizer
+            assert router.core.default_temperature == 0.5 and new.calls["GetTokenizer"] == 1
+            await old.set_serving(True)                                 # an old worker back: refused now
+            await _until(lambda: router.registry.entry(old.address).refused is not None)
+            assert "hash_salt_hex" in (router.registry.entry(old.address).refused or "")
+        finally:
+            await router.stop(0)
+            for w in (old, new):
+                await w.stop()
+    asyncio.run(run())
+
+
+def test_a_stream_cut_on_the_only_worker_resumes_after_the_model_was_forgotten() -> None:
+    """Its only worker lost mid-stream, the router forgets the model (no worker is ready); the
+    request still moves on, with the model it was prepared for, once the worker is back."""
+    async def run() -> None:
+        worker = FakeWorker("w0", cut_streams=1)
+        await worker.start()
+        router = RouterServer(_cfg(worker, http_port=None))
+        try:
+            await router.start()
+            await router.wait_ready(10)
+            from contracts.wire import to_generate_input
+            req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4, temperature=0.0))
+            req.chat.messages.add(role="user", content="the capital of france is")
+            prepared = await router.core.prepare(to_generate_input(req))
+            out = [r async for r in router.core.generate(prepared, 20)]
+            assert out[-1].finished and out[-1].migrations == 1 and worker.calls["Generate"] == 2
+        finally:
+            await router.stop(0)
+            await worker.stop()
+    asyncio.run(run())
