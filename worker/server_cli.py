@@ -151,6 +151,8 @@ async def _serve_until_signal(engine_cfg: EngineConfig, cfg: WorkerServerConfig)
             port = await server.start()
         except RuntimeError as e:
             raise CLIError(f"--port: cannot bind {cfg.host}:{cfg.port}: {e}") from None
+        except OSError as e:
+            raise CLIError(f"--metrics-port: cannot bind {cfg.host}:{cfg.metrics_port}: {e}") from None
         ready = asyncio.ensure_future(server.wait_ready())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
