@@ -137,10 +137,12 @@ class AsyncEngine:
         self._commands.put((command, reply))
         self._wake.set()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread; wait up to `timeout_s` for it (a hung one is left behind:
+        it is a daemon thread)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout_s)
 
     @property
     def num_streams(self) -> int:

@@ -234,13 +234,15 @@ class WorkerServer:
         await asyncio.gather(self._load_task, return_exceptions=True)
         if self._ae is not None:
             # Requests whose streams were cancelled above: free their blocks before the thread
-            # stops — unless the engine thread is stuck (not live): then it may never answer.
+            # stops — unless the engine is not live: its thread may never answer (a hung device).
+            live = self._liveness.check() is None
             try:
-                await asyncio.wait_for(self._abort_all(self._ae), _STOP_ABORT_S)
+                if live:
+                    await asyncio.wait_for(self._abort_all(self._ae), _STOP_ABORT_S)
             except TimeoutError:
                 log.warning("worker %s: the engine thread did not abort the remaining requests in %.0f s",
                             self.cfg.worker_id, _STOP_ABORT_S)
-            await asyncio.to_thread(self._ae.shutdown)
+            await asyncio.to_thread(self._ae.shutdown, 30.0 if live else 2.0)
         if self._metadata is not None:
             await asyncio.to_thread(self._metadata.close)
         if self._peer is not None:

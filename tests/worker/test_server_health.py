@@ -3,6 +3,10 @@
 (the KVMESH_TEST_STALL_FILE hook), with steps that keep raising, and idle past the timeout."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -19,9 +23,9 @@ from contracts.health import LIVENESS_SERVICE
 from kvstore.metadata import RedisConfig, WorkerRegistry
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from tests.redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
-from tests.worker.test_server import (LONG, NOT_SERVING, SERVING, assert_serves, health_status,  # noqa: F401
-                                      loop, request, serving, tiny_cfg)
+from tests.redis_server import RedisServer, free_port, redis_server  # noqa: F401 - the fixture
+from tests.worker.test_server import (LONG, NOT_SERVING, ROOT, SERVING, assert_serves,  # noqa: F401
+                                      health_status, loop, request, serving, tiny_cfg)
 from worker.engine import Engine
 from worker.health import WORKER_SERVICE
 from worker.server import WorkerServer, WorkerServerConfig
@@ -169,3 +173,38 @@ def test_loading_and_draining_are_live_but_not_ready(loop, tiny_engine, monkeypa
     finally:
         loop.run(server.stop(grace=0))
     assert_idle(tiny_engine)
+
+
+@pytest.mark.multiproc
+def test_kvmesh_worker_process_stall_hook_and_flags(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """`kvmesh worker` as the chart runs it: KVMESH_TEST_STALL_FILE from the env and
+    --liveness-timeout-s reach the server; /livez on --metrics-port turns 503; SIGTERM still stops
+    a worker whose engine thread hangs."""
+    stall, log_path = tmp_path / "stall", tmp_path / "worker.log"
+    metrics_port = free_port()
+    with log_path.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "router.cli", "worker", "--model", str(tiny_model_dir("llama-gqa")),
+             "--port", "0", "--num-blocks", "64", "--block-size", "4", "--worker-id", "w-hook",
+             "--metrics-port", str(metrics_port), "--liveness-timeout-s", "2", "--max-step-failures", "5"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env=os.environ | {"KVMESH_TEST_STALL_FILE": str(stall)})
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()          # the serving line (the pytest timeout bounds it)
+            assert "serving on" in line, log_path.read_text()
+            assert probe(metrics_port, "/livez") == (200, "ok\n")
+            assert probe(metrics_port, "/readyz") == (200, "ok\n")
+            stall.touch()
+            wait_for(lambda: probe(metrics_port, "/livez")[0] == 503, timeout=20)
+            assert probe(metrics_port, "/readyz")[0] == 503
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)       # the stall file is still there
+            assert proc.wait(timeout=30) == 0
+            assert time.monotonic() - t0 < 10
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = log_path.read_text()
+    assert log.count("IS NOT LIVE") == 1 and "--liveness-timeout-s 2" in log, log
