@@ -7,8 +7,9 @@
 - `Liveness`: the verdict over a pulse — not live once the heartbeat is older than
   `timeout_s` (a hung device, a deadlock) or `max_step_failures` steps in a row raised (a
   sticky CUDA error). The verdict is sticky: a worker that was found not live stays so (the
-  kubelet restarts the pod; nothing in the process can vouch for the device again). Before a
-  pulse is attached (the model is loading) the worker is live: the startup probe covers loading.
+  kubelet restarts the pod; nothing in the process can vouch for the device again), and it is
+  logged once, at ERROR, by whichever caller found it first. Before a pulse is attached (the
+  model is loading) the worker is live: the startup probe covers loading.
 - `watch`: the watchdog, a task on the server's event loop that returns the reason as soon as
   the verdict turns.
 
@@ -18,9 +19,12 @@ publishes it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
+
+log = logging.getLogger("kvmesh.worker")
 
 
 class EnginePulse:
@@ -52,7 +56,7 @@ class Liveness:
     the HTTP probe thread and the event loop both ask."""
 
     def __init__(self, timeout_s: float, max_step_failures: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, worker_id: str = "worker") -> None:
         if not timeout_s > 0:
             raise ValueError(f"liveness_timeout_s={timeout_s!r} must be > 0")
         if isinstance(max_step_failures, bool) or not isinstance(max_step_failures, int) or max_step_failures < 1:
@@ -60,6 +64,7 @@ class Liveness:
         self.timeout_s = timeout_s
         self.max_step_failures = max_step_failures
         self._clock = clock
+        self.worker_id = worker_id
         self._pulse: EnginePulse | None = None
         self._reason: str | None = None
         self._lock = threading.Lock()
@@ -88,9 +93,12 @@ class Liveness:
         if reason is None:
             return None
         with self._lock:
-            if self._reason is None:
-                self._reason = reason
-            return self._reason
+            if self._reason is not None:
+                return self._reason
+            self._reason = reason
+        log.error("WORKER %s IS NOT LIVE: %s. Liveness and readiness are NOT_SERVING for good, it leaves "
+                  "the registry and refuses engine calls; restart it (the kubelet does).", self.worker_id, reason)
+        return reason
 
 
 async def watch(liveness: Liveness, period_s: float | None = None) -> str:

@@ -70,7 +70,7 @@ class WorkerServer:
         self._engine = engine
         self._ae: AsyncEngine | None = None
         self._server: grpc.aio.Server | None = None
-        self._liveness = Liveness(cfg.liveness_timeout_s, cfg.max_step_failures)
+        self._liveness = Liveness(cfg.liveness_timeout_s, cfg.max_step_failures, worker_id=cfg.worker_id)
         self._health = WorkerHealth(self._liveness)
         self._load_task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -174,16 +174,14 @@ class WorkerServer:
                  engine.store.num_blocks, engine.cfg.block_size)
 
     async def _watch(self) -> None:
-        reason = await watch(self._liveness)
-        log.error("WORKER %s IS NOT LIVE: %s. Liveness and readiness are NOT_SERVING for good, the worker "
-                  "leaves the registry and refuses engine calls; restart it (the kubelet does).",
-                  self.cfg.worker_id, reason)
+        await watch(self._liveness)      # logs the reason once (Liveness.check)
         await self._health.publish()
         for task in list(self._streams):
             task.cancel()          # their handlers answer UNAVAILABLE (_generate)
         if self._metadata is not None:
             self._metadata.mute()
             await asyncio.to_thread(self._metadata.heartbeater.stop, True)
+            log.warning("worker %s left the registry (not live)", self.cfg.worker_id)
 
     @property
     def metrics_port(self) -> int | None:

@@ -3,6 +3,7 @@ the real engine thread gives (idle beats, step failures counted in a row, the st
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -48,16 +49,21 @@ def test_verdict_timeout_failures_and_stickiness() -> None:
     assert liveness.check() == reason                     # not recoverable in-process
 
 
-def test_verdict_stall() -> None:
+def test_verdict_stall_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
-    liveness = Liveness(timeout_s=2.0, max_step_failures=3, clock=clock)
+    liveness = Liveness(timeout_s=2.0, max_step_failures=3, clock=clock, worker_id="w-9")
     pulse = EnginePulse(clock)
     liveness.attach(pulse)
     clock.now += 2.5
-    reason = liveness.check()
-    assert reason is not None and "not made progress for 2.5 s" in reason and "--liveness-timeout-s 2" in reason
-    pulse.beat()
-    assert liveness.check() == reason
+    with caplog.at_level(logging.ERROR, logger="kvmesh.worker"):
+        reason = liveness.check()
+        assert reason is not None and "not made progress for 2.5 s" in reason and "--liveness-timeout-s 2" in reason
+        pulse.beat()
+        clock.now += 10
+        assert all(liveness.check() == reason for _ in range(3))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"WORKER w-9 IS NOT LIVE: {reason}. Liveness and readiness are NOT_SERVING for good, it leaves the "
+        "registry and refuses engine calls; restart it (the kubelet does)."]
 
 
 @pytest.mark.parametrize(("timeout_s", "failures", "match"), [(0.0, 3, "liveness_timeout_s"),
