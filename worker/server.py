@@ -38,15 +38,17 @@ from contracts.wire import ParsedRequest, parse_generate_request, parse_send_blo
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker import cluster_auth
 from worker.commands import ListRequests, ResetPrefixCache, Snapshot
+from worker.generate_stream import GenerateStreams
 from worker.health import WORKER_SERVICE, WorkerHealth
 from worker.liveness import Liveness, watch
-from worker.generate_stream import GenerateStreams
 from worker.metadata_hook import WorkerMetadata as _Metadata
 from worker.responses import load_response
 from worker.server_config import WorkerServerConfig
 from worker.server_load import model_info, read_tokenizer, start_peer
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
     from worker.peer import PeerPlane
@@ -87,7 +89,7 @@ class WorkerServer:
         self._peer_calls = cluster_auth.PeerCalls(cfg)   # the control-plane calls of fetches
         self._gen = GenerateStreams(cfg.worker_id, self._peer_calls.ask)
         self.metrics: WorkerMetrics | None = None       # set once loaded, with cfg.metrics_port
-        self._metrics_registry: Any = None              # the CollectorRegistry /metrics serves
+        self._metrics_registry: CollectorRegistry | None = None   # what /metrics serves
         self._metrics_http: MetricsHTTP | None = None
         self._metrics_task: asyncio.Task[None] | None = None
 
