@@ -24,12 +24,13 @@ import grpc
 
 from contracts.cluster_token import NONCE_BYTES, verify_attestation
 from contracts.grpc_auth import token_interceptors
+from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 
 log = logging.getLogger("kvmesh.router")
-# What one worker reply may hold: GetTokenizer's files (a large tokenizer.json is ~10 MB).
-MAX_WORKER_REPLY_BYTES = 64 * 2**20
+# What one worker reply may hold: GetTokenizer's files are the largest.
+MAX_WORKER_REPLY_BYTES = MAX_TOKENIZER_MESSAGE_BYTES
 
 
 class Verdict(enum.Enum):

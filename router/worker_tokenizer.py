@@ -4,9 +4,9 @@ caches them under `$KVMESH_CACHE_DIR/tokenizers/<sha256>/` and loads `ModelToken
 
 The checks, all before a byte is used (a failure refuses the worker that sent the files):
 - every name is a plain file name (no path) and `tokenizer.json` is among them;
-- the digest of the files (`tokenizer_digest`) equals the `sha256` the worker sent, and the
-  `tokenizer_sha256` of the workers' ModelInfo (the registry refuses a worker that disagrees
-  with the others on it, as on the hash salt);
+- the digest of the files (`contracts.tokenizer.tokenizer_files_digest`, as the worker computes
+  it) equals the `sha256` the worker sent, and the `tokenizer_sha256` of the workers' ModelInfo
+  (the registry refuses a worker that disagrees with the others on it, as on the hash salt);
 - the files' `hash_salt_hex` equals the workers' ModelInfo.hash_salt_hex.
 A cached copy is used only when its digest still matches the workers' `tokenizer_sha256`
 (checked on every reuse; a partial or altered copy is fetched again). The cache is written
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import re
@@ -31,7 +30,7 @@ from typing import NamedTuple
 import grpc
 
 from contracts.models import ModelLocateError, cache_root, locate_model
-from contracts.tokenizer import ModelTokenizer, TokenizerError
+from contracts.tokenizer import ModelTokenizer, TokenizerError, tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig, TokenizerSource
 from router.registry import WorkerRegistry
@@ -77,20 +76,6 @@ def resolve_tokenizer_source(source: TokenizerSource, model: str) -> TokenizerSo
     return TokenizerSource.LOCAL
 
 
-def tokenizer_digest(files: Mapping[str, bytes]) -> str:
-    """sha256 over, for each (name, bytes) in sorted order: 4-byte little-endian length of the
-    UTF-8 name, the name, 8-byte little-endian length of the bytes, the bytes; lowercase hex.
-    The worker computes the same over the files it sends (TokenizerFiles.sha256)."""
-    h = hashlib.sha256()
-    for name, data in sorted(files.items()):
-        raw = name.encode("utf-8")
-        h.update(len(raw).to_bytes(4, "little"))
-        h.update(raw)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
-
-
 def cache_dir(sha256: str) -> Path:
     """`cache_root()/tokenizers/<sha256>`; ValueError unless `sha256` is 64 lowercase hex digits
     (it names a directory)."""
@@ -112,7 +97,7 @@ def check_files(reply: pb.TokenizerFiles, model_info: pb.ModelInfo) -> dict[str,
         raise TokenizerMismatch(f"file names {bad!r} are not plain file names")
     if _REQUIRED not in files:
         raise TokenizerMismatch(f"the files {sorted(files)} lack {_REQUIRED}")
-    got = tokenizer_digest(files)
+    got = tokenizer_files_digest(files)
     if got != reply.sha256:
         raise TokenizerMismatch(f"the files' digest {got} is not the sha256 {reply.sha256!r} sent with them")
     if got != want:
@@ -130,7 +115,7 @@ def load_cached(sha256: str) -> LoadedTokenizer | None:
     if not path.is_dir():
         return None
     files = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
-    if tokenizer_digest(files) != sha256:
+    if tokenizer_files_digest(files) != sha256:
         log.warning("kvmesh router: cached tokenizer %s does not match its digest; fetching it again", path)
         return None
     return _load(path, sha256)
@@ -164,7 +149,7 @@ def store(files: Mapping[str, bytes], sha256: str) -> Path:
 def _matches(path: Path, sha256: str) -> bool:
     if not path.is_dir():
         return False
-    return tokenizer_digest({p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}) == sha256
+    return tokenizer_files_digest({p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}) == sha256
 
 
 def _load(path: Path, sha256: str) -> LoadedTokenizer:

@@ -50,10 +50,18 @@ class WorkerMetadata:
         self.store.set_event_recording(True)
         self.publisher = EventPublisher(rcfg, worker_id, epoch, inventory_fn=self.store.inventory)
         self._next_poll = 0.0
+        self._muted = False
 
     POLL_INTERVAL_S = 0.05
 
+    def mute(self) -> None:
+        """Stop publishing KV events (the worker is leaving: not live); `after_step` does
+        nothing from its next call on. The heartbeater is stopped apart (`heartbeater.stop`)."""
+        self._muted = True
+
     def after_step(self) -> None:
+        if self._muted:
+            return
         events = self.store.take_events()
         if events:
             self.publisher.publish_wire(from_tiered_events(events))

@@ -22,9 +22,9 @@ import grpc
 import openai
 import pytest
 
+from contracts.tokenizer import tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.processes import Child, spawn, terminate
-from router.worker_tokenizer import tokenizer_digest
 from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
@@ -87,7 +87,7 @@ def test_router_without_model_storage_gets_the_tokenizer_from_a_registered_worke
                 pytest.skip("this worker does not serve GetTokenizer yet (issue #24, worker side)")
             raise
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
-    assert info.tokenizer_sha256 == files.sha256 == tokenizer_digest(dict(files.files))
+    assert info.tokenizer_sha256 == files.sha256 == tokenizer_files_digest(dict(files.files))
 
     deadline = time.monotonic() + 60
     while _status(base + "/health") != 200:

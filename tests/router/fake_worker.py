@@ -18,12 +18,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from contracts.tokenizer import tokenizer_files_digest
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
 from kvstore.metadata import RedisConfig, WorkerRecord, WorkerRegistry
 from kvstore.streams import EventPublisher
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.worker_tokenizer import tokenizer_digest
 
 WORKER = "kvmesh.v1.Worker"
 WORDS = ("hello", "world", "the", "capital", "of", "france", "is", "paris", "user", "assistant", ":", "a", "b")
@@ -73,7 +73,7 @@ class FakeWorker:
 
     @property
     def digest(self) -> str:
-        return tokenizer_digest(self.files)
+        return tokenizer_files_digest(self.files)
 
     def model_info(self) -> pb.ModelInfo:
         return pb.ModelInfo(model=self.model, vocab_size=64, max_model_len=512, block_size=self.block_size,

@@ -1,14 +1,14 @@
 """The router's tokenizer from a worker (issue #24, `--tokenizer-source worker`) and its
 readiness / liveness split, against in-process fake workers (tests/router/fake_worker.py).
 
-Oracles: the digest is the byte layout the proto documents, computed here by hand; the prompt
-ids a worker receives equal `ModelTokenizer.from_model_dir` over the same files written by the
-test (what a local-tokenizer router computes).
+Oracles: the digest is `contracts.tokenizer.tokenizer_files_digest` (the worker's, pinned in
+tests/contracts/test_tokenizer_files.py); the prompt ids a worker receives equal
+`ModelTokenizer.from_model_dir` over the same files written by the test (what a
+local-tokenizer router computes).
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +20,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.health import LIVENESS_SERVICE
-from contracts.tokenizer import ModelTokenizer
+from contracts.tokenizer import ModelTokenizer, tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig, TokenizerSource
 from router.errors import RouterStartError
 from router.server import RouterServer, add_router_arguments
 from router.worker_tokenizer import (TokenizerMismatch, cache_dir, check_files, load_cached,
-                                     resolve_tokenizer_source, store, tokenizer_digest)
+                                     resolve_tokenizer_source, store)
 from tests.router.fake_worker import FakeWorker, tiny_tokenizer_files
 
 ROUTER = "kvmesh.v1.Router"
@@ -40,23 +40,14 @@ def cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 
 
 # -- the pieces ----------------------------------------------------------------------------------
-def test_digest_is_the_documented_byte_layout() -> None:
-    files = {"b.json": b"xyz", "a.txt": b""}
-    raw = (len(b"a.txt").to_bytes(4, "little") + b"a.txt" + (0).to_bytes(8, "little")
-           + len(b"b.json").to_bytes(4, "little") + b"b.json" + (3).to_bytes(8, "little") + b"xyz")
-    assert tokenizer_digest(files) == hashlib.sha256(raw).hexdigest()
-    # the lengths make the split unambiguous: moving a byte from a name into the data changes it
-    assert tokenizer_digest({"ab": b"c"}) != tokenizer_digest({"a": b"bc"})
-
-
 def _reply(files: dict[str, bytes], **kw: Any) -> pb.TokenizerFiles:
     return pb.TokenizerFiles(model="tiny", hash_salt_hex=kw.get("salt", "ab"), files=files,
-                             sha256=kw.get("sha", tokenizer_digest(files)))
+                             sha256=kw.get("sha", tokenizer_files_digest(files)))
 
 
 def test_check_files_refuses_each_kind_of_bad_reply() -> None:
     files = tiny_tokenizer_files()
-    good = tokenizer_digest(files)
+    good = tokenizer_files_digest(files)
     info = pb.ModelInfo(hash_salt_hex="ab", tokenizer_sha256=good)
     assert check_files(_reply(files), info) == files
     cases = {
@@ -75,7 +66,7 @@ def test_check_files_refuses_each_kind_of_bad_reply() -> None:
 
 def test_cache_is_atomic_and_checked_on_reuse(cache_in_tmp: Path) -> None:
     files = tiny_tokenizer_files()
-    sha = tokenizer_digest(files)
+    sha = tokenizer_files_digest(files)
     path = store(files, sha)
     assert path == cache_in_tmp / "tokenizers" / sha == cache_dir(sha)
     assert sorted(p.name for p in path.parent.iterdir()) == [sha]    # no temp dir left behind
