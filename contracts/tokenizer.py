@@ -38,7 +38,8 @@ from tokenizers import Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # What `from_files` / `from_model_dir` read (tokenizer.json is required, the others optional).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")   # the last: the router's default temperature (vLLM's rule)
 MAX_TOKENIZER_BYTES = 32 * 2**20     # what a worker sends at most (`read_tokenizer_files`' default bound)
 # The largest TokenizerFiles message: the files plus room for names, model, salt and digest.
 # A client of Worker.GetTokenizer needs a receive limit of at least this.

@@ -82,6 +82,22 @@ def test_cache_is_atomic_and_checked_on_reuse(cache_in_tmp: Path) -> None:
         cache_dir("../../etc")
 
 
+def test_the_default_temperature_travels_with_the_tokenizer(cache_in_tmp: Path) -> None:
+    """generation_config.json is among the files a worker sends (contracts TOKENIZER_FILES), so
+    a worker-tokenizer router defaults `temperature` as a local one does (vLLM's rule)."""
+    files = tiny_tokenizer_files()
+    sha = tokenizer_files_digest(files)
+    store(files, sha)
+    loaded = load_cached(sha)
+    assert loaded is not None and loaded.default_temperature == 1.0     # none sent: vLLM's 1.0
+    files["generation_config.json"] = json.dumps({"temperature": 0.6}).encode()
+    check_files(_reply(files), pb.ModelInfo(hash_salt_hex="ab", tokenizer_sha256=tokenizer_files_digest(files)))
+    sha = tokenizer_files_digest(files)
+    store(files, sha)
+    loaded = load_cached(sha)
+    assert loaded is not None and loaded.default_temperature == 0.6
+
+
 def test_auto_is_local_only_for_a_local_model_with_a_tokenizer(tmp_path: Path) -> None:
     auto = TokenizerSource.AUTO
     assert resolve_tokenizer_source(auto, "HuggingFaceTB/SmolLM2-135M-Instruct") is TokenizerSource.WORKER
