@@ -325,3 +325,20 @@ def test_autoscaling_example(helm: Path, tmp_path: Path, files: tuple[Path, ...]
     spec, c = _pod_spec(worker), container(worker)
     sleep = float(c["lifecycle"]["preStop"]["exec"]["command"][1])
     assert spec["terminationGracePeriodSeconds"] >= sleep + parse_cli(c).drain_timeout_s + 5
+
+
+# -- the values table ------------------------------------------------------------------
+
+def test_readme_values_table_names_every_value() -> None:
+    """helm/kvmesh/README.md's table names every value of values.yaml (or a `prefix.*` over it)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    table = [line for line in (CHART / "README.md").read_text().splitlines() if line.startswith("| `")]
+    named = {n for line in table for n in line.split("|")[1].replace("`", "").replace(" ", "").split(",")}
+    whole = ("resources", "Probe", "nodeSelector", "affinity", "ontext", "annotations", "Labels")
+
+    def leaves(d: Doc, prefix: str = "") -> list[str]:
+        return [p for k, v in d.items() for p in (
+            leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v and not k.endswith(whole) else [f"{prefix}{k}"])]
+    missing = [p for p in leaves(values) if p not in named and not any(
+        n.endswith(".*") and p.startswith(n[:-1]) for n in named)]
+    assert not missing, f"values without a row in helm/kvmesh/README.md: {missing}"
