@@ -301,9 +301,11 @@ def test_keda_and_hpa_together_fail(helm: Path) -> None:
     assert "enable keda or hpa, not both" in err
 
 
-def test_kv_usage_target_is_a_fraction(helm: Path) -> None:
+def test_kv_usage_target_is_a_fraction_and_min_at_most_max(helm: Path) -> None:
     err = _fails(helm, "--set", "worker.autoscaling.metric=kv_cache_usage_perc", "--set", "worker.autoscaling.target=4")
     assert "/worker/autoscaling/target" in err
+    err = _fails(helm, "--set", "worker.autoscaling.minReplicas=5", "--set", "worker.autoscaling.maxReplicas=4")
+    assert "worker.autoscaling.minReplicas (5) exceeds worker.autoscaling.maxReplicas (4)" in err
 
 
 # -- 6. the examples ----------------------------------------------------------------------
