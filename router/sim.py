@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
 from router.index import BlockIndex
-from router.inflight import InFlightPrefills
+from router.inflight import InFlightConfig, InFlightPrefills
 from router.policy import make_policy
 from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
@@ -112,12 +112,13 @@ class _Sim:
         self.caches = {w.worker_id: LRUCache(cfg.cache_blocks) for w in self.workers}
         self.policy = make_policy(policy_name, cfg.load_factor)
         self.index = BlockIndex()
-        self.prefills = InFlightPrefills(clock=lambda: self.now)
+        self.now = 0.0
+        # Time is in mean decode times here: the sustained load is averaged over 4 of them.
+        self.prefills = InFlightPrefills(InFlightConfig(load_window_s=4.0), clock=lambda: self.now)
         self.in_flight = {w.worker_id: 0 for w in self.workers}
         self.free_at = {w.worker_id: 0.0 for w in self.workers}   # when each worker's prefill queue drains
         self.area = {w.worker_id: 0.0 for w in self.workers}      # ∫ in_flight dt
-        self.events: list[tuple[float, int, str, WorkerId, tuple[BlockHash, ...]]] = []
-        self.now = 0.0
+        self.events: list[tuple[float, int, str, str, WorkerId, tuple[BlockHash, ...]]] = []
         self.hit = self.total = 0
         self.ttfts: list[float] = []
         self._seq = itertools.count()
@@ -136,12 +137,12 @@ class _Sim:
 
     def _until(self, t: float) -> None:
         while self.events and self.events[0][0] <= t:
-            when, _, what, wid, hashes = heapq.heappop(self.events)
+            when, _, what, rid, wid, hashes = heapq.heappop(self.events)
             self._advance(when)
             if what == "departed":
                 self.in_flight[wid] -= 1
+                self.prefills.done(self.index, rid, streamed=True)
             else:   # prefill done: the worker stores the blocks, its events reach the index
-                rid = what
                 self.prefills.prefilled(self.index, rid)
                 self.index.add(wid, hashes, Tier.DEVICE)
                 self.index.discard(wid, self.caches[wid].insert(hashes), Tier.DEVICE)
@@ -159,7 +160,8 @@ class _Sim:
         self.prefills.expire(self.index)
         state = RoutingState({w: WorkerLoad(self.in_flight[w], cfg.cache_blocks, cfg.cache_blocks) for w in ids},
                              {WorkerId(k): v for k, v in self.index.match_prefix(route.block_hashes, ids).items()},
-                             self.prefills.queued_tokens(self.index, ids, route), cfg.block_size)
+                             self.prefills.queued_tokens(self.index, ids, route), cfg.block_size,
+                             self.prefills.mean_in_flight(ids))
         chosen = self.policy.pick(self.workers, route, state)
         assert chosen is not None
         wid = chosen.worker_id
@@ -175,8 +177,8 @@ class _Sim:
         self.free_at[wid] = done = start + (len(route.token_ids) - cached * cfg.block_size) / cfg.prefill_tokens_per_s
         self.ttfts.append(done - self.now)
         self.in_flight[wid] += 1
-        heapq.heappush(self.events, (done, next(self._seq), rid, wid, route.block_hashes))
-        heapq.heappush(self.events, (done + self.rng.expovariate(1.0), next(self._seq), "departed", wid, ()))
+        heapq.heappush(self.events, (done, next(self._seq), "prefilled", rid, wid, route.block_hashes))
+        heapq.heappush(self.events, (done + self.rng.expovariate(1.0), next(self._seq), "departed", rid, wid, ()))
 
 
 def oracle_hit_rate(cfg: SimConfig, trace: list[RouteRequest]) -> float:
