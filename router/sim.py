@@ -57,6 +57,7 @@ class SimResult:
     hit_rate: float                  # cached prompt blocks / prompt blocks
     imbalance: float                 # max / mean of time-averaged in-flight per worker
     ttft_p50: float = 0.0            # in units of the mean decode time: queue + own prefill
+    cold_requests: int = 0           # requests that found less than their system prompt cached
 
 
 class WorkerPool:
@@ -137,7 +138,7 @@ class _Sim:
         self.free_at = {w.worker_id: 0.0 for w in self.workers}   # when each worker's prefill queue drains
         self.area = {w.worker_id: 0.0 for w in self.workers}      # ∫ in_flight dt
         self.events: list[tuple[float, int, str, str, WorkerId, tuple[BlockHash, ...]]] = []
-        self.hit = self.total = 0
+        self.hit = self.total = self.cold = 0
         self.ttfts: list[float] = []
         self._seq = itertools.count()
 
@@ -151,7 +152,8 @@ class _Sim:
         self._until(float("inf"))
         averages = [a / self.now for a in self.area.values()]
         mean = sum(averages) / len(averages)
-        return SimResult(self.hit / self.total, max(averages) / mean if mean else 1.0, statistics.median(self.ttfts))
+        return SimResult(self.hit / self.total, max(averages) / mean if mean else 1.0, statistics.median(self.ttfts),
+                         self.cold)
 
     def _until(self, t: float) -> None:
         while self.events and self.events[0][0] <= t:
@@ -188,6 +190,7 @@ class _Sim:
         self.blocks[rid] = held = self.pools[wid].pin(route.block_hashes)
         cached = max(len(held), self.index.match_prefix(route.block_hashes, [wid])[wid])
         self.hit += cached
+        self.cold += cached < self.cfg.system_blocks
         self.total += len(route.block_hashes)
         self.prefills.dispatched(self.index, rid, wid, route, cached * cfg.block_size)
         start = max(self.now, self.free_at[wid])

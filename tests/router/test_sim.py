@@ -56,3 +56,16 @@ def test_worker_pool_is_the_live_pool_and_its_events_reach_the_index():
     assert len(pool.pin(a)) == 2
     pool.pool.check_integrity()
     index.check_integrity()
+
+
+def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure():
+    from router.bench import simulate_live_scenarios
+    out = simulate_live_scenarios(quick=True, seeds=2)
+    for scenario in ("no_pressure", "pressure"):
+        for policy in RoutingPolicy:
+            row = out[scenario][policy.value]
+            assert 0.0 <= row["hit_rate"] <= 1.0 and row["cold_requests"] >= row["min_cold_requests"], (scenario, policy)
+    press = out["pressure"]
+    # Partitioning the prefixes beats thrashing both pools (the live target: +10 points).
+    assert press["kv_aware"]["hit_rate"] >= press["round_robin"]["hit_rate"] + 0.10
+    assert press["kv_aware"]["ttft_p50"] < press["round_robin"]["ttft_p50"]
