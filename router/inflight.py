@@ -155,7 +155,10 @@ class InFlightPrefills:
         if dt <= 0.0:
             return
         keep = math.exp(-dt / self.cfg.load_window_s)
-        for w, mean in self._mean.items():
+        for w, mean in list(self._mean.items()):
             n = self._running.get(w, 0)
             self._mean[w] = n + (mean - n) * keep
+            if n == 0 and self._mean[w] < 1e-9:     # a worker long idle or gone: forget it
+                del self._mean[w]
+                self._running.pop(w, None)
         self._mean_at = now
