@@ -8,7 +8,9 @@ uncached tokens as queued there), `wait_for_leaders` (holds a request whose pref
 request is still computing on that worker until that one's prefill is done, so the worker
 finds the prefix cached instead of computing it twice in one batch), `prefilled` (first
 response: the blocks are stored, the pending entry only waits for its `BlockStored` event)
-and `done` (the attempt ended: a request that never streamed drops its prediction). Between
+and `done` (the attempt ended: a request that never streamed drops its prediction; one that
+did keeps it `settle_s` more — while it ran its blocks were in use on the worker, so they
+could not be evicted, however late the events come when the machine is loaded). Between
 `dispatched` and `done` an attempt counts in its worker's *sustained load*: the in-flight
 attempts averaged over the last `load_window_s` (an exponentially weighted time average), the
 long-run imbalance that the instantaneous count hides. The policy reads `queued_tokens` and
@@ -30,7 +32,7 @@ from router.routing import RouteRequest, WorkerId
 @dataclass(frozen=True, slots=True)
 class InFlightConfig:
     pending_ttl_s: float = 60.0     # a prediction never confirmed nor settled goes after this
-    settle_s: float = 5.0           # after the prefill, how long the BlockStored event may take
+    settle_s: float = 5.0           # after the request ends, how long its BlockStored events may take
     max_wait_s: float = 30.0        # longest a request waits for another's prefill of its prefix
     load_window_s: float = 30.0     # time constant of the sustained (time-averaged) in-flight load
 
@@ -96,16 +98,16 @@ class InFlightPrefills:
         self.wait_s += self._clock() - t0
 
     def prefilled(self, index: object, request_id: str) -> None:
-        """The first response of `request_id` came: its prompt's blocks are on the worker."""
+        """The first response of `request_id` came: its prompt's blocks are on the worker (and
+        stay there, in use, until it ends)."""
         q = self._queued.pop(request_id, None)
         self._leaders.pop(request_id, None)
         if q is not None:
             q.started.set()
-        if isinstance(index, BlockIndex):
-            index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
 
     def done(self, index: object, request_id: str, streamed: bool) -> None:
-        """The attempt ended; one that never streamed (failed, aborted) drops its prediction."""
+        """The attempt ended; one that never streamed (failed, aborted) drops its prediction,
+        one that streamed keeps it `settle_s` more for its `BlockStored` events to arrive."""
         q = self._queued.pop(request_id, None)
         self._leaders.pop(request_id, None)
         if q is not None:
@@ -113,8 +115,11 @@ class InFlightPrefills:
         worker_id = self._attempts.pop(request_id, None)
         if worker_id is not None:
             self._count(worker_id, -1)
-        if not streamed and isinstance(index, BlockIndex):
-            index.drop_pending(request_id)
+        if isinstance(index, BlockIndex):
+            if streamed:
+                index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
+            else:
+                index.drop_pending(request_id)
 
     def expire(self, index: object) -> None:
         if isinstance(index, BlockIndex):

@@ -160,8 +160,16 @@ def test_followers_wait_for_the_leader_prefill_and_failures_release_them() -> No
     assert held and released and prefills.waits == 2
     assert lead2_blocks == 0    # lead2's prediction went with it (f2 recorded only its own question blocks)
     assert "lead2" not in index.pending_requests()
-    # The leader's settled prediction expires after the grace unless confirmed.
+    # The leader's prediction stays while it streams (its blocks are in use on the worker,
+    # whatever the events' delay) and expires the grace after it ends unless confirmed.
     clock.now += InFlightConfig().settle_s + 0.1
+    prefills.expire(index)
+    assert "lead" in index.pending_requests()
+    prefills.done(index, "lead", streamed=True)
+    clock.now += InFlightConfig().settle_s - 0.1
+    prefills.expire(index)
+    assert "lead" in index.pending_requests()
+    clock.now += 0.2
     prefills.expire(index)
     assert "lead" not in index.pending_requests()
     index.check_integrity()
