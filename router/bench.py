@@ -1,9 +1,10 @@
 """`kvmesh bench router`: routing policies, simulated at scale and live on real workers.
 
 1. Simulation (router/sim.py): a Zipf multi-tenant trace over 4, 8 and 16 workers with
-   fixed-size LRU caches, FIFO prefill queues and the router's pending blocks; prefix-cache
-   hit rate, load imbalance and TTFT p50 per policy, against an oracle single cache of the
-   combined size. The headline figures are for 8 workers.
+   the workers' block pools, FIFO prefill queues and the router's pending blocks; prefix-cache
+   hit rate, load imbalance and TTFT p50 per policy, against an oracle single pool of the
+   combined size. The headline figures are for 8 workers. Then `kvmesh bench routing-live`'s
+   two scenarios (no pressure, pressure) simulated, averaged over 10 traces.
 2. Live: 3 real worker processes on the default model behind one router per policy; the
    fraction of prompt tokens served from cache, from the workers' own GetLoad counters.
 """
@@ -125,6 +126,7 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
     for c in (1.25, 1.5, 2.0):
         r = simulate(RoutingPolicy.KV_AWARE, replace(cfg8, load_factor=c), trace8)
         out["kv_aware_load_factor_sweep"][str(c)] = {"hit_rate_vs_oracle": r.hit_rate / oracle8, "imbalance": r.imbalance}
+    out["live_scenarios"] = simulate_live_scenarios(quick)
     head = out["by_workers"]["8"]
     out.update({p.value: {k: head[p.value][k] for k in ("hit_rate", "imbalance", "ttft_p50", "hit_rate_vs_oracle")}
                 for p in POLICY_ORDER})
@@ -134,6 +136,42 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
                      "zipf_s": c.zipf_s, "system_blocks": c.system_blocks, "suffix_blocks": list(c.suffix_blocks),
                      "mean_in_flight_per_worker": c.mean_in_flight, "load_factor": c.load_factor,
                      "prefill_tokens_per_s": c.prefill_tokens_per_s, "ttft_unit": "mean decode time"}
+    return out
+
+
+def live_sim_config(live: bench_live.LiveConfig, scenario: str, seed: int) -> SimConfig:
+    """`kvmesh bench routing-live`'s workload as a simulation: its workers, uniform shared
+    prefixes, a question plus the output as the unique tail, its pool size under pressure (a
+    pool holding every prefix without), its concurrency as the mean load. The prefill speed
+    (a 288-token prompt in about 0.3 of the mean decode time) is a rough CPU figure."""
+    bs = SimConfig().block_size
+    prefixes = live.pressure_prefixes if scenario == "pressure" else live.prefixes
+    system_blocks = live.prefix_tokens // bs
+    tail = -(-(live.question_tokens + live.output_tokens) // bs)
+    pool = live.num_blocks if scenario == "pressure" else prefixes * system_blocks + 4 * live.concurrency * tail
+    return SimConfig(num_workers=live.workers, cache_blocks=pool, num_prompts=prefixes, zipf_s=0.0,
+                     system_blocks=system_blocks, suffix_blocks=(tail, tail), num_requests=live.requests,
+                     mean_in_flight=live.concurrency / live.workers, prefill_tokens_per_s=1024.0, seed=seed)
+
+
+def simulate_live_scenarios(quick: bool, seeds: int = 10) -> dict[str, Any]:
+    """The routing-live scenarios (its --quick or default sizes) simulated, each policy's
+    figures averaged over `seeds` traces: what the live bench should show, in the same run."""
+    live = bench_live.QUICK if quick else bench_live.LiveConfig()
+    out: dict[str, Any] = {}
+    for scenario in bench_live.SCENARIOS:
+        out[scenario] = {}
+        for policy in POLICY_ORDER:
+            runs = []
+            for seed in range(seeds):
+                cfg = live_sim_config(live, scenario, seed)
+                runs.append(simulate(policy, cfg, make_trace(cfg)))
+            out[scenario][policy.value] = {"hit_rate": statistics.mean(r.hit_rate for r in runs),
+                                           "cold_requests": statistics.mean(r.cold_requests for r in runs),
+                                           "min_cold_requests": cfg.num_prompts,
+                                           "ttft_p50": statistics.mean(r.ttft_p50 for r in runs)}
+    out["config"] = {"routing_live": "quick" if quick else "default", "traces": seeds,
+                     "prefill_tokens_per_s": 1024.0, "ttft_unit": "mean decode time"}
     return out
 
 

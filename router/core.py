@@ -314,7 +314,8 @@ class Router:
         info = self.model_info
         return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()},
                             self.prefills.queued_tokens(index, loads, route),
-                            info.block_size if info is not None and info.block_size else 16)
+                            info.block_size if info is not None and info.block_size else 16,
+                            self.prefills.mean_in_flight(loads))
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find

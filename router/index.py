@@ -16,7 +16,7 @@ them. `match_prefix` counts a pending block like a stored one, so the requests t
 are drawn to the worker already computing their prefix. A pending entry goes when the
 worker's `BlockStored` event for it arrives (confirmed), when the request fails before its
 prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shortened by
-`settle_pending` once the prefill is done: the events should arrive within the grace).
+`settle_pending` once the request is done: the events should arrive within the grace).
 """
 from __future__ import annotations
 

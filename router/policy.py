@@ -10,9 +10,11 @@ and names the combinations `--routing-policy` offers (`RoutingPolicy`, router/ro
                   walks the ring. Needs no index.
 - `kv_aware`      (default) holder-first: the least prefill cost (`PrefillCostScorer`: prompt
                   tokens not cached or being computed there + the worker's queued prefill +
-                  κ per running request) behind the same bounded-load filter; ring position
-                  breaks ties, so a cold index keeps prefix affinity and equal scores never
-                  send a burst to one worker.
+                  κ per running request + κ̄ per request of sustained load) behind the
+                  bounded-load filter, which lets the prefix's holders go to twice the cap
+                  (a burst waits on the holder; sustained overload, priced by κ̄, is what
+                  replicates a prefix); ring position breaks ties, so a cold index keeps
+                  prefix affinity and equal scores never send a burst to one worker.
 
 Policies see plain data (router/routing.py), never gRPC; missing data scores 0.
 """
@@ -83,7 +85,7 @@ def _prefix_hash(load_factor: float) -> Policy:
 
 def _kv_aware(load_factor: float) -> Policy:
     return Policy(RoutingPolicy.KV_AWARE, (Weighted(PrefillCostScorer(), 1.0),),
-                  (BoundedLoadFilter(load_factor),), tiebreak=RingScorer())
+                  (BoundedLoadFilter(load_factor, holder_factor=2.0),), tiebreak=RingScorer())
 
 
 POLICIES: dict[RoutingPolicy, Callable[[float], Policy]] = {

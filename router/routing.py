@@ -72,6 +72,8 @@ class RoutingState:
     # (its prefill queue), less those computing this request's own prefix there.
     queued_tokens: Mapping[WorkerId, int] = field(default_factory=dict)
     block_size: int = 16
+    # Sustained load: in-flight requests averaged over the last minute or so (router/inflight.py).
+    mean_in_flight: Mapping[WorkerId, float] = field(default_factory=dict)
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         return self.loads.get(worker_id, _NO_LOAD)

@@ -12,9 +12,10 @@ missing data scores 0 and never raises.
 - `RotationScorer`     a rotating order over worker ids (round robin; spreads ties).
 - `PrefillCostScorer`  holder-first placement: 1 − cost / max cost, cost the prompt tokens a
                        request must prefill on the worker plus the prefill queued there plus
-                       κ per running request (see the class).
+                       κ per running request plus κ̄ per request of sustained load (see the class).
 - `BoundedLoadFilter`  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
-                       2018): keeps workers under ceil(c × (m + 1) / n) in-flight requests.
+                       2018): keeps workers under ceil(c × (m + 1) / n) in-flight requests
+                       (the prefix's holders, optionally, under h × that).
 """
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ def load_cap(total_in_flight: int, num_workers: int, load_factor: float) -> int:
 
 def _pool_cap(pool: Sequence[WorkerInfo], state: RoutingState, load_factor: float) -> int:
     return load_cap(sum(state.load(w.worker_id).in_flight for w in pool), len(pool), load_factor)
+
+
+def fair_share(pool: Sequence[WorkerInfo], state: RoutingState) -> float:
+    """A worker's share of the pool's sustained load plus one request: (Σ mean_in_flight + 1) / n,
+    the bounded-load cap's form at c = 1 — so an idle pool (everything under one request)
+    has no sustained excess anywhere, and a loaded one balances to its average."""
+    return (sum(max(0.0, state.mean_in_flight.get(w.worker_id, 0.0)) for w in pool) + 1.0) / max(1, len(pool))
 
 
 def _check_load_factor(load_factor: float) -> None:
@@ -183,7 +191,7 @@ class PrefillCostScorer:
     """Holder-first placement (issue #23). The work, in prompt tokens, the request adds to a
     worker and waits behind there:
 
-        cost(w) = β × (L − bs × cached(w)) + queued(w) + κ × in_flight(w)
+        cost(w) = β × (L − bs × cached(w)) + queued(w) + κ × in_flight(w) + κ̄ × mean_in_flight(w)
 
     L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending);
     queued(w) the uncached prompt tokens of requests sent to w that have not started
@@ -191,26 +199,37 @@ class PrefillCostScorer:
     κ = `running_cost_tokens`, what one running request costs a new one (it shares every
     step); β = `prefill_weight`: a prefill counts once as this request's wait and once more
     as the worker time it takes from every request queued behind it (and, under cache
-    pressure, as the blocks a replica evicts). Score 1 − cost(w) / max cost over the pool:
-    the worker holding the prefix wins unless its queue and load exceed β × the prefill it
-    saves; equal costs tie."""
+    pressure, as the blocks a replica evicts). κ̄ = `sustained_cost_tokens` prices the
+    worker's sustained load (in-flight averaged over the last `load_window_s`,
+    router/inflight.py): routing to a holder is a decision for all the prefix's later requests
+    too, so a worker that has carried more load than another for a while loses its prefixes'
+    new traffic once κ̄ × the difference exceeds β × the prefill saved — that is when a prefix
+    is replicated (load-demanded), while a momentary burst (κ, queued) rarely outweighs the
+    saving. Score 1 − cost(w) / max cost over the pool: the worker holding the prefix wins
+    unless its queue and load exceed β × the prefill it saves; equal costs tie."""
 
     running_cost_tokens: float = 16.0
     prefill_weight: float = 2.0
+    sustained_cost_tokens: float = 1024.0
 
     def __post_init__(self) -> None:
-        if not self.running_cost_tokens >= 0.0:
-            raise ValueError(f"running_cost_tokens={self.running_cost_tokens!r} must be >= 0")
+        for name in ("running_cost_tokens", "sustained_cost_tokens"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
         if not self.prefill_weight >= 1.0:
             raise ValueError(f"prefill_weight={self.prefill_weight!r} must be >= 1")
 
-    def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState) -> float:
+    def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0) -> float:
+        """The cost on `worker_id`; its sustained load counts above `fair_share` only."""
         cached = min(len(request.token_ids), state.block_size * max(0, state.cached_blocks.get(worker_id, 0)))
+        excess = max(0.0, state.mean_in_flight.get(worker_id, 0.0) - fair_share)
         return (self.prefill_weight * (len(request.token_ids) - cached) + max(0, state.queued_tokens.get(worker_id, 0))
-                + self.running_cost_tokens * max(0, state.load(worker_id).in_flight))
+                + self.running_cost_tokens * max(0, state.load(worker_id).in_flight)
+                + self.sustained_cost_tokens * excess)
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
-        costs = {w.worker_id: self.cost(w.worker_id, request, state) for w in pool}
+        share = fair_share(pool, state)
+        costs = {w.worker_id: self.cost(w.worker_id, request, state, share) for w in pool}
         top = max(costs.values(), default=0.0)
         return {wid: 1.0 - c / top if top > 0 else 1.0 for wid, c in costs.items()}
 
@@ -218,13 +237,26 @@ class PrefillCostScorer:
 @dataclass(frozen=True, slots=True)
 class BoundedLoadFilter:
     """Keeps workers with fewer in-flight requests than the pool's bounded-load cap; when none
-    is under it (cannot happen for c ≥ 1 with exact counts), keeps the whole pool."""
+    is under it (cannot happen for c ≥ 1 with exact counts), keeps the whole pool.
+
+    `holder_factor` h ≥ 1 lets the workers holding the longest cached prefix of the prompt
+    (held or pending, the most leading blocks of any worker, at least one) keep requests up
+    to h × the cap: a burst then waits on the holder instead of replicating its prefix on
+    another worker, which in a full cache evicts someone else's prefix. Placing a prefix on a
+    worker (every other case) stays under the cap itself."""
 
     load_factor: float = 1.25
+    holder_factor: float = 1.0
 
     def __post_init__(self) -> None:
         _check_load_factor(self.load_factor)
+        if not self.holder_factor >= 1.0:
+            raise ValueError(f"holder_factor={self.holder_factor!r} must be >= 1")
 
     def keep(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> list[WorkerInfo]:
         cap = _pool_cap(pool, state, self.load_factor)
-        return [w for w in pool if state.load(w.worker_id).in_flight < cap] or list(pool)
+        best = max((state.cached_blocks.get(w.worker_id, 0) for w in pool), default=0)
+        holder_cap = self.holder_factor * cap if best > 0 else cap
+        return [w for w in pool
+                if state.load(w.worker_id).in_flight < (holder_cap if state.cached_blocks.get(w.worker_id, 0) == best
+                                                       else cap)] or list(pool)

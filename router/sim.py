@@ -1,15 +1,21 @@
 """Trace-driven simulation of the routing policies (the first half of `kvmesh bench router`).
 
 A multi-tenant trace: `num_prompts` system prompts with Zipf popularity, each request a
-system prompt plus a unique user suffix, Poisson arrivals. Each worker keeps an LRU cache of
+system prompt plus a unique user suffix, Poisson arrivals. Each worker has a KV pool of
 `cache_blocks` blocks and prefills one request at a time at `prefill_tokens_per_s` (its
-queue is FIFO), then decodes for an exponential time. What the live runs showed (issue #23)
-is modelled: a worker stores a prompt's blocks only when its prefill is done, so the block
-index learns of them late; the router's real `BlockIndex` and `InFlightPrefills` run here as
-in the router, so `kv_aware` sees the blocks a worker is computing (pending) and each
-worker's queued prefill tokens, while a request's hit is what its worker has stored or is
-computing ahead of it in its queue. The policies under test are the real ones from
-router.policy. The oracle is one LRU cache of the combined size that sees every request.
+queue is FIFO), then decodes for an exponential time. The pool is the workers' own
+`kvstore.pool.BlockPool`, used as the engine uses it: a request's cached prefix is pinned
+when it is routed, its other blocks are allocated (evicting the least recently freed) and
+cached when its prefill is done, and all are freed tail first when it ends — so blocks in
+use are never evicted and a finished prompt's unique tail goes before its shared prefix, as
+in the live pool. What the live runs showed (issue #23) is modelled: a worker stores a
+prompt's blocks only when its prefill is done, and the router's real `BlockIndex` learns of
+them (and of evictions) from the pool's events; the router's `InFlightPrefills` runs here as
+in the router, so `kv_aware` sees the blocks a worker is computing (pending), each worker's
+queued prefill tokens and its sustained load, while a request's hit is what its worker has
+stored or is computing ahead of it in its queue. The policies under test are the real ones
+from router.policy. The oracle is one pool of the combined size that sees every request,
+each done at once.
 """
 from __future__ import annotations
 
@@ -17,13 +23,13 @@ import heapq
 import itertools
 import random
 import statistics
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
+from kvstore.pool import BlockId, BlockPool, BlockRemoved, BlockStored
 from router.index import BlockIndex
-from router.inflight import InFlightPrefills
+from router.inflight import InFlightConfig, InFlightPrefills
 from router.policy import make_policy
 from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
@@ -51,36 +57,48 @@ class SimResult:
     hit_rate: float                  # cached prompt blocks / prompt blocks
     imbalance: float                 # max / mean of time-averaged in-flight per worker
     ttft_p50: float = 0.0            # in units of the mean decode time: queue + own prefill
+    cold_requests: int = 0           # requests that found less than their system prompt cached
 
 
-class LRUCache:
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.blocks: OrderedDict[BlockHash, None] = OrderedDict()
+class WorkerPool:
+    """One simulated worker's KV pool: a `BlockPool` whose events reach `index` (if given)
+    as the worker's KV event stream does."""
 
-    def match_touch(self, hashes: tuple[BlockHash, ...]) -> None:
-        """A hit: the blocks become the most recently used (they are in the cache)."""
-        for h in hashes:
-            if h in self.blocks:
-                self.blocks.move_to_end(h)
+    def __init__(self, worker_id: WorkerId, num_blocks: int, index: BlockIndex | None) -> None:
+        self.worker_id = worker_id
+        self.pool = BlockPool(num_blocks, enable_kv_cache_events=index is not None)
+        self.index = index
 
-    def match(self, hashes: tuple[BlockHash, ...]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.blocks:
-                break
-            n += 1
-        return n
+    def pin(self, hashes: tuple[BlockHash, ...]) -> list[BlockId]:
+        """Take a reference on the leading blocks the pool holds (they are the request's now)."""
+        found = self.pool.find_longest_prefix(hashes)
+        self.pool.touch(found)
+        return found
 
-    def insert(self, hashes: tuple[BlockHash, ...]) -> list[BlockHash]:
-        """Store `hashes` (most recent); returns the blocks evicted to make room."""
-        for h in hashes:
-            self.blocks[h] = None
-            self.blocks.move_to_end(h)
-        evicted = []
-        while len(self.blocks) > self.capacity:
-            evicted.append(self.blocks.popitem(last=False)[0])
-        return evicted
+    def store(self, held: list[BlockId], hashes: tuple[BlockHash, ...]) -> list[BlockId]:
+        """The prefill is done: the request holds blocks for all of `hashes` it could get
+        (what others stored meanwhile, then fresh blocks while any is free) and they are
+        cached; returns its blocks in sequence order."""
+        found = self.pool.find_longest_prefix(hashes)
+        assert found[:len(held)] == held, "a pinned block lost its hash"
+        self.pool.touch(found[len(held):])
+        rest = hashes[len(found):]
+        fresh = self.pool.allocate(min(len(rest), self.pool.num_free_blocks))
+        self.pool.cache_full_blocks(fresh, rest[:len(fresh)], hashes[len(found) - 1] if found else None)
+        self._publish()
+        return found + fresh
+
+    def release(self, blocks: list[BlockId]) -> None:
+        self.pool.free_sequence(blocks)
+
+    def _publish(self) -> None:
+        if self.index is None:
+            return
+        for event in self.pool.take_events():
+            if isinstance(event, BlockStored):
+                self.index.add(self.worker_id, (event.block_hash,), Tier.DEVICE)
+            elif isinstance(event, BlockRemoved):
+                self.index.discard(self.worker_id, (event.block_hash,), Tier.DEVICE)
 
 
 def make_trace(cfg: SimConfig) -> list[RouteRequest]:
@@ -109,16 +127,18 @@ class _Sim:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed + 1)
         self.workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
-        self.caches = {w.worker_id: LRUCache(cfg.cache_blocks) for w in self.workers}
         self.policy = make_policy(policy_name, cfg.load_factor)
         self.index = BlockIndex()
-        self.prefills = InFlightPrefills(clock=lambda: self.now)
+        self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index) for w in self.workers}
+        self.blocks: dict[str, list[BlockId]] = {}    # request id → the blocks it holds
+        self.now = 0.0
+        # Time is in mean decode times here: the sustained load is averaged over 4 of them.
+        self.prefills = InFlightPrefills(InFlightConfig(load_window_s=4.0), clock=lambda: self.now)
         self.in_flight = {w.worker_id: 0 for w in self.workers}
         self.free_at = {w.worker_id: 0.0 for w in self.workers}   # when each worker's prefill queue drains
         self.area = {w.worker_id: 0.0 for w in self.workers}      # ∫ in_flight dt
-        self.events: list[tuple[float, int, str, WorkerId, tuple[BlockHash, ...]]] = []
-        self.now = 0.0
-        self.hit = self.total = 0
+        self.events: list[tuple[float, int, str, str, WorkerId, tuple[BlockHash, ...]]] = []
+        self.hit = self.total = self.cold = 0
         self.ttfts: list[float] = []
         self._seq = itertools.count()
 
@@ -132,19 +152,20 @@ class _Sim:
         self._until(float("inf"))
         averages = [a / self.now for a in self.area.values()]
         mean = sum(averages) / len(averages)
-        return SimResult(self.hit / self.total, max(averages) / mean if mean else 1.0, statistics.median(self.ttfts))
+        return SimResult(self.hit / self.total, max(averages) / mean if mean else 1.0, statistics.median(self.ttfts),
+                         self.cold)
 
     def _until(self, t: float) -> None:
         while self.events and self.events[0][0] <= t:
-            when, _, what, wid, hashes = heapq.heappop(self.events)
+            when, _, what, rid, wid, hashes = heapq.heappop(self.events)
             self._advance(when)
             if what == "departed":
                 self.in_flight[wid] -= 1
+                self.prefills.done(self.index, rid, streamed=True)
+                self.pools[wid].release(self.blocks.pop(rid))
             else:   # prefill done: the worker stores the blocks, its events reach the index
-                rid = what
                 self.prefills.prefilled(self.index, rid)
-                self.index.add(wid, hashes, Tier.DEVICE)
-                self.index.discard(wid, self.caches[wid].insert(hashes), Tier.DEVICE)
+                self.blocks[rid] = self.pools[wid].store(self.blocks[rid], hashes)
         if t != float("inf"):
             self._advance(t)
 
@@ -159,31 +180,33 @@ class _Sim:
         self.prefills.expire(self.index)
         state = RoutingState({w: WorkerLoad(self.in_flight[w], cfg.cache_blocks, cfg.cache_blocks) for w in ids},
                              {WorkerId(k): v for k, v in self.index.match_prefix(route.block_hashes, ids).items()},
-                             self.prefills.queued_tokens(self.index, ids, route), cfg.block_size)
+                             self.prefills.queued_tokens(self.index, ids, route), cfg.block_size,
+                             self.prefills.mean_in_flight(ids))
         chosen = self.policy.pick(self.workers, route, state)
         assert chosen is not None
         wid = chosen.worker_id
         # What the worker will find when its FIFO queue reaches this request: what it stores
         # now plus what the requests ahead of it are computing.
-        cached = max(self.caches[wid].match(route.block_hashes),
-                     self.index.match_prefix(route.block_hashes, [wid])[wid])
-        self.caches[wid].match_touch(route.block_hashes[:cached])
+        self.blocks[rid] = held = self.pools[wid].pin(route.block_hashes)
+        cached = max(len(held), self.index.match_prefix(route.block_hashes, [wid])[wid])
         self.hit += cached
+        self.cold += cached < self.cfg.system_blocks
         self.total += len(route.block_hashes)
         self.prefills.dispatched(self.index, rid, wid, route, cached * cfg.block_size)
         start = max(self.now, self.free_at[wid])
         self.free_at[wid] = done = start + (len(route.token_ids) - cached * cfg.block_size) / cfg.prefill_tokens_per_s
         self.ttfts.append(done - self.now)
         self.in_flight[wid] += 1
-        heapq.heappush(self.events, (done, next(self._seq), rid, wid, route.block_hashes))
-        heapq.heappush(self.events, (done + self.rng.expovariate(1.0), next(self._seq), "departed", wid, ()))
+        heapq.heappush(self.events, (done, next(self._seq), "prefilled", rid, wid, route.block_hashes))
+        heapq.heappush(self.events, (done + self.rng.expovariate(1.0), next(self._seq), "departed", rid, wid, ()))
 
 
 def oracle_hit_rate(cfg: SimConfig, trace: list[RouteRequest]) -> float:
-    cache = LRUCache(cfg.cache_blocks * cfg.num_workers)
+    pool = WorkerPool(WorkerId("oracle"), cfg.cache_blocks * cfg.num_workers, None)
     hit = total = 0
     for route in trace:
-        hit += cache.match(route.block_hashes)
+        held = pool.pin(route.block_hashes)
+        hit += len(held)
         total += len(route.block_hashes)
-        cache.insert(route.block_hashes)
+        pool.release(pool.store(held, route.block_hashes))
     return hit / total

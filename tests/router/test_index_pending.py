@@ -95,7 +95,7 @@ def _state(index: BlockIndex, prefills: InFlightPrefills, route: RouteRequest,
            in_flight: dict[str, int] | None = None) -> RoutingState:
     loads = {w.worker_id: WorkerLoad((in_flight or {}).get(w.worker_id, 0), 100, 100) for w in WORKERS}
     return RoutingState(loads, index.match_prefix(route.block_hashes, list(loads)),  # type: ignore[arg-type]
-                        prefills.queued_tokens(index, loads, route), BS)
+                        prefills.queued_tokens(index, loads, route), BS, prefills.mean_in_flight(loads))
 
 
 def test_holder_first_follows_a_pending_prefix_until_its_queue_outweighs_the_saving() -> None:
@@ -160,8 +160,90 @@ def test_followers_wait_for_the_leader_prefill_and_failures_release_them() -> No
     assert held and released and prefills.waits == 2
     assert lead2_blocks == 0    # lead2's prediction went with it (f2 recorded only its own question blocks)
     assert "lead2" not in index.pending_requests()
-    # The leader's settled prediction expires after the grace unless confirmed.
+    # The leader's prediction stays while it streams (its blocks are in use on the worker,
+    # whatever the events' delay) and expires the grace after it ends unless confirmed.
     clock.now += InFlightConfig().settle_s + 0.1
+    prefills.expire(index)
+    assert "lead" in index.pending_requests()
+    prefills.done(index, "lead", streamed=True)
+    clock.now += InFlightConfig().settle_s - 0.1
+    prefills.expire(index)
+    assert "lead" in index.pending_requests()
+    clock.now += 0.2
     prefills.expire(index)
     assert "lead" not in index.pending_requests()
     index.check_integrity()
+
+
+def test_sustained_load_is_the_time_average_of_attempts_in_flight() -> None:
+    """Oracle: the exponentially weighted average of a step function, in closed form."""
+    import math
+    clock = Clock()
+    tau = InFlightConfig().load_window_s
+    prefills = InFlightPrefills(InFlightConfig(), clock)
+    index = BlockIndex()
+
+    async def scenario() -> None:
+        prefills.dispatched(index, "a", W0, _route(0, 0), 0)
+        prefills.dispatched(index, "b", W0, _route(0, 1), 0)
+        assert prefills.mean_in_flight([W0, W1]) == {W0: 0.0, W1: 0.0}     # no time has passed
+        clock.now += tau
+        m = prefills.mean_in_flight([W0])[W0]
+        assert math.isclose(m, 2 * (1 - math.exp(-1)))
+        prefills.prefilled(index, "a")          # streaming: still in flight
+        prefills.done(index, "b", streamed=False)
+        clock.now += tau / 2
+        m2 = 1 + (m - 1) * math.exp(-0.5)
+        assert math.isclose(prefills.mean_in_flight([W0])[W0], m2)
+        prefills.done(index, "a", streamed=True)
+        prefills.done(index, "a", streamed=True)   # a second `done` of one attempt counts once
+        clock.now += tau
+        assert math.isclose(prefills.mean_in_flight([W0])[W0], m2 * math.exp(-1))
+        # A re-dispatch (retry on another worker) moves the attempt: it is counted once.
+        prefills.dispatched(index, "c", W0, _route(1, 0), 0)
+        prefills.dispatched(index, "c", W1, _route(1, 0), 0)
+        clock.now += 1000 * tau
+        mean = prefills.mean_in_flight([W0, W1])
+        assert math.isclose(mean[W0], 0.0, abs_tol=1e-9) and math.isclose(mean[W1], 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_waits_on_the_holder_but_sustained_load_replicates_the_prefix() -> None:
+    """kv_aware over a real index: the holder keeps a prefix through a burst over the
+    bounded-load cap (up to twice it), and loses new traffic for it to an idle worker once
+    it has carried more load for a while (κ̄ × the difference > β × the prefill saved)."""
+    clock = Clock()
+    index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(load_window_s=10.0), clock)
+    index.apply(W0, _stored())
+    index.apply(W1, _stored())
+    policy = make_policy(RoutingPolicy.KV_AWARE)
+    hot = _route(0, 0, prefix_blocks=32)            # 512 prefix tokens: β × saved = 1024
+
+    async def scenario() -> tuple[list[str], str]:
+        prefills.dispatched(index, "lead", W0, hot, 0)
+        prefills.prefilled(index, "lead")
+        index.apply(W0, _stored(*hot.block_hashes))
+        in_flight = {W0: 1, W1: 0}
+        picks = []
+        for i in range(3):      # a burst: w0 goes over the cap ceil(1.25 × (m + 1) / 2)
+            route = _route(0, i + 1, prefix_blocks=32)
+            state = _state(index, prefills, route, in_flight)
+            w = policy.pick(WORKERS, route, state)
+            assert w is not None
+            prefills.dispatched(index, f"b{i}", w.worker_id, route, state.cached_blocks[w.worker_id] * BS)
+            prefills.prefilled(index, f"b{i}")
+            in_flight[w.worker_id] += 1
+            picks.append(w.worker_id)
+        # The burst lasts: w0's time-averaged load climbs to ~4 while w1 idles.
+        clock.now += 30.0
+        route = _route(0, 9, prefix_blocks=32)
+        state = _state(index, prefills, route, in_flight)
+        assert state.mean_in_flight[W0] > 3.5 and state.mean_in_flight[W1] == 0.0
+        late = policy.pick(WORKERS, route, state)
+        assert late is not None
+        return picks, late.worker_id
+
+    picks, late = asyncio.run(scenario())
+    assert picks == [W0, W0, W0]     # the last two at the plain cap (2 of 2, then 3 of 3 in flight)
+    assert late == W1

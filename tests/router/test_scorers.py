@@ -11,7 +11,8 @@ from kvstore.keys import block_hashes
 from router.policy import POLICIES, Policy, Weighted, make_policy
 from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 from router.scorers import (BoundedLoadFilter, FreeKVScorer, HashRing, InverseLoadScorer, LoadScorer,
-                            PrefillCostScorer, PrefixCacheScorer, RingScorer, RotationScorer, load_cap, route_key)
+                            PrefillCostScorer, PrefixCacheScorer, RingScorer, RotationScorer, fair_share, load_cap,
+                            route_key)
 
 SALT = b"scorer-salt"
 SCORERS = [PrefixCacheScorer(), LoadScorer(), InverseLoadScorer(), FreeKVScorer(), RingScorer(), RotationScorer(),
@@ -115,7 +116,8 @@ def test_bad_parameters_are_value_errors():
     for make in (lambda: LoadScorer(0.5), lambda: BoundedLoadFilter(0.9), lambda: FreeKVScorer(0.0),
                  lambda: RingScorer(num_prefix_blocks=0), lambda: Weighted(PrefixCacheScorer(), -1.0),
                  lambda: make_policy("fastest"), lambda: make_policy(RoutingPolicy.KV_AWARE, 0.5),
-                 lambda: PrefillCostScorer(running_cost_tokens=-1.0), lambda: PrefillCostScorer(prefill_weight=0.5)):
+                 lambda: PrefillCostScorer(running_cost_tokens=-1.0), lambda: PrefillCostScorer(prefill_weight=0.5),
+                 lambda: PrefillCostScorer(sustained_cost_tokens=-1.0), lambda: BoundedLoadFilter(1.25, holder_factor=0.5)):
         with pytest.raises(ValueError):
             make()
 
@@ -171,3 +173,49 @@ def test_router_core_and_fronts_import_no_torch():
     code = ("import sys, router.core, router.registry, router.grpc_front, router.http, router.server, "
             "router.policy, router.scorers; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_prefill_cost_adds_its_four_terms():
+    """cost = β(L − bs·cached) + queued + κ·in_flight + κ̄·mean_in_flight, each term alone."""
+    route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
+    L = len(route.token_ids)
+    scorer = PrefillCostScorer(running_cost_tokens=16.0, prefill_weight=2.0, sustained_cost_tokens=512.0)
+    w = WorkerId("w0")
+    assert scorer.cost(w, route, RoutingState()) == 2.0 * L
+    assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3})) == 2.0 * (L - 48)
+    assert scorer.cost(w, route, RoutingState(cached_blocks={w: 9})) == 0.0          # capped at L
+    assert scorer.cost(w, route, RoutingState(queued_tokens={w: 100})) == 2.0 * L + 100
+    assert scorer.cost(w, route, RoutingState({w: WorkerLoad(3)})) == 2.0 * L + 48
+    assert scorer.cost(w, route, RoutingState(mean_in_flight={w: 0.5})) == 2.0 * L + 256
+
+
+def test_bounded_load_filter_lets_the_longest_holders_reach_holder_factor_times_the_cap():
+    workers = _workers(4)
+    loads = {"w0": WorkerLoad(4), "w1": WorkerLoad(4), "w2": WorkerLoad(0), "w3": WorkerLoad(0)}
+    cap = load_cap(8, 4, 1.25)                       # 3: w0 and w1 are over it
+    assert cap == 3
+    f = BoundedLoadFilter(1.25, holder_factor=2.0)
+    kept = lambda cached: [w.worker_id for w in f.keep(workers, _route(0), RoutingState(loads, cached))]  # noqa: E731
+    assert kept({"w0": 5, "w1": 2}) == ["w0", "w2", "w3"]      # w1 holds less than the longest: cap
+    assert kept({"w0": 5, "w1": 5}) == ["w0", "w1", "w2", "w3"]
+    assert kept({}) == ["w2", "w3"]                              # a cold prompt: nobody is a holder
+    assert [w.worker_id for w in BoundedLoadFilter(1.25).keep(workers, _route(0), RoutingState(loads, {"w0": 5}))] \
+        == ["w2", "w3"]
+    busy = loads | {"w0": WorkerLoad(10)}                         # 10 = 2 × ceil(1.25 × 15 / 4)
+    assert load_cap(14, 4, 1.25) == 5
+    assert [w.worker_id for w in f.keep(workers, _route(0), RoutingState(busy, {"w0": 5}))] == ["w1", "w2", "w3"]
+
+
+def test_sustained_load_counts_above_the_fair_share_only():
+    """fair share = (Σ mean_in_flight + 1) / n; only the excess over it costs κ̄ per request."""
+    workers, route = _workers(2), _route(1, blocks=4)
+    scorer = PrefillCostScorer(sustained_cost_tokens=1024.0)
+    # Nearly idle: one short request a while ago on w0 is no reason to leave it (equal scores).
+    idle = RoutingState(mean_in_flight={"w0": 0.3, "w1": 0.0})
+    assert fair_share(workers, idle) == pytest.approx(0.65)
+    assert scorer.score(workers, route, idle) == {"w0": 0.0, "w1": 0.0}
+    # Loaded 6 : 2 on average: w0 is 6 − 4.5 = 1.5 requests over its share, 1536 tokens.
+    loaded = RoutingState(mean_in_flight={"w0": 6.0, "w1": 2.0})
+    assert fair_share(workers, loaded) == pytest.approx(4.5)
+    base = scorer.cost(WorkerId("w1"), route, loaded, 4.5)
+    assert scorer.cost(WorkerId("w0"), route, loaded, 4.5) == pytest.approx(base + 1536.0)

@@ -29,3 +29,43 @@ def test_pending_blocks_draw_followers_to_the_worker_computing_their_prefix():
     trace = make_trace(cfg)
     assert simulate(RoutingPolicy.KV_AWARE, cfg, trace).hit_rate == oracle_hit_rate(cfg, trace)
     assert simulate(RoutingPolicy.ROUND_ROBIN, cfg, trace).hit_rate < oracle_hit_rate(cfg, trace)
+
+
+def test_worker_pool_is_the_live_pool_and_its_events_reach_the_index():
+    """Pinned blocks survive pressure; a finished request's tail is evicted before its
+    prefix; the index learns of stored and evicted blocks from the pool's events."""
+    from kvstore.keys import block_hashes
+    from router.index import BlockIndex
+    from router.routing import WorkerId
+    from router.sim import WorkerPool
+
+    w = WorkerId("w0")
+    index = BlockIndex()
+    pool = WorkerPool(w, 6, index)
+    a = tuple(block_hashes(tuple(range(64)), 16, b"t"))              # 4 blocks
+    b = tuple(block_hashes(tuple(range(100, 164)), 16, b"t"))        # 4 other blocks
+    held_a = pool.store(pool.pin(a), a)
+    assert len(held_a) == 4 and index.match_prefix(a, [w]) == {w: 4}
+    held_b = pool.store(pool.pin(b), b)        # only 2 blocks free: a is in use, not evicted
+    assert len(held_b) == 2 and index.match_prefix(a, [w]) == {w: 4} and index.match_prefix(b, [w]) == {w: 2}
+    pool.release(held_a)                        # a's tail goes first, then its head
+    pool.release(held_b)
+    c = tuple(block_hashes(tuple(range(200, 232)), 16, b"t"))        # 2 blocks: evict a's last two
+    pool.release(pool.store(pool.pin(c), c))
+    assert index.match_prefix(a, [w]) == {w: 2} and index.match_prefix(b, [w]) == {w: 2}
+    assert len(pool.pin(a)) == 2
+    pool.pool.check_integrity()
+    index.check_integrity()
+
+
+def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure():
+    from router.bench import simulate_live_scenarios
+    out = simulate_live_scenarios(quick=True, seeds=2)
+    for scenario in ("no_pressure", "pressure"):
+        for policy in RoutingPolicy:
+            row = out[scenario][policy.value]
+            assert 0.0 <= row["hit_rate"] <= 1.0 and row["cold_requests"] >= row["min_cold_requests"], (scenario, policy)
+    press = out["pressure"]
+    # Partitioning the prefixes beats thrashing both pools (the issue's live target: +10 points).
+    assert press["kv_aware"]["hit_rate"] >= press["round_robin"]["hit_rate"] + 0.10
+    assert press["kv_aware"]["ttft_p50"] < press["round_robin"]["ttft_p50"]
