@@ -25,7 +25,7 @@ from aiohttp import web
 
 from contracts.logs import REQUEST_ID
 from contracts.requests import BadRequest
-from contracts.sampling import is_int, is_real
+from contracts.sampling import is_int
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
@@ -35,51 +35,13 @@ from router.http_guard import guard_middleware
 from router.openai_choices import ChoiceSet, choice_options
 from router.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.utility_routes import add_utility_routes
-from router.vllm_fields import VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields
-
-Json = dict[str, Any]
-
-_SAMPLING_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
-_COMMON = {"model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
-           "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user"} | VLLM_FIELDS
-_COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
-_CHAT_FIELDS = _COMMON | {
-    "messages", "audio", "function_call", "functions", "max_completion_tokens", "metadata", "modalities",
-    "parallel_tool_calls", "prediction", "prompt_cache_key", "reasoning_effort", "response_format",
-    "safety_identifier", "service_tier", "store", "tool_choice", "tools", "top_logprobs", "verbosity",
-    "web_search_options"}
-# Documented fields kvmesh cannot honour: accepted only with a value that changes nothing.
-_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "suffix": lambda v: not v,
-    "logit_bias": lambda v: not v, "tools": lambda v: not v, "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"), "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "audio": lambda v: v is None,
-    "modalities": lambda v: v in (None, ["text"]), "prediction": lambda v: v is None,
-    "web_search_options": lambda v: v is None,
-}
-_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
-# The field tables, public for router/openapi.py (the OpenAPI document is generated from them).
-COMPLETION_FIELDS, CHAT_FIELDS, UNSUPPORTED = _COMPLETION_FIELDS, _CHAT_FIELDS, _UNSUPPORTED
-SAMPLING_NUMBERS, STREAM_OPTIONS = _SAMPLING_NUMBERS, _STREAM_OPTIONS
-_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
-           "NOT_FOUND": 404}
-
-
-class HttpError(Exception):
-    """An OpenAI-style error response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> Json:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
+from router.http_body import (CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS, UNSUPPORTED, HttpError, Json,
+                              bad_request, chat_message, http_error, parse_sampling, set_field)
+from router.vllm_fields import FieldError, UnknownFieldLog, apply_vllm_fields
 
 class HttpFrontend:
     """The aiohttp app over one routing core; started and stopped by its RouterServer
-    (router/server.py). The only place HTTP statuses are chosen (`_http_error`)."""
+    (router/server.py). HTTP statuses are chosen in router/http_body.py `http_error`."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -171,7 +133,7 @@ class HttpFrontend:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         msg = pb.GenerateRequest(request_id=_request_id(request, "cmpl"))  # first: its id on every log line
-        body = await self._body(request, _COMPLETION_FIELDS)
+        body = await self._body(request, COMPLETION_FIELDS)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -180,11 +142,11 @@ class HttpFrontend:
             if not isinstance(add, bool):
                 raise HttpError(400, f"add_special_tokens: must be a boolean, got {add!r}", "add_special_tokens")
             ids = await asyncio.to_thread(self._tokenizer().encode, prompt, add)
-            _set(lambda: msg.token_ids.ids.extend(ids), "prompt")
+            set_field(lambda: msg.token_ids.ids.extend(ids), "prompt")
         elif isinstance(prompt, str):
             msg.text = prompt
         elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-            _set(lambda: msg.token_ids.ids.extend(prompt), "prompt")
+            set_field(lambda: msg.token_ids.ids.extend(prompt), "prompt")
         elif isinstance(prompt, list) and not prompt:
             raise HttpError(400, "prompt: the prompt is empty", "prompt")
         else:
@@ -193,11 +155,11 @@ class HttpFrontend:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         msg = pb.GenerateRequest(request_id=_request_id(request, "chatcmpl"))  # first: its id on every log line
-        body = await self._body(request, _CHAT_FIELDS)
+        body = await self._body(request, CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(400, "messages: must be a non-empty list", "messages")
-        chat = [_chat_message(m, i) for i, m in enumerate(messages)]
+        chat = [chat_message(m, i) for i, m in enumerate(messages)]
         if body.get("add_special_tokens") is True:  # vLLM: default False for chat
             tok = self._tokenizer()
             try:
@@ -233,7 +195,7 @@ class HttpFrontend:
         unknown = sorted(set(body) - allowed)
         if unknown:
             self._unknown_fields.warn([name[:64] for name in unknown])
-        for name, ok in _UNSUPPORTED.items():
+        for name, ok in UNSUPPORTED.items():
             if name in body and not ok(body[name]):
                 raise HttpError(400, f"{name}={body[name]!r} is not supported by kvmesh", name, "unsupported")
         model = body.get("model")
@@ -246,7 +208,7 @@ class HttpFrontend:
 
     async def _serve(self, request: web.Request, body: Json, msg: pb.GenerateRequest, *, chat: bool,
                      default_max_tokens: int) -> web.StreamResponse:
-        _sampling(body, msg.sampling)
+        parse_sampling(body, msg.sampling)
         if body.get("temperature") is None:
             msg.sampling.temperature = self.default_temperature
         try:
@@ -255,14 +217,14 @@ class HttpFrontend:
         except FieldError as e:
             raise HttpError(400, str(e), e.field) from None
         stream_options = body.get("stream_options") or {}
-        if not isinstance(stream_options, dict) or set(stream_options) - _STREAM_OPTIONS:
-            raise HttpError(400, f"stream_options: accepted keys are {', '.join(sorted(_STREAM_OPTIONS))}",
+        if not isinstance(stream_options, dict) or set(stream_options) - STREAM_OPTIONS:
+            raise HttpError(400, f"stream_options: accepted keys are {', '.join(sorted(STREAM_OPTIONS))}",
                             "stream_options")
         try:
             prepared = await self.router.prepare(to_generate_input(msg, default_max_tokens=default_max_tokens),
                                                  request.get(TENANT_KEY, ANONYMOUS))
         except BadRequest as e:
-            raise _bad_request(str(e)) from None
+            raise bad_request(str(e)) from None
         head = {"id": msg.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": body.get("model") or self.model_name}
         prompt = body.get("prompt")
@@ -316,7 +278,7 @@ class HttpFrontend:
                 r = await anext(upstream, None)  # type: ignore[arg-type]
         except (BadRequest, NoWorkerAvailable, UpstreamError) as e:
             # No silent truncation: headers are sent, so the error is the stream's last event.
-            await resp.write(f"data: {json.dumps(_http_error(e).body())}\n\n".encode())
+            await resp.write(f"data: {json.dumps(http_error(e).body())}\n\n".encode())
         else:
             assert last is not None and last.finished, "Router.generate ends with a finished response or raises"
             if include_usage:
@@ -331,29 +293,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Any]) -
     try:
         return await handler(request)
     except (HttpError, BadRequest, NoWorkerAvailable, UpstreamError) as e:
-        err = _http_error(e)
+        err = http_error(e)
         return web.json_response(err.body(), status=err.status)
-
-
-def _http_error(e: Exception) -> HttpError:
-    if isinstance(e, HttpError):
-        return e
-    if isinstance(e, BadRequest):
-        return _bad_request(str(e))
-    if isinstance(e, NoWorkerAvailable):
-        code = "tokenizer_not_loaded" if isinstance(e, TokenizerNotLoaded) else "no_worker"
-        return HttpError(503, str(e), code=code, kind="service_unavailable")
-    assert isinstance(e, UpstreamError)
-    status = _STATUS.get(e.code.name, 500)
-    return HttpError(status, e.details, code=e.code.name.lower(),
-                     kind="invalid_request_error" if status < 500 else "server_error")
-
-
-def _bad_request(message: str) -> HttpError:
-    m = re.match(r"(?:sampling\.)?([a-z_]+)", message)
-    param = {"text": "prompt", "token_ids": "prompt", "input": "prompt", "chat": "messages"}.get(
-        m.group(1), m.group(1)) if m else None
-    return HttpError(400, message, param)
 
 
 async def _first(upstream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse:
@@ -362,48 +303,6 @@ async def _first(upstream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateRes
     if first is None:
         raise UpstreamError(grpc.StatusCode.UNAVAILABLE, "the worker closed the stream without a response")
     return first
-
-
-def _sampling(body: Json, sp: pb.SamplingParams) -> None:
-    for name in _SAMPLING_NUMBERS:
-        value = body.get(name)
-        if value is not None:
-            if not is_real(value):
-                raise HttpError(400, f"{name}: must be a number, got {value!r}", name)
-            setattr(sp, name, value)
-    for name in ("max_tokens", "seed"):
-        value = body.get(name)
-        if value is not None:
-            if not is_int(value):
-                raise HttpError(400, f"{name}: must be an integer, got {value!r}", name)
-            _set(lambda: setattr(sp, name, value), name)
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise HttpError(400, "stop: must be a non-empty string or a list of them", "stop")
-        sp.stop.extend(stops)
-
-
-def _chat_message(m: object, i: int) -> pb.ChatMessage:
-    param = f"messages[{i}]"
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise HttpError(400, f"{param}: must be an object with a role", param)
-    extra = {k for k, v in m.items() if k not in ("role", "content", "name") and v not in (None, [])}
-    if extra:
-        raise HttpError(400, f"{param}: unsupported fields {sorted(extra)}", param)
-    role = "system" if m["role"] == "developer" else m["role"]
-    if role not in ("system", "user", "assistant"):
-        raise HttpError(400, f"{param}.role: {m['role']!r}; accepted: system, developer, user, assistant", param)
-    content = m.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise HttpError(400, f"{param}.content: only text parts are supported", param)
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise HttpError(400, f"{param}.content: must be a string or a list of text parts", param)
-    return pb.ChatMessage(role=role, content=content)
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,13 +328,6 @@ def _usage(last: pb.GenerateResponse) -> Json:
     return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
             "total_tokens": last.prompt_tokens + last.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": last.cached_tokens}}
-
-
-def _set(fn: Callable[[], object], param: str) -> None:
-    try:
-        fn()
-    except (ValueError, TypeError) as e:  # out of the int32 / int64 range of the contract
-        raise HttpError(400, f"{param}: {e}", param) from None
 
 
 def _reject_constant(name: str) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from contracts.sampling import MAX_N
-from router import http
+from router import http_body as http
 from router.utility_routes import kvmesh_version
 from router.vllm_fields import vllm_field_types
 
