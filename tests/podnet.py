@@ -355,6 +355,22 @@ class PodCluster:
         self.net.iptables(a, "-D", "OUTPUT", "-d", ip_b, "-j", "DROP")
         self.cuts.discard((a, b))
 
+    def shape(self, pod: str, rate: str | None) -> None:
+        """Limit what `pod` sends to `rate` (tc tbf on its eth0, e.g. "8mbit"); None removes it."""
+        assert self.net is not None
+        cmd = ["ip", "netns", "exec", self.net.ns[pod], "tc", "qdisc"]
+        if rate is None:
+            subprocess.run([*cmd, "del", "dev", "eth0", "root"], capture_output=True, timeout=30)
+        else:
+            subprocess.run([*cmd, "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "64kbit",
+                            "latency", "2s"], check=True, capture_output=True, timeout=30)
+
+    def tx_bytes(self, pod: str) -> int:
+        """Bytes `pod` has sent on its eth0."""
+        assert self.net is not None
+        return int(subprocess.run(["ip", "netns", "exec", self.net.ns[pod], "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
+                                  capture_output=True, text=True, check=True, timeout=30).stdout)
+
     def close(self) -> None:
         """SIGTERM every pod (SIGKILL after 20 s), then remove the network. Idempotent."""
         for pod, p in self.pods.items():
