@@ -74,16 +74,35 @@ def skip_reason() -> str | None:
     return None
 
 
+def remove_stale() -> None:
+    """Namespaces (and their processes, /etc/netns dirs) left by a test process that died
+    without its teardown (SIGKILL): their names carry its pid, which no longer runs."""
+    listed = _ip("netns", "list", check=False).stdout.split()
+    for ns in listed:
+        parts = ns.split("-")
+        if len(parts) < 3 or parts[0] not in ("kvc", "kvp") or not parts[1].isdigit():
+            continue
+        if Path(f"/proc/{parts[1]}").exists():
+            continue
+        for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "del", ns, check=False)
+        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+
+
 class PodNet:
     """The namespaces, bridge and veths of one run. `add(pod)` gives a pod its namespace and IP."""
 
     def __init__(self) -> None:
-        self.id = secrets.token_hex(3)
+        remove_stale()
+        self.id = f"{os.getpid()}-{secrets.token_hex(2)}"
+        short = secrets.token_hex(3)          # interface names: at most 15 characters
         used = _ip("-4", "route").stdout
         third = next(s for s in (secrets.randbelow(250) for _ in range(50)) if f"{SUBNET}.{s}." not in used)
         self.prefix = f"{SUBNET}.{third}"
         self.cluster_ns = f"kvc-{self.id}"
-        self.host_if = f"kvr{self.id}"
+        self.host_if, self._short = f"kvr{short}", short
         self.ns: dict[str, str] = {}       # pod -> namespace
         self.ips: dict[str, str] = {}      # pod -> IP
         self.names: dict[str, list[str]] = {}   # pod -> DNS names
@@ -95,9 +114,9 @@ class PodNet:
         _ip("-n", self.cluster_ns, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.cluster_ns, "link", "set", "br0", "up")
         # the test process's way in: a veth from the root namespace into the bridge
-        _ip("link", "add", self.host_if, "type", "veth", "peer", "name", f"kvq{self.id}")
-        _ip("link", "set", f"kvq{self.id}", "netns", self.cluster_ns)
-        _ip("-n", self.cluster_ns, "link", "set", f"kvq{self.id}", "master", "br0", "up")
+        _ip("link", "add", self.host_if, "type", "veth", "peer", "name", f"kvq{short}")
+        _ip("link", "set", f"kvq{short}", "netns", self.cluster_ns)
+        _ip("-n", self.cluster_ns, "link", "set", f"kvq{short}", "master", "br0", "up")
         _ip("addr", "add", f"{self.prefix}.254/24", "dev", self.host_if)
         _ip("link", "set", self.host_if, "up")
 
@@ -111,7 +130,7 @@ class PodNet:
         ns, ip = f"kvp-{self.id}-{n}", f"{self.prefix}.{n}"
         _ip("netns", "add", ns)
         self._made_ns.append(ns)
-        outer, inner = f"kvh{self.id}{n:02d}", f"kvi{self.id}{n:02d}"
+        outer, inner = f"kvh{self._short}{n:02d}", f"kvi{self._short}{n:02d}"
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", outer, "netns", self.cluster_ns)
         _ip("link", "set", inner, "netns", ns)

@@ -40,9 +40,10 @@ def expand(text: str, env: Mapping[str, str]) -> str:
             i += 2
         elif nxt == "(":
             end = text.find(")", i + 2)
-            if end < 0:                                 # unterminated: kept as written
-                out.append(text[i:])
-                break
+            if end < 0:                                 # unterminated: "$(" kept, scanning goes on
+                out.append("$(")
+                i += 2
+                continue
             name = text[i + 2:end]
             out.append(env[name] if name in env else text[i:end + 1])
             i = end + 1

@@ -73,6 +73,14 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodCluster]:
         cluster.close()
 
 
+@pytest.fixture(autouse=True)
+def _log_tails_on_failure(request: pytest.FixtureRequest, cl: PodCluster) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(cl.log_tails())
+
+
 def _registry_membership(cl: PodCluster) -> bool:
     assert cl.specs is not None
     return not any(a.startswith("--worker=") for a in cl.specs.run("router", cl.router, "0.0.0.0").argv)

@@ -48,6 +48,13 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodCluster]:
         cluster.close()
 
 
+@pytest.fixture(autouse=True)
+def _log_tails_on_failure(request: pytest.FixtureRequest, cl: PodCluster) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(cl.log_tails())
+
 def test_worker_redis_partition_keeps_serving_and_the_index_is_exact_after_heal(cl: PodCluster) -> None:
     w = cl.worker(0)
     t0 = time.monotonic()
