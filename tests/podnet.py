@@ -1,7 +1,7 @@
 """A pod network for process tests: the rendered chart run as local processes, one network
 namespace per pod.
 
-Network (`PodNet`): a "cluster" namespace holding a Linux bridge; one namespace per pod, joined
+Network (`PodNet`, tests/podnet_ns.py): a "cluster" namespace holding a Linux bridge; one namespace per pod, joined
 to the bridge by a veth pair, with its own loopback and IP (10.77.S.N/24, S random per run);
 the test process (root namespace) reaches pods through one more veth into the bridge
 (10.77.S.254). Each pod namespace gets /etc/netns/<ns>/hosts, which `ip netns exec` mounts
@@ -23,10 +23,7 @@ Everything is named with a per-run id and removed by `close()` (processes, names
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -40,137 +37,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helm.manifests import Doc
+from tests.podnet_ns import PodNet, remove_stale, skip_reason
 from tests.podspec import ContainerRun, PodSpecs, render_chart
+
+__all__ = ["Pod", "PodCluster", "PodNet", "base_values", "remove_stale", "skip_reason"]
 
 ROOT = Path(__file__).resolve().parents[1]
 KVMESH = ROOT / ".venv" / "bin" / "kvmesh"
-SUBNET = "10.77"
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
-
-
-def skip_reason() -> str | None:
-    """Why this machine cannot run pod networks (None: it can)."""
-    for tool in ("ip", "iptables", "unshare"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    probe = f"kvmprobe{secrets.token_hex(3)}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode:
-        return f"ip netns add refused: {made.stderr.strip()}"
-    try:
-        rules = subprocess.run(["ip", "netns", "exec", probe, "iptables", "-S"], capture_output=True, text=True)
-        if rules.returncode:
-            return f"iptables refused inside a namespace: {rules.stderr.strip()}"
-        bridge = _ip("-n", probe, "link", "add", "br0", "type", "bridge", check=False)
-        if bridge.returncode:
-            return f"cannot create a bridge: {bridge.stderr.strip()}"
-    finally:
-        _ip("netns", "del", probe, check=False)
-    return None
-
-
-def remove_stale() -> None:
-    """Namespaces (and their processes, /etc/netns dirs) left by a test process that died
-    without its teardown (SIGKILL): their names carry its pid, which no longer runs."""
-    listed = _ip("netns", "list", check=False).stdout.split()
-    for ns in listed:
-        parts = ns.split("-")
-        if len(parts) < 3 or parts[0] not in ("kvc", "kvp") or not parts[1].isdigit():
-            continue
-        if Path(f"/proc/{parts[1]}").exists():
-            continue
-        for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        _ip("netns", "del", ns, check=False)
-        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-
-
-class PodNet:
-    """The namespaces, bridge and veths of one run. `add(pod)` gives a pod its namespace and IP."""
-
-    def __init__(self) -> None:
-        remove_stale()
-        self.id = f"{os.getpid()}-{secrets.token_hex(2)}"
-        short = secrets.token_hex(3)          # interface names: at most 15 characters
-        used = _ip("-4", "route").stdout
-        third = next(s for s in (secrets.randbelow(250) for _ in range(50)) if f"{SUBNET}.{s}." not in used)
-        self.prefix = f"{SUBNET}.{third}"
-        self.cluster_ns = f"kvc-{self.id}"
-        self.host_if, self._short = f"kvr{short}", short
-        self.ns: dict[str, str] = {}       # pod -> namespace
-        self.ips: dict[str, str] = {}      # pod -> IP
-        self.names: dict[str, list[str]] = {}   # pod -> DNS names
-        self._made_ns: list[str] = []
-        self._made_etc_netns = not Path("/etc/netns").exists()
-        _ip("netns", "add", self.cluster_ns)
-        self._made_ns.append(self.cluster_ns)
-        _ip("-n", self.cluster_ns, "link", "set", "lo", "up")
-        _ip("-n", self.cluster_ns, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.cluster_ns, "link", "set", "br0", "up")
-        # the test process's way in: a veth from the root namespace into the bridge
-        _ip("link", "add", self.host_if, "type", "veth", "peer", "name", f"kvq{short}")
-        _ip("link", "set", f"kvq{short}", "netns", self.cluster_ns)
-        _ip("-n", self.cluster_ns, "link", "set", f"kvq{short}", "master", "br0", "up")
-        _ip("addr", "add", f"{self.prefix}.254/24", "dev", self.host_if)
-        _ip("link", "set", self.host_if, "up")
-
-    def add(self, pod: str, names: list[str]) -> str:
-        """A namespace for `pod`, joined to the bridge; `names` resolve to its IP in every pod."""
-        if pod in self.ns:
-            self.names[pod] = sorted(set(self.names[pod]) | set(names))
-            self.write_hosts()
-            return self.ips[pod]
-        n = len(self.ns) + 1
-        ns, ip = f"kvp-{self.id}-{n}", f"{self.prefix}.{n}"
-        _ip("netns", "add", ns)
-        self._made_ns.append(ns)
-        outer, inner = f"kvh{self._short}{n:02d}", f"kvi{self._short}{n:02d}"
-        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-        _ip("link", "set", outer, "netns", self.cluster_ns)
-        _ip("link", "set", inner, "netns", ns)
-        _ip("-n", self.cluster_ns, "link", "set", outer, "master", "br0", "up")
-        _ip("-n", ns, "link", "set", inner, "name", "eth0")
-        _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        self.ns[pod], self.ips[pod], self.names[pod] = ns, ip, sorted(set(names) | {pod})
-        Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
-        self.write_hosts()
-        return ip
-
-    def write_hosts(self) -> None:
-        """Every pod's hosts file (rewritten in place: `ip netns exec` bind-mounts the file)."""
-        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-        lines += [f"{self.ips[p]} {' '.join(self.names[p])}" for p in self.ns]
-        text = "\n".join(lines) + "\n"
-        for ns in self.ns.values():
-            with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write(text)
-
-    def exec_prefix(self, pod: str) -> list[str]:
-        """argv prefix that runs a command inside `pod`'s namespace (and its own hostname)."""
-        return ["ip", "netns", "exec", self.ns[pod], "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', pod]
-
-    def iptables(self, pod: str, *rule: str) -> None:
-        subprocess.run(["ip", "netns", "exec", self.ns[pod], "iptables", *rule], check=True, capture_output=True,
-                       timeout=30)
-
-    def close(self) -> None:
-        for ns in reversed(self._made_ns):
-            _ip("netns", "del", ns, check=False)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-        _ip("link", "del", self.host_if, check=False)      # gone with its peer already, normally
-        self._made_ns.clear()
-        if self._made_etc_netns:
-            with contextlib.suppress(OSError):
-                Path("/etc/netns").rmdir()
 
 
 @dataclass
@@ -195,10 +68,13 @@ class PodCluster:
     specs: PodSpecs | None = None
     pods: dict[str, Pod] = field(default_factory=dict)
     cuts: set[tuple[str, str]] = field(default_factory=set)
+    cluster_domain: str = "cluster.local"
 
     def __post_init__(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
-        self.specs = render_chart(self.tmp / "render", _merge(base_values(self.tmp), self.values))
+        values = _merge(base_values(self.tmp), self.values)
+        self.cluster_domain = str(values.get("clusterDomain", "cluster.local"))
+        self.specs = render_chart(self.tmp / "render", values)
         _link_caches(self.tmp)
         self.net = PodNet()
 
@@ -283,7 +159,7 @@ class PodCluster:
 
     def _dns_names(self, component: str, pod: str) -> list[str]:
         assert self.specs is not None
-        suffix = f"{self.specs.namespace}.svc.cluster.local"
+        suffix = f"{self.specs.namespace}.svc.{self.cluster_domain}"
         w = self.specs.workload(component)
         names = [pod]
         if w["kind"] == "StatefulSet":

@@ -27,6 +27,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contracts.health import LIVENESS_SERVICE
 from router.chaos import wait_until
 from tests.helm.manifests import option_strings
 from tests.podnet import PodCluster, skip_reason
@@ -34,7 +35,6 @@ from tests.podnet_client import on_worker, prompt, via_router, workers_up
 
 pytestmark = pytest.mark.multiproc
 
-LIVENESS_SERVICE = "kvmesh.v1.Liveness"
 LIVENESS_TIMEOUT_S = 3
 
 
