@@ -144,12 +144,20 @@ class WorkerMetadata:
         self.store.set_event_recording(True)
         self.events = PublishThread(lambda inventory: EventPublisher(rcfg, worker_id, epoch, inventory_fn=inventory),
                                     self.store.inventory(), self.POLL_INTERVAL_S)
+        self._muted = False
 
     @property
     def publisher(self) -> EventPublisher:
         return self.events.publisher
 
+    def mute(self) -> None:
+        """Stop publishing KV events (the worker is leaving: not live); `after_step` does
+        nothing from its next call on. The heartbeater is stopped apart (`heartbeater.stop`)."""
+        self._muted = True
+
     def after_step(self) -> None:
+        if self._muted:
+            return
         events = self.store.take_events()
         if events:
             self.events.put(from_tiered_events(events))
