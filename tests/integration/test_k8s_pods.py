@@ -35,7 +35,9 @@ from tests.podnet_client import on_worker, prompt, via_router, workers_up
 
 pytestmark = pytest.mark.multiproc
 
-LIVENESS_TIMEOUT_S = 3
+# Every worker of the StatefulSet gets it: small enough for a quick test, large enough that a
+# healthy engine starved of CPU on a loaded 2-core machine is not taken for stuck (3 s was).
+LIVENESS_TIMEOUT_S = 10
 
 
 def _has_liveness_flag() -> bool:
@@ -87,10 +89,11 @@ def _registry_membership(cl: PodCluster) -> bool:
 
 
 class Traffic:
-    """Greedy requests through the router, one after another on each of `streams` threads,
-    until `stop()`; records which worker served each and every failure."""
+    """Greedy requests through the router, one after another (`pause_s` apart) on each of
+    `streams` threads, until `stop()`; records which worker served each and every failure."""
 
-    def __init__(self, cl: PodCluster, streams: int = 2) -> None:
+    def __init__(self, cl: PodCluster, streams: int = 1, pause_s: float = 0.1) -> None:
+        self.pause_s = pause_s
         self.cl = cl
         self.served: list[str] = []
         self.failures: list[str] = []
@@ -106,6 +109,7 @@ class Traffic:
                 self.served.append(via_router(self.cl, prompt(next(self._seeds), 40), max_tokens=4).final.worker_id)
             except (grpc.RpcError, AssertionError) as e:
                 self.failures.append(repr(e)[:300])
+            self._stop.wait(self.pause_s)
 
     def stop(self) -> None:
         self._stop.set()
