@@ -2,8 +2,9 @@
 per pod (tests/podnet.py): Redis, the router and two workers exactly as the manifests start them,
 traffic cut with iptables DROP inside one pod's namespace.
 
-- worker <-> Redis: the worker keeps serving; the KV events it made during the cut reach the
-  router on heal, and the router's block index holds exactly what the worker holds again;
+- worker <-> Redis: the worker keeps serving at its speed; after the heal the router's block
+  index holds exactly what the worker holds again (past the heartbeat TTL through an inventory,
+  the router having dropped the silent worker; a short cut through the queued events alone);
 - worker <-> worker mid peer transfer: the receiver recomputes, its output equals the sender's
   own uninterrupted greedy run; after the heal a later transfer between them works;
 - peer transfer to a restarted worker (kill -9, started again under the same pod name): both
@@ -89,6 +90,29 @@ def test_worker_redis_partition_keeps_serving_and_the_index_is_exact_after_heal(
         assert reply.final.worker_id == w and reply.final.cached_tokens == FULL, reply.final
     print(f"3 requests served in {base_s:.1f} s before the cut, in {served_s:.1f} s during it; index exact {waited:.1f} s after heal; "
           f"router view {cluster_doc(cl)['router']['kv_events']}")
+
+
+def test_short_worker_redis_cut_is_healed_by_replay_alone(cl: PodCluster) -> None:
+    """A cut shorter than the heartbeat TTL (3 s) and the Redis socket timeout (2 s): the router
+    keeps the worker, and the events made during the cut reach it on heal, in sequence, so the
+    index is exact again without a resync. (A cut past the TTL, above, is healed by an inventory:
+    the router dropped the silent worker and asks for one when it returns.)"""
+    w = cl.worker(0)
+    assert wait_until(lambda: workers_up(cl).get(w) and index_matches_worker(cl, w)[0], 60) is not None
+    before = cluster_doc(cl)["router"]["kv_events"]
+    cl.cut(w, cl.redis)
+    t0 = time.monotonic()
+    try:
+        on_worker(cl, w, prompt(201, 40), max_tokens=1)
+    finally:
+        cl.heal(w, cl.redis)
+    cut_s = time.monotonic() - t0
+    assert wait_until(lambda: index_matches_worker(cl, w)[0], 30) is not None, index_matches_worker(cl, w)[1]
+    after = cluster_doc(cl)["router"]["kv_events"]
+    assert after["entries"] > before["entries"], (before, after)          # the queued events arrived
+    if cut_s < 2.0:         # well inside the TTL: nothing was lost, so nothing needed a resync
+        assert (after["gaps"], after["resyncs"]) == (before["gaps"], before["resyncs"]), (cut_s, before, after)
+    print(f"short cut {cut_s:.2f} s: kv_events {before} -> {after}")
 
 
 def test_worker_worker_partition_mid_transfer_recomputes_and_heals(cl: PodCluster) -> None:
