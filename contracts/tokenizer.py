@@ -15,9 +15,16 @@ picks a tokenizer class from the model type (a Qwen2 dir gets `Qwen2Tokenizer` w
   tokenizer_config.json asks for it (never for BPE models, as transformers 5);
 - `apply_chat_template(messages)`: the template rendered with the generation prompt, then
   `encode(add_special_tokens=False)`.
+
+The files travel too (issue #24: a router without the model's storage asks a worker for them,
+`Worker.GetTokenizer`): `read_tokenizer_files(dir)` reads the `TOKENIZER_FILES` a dir has,
+`tokenizer_files_digest(files)` names them (the worker's `ModelInfo.tokenizer_sha256`), and
+`ModelTokenizer.from_files(files)` loads them exactly as `from_model_dir` loads the dir
+(`from_model_dir` is `from_files(read_tokenizer_files(dir))`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -30,10 +37,54 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# What `from_files` / `from_model_dir` read (tokenizer.json is required, the others optional).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")   # the last: the router's default temperature (vLLM's rule)
+MAX_TOKENIZER_BYTES = 32 * 2**20     # what a worker sends at most (`read_tokenizer_files`' default bound)
+# The largest TokenizerFiles message: the files plus room for names, model, salt and digest.
+# A client of Worker.GetTokenizer needs a receive limit of at least this.
+MAX_TOKENIZER_MESSAGE_BYTES = MAX_TOKENIZER_BYTES + 2**20
 
 
 class TokenizerError(ValueError):
     """The model dir has no usable tokenizer / chat template, or the template rejected the chat."""
+
+
+class TokenizerFilesTooLarge(TokenizerError):
+    """The tokenizer files together exceed the bound a worker sends (`MAX_TOKENIZER_BYTES`)."""
+
+
+def read_tokenizer_files(path: str | Path, max_bytes: int | None = MAX_TOKENIZER_BYTES) -> dict[str, bytes]:
+    """The `TOKENIZER_FILES` that `path` has, name -> bytes. Raises TokenizerError without
+    tokenizer.json, TokenizerFilesTooLarge when they add up to more than `max_bytes` (checked
+    on their sizes before any is read; None: no bound)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerError(f"{path} has no tokenizer.json (kvmesh needs an HF fast tokenizer)")
+    present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    try:
+        if max_bytes is not None:
+            total = sum((path / name).stat().st_size for name in present)
+            if total > max_bytes:
+                raise TokenizerFilesTooLarge(f"the tokenizer files of {path} ({', '.join(present)}) are "
+                                             f"{total} bytes, more than the {max_bytes} a worker sends")
+        return {name: (path / name).read_bytes() for name in present}
+    except OSError as e:
+        raise TokenizerError(f"cannot read the tokenizer files of {path}: {e}") from e
+
+
+def tokenizer_files_digest(files: Mapping[str, bytes]) -> str:
+    """sha256 (lowercase hex) over the files sorted by name, each as: len(name) as 4 bytes
+    little-endian, the name in UTF-8, len(data) as 8 bytes little-endian, the data. Equal
+    digests: the same names with the same bytes (the lengths make the encoding unambiguous)."""
+    h = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        raw = name.encode("utf-8")
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
 
 
 class ModelTokenizer:
@@ -55,22 +106,36 @@ class ModelTokenizer:
     def from_model_dir(cls, path: str | Path) -> ModelTokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json` (+ `special_tokens_map.json`,
         `chat_template.jinja`) from an HF model dir; raises TokenizerError if absent."""
-        path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise TokenizerError(f"{path} has no tokenizer.json (kvmesh needs an HF fast tokenizer)")
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        config = _read_json(path / "tokenizer_config.json")
+        return cls.from_files(read_tokenizer_files(path, max_bytes=None), source=str(path))
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes], source: str = "tokenizer files") -> ModelTokenizer:
+        """Load the `TOKENIZER_FILES` given as name -> bytes (what `read_tokenizer_files`
+        returns, or what a worker sent). Raises TokenizerError without tokenizer.json, for a
+        name outside `TOKENIZER_FILES`, or for a file that does not parse; `source` names them
+        in errors."""
+        unknown = sorted(set(files) - set(TOKENIZER_FILES))
+        if unknown:
+            raise TokenizerError(f"{source}: unexpected files {unknown}; expected some of {list(TOKENIZER_FILES)}")
+        if "tokenizer.json" not in files:
+            raise TokenizerError(f"{source} has no tokenizer.json (kvmesh needs an HF fast tokenizer)")
+        try:
+            tokenizer = Tokenizer.from_str(_text(files, "tokenizer.json", source))
+        except Exception as e:   # noqa: BLE001 - tokenizers raises a bare Exception for bad JSON
+            raise TokenizerError(f"{source}: cannot load tokenizer.json: {e}") from e
+        config = _read_json(files, "tokenizer_config.json", source)
         special: dict[str, str] = {}
-        for source in (_read_json(path / "special_tokens_map.json"), config):
+        for source_map in (_read_json(files, "special_tokens_map.json", source), config):
             for name in _SPECIAL_NAMES:
-                token = _token_content(source.get(name))
+                token = _token_content(source_map.get(name))
                 if token is not None:
                     special[name] = token
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: transformers uses "default"
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        if not template and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if not template and "chat_template.jinja" in files:
+            # universal newlines, as Path.read_text reads it
+            template = _text(files, "chat_template.jinja", source).replace("\r\n", "\n").replace("\r", "\n")
         return cls(tokenizer, template or None, special,
                    clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces") is True)
 
@@ -184,11 +249,18 @@ def _token_content(value: object) -> str | None:
     return None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+def _text(files: Mapping[str, bytes], name: str, source: str) -> str:
+    try:
+        return files[name].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"cannot parse {source}/{name}: {e}") from e
+
+
+def _read_json(files: Mapping[str, bytes], name: str, source: str) -> dict[str, Any]:
+    if name not in files:
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"cannot parse {path}: {e}") from e
+        data = json.loads(_text(files, name, source))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"cannot parse {source}/{name}: {e}") from e
     return data if isinstance(data, dict) else {}

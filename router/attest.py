@@ -24,10 +24,13 @@ import grpc
 
 from contracts.cluster_token import NONCE_BYTES, verify_attestation
 from contracts.grpc_auth import token_interceptors
+from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 
 log = logging.getLogger("kvmesh.router")
+# What one worker reply may hold: GetTokenizer's files are the largest.
+MAX_WORKER_REPLY_BYTES = MAX_TOKENIZER_MESSAGE_BYTES
 
 
 class Verdict(enum.Enum):
@@ -44,7 +47,8 @@ def worker_channel(cfg: RouterConfig, address: str, admitted: Callable[[], bool]
     """The router's channel to one worker: TLS per `cfg.tls` (the router's certificate is its
     client certificate), the cluster token on each call once `admitted()` says so."""
     token = cfg.cluster_token
-    return cfg.tls.aio_channel(address, interceptors=token_interceptors(
+    return cfg.tls.aio_channel(address, options=(("grpc.max_receive_message_length", MAX_WORKER_REPLY_BYTES),),
+                               interceptors=token_interceptors(
         lambda: token if token is not None and admitted() else None))
 
 

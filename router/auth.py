@@ -5,8 +5,9 @@ Owns: the key set (`ApiKey`, parsed from `--api-key` / `--api-keys-file` /
 `KVMESH_API_KEYS_FILE` by `keys_from_args`), the constant-time check (`Authenticator`), the
 aiohttp middleware (401 with an OpenAI-style body) and the gRPC server interceptor
 (UNAUTHENTICATED). With no keys configured every request passes (loopback default);
-`warn_if_open` logs loudly when such a router binds a non-loopback host. `/health` and gRPC
-health/reflection stay open; `/metrics` too unless `--metrics-require-key`. Torch-free.
+`warn_if_open` logs loudly when such a router binds a non-loopback host. The probes (`/health`,
+`/readyz`, `/live`, `/livez`) and gRPC health/reflection stay open; `/metrics` too unless
+`--metrics-require-key`. Torch-free.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ PRIORITY_FLAG = "priority"
 ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
 SALT_OPTION = "salt="                             # keys file: the tenant's explicit cache_salt
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
-_OPEN_HTTP_PATHS = frozenset({"/health", "/live", "/dashboard"})   # /dashboard: a page without data
+# the probes, and /dashboard (a page without data)
+_OPEN_HTTP_PATHS = frozenset({"/health", "/readyz", "/live", "/livez", "/dashboard"})
 _METRICS_PATH = "/metrics"                        # open too unless --metrics-require-key
 _OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _LIMITED_HTTP_PREFIX = "/v1/"                     # POSTs here generate: counted per tenant

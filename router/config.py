@@ -2,6 +2,7 @@
 (built once at the edge: `kvmesh router` flags, `kvmesh serve`, the Ray launcher)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from contracts.cluster_token import check_token
@@ -11,10 +12,32 @@ from router.auth import ApiKey
 from router.routing import RoutingPolicy
 
 
+class TokenizerSource(enum.Enum):
+    """Where the router gets the model's tokenizer (`--tokenizer-source`; the value is the CLI
+    spelling): LOCAL reads `--model`'s dir (converting a GGUF in a child), WORKER fetches the files
+    from a ready worker (router/worker_tokenizer.py), AUTO is LOCAL when `--model` resolves to a
+    local model with a tokenizer, else WORKER."""
+
+    AUTO = "auto"
+    LOCAL = "local"
+    WORKER = "worker"
+
+    @classmethod
+    def parse(cls, value: TokenizerSource | str) -> TokenizerSource:
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"tokenizer_source={value!r}; accepted: {', '.join(s.value for s in cls)}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """`http_port=None` serves no HTTP; port 0 binds a free port. `model` names the tokenizer
-    (an alias or HF dir, as for workers); `redis_url` / `cluster_name` are kept for the index.
+    """`http_port=None` serves no HTTP; port 0 binds a free port. `model` names the model: with
+    `tokenizer_source` LOCAL (or AUTO resolving to it) the dir of its tokenizer (an alias or HF dir,
+    as for workers), with WORKER only the model's name (the tokenizer comes from a worker);
+    `redis_url` / `cluster_name` are kept for the index.
     `routing_policy` takes a `RoutingPolicy` or its CLI spelling (stored as the member)."""
 
     worker_addresses: tuple[str, ...] = ()
@@ -23,6 +46,7 @@ class RouterConfig:
     http_port: int | None = 0
     model: str = "smollm2"
     served_model_name: str | None = None    # the HTTP model id; None: `model`
+    tokenizer_source: TokenizerSource = TokenizerSource.AUTO   # a member or its CLI spelling
     request_timeout_s: float = 600.0        # upstream deadline when the client sets none
     max_message_bytes: int = 4 * 2**20      # gRPC receive limit and HTTP body limit
     health_interval_s: float = 1.0          # how often workers are probed
@@ -47,6 +71,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_addresses", tuple(self.worker_addresses))
         object.__setattr__(self, "routing_policy", RoutingPolicy.parse(self.routing_policy))
+        object.__setattr__(self, "tokenizer_source", TokenizerSource.parse(self.tokenizer_source))
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         if self.cluster_token is not None:
             check_token(self.cluster_token)

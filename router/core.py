@@ -27,7 +27,7 @@ from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import ANONYMOUS, ApiKey, TenantId
 from router.config import RouterConfig
-from router.errors import NoWorkerAvailable, UpstreamError
+from router.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.index import BlockIndex
 from router.inflight import InFlightPrefills
 from router.migrate import MAX_WAIT_FOR_WORKER_S, Progress, WorkerLost, is_migratable, log_migration, read_until_lost
@@ -113,6 +113,7 @@ class Router:
         self.stats = RoutingStats()
         self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
         self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
+        self.default_temperature = 1.0  # the model's generation_config.json (vLLM's default), set with it
         self._inflight: dict[str, WorkerEntry | None] = {}
         self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
         self.salts = TenantSalts(cfg.api_keys)
@@ -126,7 +127,8 @@ class Router:
 
     @property
     def serving(self) -> bool:
-        return self.registry.ready and not self.draining
+        """Ready: a worker is ready, the tokenizer is loaded, not draining."""
+        return self.registry.ready and self.tokenizer is not None and not self.draining
 
     def live_workers(self) -> list[WorkerInfo]:
         return [w.info for w in self.registry.live() if w.info is not None]
@@ -138,8 +140,10 @@ class Router:
         info, tok = self.model_info, self.tokenizer
         if self.draining:
             raise NoWorkerAvailable("the router is draining (shutting down)")
-        if info is None or tok is None:
+        if info is None:
             raise NoWorkerAvailable("no worker is ready")
+        if tok is None:
+            raise TokenizerNotLoaded()
         try:
             if inp.text is not None:
                 ids = await asyncio.to_thread(tok.encode, inp.text)
@@ -184,6 +188,9 @@ class Router:
         progress = Progress(prepared.request, self.cfg.migration_limit, started=time.perf_counter())
         request, route = prepared.request, prepared.route
         tried: set[WorkerId] = set()
+        # The model the request was prepared for; the registry may forget it while no worker is
+        # ready (a router whose tokenizer comes from the workers), e.g. while its only worker restarts.
+        prepared_for = self.model_info
         try:
             while True:
                 pick = await self._pick_next(route, tried, progress, deadline)
@@ -203,8 +210,9 @@ class Router:
                     if progress.generated:
                         log_migration(rid, worker_id, str(f), progress)
                         self.observer.migrated(rid, worker_id, len(progress.generated))
-                info = self.model_info
-                assert info is not None
+                info = self.model_info or prepared_for
+                if info is None:
+                    raise NoWorkerAvailable("no worker is ready")
                 request, route = progress.resubmit(info.block_size, bytes.fromhex(info.hash_salt_hex))
         finally:
             self._inflight.pop(rid, None)

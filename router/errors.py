@@ -22,6 +22,15 @@ class NoWorkerAvailable(RouterError):
     """No live worker can take the request now (gRPC UNAVAILABLE, HTTP 503)."""
 
 
+class TokenizerNotLoaded(NoWorkerAvailable):
+    """The router has not loaded the model's tokenizer yet (it fetches it from the first ready
+    worker, router/worker_tokenizer.py): gRPC UNAVAILABLE, HTTP 503 `tokenizer_not_loaded`."""
+
+    def __init__(self) -> None:
+        super().__init__("the router has not loaded the model's tokenizer yet (it fetches it from the first "
+                         "ready worker); retry shortly")
+
+
 class UpstreamError(RouterError):
     """A worker answered with an error status; passed on to the client as is."""
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contracts.grpc_options import grpc_server_options
+from contracts.health import LIVENESS_SERVICE
 from contracts.requests import BadRequest
 from contracts.wire import ParsedRequest, parse_generate_request, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
@@ -40,7 +41,8 @@ def _status_for(error: BadRequest | RouterError) -> tuple[grpc.StatusCode, str]:
 
 class GrpcFront:
     """The gRPC server of one router: bind with `start`, report readiness with
-    `set_health`, drain with `stop`."""
+    `set_health`, drain with `stop`. Health: the Router service (and "") is readiness;
+    `LIVENESS_SERVICE` is SERVING from `start` on (the loop answers)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -58,6 +60,7 @@ class GrpcFront:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await self.set_health(False)
+        await self._health.set(LIVENESS_SERVICE, _SERVING)
         bound = cfg.tls.add_port(server, f"{host}:{port}", require_client_cert=False)   # TLS with --tls-cert
         await server.start()
         return bound

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP on the router's event loop: /v1/completions, /v1/chat/completions,
-/v1/models, /health.
+/v1/models, /health and /readyz (readiness), /live and /livez (liveness).
 
 A request body becomes the same `GenerateRequest` → `GenerateInput` → `Router.prepare` →
 `Router.generate` path (router/core.py) as gRPC; only the JSON shapes differ. Every field OpenAI
@@ -33,10 +33,9 @@ from router.auth import ANONYMOUS, TENANT_KEY, authenticator_for
 from router.core import Router
 from router.http_guard import guard_middleware
 from router.openai_choices import ChoiceSet, choice_options
-from router.errors import NoWorkerAvailable, UpstreamError
+from router.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.utility_routes import add_utility_routes
-from router.vllm_fields import (VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields,
-                                generation_default_temperature)
+from router.vllm_fields import VLLM_FIELDS, FieldError, UnknownFieldLog, apply_vllm_fields
 
 Json = dict[str, Any]
 
@@ -87,14 +86,14 @@ class HttpFrontend:
         self.created = int(time.time())
         self._active: set[asyncio.Task[Any]] = set()
         self._unknown_fields = UnknownFieldLog()
-        self.default_temperature = generation_default_temperature(router.cfg.model)  # vLLM's default
         middlewares = [authenticator_for(router).http_middleware(),
                        guard_middleware(router.cfg.http_read_timeout_s), self._track, _errors]
         app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/live", self.live)])
+                        web.get("/readyz", self.health), web.get("/live", self.live),
+                        web.get("/livez", self.live)])
         add_utility_routes(app, router)  # /tokenize, /detokenize, /version
         # A client that disconnects cancels its handler, which cancels the upstream call.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -138,8 +137,15 @@ class HttpFrontend:
     def _tokenizer(self) -> ModelTokenizer:
         tok = self.router.tokenizer
         if tok is None:
-            raise NoWorkerAvailable("no worker is ready")
+            if self.router.model_info is None:
+                raise NoWorkerAvailable("no worker is ready")
+            raise TokenizerNotLoaded()
         return tok
+
+    @property
+    def default_temperature(self) -> float:
+        """vLLM's default: the model's generation_config.json (set with the tokenizer)."""
+        return self.router.default_temperature
 
     @property
     def model_name(self) -> str:
@@ -147,8 +153,9 @@ class HttpFrontend:
 
     # -- endpoints ------------------------------------------------------------------------
     async def live(self, request: web.Request) -> web.Response:
-        """Liveness: 200 while the process answers, whether or not a worker is ready (`/health`
-        is readiness: 503 until one is, and while draining)."""
+        """Liveness (/live, /livez): 200 while the event loop runs (answering at all means it
+        does), whether or not a worker is ready. `/health` and `/readyz` are readiness: 503 until
+        a worker is ready and the tokenizer is loaded, and while draining."""
         return web.json_response({"status": "live"})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -334,7 +341,8 @@ def _http_error(e: Exception) -> HttpError:
     if isinstance(e, BadRequest):
         return _bad_request(str(e))
     if isinstance(e, NoWorkerAvailable):
-        return HttpError(503, str(e), code="no_worker", kind="service_unavailable")
+        code = "tokenizer_not_loaded" if isinstance(e, TokenizerNotLoaded) else "no_worker"
+        return HttpError(503, str(e), code=code, kind="service_unavailable")
     assert isinstance(e, UpstreamError)
     status = _STATUS.get(e.code.name, 500)
     return HttpError(status, e.details, code=e.code.name.lower(),

@@ -5,7 +5,13 @@ workers' KV event streams.
 Owned by the router core (router/core.py), which reads `live()`, `entry()` and `index`
 and calls `mark_down`; everything here runs on the router's event loop. A worker serves
 once a probe finds it SERVING with a model that agrees with the others on block hashing
-(hash_salt_hex, block_size, vocab_size); one that disagrees is refused for good.
+(hash_salt_hex, block_size, vocab_size) and on the tokenizer (tokenizer_sha256); one that
+disagrees is refused for good.
+
+A worker leaves routing — and its blocks the block index, at once (router/index_gate.py) —
+when a probe finds it NOT_SERVING (draining) or it leaves the Redis registry (deregistered or
+expired; the registry is re-read after every consumer poll, ~100 ms). When it serves again the
+router asks it for its inventory.
 """
 from __future__ import annotations
 
@@ -18,12 +24,13 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.metadata import RedisConfig
+from kvstore.metadata import MetadataError, RedisConfig, redis_errors
 from kvstore.streams import EventConsumer
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.attest import Admitter, Verdict, worker_channel
 from router.config import RouterConfig
 from router.index import BlockIndex
+from router.index_gate import GatedIndex
 from router.routing import BlockIndexView, WorkerId, WorkerInfo, WorkerLoad
 
 log = logging.getLogger("kvmesh.router")
@@ -52,6 +59,8 @@ class WorkerEntry:
     lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/migrate.py)
     failed_probes: int = 0                  # consecutive probes that got no answer
     admitted: bool = False                  # passed router/attest.py's handshake on this connection
+    worker_id: WorkerId | None = None       # last known (its Redis record, its GetLoad)
+    mismatched: bool = False                # `refused` because it disagreed with the reference model
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -68,6 +77,12 @@ class WorkerRegistry:
         self.index: BlockIndexView | None = None    # set when a Redis-fed block index runs
         self.model_info: pb.ModelInfo | None = None  # what the ready workers serve
         self.consumer: EventConsumer | None = None
+        self.gate: GatedIndex | None = None          # the consumer's sink over `index`
+        self.strict_tokenizer = False                # tokenizer_sha256 must be set (and agree)
+        # A router with no model of its own (tokenizer from the workers) forgets the reference
+        # model when no worker is ready, so that a roll to another model can complete; it calls
+        # `on_forget` then (synchronously: the tokenizer of the old model must go with it).
+        self.on_forget: Callable[[], None] | None = None
         self._on_ready = on_ready
         self._workers: dict[str, WorkerEntry] = {}
         self._consume_task: asyncio.Task[None] | None = None
@@ -117,18 +132,23 @@ class WorkerRegistry:
         return self._ready.is_set()
 
     # -- membership -----------------------------------------------------------------------
-    def set_workers(self, addresses: Iterable[str], *, probe: bool = True) -> None:
+    def set_workers(self, addresses: Iterable[str], *, probe: bool = True,
+                    worker_ids: dict[str, WorkerId] | None = None) -> None:
         """Replace the worker set (call on the router's loop). New workers serve once a probe
-        finds them ready; a removed worker's in-flight streams get `request_timeout_s` to end."""
+        finds them ready; a removed worker leaves the block index at once and its in-flight
+        streams get `request_timeout_s` to end. `worker_ids`: address → id, where known."""
         wanted = list(dict.fromkeys(addresses))
         for address in [a for a in self._workers if a not in wanted]:
             w = self._workers.pop(address)
+            self._leave_index(w)
             self._spawn(w.channel.close(grace=self.cfg.request_timeout_s))
         for address in wanted:
             if address not in self._workers:
                 channel = worker_channel(self.cfg, address, lambda a=address: self._admitted(a))
                 self._workers[address] = WorkerEntry(address, channel, pb_grpc.WorkerStub(channel),
                                                      health_pb2_grpc.HealthStub(channel))
+            if worker_ids and address in worker_ids:
+                self._workers[address].worker_id = worker_ids[address]
         self._update_ready()
         if probe:
             self._wake.set()
@@ -144,6 +164,14 @@ class WorkerRegistry:
     def entry(self, address: str) -> WorkerEntry:
         return self._workers[address]
 
+    def refuse(self, w: WorkerEntry, why: str) -> None:
+        """`w` may never serve (logged once): it leaves routing and the block index."""
+        reason = f"REFUSED worker at {w.address}: {why}; it will get no requests"
+        log.error("kvmesh router: %s", reason)
+        w.refused, w.info = reason, None
+        self._leave_index(w)
+        self._update_ready()
+
     def mark_down(self, w: WorkerEntry, why: str) -> None:
         """The worker failed a call: it stops serving until a probe finds it ready again."""
         if w.info is not None:
@@ -155,20 +183,54 @@ class WorkerRegistry:
     # -- Redis: the registry and the block index --------------------------------------------
     async def _start_metadata(self, redis_url: str) -> None:
         index = BlockIndex()
-        self.consumer = consumer = EventConsumer(RedisConfig(url=redis_url, cluster_name=self.cfg.cluster_name), index)
+        self.gate = GatedIndex(index)
+        self.consumer = consumer = EventConsumer(RedisConfig(url=redis_url, cluster_name=self.cfg.cluster_name),
+                                                 self.gate)
         self.index = index
-        self._consume_task = asyncio.create_task(consumer.run(asyncio.Event()), name="kv-events")
         await consumer.poll()    # the registry, before the first probe
-        self._sync_registry()
+        self._sync_registry(probe=False)
+        self._consume_task = asyncio.create_task(self._consume(consumer), name="kv-events")
 
-    def _sync_registry(self) -> None:
-        """Serve the static workers plus every live worker in the registry (a missed TTL drops it)."""
+    async def _consume(self, consumer: EventConsumer) -> None:
+        """Follow the event streams; after each poll, follow the registry's membership too."""
+        while True:
+            await consumer.poll()
+            self._sync_registry(probe=True)
+
+    def _sync_registry(self, *, probe: bool) -> None:
+        """Serve the static workers plus every live worker in the registry (a missed TTL drops
+        it); a new one is probed now when `probe`."""
         if self.consumer is None:
             return
-        registered = [r.address for r in self.consumer.workers.values()]
-        wanted = list(dict.fromkeys([*self.cfg.worker_addresses, *registered]))
+        records = self.consumer.workers.values()
+        ids = {r.address: r.worker_id for r in records}
+        wanted = list(dict.fromkeys([*self.cfg.worker_addresses, *ids]))
         if set(wanted) != set(self._workers):
-            self.set_workers(wanted, probe=False)
+            self.set_workers(wanted, probe=probe, worker_ids=ids)
+
+    def _leave_index(self, w: WorkerEntry) -> None:
+        """`w` left routing: its blocks leave the index now (unless its worker id serves at
+        another address: a restart that moved)."""
+        wid = w.info.worker_id if w.info is not None else w.worker_id
+        if self.gate is None or wid is None:
+            return
+        if any(o is not w and o.info is not None and o.info.worker_id == wid for o in self._workers.values()):
+            return
+        if not self.gate.is_closed(wid):
+            log.info("kvmesh router: worker %s at %s left routing; its blocks leave the index", wid, w.address)
+        self.gate.close(wid)
+
+    def _rejoin_index(self, worker_id: WorkerId) -> None:
+        """`worker_id` serves again: let its events in and ask for its inventory."""
+        if self.gate is not None and self.consumer is not None and self.gate.reopen(worker_id):
+            self._spawn(self._request_inventory(self.consumer, worker_id))
+
+    async def _request_inventory(self, consumer: EventConsumer, worker_id: WorkerId) -> None:
+        try:
+            with redis_errors("request an inventory"):
+                await consumer.request_resync(worker_id)
+        except MetadataError as e:   # the consumer asks again after a gap or a Redis restart
+            log.warning("kvmesh router: cannot ask worker %s for its inventory: %s", worker_id, e)
 
     # -- probes ---------------------------------------------------------------------------
     async def _monitor_loop(self) -> None:
@@ -176,7 +238,7 @@ class WorkerRegistry:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.health_interval_s)
             self._wake.clear()
-            self._sync_registry()
+            self._sync_registry(probe=False)
             for error in await self.probe_all():
                 log.warning("kvmesh router: %s", error)
 
@@ -196,11 +258,13 @@ class WorkerRegistry:
                                               timeout=timeout)
                 w.failed_probes = 0     # it answers (a draining worker's streams stay on it)
                 if status.status != _SERVING:
+                    self._leave_index(w)
                     w.info = None
                     return None
                 if not w.admitted and not await self._admit(w, timeout):
                     return None
                 load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
+                w.worker_id = WorkerId(load.worker_id)
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
                 in_group = load.HasField("peer")     # a peer plane: pairs form on demand
                 w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
@@ -213,11 +277,13 @@ class WorkerRegistry:
                 return None
             w.refused = self._mismatch(w, info, WorkerId(load.worker_id))
             if w.refused is not None:
+                w.mismatched = True
                 return w.refused
             if self.model_info is None:
                 self.model_info = info
             w.info = WorkerInfo(WorkerId(load.worker_id), w.address)
             w.lost = asyncio.Event()
+            self._rejoin_index(w.info.worker_id)
             log.info("kvmesh router: worker %s at %s is ready", load.worker_id, w.address)
             return None
 
@@ -243,11 +309,19 @@ class WorkerRegistry:
 
     def _mismatch(self, w: WorkerEntry, info: pb.ModelInfo, worker_id: WorkerId) -> str | None:
         ref = self.model_info
+        if self.strict_tokenizer and not info.tokenizer_sha256:
+            return (f"worker at {w.address} reports no tokenizer_sha256 (it predates GetTokenizer) and the "
+                    "router takes its tokenizer from the workers; refusing it")
         if ref is not None:
             for name in ("hash_salt_hex", "block_size", "vocab_size"):
                 if getattr(info, name) != getattr(ref, name):
                     return (f"worker at {w.address} has {name}={getattr(info, name)!r} but the other "
                             f"workers have {getattr(ref, name)!r}; refusing it (block hashes must agree)")
+            # "" is a worker that predates the field: it agrees unless the router needs the digest
+            if info.tokenizer_sha256 != ref.tokenizer_sha256 and (
+                    self.strict_tokenizer or (info.tokenizer_sha256 and ref.tokenizer_sha256)):
+                return (f"worker at {w.address} has tokenizer_sha256={info.tokenizer_sha256!r} but the other "
+                        f"workers have {ref.tokenizer_sha256!r}; refusing it (the tokenizers must agree)")
         other = next((o for o in self._workers.values()
                       if o is not w and o.info is not None and o.info.worker_id == worker_id), None)
         if other is not None:
@@ -258,7 +332,22 @@ class WorkerRegistry:
         ready = any(w.info is not None for w in self._workers.values())
         if ready != self._ready.is_set():
             (self._ready.set if ready else self._ready.clear)()
+            if not ready and self.on_forget is not None:
+                self._forget_model()
             self._spawn(self._on_ready(ready))
+
+    def _forget_model(self) -> None:
+        """No worker is ready: the next one to be ready sets the reference model again, and the
+        workers refused for disagreeing with the old one are probed again."""
+        if self.model_info is not None:
+            log.info("kvmesh router: no worker is ready; the next ready worker sets the model (was %r, "
+                     "tokenizer %s)", self.model_info.model, self.model_info.tokenizer_sha256[:12] or "-")
+        self.model_info = None
+        for w in self._workers.values():
+            if w.mismatched:
+                w.refused, w.mismatched = None, False
+        assert self.on_forget is not None
+        self.on_forget()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

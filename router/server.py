@@ -2,6 +2,11 @@
 core (router/core.py) → fronts (gRPC: router/grpc_front.py; OpenAI HTTP: router/http.py);
 and `kvmesh router` (its flags and `run_router`).
 
+The tokenizer comes from `--model`'s dir (`--tokenizer-source local`) or from the first ready
+worker (`worker`: router/worker_tokenizer.py); readiness (HTTP /health and /readyz, gRPC health
+of the Router service) needs a ready worker and the tokenizer, and not draining. Liveness (HTTP
+/live and /livez, gRPC health of contracts.health.LIVENESS_SERVICE) is up while the loop runs.
+
 The pieces: the core routes and knows no server; the registry probes workers and follows
 Redis; each front depends on the core only. This module owns their start and stop order.
 """
@@ -22,7 +27,7 @@ from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tls import tls_from_args
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from router.auth import add_auth_arguments, keys_from_args, warn_if_open
-from router.config import RouterConfig
+from router.config import RouterConfig, TokenizerSource
 from router.core import Router
 from router.errors import RouterStartError
 from router.grpc_front import GrpcFront
@@ -32,6 +37,8 @@ from router.openapi import add_openapi_route
 from router.registry import WorkerRegistry
 from router.routing import RoutingPolicy
 from router.tenancy import add_limit_arguments
+from router.vllm_fields import generation_default_temperature
+from router.worker_tokenizer import LoadedTokenizer, WorkerTokenizer, resolve_tokenizer_source
 
 log = logging.getLogger("kvmesh.router")
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
@@ -52,16 +59,31 @@ class RouterServer:
         self._grpc = GrpcFront(self.core)
         self._http: HttpFrontend | None = None
         self._stopped = False
+        self.tokenizer_source = resolve_tokenizer_source(cfg.tokenizer_source, cfg.model)
+        self._fetch: WorkerTokenizer | None = None
+        self._tokenizer_ready = asyncio.Event()
+        if tokenizer is not None:
+            self._tokenizer_ready.set()
+        if self.tokenizer_source is TokenizerSource.WORKER and tokenizer is None:
+            self._fetch = WorkerTokenizer(cfg, self.registry, self._tokenizer_loaded)
+            self.registry.strict_tokenizer = True     # a worker without the digest cannot be checked
+            self.registry.on_forget = self._forget_tokenizer
 
     async def start(self) -> tuple[int, int | None]:
         """Bind, probe the workers once, then keep probing; returns (grpc_port, http_port).
 
         Raises RouterStartError when the workers that answered disagree on block hashing
-        (hash_salt_hex, block_size, vocab_size) or the model has no tokenizer. Health turns
-        SERVING as soon as one worker is ready (`wait_ready`).
+        (hash_salt_hex, block_size, vocab_size) or the model has no tokenizer (source local).
+        Health turns SERVING as soon as one worker is ready and the tokenizer is loaded
+        (`wait_ready`); with the tokenizer from a worker, it is fetched once one is ready.
         """
-        if self.core.tokenizer is None:
-            self.core.tokenizer = _load_tokenizer(self.cfg.model)
+        if self.tokenizer_source is TokenizerSource.LOCAL:
+            if self.core.tokenizer is None:
+                self.core.tokenizer = _load_tokenizer(self.cfg.model)
+            self.core.default_temperature = generation_default_temperature(self.cfg.model)
+            self._tokenizer_ready.set()
+        log.info("kvmesh router: tokenizer from %s", "the model dir of --model" if self._fetch is None
+                 else "the first ready worker (GetTokenizer)")
         grpc_port = await self._grpc.start(self.cfg.host, self.cfg.grpc_port)
         http_port = None
         try:
@@ -80,8 +102,11 @@ class RouterServer:
         return grpc_port, http_port
 
     async def wait_ready(self, timeout: float) -> None:
-        """Until at least one worker is ready; raises TimeoutError."""
-        await self.registry.wait_ready(timeout)
+        """Until at least one worker is ready and the tokenizer is loaded; raises TimeoutError."""
+        async def ready() -> None:
+            await self.registry.wait_ready(timeout)
+            await self._tokenizer_ready.wait()
+        await asyncio.wait_for(ready(), timeout)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Report NOT_SERVING, let in-flight streams finish for `grace` s, close everything
@@ -96,6 +121,8 @@ class RouterServer:
                              self._grpc.stop(grace))
         if self._http is not None:
             await self._http.stop(0)
+        if self._fetch is not None:
+            await self._fetch.stop()
         await self.registry.stop()
 
     def set_workers(self, addresses: Iterable[str]) -> None:
@@ -103,7 +130,23 @@ class RouterServer:
         self.registry.set_workers(addresses)
 
     async def _on_ready(self, ready: bool) -> None:
-        await self._grpc.set_health(ready)
+        if ready and self._fetch is not None:
+            self._fetch.wake()
+        await self._grpc.set_health(ready and self.core.tokenizer is not None)
+
+    def _forget_tokenizer(self) -> None:
+        """No worker is ready (registry `on_forget`): the tokenizer goes with the reference model;
+        the next ready worker's is loaded (from the cache when it is the same)."""
+        assert self._fetch is not None
+        self._fetch.forget()
+        self.core.tokenizer = None
+        self._tokenizer_ready.clear()
+
+    async def _tokenizer_loaded(self, loaded: LoadedTokenizer) -> None:
+        self.core.tokenizer = loaded.tokenizer
+        self.core.default_temperature = loaded.default_temperature
+        self._tokenizer_ready.set()
+        await self._grpc.set_health(self.registry.ready)
 
 
 def _load_tokenizer(model: str) -> ModelTokenizer:
@@ -144,7 +187,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = a free port)")
     p.add_argument("--no-http", action="store_true", help="serve no HTTP")
     p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker (repeatable)")
-    p.add_argument("--model", default="smollm2", help="the workers' model (for the tokenizer): alias or HF dir")
+    p.add_argument("--model", default="smollm2",
+                   help="the workers' model: alias or HF dir to read the tokenizer from (--tokenizer-source "
+                        "local), or just its name (worker)")
+    p.add_argument("--tokenizer-source", default="auto", choices=[s.value for s in TokenizerSource],
+                   help="where the tokenizer comes from: local = --model's files; worker = fetched from the first "
+                        "ready worker (GetTokenizer), checked and cached in $KVMESH_CACHE_DIR/tokenizers (no model "
+                        "storage needed); auto (default) = local when --model is a local model, else worker")
     p.add_argument("--served-model-name", default=None, help="model id on the HTTP API (default: --model)")
     p.add_argument("--redis-url", default=None,
                    help=f"metadata Redis (block index; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
@@ -172,6 +221,7 @@ def run_router(args: argparse.Namespace) -> int:
         cfg = RouterConfig(worker_addresses=tuple(args.worker), host=args.host, grpc_port=args.grpc_port,
                            http_port=None if args.no_http else args.http_port, model=args.model,
                            served_model_name=args.served_model_name,
+                           tokenizer_source=args.tokenizer_source,
                            redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
                            cluster_name=args.cluster_name,
                            routing_policy=args.routing_policy, load_factor=args.load_factor,

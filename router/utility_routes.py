@@ -28,7 +28,7 @@ from kvstore.events import Tier
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import ANONYMOUS, TENANT_KEY
 from router.core import Router
-from router.errors import NoWorkerAvailable
+from router.errors import NoWorkerAvailable, TokenizerNotLoaded
 from router.index import BlockIndex
 
 log = logging.getLogger("kvmesh.router.http")
@@ -51,8 +51,10 @@ class UtilityRoutes:
 
     def _ready(self) -> tuple[ModelTokenizer, int]:
         tok, info = self.router.tokenizer, self.router.model_info
-        if tok is None or info is None:
+        if info is None:
             raise NoWorkerAvailable("no worker is ready")
+        if tok is None:
+            raise TokenizerNotLoaded()
         return tok, info.max_model_len
 
     async def tokenize(self, request: web.Request) -> web.Response:

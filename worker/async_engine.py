@@ -4,6 +4,16 @@ The engine is single-threaded. Everything else reaches it through the closed set
 commands of `worker.commands`, queued to the engine thread and applied between steps in the
 order sent (`AsyncEngine.run`, dispatched by `_apply`), so requests from any number of
 coroutines never race it and no step runs while a command reads the KV store.
+
+The thread reports its progress on an `EnginePulse` (worker/liveness.py): a beat on every loop
+iteration (idle waits included) and the count of steps that raised in a row. A step that raises
+fails the requests it was running and the loop carries on; the worker's liveness check decides
+when too many in a row mean a broken device.
+
+Test hook (tests only): `stall_file` (the worker's env `KVMESH_TEST_STALL_FILE`, read once by
+`kvmesh worker` at start): while that file exists the engine thread blocks at the top of its
+loop, neither beating nor stepping nor applying commands, like a hung device; it resumes when
+the file is removed. Unset, it costs nothing.
 """
 from __future__ import annotations
 
@@ -11,13 +21,16 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from worker.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
                              ReadBlocks, ResetPrefixCache, Snapshot, StageBlocks, Tokenize)
 from worker.engine import Engine, Prompt
+from worker.liveness import EnginePulse
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
 
@@ -54,11 +67,16 @@ class AsyncEngine:
     """Owns the engine thread. `generate` validates synchronously (raising InvalidRequest /
     QueueFull before anything is queued) and then yields the request's outputs."""
 
-    def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None,
+                 pulse: EnginePulse | None = None, stall_file: str | Path | None = None) -> None:
         """`after_step` runs on the engine thread after every step and every idle tick
-        (~50 ms): the place to publish the KV store's events in step with the engine."""
+        (~50 ms): the place to publish the KV store's events in step with the engine.
+        `pulse` (default a new one) is where the thread reports its progress; `stall_file`
+        is the test hook of the module docstring."""
         self.engine = engine
         self._after_step = after_step
+        self.pulse = pulse if pulse is not None else EnginePulse()
+        self._stall_file = Path(stall_file) if stall_file is not None else None
         self._idle_tick = 0.05 if after_step is not None else 0.5
         self._commands: queue.SimpleQueue[tuple[Command[Any], Reply | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -119,10 +137,12 @@ class AsyncEngine:
         self._commands.put((command, reply))
         self._wake.set()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread; wait up to `timeout_s` for it (a hung one is left behind:
+        it is a daemon thread)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout_s)
 
     @property
     def num_streams(self) -> int:
@@ -198,7 +218,11 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def _loop(self) -> None:
+        pulse, stall_file = self.pulse, self._stall_file
         while not self._stop.is_set():
+            if stall_file is not None:
+                self._stall_while(stall_file)
+            pulse.beat()
             while True:
                 try:
                     self._run_command(*self._commands.get_nowait())
@@ -206,9 +230,14 @@ class AsyncEngine:
                     break
             if self.engine.has_unfinished():
                 try:
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - a bug in a step must not hang every client
+                    pulse.step_failed(e)
+                    log.error("engine step failed (%d in a row): %s: %s", pulse.step_failures, type(e).__name__, e)
                     self._fail_all(e)
+                else:
+                    pulse.step_ok()
+                    self._deliver(outputs)
             else:
                 self._wake.wait(timeout=self._idle_tick)
                 self._wake.clear()
@@ -217,6 +246,15 @@ class AsyncEngine:
                     self._after_step()
                 except Exception:  # noqa: BLE001 - metadata trouble must not stop serving
                     log.exception("after_step hook failed")
+
+    def _stall_while(self, path: Path) -> None:
+        """The test hook: block while `path` exists (or until shutdown), without beating."""
+        if not path.exists():
+            return
+        log.warning("engine thread stalled on purpose while %s exists (test hook)", path)
+        while path.exists() and not self._stop.is_set():
+            time.sleep(0.05)
+        log.warning("engine thread resumed: %s is gone", path)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):

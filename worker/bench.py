@@ -1,4 +1,4 @@
-"""`kvmesh bench engine|prefix|memory|accuracy` — each measures kvmesh against a baseline in the same run.
+"""`kvmesh bench engine|prefix|memory|accuracy|profile` — each measures kvmesh against a baseline in the same run.
 
 Benchmarks are not tests: they print a table and write JSON (`--json PATH`). `--quick`
 keeps each under a minute on a 2-core CPU.
@@ -16,13 +16,15 @@ from typing import Any
 
 from contracts.bench_report import emit
 from worker.bench_engine import bench_engine as run_engine_bench, random_prompts
+from worker.bench_profile import bench_profile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     for name, fn, help_ in (("engine", bench_engine, "kvmesh vs HF transformers generate, batch 1 and 16"),
                             ("prefix", bench_prefix, "TTFT with a cached 1,024-token prefix vs cold"),
                             ("memory", bench_memory, "paged vs contiguous KV waste and capacity"),
-                            ("accuracy", bench_accuracy, "perplexity and greedy agreement per KV dtype vs fp32")):
+                            ("accuracy", bench_accuracy, "perplexity and greedy agreement per KV dtype vs fp32"),
+                            ("profile", bench_profile, "batch-1 decode step breakdown, native kernels vs torch")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--json", type=Path, default=None, help="write the results here")
         p.add_argument("--quick", action="store_true", help="a small run (under a minute)")

@@ -2,7 +2,8 @@
 `kvmesh.v1.Worker` RPCs, and how it proves itself to the router.
 
 - With a cluster token (`WorkerServerConfig.cluster_token`) every Worker RPC — Generate (with or
-  without peer hints or priority), Abort, GetLoad, GetModelInfo, SendBlocks — needs the token
+  without peer hints or priority), Abort, GetLoad, GetModelInfo, GetTokenizer, SendBlocks,
+  ResetPrefixCache — needs the token
   as metadata (`server_interceptors`); only `Attest`, health and reflection are open. The
   router is the only client that holds the token, so peer hints (which name the peers a worker
   dials and sends the token to) come only from the router, which builds them from the workers

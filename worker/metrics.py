@@ -10,7 +10,9 @@ Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `Colle
 - `observe_peer_fetch(s)`: the duration of each peer fetch (the peer plane's `fetch_observer`);
 - `update_stats(stats, peer)`: the latest engine `Snapshot` (`EngineStats`) and peer-plane
   counters, read by a collector at scrape time (gauges, and counters the engine keeps cumulative).
-`MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread).
+`MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread),
+and the worker's probes next to it: `GET /livez` and `GET /readyz` answer 200 "ok" or 503 with
+the reason (worker/health.py), for kubelets that cannot speak gRPC health over mutual TLS.
 Torch-free: the server imports it before the engine is loaded.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
@@ -102,9 +104,9 @@ class WorkerMetrics:
         r.register(_StatsCollector(self))
 
     @classmethod
-    def for_engine(cls, engine: Engine, worker_id: str) -> WorkerMetrics:
+    def for_engine(cls, engine: Engine, worker_id: str, registry: CollectorRegistry | None = None) -> WorkerMetrics:
         """The metrics of `engine` (its model, KV dtype, block size and eviction policy)."""
-        return cls(engine.model_config.name, worker_id, engine.layout.kv_cache_dtype,
+        return cls(engine.model_config.name, worker_id, engine.layout.kv_cache_dtype, registry,
                    block_size=engine.cfg.block_size, eviction_policy=engine.cfg.kv_eviction)
 
     def token_gaps(self) -> TokenGaps:
@@ -225,16 +227,32 @@ class _StatsCollector(Collector):
         yield counter("peer_fetch_bytes", "Bytes fetched from peers", peer.bytes_fetched)
 
 
+class Probes(Protocol):
+    """What /livez and /readyz ask (worker.health.WorkerHealth): None = ok, else the reason."""
+
+    def live_reason(self) -> str | None: ...
+    def ready_reason(self) -> str | None: ...
+
+
 class MetricsHTTP:
     """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread, always in
     the Prometheus text format: prometheus_client's OpenMetrics output (what a Prometheus server
     asks for first) writes `kvmesh:x_total` as `kvmesh_x_total`, so the Accept header is ignored
-    and the names stay vLLM-style, as on the router."""
+    and the names stay vLLM-style, as on the router. With `probes`, `/livez` and `/readyz`
+    answer 200 "ok" or 503 and the reason (text/plain); every other path is the metrics app's."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, probes: Probes | None = None) -> None:
         app = make_wsgi_app(registry)
+        checks = {"/livez": probes.live_reason, "/readyz": probes.ready_reason} if probes is not None else {}
 
         def text_only(environ: dict[str, Any], start_response: Any) -> Any:
+            check = checks.get(environ.get("PATH_INFO", ""))
+            if check is not None:
+                reason = check()
+                body = ("ok" if reason is None else reason).encode() + b"\n"
+                start_response("200 OK" if reason is None else "503 Service Unavailable",
+                               [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+                return [body]
             return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
         self._server: WSGIServer = make_server(host, port, text_only, ThreadingWSGIServer, handler_class=_Quiet)
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)

@@ -1,9 +1,19 @@
 """The gRPC edge of one worker: `kvmesh.v1.Worker` over an `AsyncEngine`, plus health and reflection.
 
-Lifecycle: `start()` binds and serves at once with health NOT_SERVING, then loads the engine
-in a thread; health turns SERVING when it is ready (`wait_ready`). `stop()` drains: health
-NOT_SERVING, new Generate calls get UNAVAILABLE, in-flight streams get up to `grace` seconds
-to finish, then the server and the engine thread stop.
+Lifecycle: `start()` binds and serves at once (readiness NOT_SERVING, liveness SERVING; the
+metrics port with /livez and /readyz too), then loads the engine in a thread; readiness turns
+SERVING when it is ready (`wait_ready`). `stop()` drains: readiness NOT_SERVING (liveness stays
+SERVING), new Generate calls get UNAVAILABLE, in-flight streams get up to `grace` seconds to
+finish, then the server and the engine thread stop.
+
+Liveness (worker/liveness.py, worker/health.py): a watchdog task on this loop turns the worker
+not live when the engine thread stops beating for `liveness_timeout_s` or `max_step_failures`
+steps in a row raised. Then, for good: liveness and readiness NOT_SERVING, the worker leaves the
+Redis registry (its heartbeater stops), engine RPCs get UNAVAILABLE and running streams end with
+UNAVAILABLE; the kubelet restarts the pod.
+
+`GetTokenizer` sends the model's tokenizer files (contracts.tokenizer.TOKENIZER_FILES, read once
+at load, at most MAX_TOKENIZER_BYTES) so that a router needs no model storage.
 
 This is the only worker module that maps exceptions to gRPC status codes. The module imports
 no torch: the engine is imported when it is loaded, so `kvmesh --help` stays fast.
@@ -12,44 +22,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import Awaitable, Callable
-import dataclasses
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contracts.grpc_options import grpc_server_options
-from contracts.logs import REQUEST_ID, trace_id
 from contracts.requests import BadRequest
 from contracts.sampling import SamplingParamsError
-from contracts.wire import (ParsedRequest, parse_generate_request, parse_send_blocks_request,
-                            to_generate_input, to_send_blocks_input)
+from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES, TokenizerError, TokenizerFilesTooLarge
+from contracts.wire import ParsedRequest, parse_generate_request, parse_send_blocks_request, to_send_blocks_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker import cluster_auth
-from worker.commands import ApplyChatTemplate, ListRequests, ResetPrefixCache, Snapshot, Tokenize
+from worker.commands import ListRequests, ResetPrefixCache, Snapshot
+from worker.generate_stream import GenerateStreams
+from worker.health import WORKER_SERVICE, WorkerHealth
+from worker.liveness import Liveness, watch
 from worker.metadata_hook import WorkerMetadata as _Metadata
-from worker.responses import stream_response
+from worker.responses import load_response
 from worker.server_config import WorkerServerConfig
+from worker.server_load import model_info, read_tokenizer, start_peer
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from worker.async_engine import AsyncEngine
     from worker.engine import Engine, EngineConfig
-    from worker.peer import Fetched, PeerFigures, PeerPlane
+    from worker.peer import PeerPlane
     from worker.metrics import MetricsHTTP, WorkerMetrics
-    from worker.request import RequestOutput
 
 log = logging.getLogger("kvmesh.worker")
 
-WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name   # "kvmesh.v1.Worker"
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 T = TypeVar("T")
 _SEND_MARGIN_S = 1.0     # SendBlocks: no send is queued with less of the caller's deadline left
+_STOP_ABORT_S = 10.0     # stop(): how long the engine thread may take to abort what still runs
 
 
 class WorkerServer:
@@ -63,20 +72,24 @@ class WorkerServer:
         self._engine = engine
         self._ae: AsyncEngine | None = None
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._liveness = Liveness(cfg.liveness_timeout_s, cfg.max_step_failures, worker_id=cfg.worker_id)
+        self._health = WorkerHealth(self._liveness)
         self._load_task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._model_info = pb.ModelInfo()
+        self._tokenizer: pb.TokenizerFiles | TokenizerError = TokenizerError("the model is loading")
+        self._streams: set[asyncio.Task[Any]] = set()    # the running Generate handlers
         self._port = 0
         self._draining = False
         self._stopped = False
         self._num_inflight = 0
         self._idle = asyncio.Event()
-        self._prompt_tokens = 0          # running totals over final messages sent
-        self._cached_prompt_tokens = 0
         self._metadata: _Metadata | None = None
         self._peer: PeerPlane | None = None
         self._peer_calls = cluster_auth.PeerCalls(cfg)   # the control-plane calls of fetches
+        self._gen = GenerateStreams(cfg.worker_id, self._peer_calls.ask)
         self.metrics: WorkerMetrics | None = None       # set once loaded, with cfg.metrics_port
+        self._metrics_registry: CollectorRegistry | None = None   # what /metrics serves
         self._metrics_http: MetricsHTTP | None = None
         self._metrics_task: asyncio.Task[None] | None = None
 
@@ -96,19 +109,28 @@ class WorkerServer:
         return self._engine
 
     async def start(self) -> int:
-        """Bind and serve (health NOT_SERVING), start loading the engine; return the bound port
-        without waiting for the load — await `wait_ready()` for that."""
+        """Bind and serve (readiness NOT_SERVING, liveness SERVING), start loading the engine;
+        return the bound port without waiting for the load — await `wait_ready()` for that.
+        Raises OSError when the metrics port cannot be bound, RuntimeError for the gRPC port."""
         assert self._server is None, "start() called twice"
-        for service in ("", WORKER_SERVICE):
-            await self._health.set(service, _NOT_SERVING)
-        options = grpc_server_options(self.cfg.max_message_bytes, self.cfg.grpc_idle_timeout_s)
+        await self._health.publish()
+        if self.cfg.metrics_port is not None:   # first: the kubelet probes /livez while loading
+            await self._start_metrics_http(self.cfg.metrics_port)
+        # A worker sends its tokenizer files in one message, larger than any it accepts.
+        options = grpc_server_options(self.cfg.max_message_bytes, self.cfg.grpc_idle_timeout_s,
+                                      max_send_bytes=max(self.cfg.max_message_bytes, MAX_TOKENIZER_MESSAGE_BYTES))
         server = grpc.aio.server(options=options, interceptors=cluster_auth.server_interceptors(self.cfg))
         server.add_generic_rpc_handlers((self._handlers(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health.servicer, server)
         reflection.enable_server_reflection(
             (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        self._port = cluster_auth.bind(server, self.cfg)
+        try:
+            self._port = cluster_auth.bind(server, self.cfg)
+        except RuntimeError:
+            if self._metrics_http is not None:
+                await asyncio.to_thread(self._metrics_http.close)
+            raise
         await server.start()
         self._server = server
         self._idle.set()
@@ -134,55 +156,56 @@ class WorkerServer:
                       exc_info=not isinstance(e, ModelLoadError))   # a bad --model needs no traceback
             raise
         if self.cfg.peer_transfer:     # before the engine thread and the event publisher start
-            self._peer = await asyncio.to_thread(self._start_peer, engine)
-        mc = engine.model_config
-        self._model_info = pb.ModelInfo(
-            model=mc.name, vocab_size=mc.vocab_size, max_model_len=engine.max_model_len,
-            block_size=engine.cfg.block_size, kv_cache_dtype=engine.layout.kv_cache_dtype,
-            eos_token_ids=sorted(engine.eos_token_ids), hash_salt_hex=engine.salt.hex(),
-            attention_backend=engine.attention_backend.value)
+            self._peer = await asyncio.to_thread(start_peer, self.cfg, engine)
+        self._tokenizer = await asyncio.to_thread(read_tokenizer, self.cfg.worker_id, engine)
+        self._model_info = model_info(engine, self._tokenizer)
         self._engine = engine
+        self._gen.peer, self._gen.block_size = self._peer, engine.cfg.block_size
         if self.cfg.redis_url is not None:
             self._metadata = await asyncio.to_thread(_Metadata, self.cfg, self.address, engine)
-        self._ae = AsyncEngine(engine, after_step=self._metadata.after_step if self._metadata else None)
+        self._ae = AsyncEngine(engine, after_step=self._metadata.after_step if self._metadata else None,
+                               stall_file=self.cfg.stall_file)
+        self._liveness.attach(self._ae.pulse)
+        self._watchdog = asyncio.create_task(self._watch(), name=f"watchdog-{self.cfg.worker_id}")
         if self._metadata is not None:
             self._metadata.heartbeater.start()
-        if self.cfg.metrics_port is not None:
-            await self._start_metrics(engine, self._ae, self.cfg.metrics_port)
-        for service in ("", WORKER_SERVICE):
-            await self._health.set(service, _SERVING)
-        log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, mc.name,
+        if self._metrics_http is not None:
+            self._start_metrics(engine, self._ae)
+        await self._health.loaded()
+        log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, self._model_info.model,
                  engine.store.num_blocks, engine.cfg.block_size)
+
+    async def _watch(self) -> None:
+        await watch(self._liveness)      # logs the reason once (Liveness.check)
+        await self._health.publish()
+        for task in list(self._streams):
+            task.cancel()          # their handlers answer UNAVAILABLE (_generate)
+        if self._metadata is not None:
+            self._metadata.mute()
+            await asyncio.to_thread(self._metadata.heartbeater.stop, True)
+            log.warning("worker %s left the registry (not live)", self.cfg.worker_id)
 
     @property
     def metrics_port(self) -> int | None:
-        """The bound /metrics port once loaded (None: metrics off or not loaded yet)."""
+        """The bound /metrics (/livez, /readyz) port once started (None: metrics off)."""
         return self._metrics_http.port if self._metrics_http is not None else None
 
-    async def _start_metrics(self, engine: Engine, ae: AsyncEngine, port: int) -> None:
-        from worker.metrics import MetricsHTTP, WorkerMetrics, refresh_forever
-        self.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id)
+    async def _start_metrics_http(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry
+        from worker.metrics import MetricsHTTP
+        self._metrics_registry = CollectorRegistry()
+        self._metrics_http = await asyncio.to_thread(MetricsHTTP, self._metrics_registry, self.cfg.host, port,
+                                                     self._health)
+        log.info("worker %s metrics on http://%s:%d/metrics (probes: /livez, /readyz)", self.cfg.worker_id,
+                 self.cfg.host, self._metrics_http.port)
+
+    def _start_metrics(self, engine: Engine, ae: AsyncEngine) -> None:
+        from worker.metrics import WorkerMetrics, refresh_forever
+        self.metrics = self._gen.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id, self._metrics_registry)
         if self._peer is not None:
             self._peer.fetch_observer = self.metrics.observe_peer_fetch
-        self._metrics_http = await asyncio.to_thread(MetricsHTTP, self.metrics.registry, self.cfg.host, port)
         self._metrics_task = asyncio.create_task(refresh_forever(self.metrics, ae, self._peer),
                                                  name=f"metrics-{self.cfg.worker_id}")
-        log.info("worker %s metrics on http://%s:%d/metrics", self.cfg.worker_id, self.cfg.host,
-                 self._metrics_http.port)
-
-    def _start_peer(self, engine: Engine) -> PeerPlane | None:
-        from kvstore.transfer_group import TransferConfig, TransferError
-        from worker.peer import PeerConfig, PeerPlane
-        advertise_host = self.cfg.advertise_address.rpartition(":")[0] if self.cfg.advertise_address else None
-        timeout = self.cfg.transfer_timeout_s
-        cfg = PeerConfig(self.cfg.worker_id, TransferConfig(timeout_s=timeout, connect_timeout_s=timeout),
-                         store_host=self.cfg.host, store_port=self.cfg.transfer_port,
-                         advertise_host=advertise_host, faults=self.cfg.transfer_faults)
-        try:
-            return PeerPlane.start(cfg, engine)
-        except TransferError as e:
-            log.error("worker %s: no peer transfer (serving without it): %s", self.cfg.worker_id, e)
-            return None
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop (idempotent). `grace` defaults to cfg.drain_timeout_s; streams still
@@ -191,7 +214,7 @@ class WorkerServer:
             return
         self._stopped = self._draining = True
         grace = self.cfg.drain_timeout_s if grace is None else grace
-        await self._health.enter_graceful_shutdown()
+        await self._health.draining()
         log.info("worker %s draining %d stream(s), up to %.1f s", self.cfg.worker_id, self._num_inflight, grace)
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
@@ -199,9 +222,10 @@ class WorkerServer:
             log.warning("worker %s: %d stream(s) still running after %.1f s; cancelling",
                         self.cfg.worker_id, self._num_inflight, grace)
         await self._server.stop(None)
-        if self._metrics_task is not None:
-            self._metrics_task.cancel()
-            await asyncio.gather(self._metrics_task, return_exceptions=True)
+        for task in (self._metrics_task, self._watchdog):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._metrics_http is not None:
             await asyncio.to_thread(self._metrics_http.close)
         assert self._load_task is not None
@@ -209,18 +233,27 @@ class WorkerServer:
             self._load_task.cancel()   # the loading thread finishes on its own; its engine is dropped
         await asyncio.gather(self._load_task, return_exceptions=True)
         if self._ae is not None:
-            ae, engine = self._ae, self._engine
-            assert engine is not None
-            # Requests whose streams were cancelled above: free their blocks before the thread stops.
-            for rid in await ae.run(ListRequests()):
-                await ae.abort(rid)
-            await asyncio.to_thread(ae.shutdown)
+            # Requests whose streams were cancelled above: free their blocks before the thread
+            # stops — unless the engine is not live: its thread may never answer (a hung device).
+            live = self._liveness.check() is None
+            try:
+                if live:
+                    await asyncio.wait_for(self._abort_all(self._ae), _STOP_ABORT_S)
+            except TimeoutError:
+                log.warning("worker %s: the engine thread did not abort the remaining requests in %.0f s",
+                            self.cfg.worker_id, _STOP_ABORT_S)
+            await asyncio.to_thread(self._ae.shutdown, 30.0 if live else 2.0)
         if self._metadata is not None:
             await asyncio.to_thread(self._metadata.close)
         if self._peer is not None:
             await asyncio.to_thread(self._peer.close)
         await self._peer_calls.close()
         log.info("worker %s stopped", self.cfg.worker_id)
+
+    @staticmethod
+    async def _abort_all(ae: AsyncEngine) -> None:
+        for rid in await ae.run(ListRequests()):
+            await ae.abort(rid)
 
     # -- RPCs -----------------------------------------------------------------------------
     def _handlers(self) -> grpc.GenericRpcHandler:
@@ -237,6 +270,7 @@ class WorkerServer:
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "Abort": unary(self._abort, pb.AbortRequest, pb.AbortResponse),
             "GetModelInfo": unary(self._get_model_info, pb.ModelInfoRequest, pb.ModelInfo),
+            "GetTokenizer": unary(self._get_tokenizer, pb.TokenizerRequest, pb.TokenizerFiles),
             "GetLoad": unary(self._get_load, pb.LoadRequest, pb.Load),
             "SendBlocks": grpc.unary_unary_rpc_method_handler(
                 self._send_blocks, request_deserializer=parse_send_blocks_request,
@@ -255,76 +289,23 @@ class WorkerServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.error or "malformed request")
         self._num_inflight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
         try:
-            await self._stream(ae, parsed.message, context)
+            await self._gen.run(ae, parsed.message, context)
+        except asyncio.CancelledError:
+            dead = self._liveness.check()
+            if dead is None:
+                raise                  # the client went away, or the drain ran out
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is not live: {dead}")
         except Exception as e:  # noqa: BLE001 - mapped to a status; the server keeps serving
             await self._fail(context, e)
         finally:
+            self._streams.discard(task)
             self._num_inflight -= 1
             if self._num_inflight == 0:
                 self._idle.set()
-
-    async def _stream(self, ae: AsyncEngine, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        inp = to_generate_input(msg)
-        request_id = inp.request_id or uuid.uuid4().hex
-        REQUEST_ID.set(trace_id(context, request_id))   # on every log line of this request
-        prompt: str | list[int]
-        if inp.chat is not None:
-            prompt = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in inp.chat)))
-        elif inp.text is not None:
-            prompt = inp.text                 # encoded by add_request, on the engine thread
-        else:
-            assert inp.token_ids is not None
-            prompt = list(inp.token_ids)
-        fetched = None
-        if inp.peer_hints and self._peer is not None:
-            if isinstance(prompt, str):
-                prompt = await ae.run(Tokenize(prompt))
-            fetched = await self._peer.fetch(ae, prompt, inp.peer_hints, self._peer_calls.ask, inp.cache_salt)
-        outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
-                              staged=fetched.staged if fetched is not None else None,
-                              cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given,
-                              resume_tokens=inp.resume_tokens)
-        t0, first = time.perf_counter(), True
-        gaps = self.metrics.token_gaps() if self.metrics is not None else None
-        completion_tokens = 0          # over every sequence (n / best_of)
-        try:
-            async for out in outputs:
-                if gaps is not None:
-                    gaps.output(out)
-                if first and self._peer is not None:
-                    self._peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
-                first = False
-                completion_tokens += out.completion_tokens if out.finished else 0
-                await context.write(self._response(out, fetched, completion_tokens))
-        finally:
-            # Client cancelled or deadline passed (CancelledError here): closing the iterator
-            # aborts the request and frees its blocks.
-            await outputs.aclose()
-
-    def _response(self, out: RequestOutput, fetched: Fetched | None = None,
-                  completion_tokens: int = 0) -> pb.GenerateResponse:
-        resp = stream_response(out, self.cfg.worker_id)
-        if out.finished and out.group_finished:
-            resp.finished = True
-            resp.prompt_tokens = out.prompt_tokens
-            resp.completion_tokens = max(completion_tokens, out.completion_tokens)
-            resp.cached_tokens = out.num_cached_tokens
-            if fetched is not None:   # the fetched blocks follow the local ones, if admission used them
-                assert self._engine is not None
-                bs = self._engine.cfg.block_size
-                resp.peer_cached_tokens = min(max(out.num_cached_tokens - fetched.num_local * bs, 0),
-                                              fetched.num_blocks * bs)
-            self._prompt_tokens += out.prompt_tokens
-            if self.metrics is not None:
-                self.metrics.observe_finished(out, resp.completion_tokens)
-            t = out.timings
-            log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
-                     "ttft_s=%.4f e2e_s=%.4f finish_reason=%s", out.request_id, self.cfg.worker_id,
-                     out.prompt_tokens, out.num_cached_tokens, out.completion_tokens, t.ttft_s or 0.0,
-                     t.e2e_s or 0.0, out.finish_reason)
-            self._cached_prompt_tokens += out.num_cached_tokens
-        return resp
 
     async def _abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         ae = await self._ready(context)
@@ -363,33 +344,39 @@ class WorkerServer:
 
     async def _get_model_info(self, request: pb.ModelInfoRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        await self._ready(context)
+        await self._loaded(context)
         return self._model_info
+
+    async def _get_tokenizer(self, request: pb.TokenizerRequest,
+                             context: grpc.aio.ServicerContext) -> pb.TokenizerFiles:
+        await self._loaded(context)
+        if isinstance(self._tokenizer, TokenizerError):
+            await self._fail(context, self._tokenizer)
+        return self._tokenizer
 
     async def _get_load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
         ae = await self._ready(context)
         return await self._guard(context, self._load_now(ae))
 
     async def _load_now(self, ae: AsyncEngine) -> pb.Load:
-        s = await ae.run(Snapshot())
-        load = pb.Load(worker_id=self.cfg.worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
-                       num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
-                       num_blocks=s.num_blocks, prefix_query_blocks=s.prefix_queries,
-                       prefix_hit_blocks=s.prefix_hits, prompt_tokens=self._prompt_tokens,
-                       cached_prompt_tokens=self._cached_prompt_tokens, num_preemptions=s.num_preemptions,
-                       num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
-                       num_onloaded_blocks=s.num_onloaded_blocks,
-                       num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks)
-        if self._peer is not None:
-            load.peer.CopyFrom(_peer_stats(self._peer.figures()))
-        return load
+        stats = await ae.run(Snapshot())
+        return load_response(self.cfg.worker_id, stats, self._gen.prompt_tokens, self._gen.cached_prompt_tokens,
+                             self._peer.figures() if self._peer is not None else None)
 
     # -- errors ---------------------------------------------------------------------------
-    async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+    async def _loaded(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
         if self._ae is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is loading its model")
         assert self._ae is not None
         return self._ae
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        """The engine, for RPCs that need it: UNAVAILABLE while loading or once not live."""
+        ae = await self._loaded(context)
+        dead = self._liveness.check()
+        if dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is not live: {dead}")
+        return ae
 
     async def _guard(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         try:
@@ -407,23 +394,16 @@ class WorkerServer:
         raise AssertionError("context.abort returned")   # it always raises
 
 
-def _peer_stats(f: PeerFigures) -> pb.PeerStats:
-    links = [pb.PeerLink(worker_id=w, bandwidth_bytes_s=e.bandwidth_bytes_s if e else 0.0,
-                         latency_s=e.latency_s if e else 0.0, lost=f.lost.get(w, ""))
-             for w in sorted(f.links.keys() | f.lost.keys()) for e in (f.links.get(w),)]
-    return pb.PeerStats(
-        worker_id=f.me.worker_id, generation=f.me.generation, store_address=f.store_address,
-        pairs_formed=f.pairs_formed, pairs_broken=f.pairs_broken, backend=f.backend,
-        prefill_tokens_per_s=f.prefill_tokens_per_s, checksum_bytes_s=f.checksum_bytes_s, links=links,
-        **dataclasses.asdict(f.counters))
-
-
 def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     """The one place worker exceptions become gRPC status codes."""
     from worker.peer import InvalidPeerRequest, PeerTransferOff
     from worker.request import InvalidRequest, QueueFull   # already loaded with the engine
     if isinstance(error, (BadRequest, InvalidRequest, SamplingParamsError, InvalidPeerRequest)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, TokenizerFilesTooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, TokenizerError):     # GetTokenizer of a model without one
+        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     if isinstance(error, PeerTransferOff):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     if isinstance(error, QueueFull):

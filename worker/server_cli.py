@@ -6,7 +6,9 @@ workers form on demand (worker.peer), through a rendezvous store this worker hos
 --rank / --world-size / --dist-init-addr and KVMESH_RANK / KVMESH_WORLD_SIZE /
 KVMESH_DIST_INIT_ADDR are accepted and ignored (one deprecation line), except that a world
 size above 1 turns peer transfer on. KVMESH_TEST_TRANSFER_FAULTS (tests only) injects
-transfer faults (worker.peer.PeerConfig.faults, comma-separated). Imports no torch.
+transfer faults (worker.peer.PeerConfig.faults, comma-separated). KVMESH_TEST_STALL_FILE (tests
+only, read once here) names a file whose existence stalls the engine thread
+(worker/async_engine.py), to see liveness turn. Imports no torch.
 """
 from __future__ import annotations
 
@@ -81,6 +83,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "0 = a free port; -1 = off); logged to stderr when serving")
     g.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish")
+    g.add_argument("--liveness-timeout-s", type=float, default=120.0,
+                   help="not live (liveness NOT_SERVING, /livez 503, left the registry) once the engine "
+                        "loop has made no progress for this long")
+    g.add_argument("--max-step-failures", type=int, default=3,
+                   help="not live once this many engine steps in a row raised")
     add_cluster_auth_arguments(p, "worker",
                                "the secret shared with the router and peers: every Worker RPC then needs it")
     add_log_format_argument(g)
@@ -120,6 +127,9 @@ def run_worker(args: argparse.Namespace) -> int:
                                  peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
                                  transfer_faults=tuple(a for a in faults.split(",") if a),
                                  metrics_port=metrics_port_for(args.port, args.metrics_port),
+                                 liveness_timeout_s=args.liveness_timeout_s,
+                                 max_step_failures=args.max_step_failures,
+                                 stall_file=os.environ.get("KVMESH_TEST_STALL_FILE") or None,
                                  cluster_token=token_from(args.cluster_token), tls=tls_from_args(args))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
@@ -141,6 +151,8 @@ async def _serve_until_signal(engine_cfg: EngineConfig, cfg: WorkerServerConfig)
             port = await server.start()
         except RuntimeError as e:
             raise CLIError(f"--port: cannot bind {cfg.host}:{cfg.port}: {e}") from None
+        except OSError as e:
+            raise CLIError(f"--metrics-port: cannot bind {cfg.host}:{cfg.metrics_port}: {e}") from None
         ready = asyncio.ensure_future(server.wait_ready())
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)

@@ -17,7 +17,10 @@ class WorkerServerConfig:
     with a TTL) and publishes its KV events for the router's block index. With
     `peer_transfer` it fetches hinted prefixes from peers and sends to them over pairs formed
     on demand (worker.peer), hosting its rendezvous store on `host`:`transfer_port` (0 = a
-    free port); `transfer_faults` is for tests only (worker.peer.PeerConfig)."""
+    free port); `transfer_faults` is for tests only (worker.peer.PeerConfig).
+    Liveness (worker/liveness.py): not live once the engine loop has not beaten for
+    `liveness_timeout_s` or `max_step_failures` engine steps in a row raised; `stall_file` is
+    a test hook only (worker/async_engine.py: the engine thread blocks while it exists)."""
 
     host: str = "127.0.0.1"
     port: int = 0                        # 0 = a free port, returned by start()
@@ -33,6 +36,9 @@ class WorkerServerConfig:
     transfer_faults: tuple[str, ...] = ()
     metrics_port: int | None = None      # Prometheus /metrics (worker/metrics.py); None = off, 0 = a free port
     grpc_idle_timeout_s: float = 300.0   # a gRPC connection with no call is closed after this
+    liveness_timeout_s: float = 120.0    # the engine loop's heartbeat older than this: not live
+    max_step_failures: int = 3           # this many engine steps raising in a row: not live
+    stall_file: str | None = None        # tests only: env KVMESH_TEST_STALL_FILE
     # Cluster authentication (worker/cluster_auth.py): the token every Worker RPC then needs, and TLS.
     cluster_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = PLAINTEXT
@@ -59,6 +65,11 @@ class WorkerServerConfig:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if not self.grpc_idle_timeout_s > 0:
             raise ValueError(f"grpc_idle_timeout_s={self.grpc_idle_timeout_s!r} must be > 0")
+        if not self.liveness_timeout_s > 0:
+            raise ValueError(f"liveness_timeout_s={self.liveness_timeout_s!r} must be > 0")
+        if isinstance(self.max_step_failures, bool) or not isinstance(self.max_step_failures, int) \
+                or self.max_step_failures < 1:
+            raise ValueError(f"max_step_failures={self.max_step_failures!r} must be an integer >= 1")
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be positive")
         if not self.cluster_name:

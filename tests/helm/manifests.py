@@ -19,11 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 HELM = ROOT / ".tools" / "bin" / "helm"
 CHART = ROOT / "helm" / "kvmesh"
 GPU_EXAMPLE = CHART / "examples" / "gpu-pool.yaml"
+AUTOSCALING_EXAMPLE = CHART / "examples" / "autoscaling.yaml"
+KEDA = "keda.sh/v1alpha1/ScaledObject"     # --api-versions of a cluster with KEDA
 # The chart's kubeVersion floor (pod-index label) and the Kubernetes of helm's client.
 K8S_VERSIONS = ("1.28.0", "1.35.0")
 RELEASE, NAMESPACE = "kvm", "llm"
-CRD_KINDS = {"ServiceMonitor", "PodMonitor"}  # no built-in schema: checked by check_service_monitor and
-# tests/helm/test_monitoring.py
+# No built-in schema: checked by check_service_monitor, tests/helm/test_monitoring.py and
+# check_scaled_object (tests/helm/test_chart_k8s.py).
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "ScaledObject"}
 
 Doc = dict[str, Any]
 
@@ -83,12 +86,22 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return found
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def kvmesh_parser() -> argparse.ArgumentParser:
+    """The real `kvmesh` parser."""
+    return build_parser()
+
+
 def parse_cli(c: Doc) -> argparse.Namespace:
     """The container's command line through the real `kvmesh` parser (argparse exits on an unknown
     flag; an abbreviated one, which argparse would accept, fails here too)."""
     argv = [*c["command"], *c["args"]]
     assert argv[0] == "kvmesh", argv
-    parser = build_parser()
+    parser = kvmesh_parser()
     rest = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     unknown = {a.split("=", 1)[0] for a in rest if a.startswith("-")} - option_strings(parser)
     assert not unknown, f"flags not spelled as the CLI spells them: {sorted(unknown)}"
@@ -131,10 +144,10 @@ def check_references(docs: list[Doc]) -> None:
             assert sum(matches(d["spec"]["selector"]["matchLabels"], pod_labels(w)) for w in workloads) == 1
         if d["kind"] == "NetworkPolicy":
             assert any(matches(d["spec"]["podSelector"]["matchLabels"], pod_labels(w)) for w in workloads)
-        if d["kind"] == "HorizontalPodAutoscaler":
+        if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject"):
             ref = d["spec"]["scaleTargetRef"]
             assert (ref["kind"], ref["name"]) in by_kind_name
-            assert "replicas" not in by_kind_name[(ref["kind"], ref["name"])]["spec"], "HPA and a fixed replica count"
+            assert "replicas" not in by_kind_name[(ref["kind"], ref["name"])]["spec"], "an autoscaler and a fixed replica count"
     for w in [*workloads, *[d for d in docs if d["kind"] == "Pod"]]:
         spec = w["spec"]["template"]["spec"] if "template" in w["spec"] else w["spec"]
         c = container(w)
@@ -183,3 +196,8 @@ def validate_all(r: Render) -> None:
 
 def host(i: int) -> str:
     return f"{RELEASE}-kvmesh-worker-{i}.{RELEASE}-kvmesh-worker-headless.{NAMESPACE}.svc.cluster.local"
+
+
+def probe_spec(c: Doc, probe: str) -> Doc:
+    """The probe's handler (grpc / httpGet / tcpSocket), without its timings."""
+    return {k: v for k, v in c[probe].items() if k in ("grpc", "httpGet", "tcpSocket", "exec")}

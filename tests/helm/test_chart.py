@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from router.cli import build_parser
-from tests.helm.manifests import (CHART, GPU_EXAMPLE, HELM, NAMESPACE, RELEASE, ROOT, Doc, check_references,
-                                  check_service_monitor, container, env_value, host, matches, one, parse_cli, pod_labels, render,
-                                  run_helm, snake, validate_all)
+from tests.helm.manifests import (AUTOSCALING_EXAMPLE, CHART, GPU_EXAMPLE, HELM, NAMESPACE, RELEASE, ROOT, Doc,
+                                  check_references, check_service_monitor, container, env_value, kvmesh_parser, matches,
+                                  one, parse_cli, pod_labels, render, run_helm, snake, validate_all)
 
 # Every engine/worker/router value set to something other than both the chart's and the CLI's
 # defaults, so a value that never reaches the command line cannot pass by coincidence.
@@ -32,15 +31,17 @@ ALL_VALUES: Doc = {
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
                "h2oDecay": 0.9, "attentionBackend": "triton", "enforceEager": True},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
-               "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json", "preStopSleepS": 3},
+               "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json", "preStopSleepS": 3,
+               "liveness": {"timeoutS": 45.5, "maxStepFailures": 7}},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
                "maxConcurrentPerTenant": 7, "maxTokensLimit": 512, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
-               "preStopSleepS": 2, "terminationGracePeriodSeconds": 33},
+               "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local"},
 }
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s",
-           ("router", "drainTimeoutS"): "drain_timeout_s"}
+           ("router", "drainTimeoutS"): "drain_timeout_s", ("worker", "liveness.timeoutS"): "liveness_timeout_s",
+           ("worker", "liveness.maxStepFailures"): "max_step_failures"}
 NOT_FLAGS = {("worker", "replicas"), ("worker", "distPort"), ("worker", "terminationGracePeriodSeconds"),
              ("router", "replicas"), ("worker", "preStopSleepS"), ("router", "preStopSleepS"),
              ("router", "terminationGracePeriodSeconds")}
@@ -68,7 +69,8 @@ def helm() -> Path:
 
 # -- lint and render --------------------------------------------------------------------
 
-@pytest.mark.parametrize("files", [(), (GPU_EXAMPLE,)], ids=["default", "gpu-pool"])
+@pytest.mark.parametrize("files", [(), (GPU_EXAMPLE,), (AUTOSCALING_EXAMPLE,), (GPU_EXAMPLE, AUTOSCALING_EXAMPLE)],
+                         ids=["default", "gpu-pool", "autoscaling", "gpu-pool+autoscaling"])
 def test_lint_strict(helm: Path, files: tuple[Path, ...]) -> None:
     args = ["lint", "--strict", str(CHART)] + [a for f in files for a in ("-f", str(f))]
     proc = run_helm(helm, *args)
@@ -93,10 +95,15 @@ def test_gpu_pool_example(helm: Path, tmp_path: Path) -> None:
     assert worker["spec"]["replicas"] == example["worker"]["replicas"]
     assert spec["nodeSelector"] == example["worker"]["nodeSelector"]
     assert spec["tolerations"] == example["worker"]["tolerations"]
-    assert spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    # One GPU per pod: several workers may share a node (soft spread), never "one per host".
+    assert "affinity" not in spec
+    (spread,) = spec["topologySpreadConstraints"]
+    assert (spread["whenUnsatisfiable"], spread["topologyKey"]) == ("ScheduleAnyway", "kubernetes.io/hostname")
     assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 1
     models = next(v for v in spec["volumes"] if v["name"] == "models")
     assert models["persistentVolumeClaim"] == {"claimName": "llm-models", "readOnly": True}
+    router = one(r.docs, "Deployment", "router")["spec"]["template"]["spec"]
+    assert "models" not in {v["name"] for v in router["volumes"]}, "a ReadOnlyMany PVC on CPU nodes too"
     assert one(r.docs, "HorizontalPodAutoscaler")["spec"]["maxReplicas"] == 10
     assert not [d for d in r.docs if d["kind"] == "StatefulSet" and "redis" in d["metadata"]["name"]]
 
@@ -118,7 +125,10 @@ def test_service_monitor_only_with_its_crd(helm: Path, tmp_path: Path) -> None:
 
 def expected_flags(section: str) -> Iterator[tuple[str, str, Any]]:
     """(value name, Namespace attribute, value) for every rendered value of a section."""
-    for key, value in ALL_VALUES[section].items():
+    flat = {f"{key}.{k}" if isinstance(value, dict) else key: v
+            for key, value in ALL_VALUES[section].items()
+            for k, v in (value.items() if isinstance(value, dict) else [(key, value)])}
+    for key, value in flat.items():
         if (section, key) in NOT_FLAGS:
             continue
         yield key, FLAG_OF.get((section, key), snake(key)), value
@@ -128,7 +138,7 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
     r = render(helm, tmp_path, ALL_VALUES)
     worker_ns = parse_cli(container(one(r.docs, "StatefulSet", "worker")))
     router_ns = parse_cli(container(one(r.docs, "Deployment", "router")))
-    defaults = {"worker": build_parser().parse_args(["worker"]), "router": build_parser().parse_args(["router"])}
+    defaults = {"worker": kvmesh_parser().parse_args(["worker"]), "router": kvmesh_parser().parse_args(["router"])}
     assert (worker_ns.command, router_ns.command) == ("worker", "router")
 
     checks = [("worker", worker_ns, k, attr, v) for k, attr, v in expected_flags("engine")]
@@ -146,7 +156,7 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
     assert worker_ns.worker_id == "$(POD_NAME)"
     assert worker_ns.advertise_address == (
         f"$(POD_NAME).{RELEASE}-kvmesh-worker-headless.{NAMESPACE}.svc.cluster.local:{w['port']}")
-    assert router_ns.worker == [f"{host(i)}:{w['port']}" for i in range(w["replicas"])]
+    assert router_ns.worker == []       # the router admits the workers registered in Redis
     redis = f"redis://:$(KVMESH_REDIS_PASSWORD)@{RELEASE}-kvmesh-redis.{NAMESPACE}.svc.cluster.local:6379/0"
     assert worker_ns.redis_url is router_ns.redis_url is None      # in the environment: no password in ps
     for kind, component in (("StatefulSet", "worker"), ("Deployment", "router")):
@@ -170,7 +180,7 @@ def test_values_cover_every_cli_option() -> None:
     for cmd in ("worker", "router"):
         covered = {attr for section in (("engine", "worker") if cmd == "worker" else ("router",))
                    for _, attr, _ in expected_flags(section)} | {"cluster_name", "model"}
-        options = set(vars(build_parser().parse_args([cmd])))
+        options = set(vars(kvmesh_parser().parse_args([cmd])))
         assert options - covered - CHART_OWNED == set(), f"kvmesh {cmd} options without a chart value"
 
 
@@ -208,8 +218,9 @@ def test_worker_pod_is_a_gpu_pod(helm: Path, tmp_path: Path) -> None:
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     port = parse_cli(c).port
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": port, "service": "kvmesh.v1.Worker"}
+    assert c["livenessProbe"]["grpc"] == {"port": port, "service": "kvmesh.v1.Liveness"}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200, "model load needs a long startup probe"
     cpu = render(helm, tmp_path / "cpu", VALUE_SETS["cpu-pool"])
@@ -230,6 +241,7 @@ def test_pods_run_non_root_with_writable_cache(helm: Path, tmp_path: Path) -> No
         assert any(home.startswith(p) for p in writable), f"{w['metadata']['name']}: HOME={home} is not writable"
         if w["kind"] != "Pod":
             assert any(cm["KVMESH_CACHE_DIR"].startswith(p) for p in writable)
+        if w["kind"] == "StatefulSet":      # (the router's: tests/helm/test_chart_k8s.py)
             models = next(v for v in spec["volumes"] if v["name"] == "models")
             assert models["hostPath"] == {"path": "/srv/models", "type": "Directory"}
             assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]

@@ -13,7 +13,7 @@ import yaml
 
 from router.auth import parse_keys_file
 from tests.helm.manifests import (CHART, NAMESPACE, RELEASE, Doc, check_references, container, env_value, one, parse_cli,
-                                  render, run_helm, validate_all)
+                                  probe_spec, render, run_helm, validate_all)
 from tests.helm.test_chart import helm  # noqa: F401  (the session fixture)
 
 TLS_SECRET: Doc = {"security": {"tls": {"enabled": True, "existingSecret": "kv-tls"},
@@ -91,10 +91,14 @@ def _check_tls_pods(docs: list[Doc], secret: str) -> None:
         assert str(ns.tls_ca) == f"{mount['mountPath']}/ca.crt"
         if kind != "Pod":
             assert (str(ns.tls_cert), str(ns.tls_key)) == (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+    # The kubelet's gRPC probes speak no TLS: the workers' plain-HTTP metrics port answers them.
     worker, router = container(one(docs, "StatefulSet", "worker")), container(one(docs, "Deployment", "router"))
-    assert all("grpc" not in worker[p] and worker[p]["tcpSocket"] == {"port": "grpc"}
-               for p in ("startupProbe", "livenessProbe", "readinessProbe"))   # kubelet gRPC probes speak no TLS
+    assert {p: probe_spec(worker, p) for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {
+        "startupProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}},
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": "metrics"}},
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}}}
     assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    assert router["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http", "scheme": "HTTPS"}
 
 
 def test_tls_from_an_existing_secret(helm: Path, tmp_path: Path) -> None:

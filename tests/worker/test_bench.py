@@ -71,6 +71,20 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
 
 
+def test_bench_profile(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both sides run in their own process: the native kernels loaded on one, off on the other."""
+    r = run_bench("profile", tiny, tmp_path, capsys)
+    assert r["native"]["native_kernels"] is True and r["torch"]["native_kernels"] is False
+    for side in ("native", "torch"):
+        row = r[side]
+        assert finite(row["step_ms"], row["linear_ms"], row["linear_gb_s"], row["rest_ms"]) and row["step_ms"] > 0
+        assert row["rest_ms"] == pytest.approx(row["step_ms"] - row["linear_ms"])
+        assert row["ops"] and all(ms >= 0 for ms in row["ops"].values())
+    assert "aten::mm" in r["torch"]["ops"]          # F.linear on the torch side
+    assert r["speedup"]["step"] == pytest.approx(r["torch"]["step_ms"] / r["native"]["step_ms"])
+    assert r["config"]["steps"] == 16
+
+
 def test_roofline_formulas() -> None:
     """The workload roofline against the cases it reduces to: all memory-bound steps, and all
     compute-bound (every step's flops at the peak)."""

@@ -64,3 +64,19 @@ def test_worker_peer_flags_env_and_legacy_group_settings() -> None:
 def test_worker_transfer_port_out_of_range_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["worker", "--model", "smollm2", "--peer-transfer", "--transfer-port", "70000"]) == 2
     assert "--transfer-port" in capsys.readouterr().err
+
+
+def test_worker_help_shows_the_liveness_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["worker", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--liveness-timeout-s" in out and "--max-step-failures" in out
+
+
+@pytest.mark.parametrize(("extra", "flag"), [(["--liveness-timeout-s", "0"], "--liveness-timeout-s"),
+                                             (["--max-step-failures", "0"], "--max-step-failures")])
+def test_worker_liveness_flags_are_checked(extra: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--model", "smollm2", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvmesh worker: {flag}") and "\n" not in err, err

@@ -72,10 +72,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain }}
 {{- end }}
 
-{{/* DNS name of worker <i>: <sts>-<i>.<headless>.<ns>.svc.<domain> (no port). */}}
-{{- define "kvmesh.worker.host" -}}
-{{- $ctx := index . 0 -}}
-{{- printf "%s-%d.%s.%s" (include "kvmesh.worker.name" $ctx) (int (index . 1)) (include "kvmesh.worker.headless" $ctx) (include "kvmesh.svcSuffix" $ctx) }}
+{{/* DNS suffix of the worker pods: <pod>.<this> (no port). */}}
+{{- define "kvmesh.worker.domain" -}}
+{{- printf "%s.%s" (include "kvmesh.worker.headless" .) (include "kvmesh.svcSuffix" .) }}
 {{- end }}
 
 {{- define "kvmesh.router.host" -}}
@@ -197,16 +196,26 @@ Kubernetes expands $(KVMESH_REDIS_PASSWORD) in the container args at start.
 
 {{/* Images ------------------------------------------------------------------------------ */}}
 
+{{/* <repository>@<digest> when a digest is set (the tag is then ignored), else <repository>:<tag>.
+A digest never follows a ":" (the schema rejects a tag in digest form). (list . tag digest) */}}
+{{- define "kvmesh.image" -}}
+{{- $ctx := index . 0 }}{{ $tag := index . 1 }}{{ $digest := index . 2 }}
+{{- if $digest }}{{ printf "%s@%s" $ctx.Values.image.repository $digest }}
+{{- else }}{{ printf "%s:%s" $ctx.Values.image.repository $tag }}{{ end }}
+{{- end }}
+
 {{- define "kvmesh.image.worker" -}}
-{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.workerTag) }}
+{{- include "kvmesh.image" (list . (default (printf "%s-cuda" .Chart.AppVersion) .Values.image.workerTag) .Values.image.workerDigest) }}
 {{- end }}
 
 {{- define "kvmesh.image.router" -}}
-{{- printf "%s:%s" .Values.image.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.image.routerTag) }}
+{{- include "kvmesh.image" (list . (default (printf "%s-cpu" .Chart.AppVersion) .Values.image.routerTag) .Values.image.routerDigest) }}
 {{- end }}
 
-{{/* Volumes shared by router and worker pods ---------------------------------------------- */}}
+{{/* Volumes ----------------------------------------------------------------------------- */}}
 
+{{/* The model volume: every worker mounts it; the router only when it reads the tokenizer from
+it (router.tokenizerSource local/auto; the default, worker, gets it from a worker over gRPC). */}}
 {{- define "kvmesh.modelVolume" -}}
 - name: models
 {{- if eq .Values.modelCache.type "pvc" }}
@@ -220,6 +229,17 @@ Kubernetes expands $(KVMESH_REDIS_PASSWORD) in the container args at start.
 {{- else }}
   emptyDir: {}
 {{- end }}
+{{- end }}
+
+{{- define "kvmesh.modelVolumeMount" -}}
+- name: models
+  mountPath: {{ .Values.modelCache.mountPath }}
+  readOnly: {{ .Values.modelCache.readOnly }}
+{{- end }}
+
+{{/* Writable scratch of router and worker pods (the root filesystem is read-only): the cache
+(HOME, KVMESH_CACHE_DIR: converted weights, the router's tokenizer files) and /tmp. */}}
+{{- define "kvmesh.scratchVolumes" -}}
 - name: cache
   emptyDir:
     sizeLimit: {{ .Values.cache.sizeLimit }}
@@ -227,14 +247,35 @@ Kubernetes expands $(KVMESH_REDIS_PASSWORD) in the container args at start.
   emptyDir: {}
 {{- end }}
 
-{{- define "kvmesh.modelVolumeMounts" -}}
-- name: models
-  mountPath: {{ .Values.modelCache.mountPath }}
-  readOnly: {{ .Values.modelCache.readOnly }}
+{{- define "kvmesh.scratchVolumeMounts" -}}
 - name: cache
   mountPath: {{ .Values.cache.mountPath }}
 - name: tmp
   mountPath: /tmp
+{{- end }}
+
+{{/* Probes and scaling ------------------------------------------------------------------ */}}
+
+{{/* grpc.health.v1 service of liveness, on router and worker (contracts/health.py
+LIVENESS_SERVICE): SERVING while the process makes progress; readiness is the main service. */}}
+{{- define "kvmesh.livenessService" -}}kvmesh.v1.Liveness{{- end }}
+
+{{/* "true" when an autoscaler owns the worker StatefulSet's replica count (then not rendered):
+the HPA, or KEDA where its ScaledObject API exists (without it nothing is created: NOTES warns). */}}
+{{- define "kvmesh.worker.autoscaled" -}}
+{{- $a := .Values.worker.autoscaling }}
+{{- if or $a.hpa.enabled (and $a.keda.enabled (.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject")) }}true{{ end }}
+{{- end }}
+
+{{/* PromQL over the workers of this release: kvmesh:<metric> summed (requests waiting: a target
+per worker) or averaged (KV usage: a target fraction), or worker.autoscaling.query as is. */}}
+{{- define "kvmesh.worker.autoscalingQuery" -}}
+{{- $a := .Values.worker.autoscaling }}
+{{- if $a.query }}{{ $a.query }}
+{{- else }}
+{{- $sel := printf "namespace=%q,worker_id=~%q" .Release.Namespace (printf "%s-[0-9]+" (include "kvmesh.worker.name" .)) }}
+{{- printf "%s(kvmesh:%s{%s})" (ternary "sum" "avg" (eq $a.metric "num_requests_waiting")) $a.metric $sel }}
+{{- end }}
 {{- end }}
 
 {{- define "kvmesh.configChecksum" -}}

@@ -1,0 +1,158 @@
+"""Liveness of the engine loop (issue #24): the verdict over a pulse (fake clock), and the pulse
+the real engine thread gives (idle beats, step failures counted in a row, the stall hook)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.async_engine import AsyncEngine
+from worker.engine import Engine, EngineConfig
+from worker.liveness import EnginePulse, Liveness, watch
+from worker.sampling import SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_verdict_timeout_failures_and_stickiness() -> None:
+    clock = Clock()
+    liveness = Liveness(timeout_s=10.0, max_step_failures=3, clock=clock)
+    assert liveness.check() is None                       # loading: no pulse yet, live
+    clock.now += 1000
+    assert liveness.check() is None
+    pulse = EnginePulse(clock)
+    liveness.attach(pulse)
+    clock.now += 10.0
+    assert liveness.check() is None                       # exactly the timeout: still live
+    pulse.beat()
+    for _ in range(2):
+        pulse.step_failed(RuntimeError("CUDA error: an illegal memory access"))
+    pulse.step_ok()                                       # a good step resets the count
+    pulse.step_failed(RuntimeError("x"))
+    pulse.step_failed(RuntimeError("x"))
+    assert pulse.step_failures == 2 and liveness.check() is None
+    pulse.step_failed(RuntimeError("CUDA error: sticky"))
+    reason = liveness.check()
+    assert reason is not None and "3 engine steps in a row" in reason and "CUDA error: sticky" in reason
+    pulse.step_ok()
+    pulse.beat()
+    assert liveness.check() == reason                     # not recoverable in-process
+
+
+def test_verdict_stall_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    liveness = Liveness(timeout_s=2.0, max_step_failures=3, clock=clock, worker_id="w-9")
+    pulse = EnginePulse(clock)
+    liveness.attach(pulse)
+    clock.now += 2.5
+    with caplog.at_level(logging.ERROR, logger="kvmesh.worker"):
+        reason = liveness.check()
+        assert reason is not None and "not made progress for 2.5 s" in reason and "--liveness-timeout-s 2" in reason
+        pulse.beat()
+        clock.now += 10
+        assert all(liveness.check() == reason for _ in range(3))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"WORKER w-9 IS NOT LIVE: {reason}. Liveness and readiness are NOT_SERVING for good, it leaves the "
+        "registry and refuses engine calls; restart it (the kubelet does)."]
+
+
+@pytest.mark.parametrize(("timeout_s", "failures", "match"), [(0.0, 3, "liveness_timeout_s"),
+                                                              (1.0, 0, "max_step_failures"),
+                                                              (1.0, True, "max_step_failures")])
+def test_bad_settings(timeout_s: float, failures: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Liveness(timeout_s, failures)
+
+
+def test_watch_returns_the_reason() -> None:
+    clock = Clock()
+    liveness = Liveness(timeout_s=1.0, max_step_failures=1, clock=clock)
+    liveness.attach(pulse := EnginePulse(clock))
+
+    async def run() -> str:
+        task = asyncio.create_task(watch(liveness, period_s=0.01))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        pulse.step_failed(ValueError("boom"))
+        return await asyncio.wait_for(task, 2)
+    assert "ValueError: boom" in asyncio.run(run())
+
+
+# -- the engine thread's pulse ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir: Any) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=256))
+
+
+def wait_for(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_idle_engine_beats(tiny_engine: Engine) -> None:
+    ae = AsyncEngine(tiny_engine)
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: ae.pulse.last_beat > t0 + 1.0, timeout=5)   # idle ticks are 0.5 s apart
+        assert time.monotonic() - ae.pulse.last_beat < 1.0
+    finally:
+        ae.shutdown()
+
+
+def test_failing_steps_are_counted_in_a_row(tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_step = tiny_engine.step
+    failing = [True]
+
+    def step() -> Any:
+        if failing[0]:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return real_step()
+    monkeypatch.setattr(tiny_engine, "step", step)
+    ae = AsyncEngine(tiny_engine)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def one(rid: str) -> list[int]:
+        return [t for out in [o async for o in ae.generate([5, 6, 7], params, rid)] for t in out.new_token_ids]
+    try:
+        for i in range(3):
+            with pytest.raises(RuntimeError, match="device-side assert"):
+                asyncio.run(one(f"f{i}"))
+            assert ae.pulse.step_failures == i + 1
+        failing[0] = False
+        assert len(asyncio.run(one("ok"))) == 3                      # the loop carried on
+        assert ae.pulse.step_failures == 0
+        assert not tiny_engine.has_unfinished() and tiny_engine.store.pool.num_used_blocks == 0
+    finally:
+        ae.shutdown()
+
+
+def test_stall_file_blocks_the_loop_until_removed(tiny_engine: Engine, tmp_path: Path) -> None:
+    stall = tmp_path / "stall"
+    ae = AsyncEngine(tiny_engine, stall_file=stall)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def one() -> int:
+        return len([t async for o in ae.generate([9, 8, 7], params, "s") for t in o.new_token_ids])
+    try:
+        stall.touch()
+        time.sleep(0.7)                      # the loop reaches the hook (an idle tick is 0.5 s)
+        beat = ae.pulse.last_beat
+        time.sleep(0.5)
+        assert ae.pulse.last_beat == beat    # stalled: no beats
+        stall.unlink()
+        wait_for(lambda: ae.pulse.last_beat > beat, timeout=3)
+        assert asyncio.run(one()) == 2
+    finally:
+        ae.shutdown()
