@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.auth import authenticator_for
@@ -157,12 +158,22 @@ class ClusterView:
         recent = self.ttft.recent(worker_id)
         out: Json = {"worker_id": worker_id, "address": w.address, "in_flight": w.in_flight,
                      "ttft_p50_s": percentile(recent, 50), "ttft_p99_s": percentile(recent, 99),
-                     "ttft_samples": len(recent)}
+                     "ttft_samples": len(recent), "index_blocks": self._index_blocks(worker_id)}
         try:
             load = await w.stub.GetLoad(pb.LoadRequest(), timeout=_LOAD_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:      # a worker that does not answer is shown, not fatal
             return out | {"up": False, "error": f"{e.code().name}: {e.details()}"}
         return out | _load_json(load)
+
+
+    def _index_blocks(self, worker_id: str) -> Json | None:
+        """What the router's block index believes the worker holds, per tier (None without an
+        index), to set beside the worker's own `blocks` (an exact index shows the same counts)."""
+        index = self._router.registry.index
+        if index is None:
+            return None
+        tiers = index.holdings(WorkerId(worker_id)).values()
+        return {"device": sum(Tier.DEVICE in t for t in tiers), "host": sum(Tier.HOST in t for t in tiers)}
 
 
 def _load_json(load: pb.Load) -> Json:
