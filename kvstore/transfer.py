@@ -53,9 +53,9 @@ from typing import Any
 import torch
 
 from kvstore.transfer_group import PairGroup, TransferError
-from kvstore.transfer_wire import (MAGIC, MAX_TRANSFER_ID, TAGS, BlockHashers, BlockSpec, ReceivedBlocks, SendResult,
-                                   block_checksums, decode_body, encode_body, num_pieces, split_pieces, to_wire,
-                                   wire_device)
+from kvstore.transfer_wire import (BODY, FIRST_PIECE, MAGIC, MAX_TRANSFER_ID, PREAMBLE, READY, TAGS, BlockHashers,
+                                   BlockSpec, ReceivedBlocks, SendResult, block_checksums, decode_body, encode_body,
+                                   num_pieces, split_pieces, to_wire, wire_device)
 
 __all__ = ["MAX_TRANSFER_ID", "BlockSpec", "BlockTransfer", "ReceivedBlocks", "SendResult", "block_checksums"]
 
@@ -231,42 +231,54 @@ class BlockTransfer:
         assert op.spec is not None
         pair, tag, n = op.pair, TAGS * op.transfer_id, op.num_blocks
         wire = wire_device(pair)
-        nbytes, count = n * op.spec.bytes_per_block, num_pieces(op.spec, n)
+        nbytes = n * op.spec.bytes_per_block
         preamble = torch.tensor([MAGIC, op.transfer_id, n, nbytes], dtype=torch.int64, device=wire)
         if op.is_send:
             assert op.blocks is not None
             blocks = to_wire(op.blocks, wire)
-            pieces = split_pieces(blocks, count)
-            works = [pair.isend(preamble, tag)]
-            if self._fault_hook is None:  # the payload is on the wire while we hash it
-                works += [pair.isend(p.view(-1).view(torch.uint8), tag + 2 + i) for i, p in enumerate(pieces)]
-            host = blocks if blocks.device.type == "cpu" else blocks.cpu()
-            body = encode_body(block_checksums(host, n), op.hashes).to(wire)
-            if self._fault_hook is not None:
-                self._fault_hook(op.transfer_id, blocks)
-                works += [pair.isend(p.view(-1).view(torch.uint8), tag + 2 + i) for i, p in enumerate(pieces)]
-            works.append(pair.isend(body, tag + 1))
-            op.bufs, op.works = (preamble, body, blocks), tuple(works)
+            op.bufs, op.works = (preamble, blocks), (pair.isend(preamble, tag + PREAMBLE),)
+            if pair.backend == "gloo":  # the payload goes once the receiver's READY matches (`_finish_send`)
+                ready = torch.empty_like(preamble)
+                op.bufs, op.works = op.bufs + (ready,), op.works + (pair.irecv(ready, tag + READY),)
+            else:                       # NCCL matches by order: preamble, pieces, body, as the receiver posts
+                op.works += self._send_payload(op, blocks)
             return
-        body = torch.empty(3 * n, dtype=torch.int64, device=wire)
         if op.blocks is None:
             op.blocks = torch.empty(op.spec.shape(n), dtype=op.spec.dtype, device=wire,
                                     pin_memory=wire.type == "cpu" and pair.device.type == "cuda")
-        op.bufs = (torch.empty_like(preamble), body, op.blocks)
-        op.works = (pair.irecv(op.bufs[0], tag),)
-        if pair.backend != "gloo":  # NCCL matches by order: preamble, pieces, body, as the sender posts
-            op.works += self._post_rest(op)
+        pieces = split_pieces(op.blocks, num_pieces(op.spec, n))
+        body, got = torch.empty(3 * n, dtype=torch.int64, device=wire), torch.empty_like(preamble)
+        op.bufs = (got, body, op.blocks, preamble)
+        works = [pair.irecv(got, tag + PREAMBLE)]
+        if pair.backend == "gloo":      # tell the sender what fits the receives posted here
+            works.append(pair.isend(preamble, tag + READY))
+        works += [pair.irecv(p.view(-1).view(torch.uint8), tag + FIRST_PIECE + i) for i, p in enumerate(pieces)]
+        works.append(pair.irecv(body, tag + BODY))
+        op.works = tuple(works)
+        pair.hold(op.bufs)  # a broken pair may still hold these receives: their memory lives until it closes
 
-    def _post_rest(self, op: _Op) -> tuple[Any, ...]:
+    def _send_payload(self, op: _Op, blocks: torch.Tensor) -> tuple[Any, ...]:
+        """Post the pieces, hashing each just after posting it (its bytes are read once from
+        cache, while the wire moves them), then the body with the checksums."""
         assert op.spec is not None
-        tag, blocks = TAGS * op.transfer_id, op.bufs[2]
-        pieces = split_pieces(blocks, num_pieces(op.spec, op.num_blocks))
-        works = tuple(op.pair.irecv(p.view(-1).view(torch.uint8), tag + 2 + i) for i, p in enumerate(pieces))
-        return works + (op.pair.irecv(op.bufs[1], tag + 1),)
+        pair, tag, n = op.pair, TAGS * op.transfer_id, op.num_blocks
+        pieces = split_pieces(blocks, num_pieces(op.spec, n))
+        hashers, works = BlockHashers(n), []
+        if self._fault_hook is None:
+            for i, p in enumerate(pieces):
+                works.append(pair.isend(p.view(-1).view(torch.uint8), tag + FIRST_PIECE + i))
+                hashers.update(p if p.device.type == "cpu" else p.cpu())
+        else:  # tests: the hook sees the blocks after the checksums are taken, before any byte goes out
+            hashers.update(blocks if blocks.device.type == "cpu" else blocks.cpu())
+            self._fault_hook(op.transfer_id, blocks)
+            works += [pair.isend(p.view(-1).view(torch.uint8), tag + FIRST_PIECE + i) for i, p in enumerate(pieces)]
+        body = encode_body(hashers.digests(), op.hashes).to(blocks.device)
+        op.bufs += (body,)
+        return (*works, pair.isend(body, tag + BODY))
 
     def _wait_loop(self, q: queue.SimpleQueue[_Op | None]) -> None:
         """Completes, in order, the sends on one pair (or its receives). A send completes only
-        once the peer's receive waiter posted the rest, so sends and receives wait apart."""
+        once the peer's receive was posted, so sends and receives wait apart."""
         while (op := q.get()) is not None:
             if op.retire:
                 assert op.on_retired is not None
@@ -274,11 +286,7 @@ class BlockTransfer:
                 return
             try:
                 if op.is_send:
-                    for w in op.works:
-                        op.pair.wait(w, op.deadline - time.perf_counter())
-                    assert op.spec is not None
-                    nbytes = op.num_blocks * op.spec.bytes_per_block
-                    op.future.set_result(SendResult(op.num_blocks, nbytes, time.perf_counter() - op.start))
+                    self._finish_send(op)
                 else:
                     self._finish_recv(op)
             except RuntimeError as e:
@@ -290,24 +298,41 @@ class BlockTransfer:
             finally:
                 op.blocks, op.bufs, op.works = None, (), ()
 
+    def _finish_send(self, op: _Op) -> None:
+        assert op.spec is not None
+        pair, works = op.pair, op.works   # each work is waited once: a second wait on a done gloo op hangs
+        if pair.backend == "gloo":
+            preamble, blocks, ready = op.bufs
+            pair.wait(works[1], op.deadline - time.perf_counter())
+            if (want := ready.tolist()) != (have := preamble.tolist()):
+                # sending nothing more: the receiver posted receives sized for what it expects
+                raise TransferError(str(pair.peer), op.transfer_id, f"receiver expects {want}; sending {have}")
+            works = works[:1] + self._send_payload(op, blocks)
+        for w in works:
+            pair.wait(w, op.deadline - time.perf_counter())
+        nbytes = op.num_blocks * op.spec.bytes_per_block
+        op.future.set_result(SendResult(op.num_blocks, nbytes, time.perf_counter() - op.start))
+
     def _finish_recv(self, op: _Op) -> None:
         assert op.spec is not None
-        pair, (preamble, body, blocks) = op.pair, op.bufs
-        pair.wait(op.works[0], op.deadline - time.perf_counter())
-        nbytes = blocks.numel() * blocks.element_size()
-        expected = [MAGIC, op.transfer_id, op.num_blocks, nbytes]
-        if (got := preamble.tolist()) != expected:
-            # not posting the body and pieces: a too-large message would kill this process
-            raise TransferError(str(pair.peer), op.transfer_id, f"preamble {got} != expected {expected}")
-        works = op.works[1:] or self._post_rest(op)  # gloo: only now that the sizes are known
+        pair, (got, body, blocks, preamble) = op.pair, op.bufs
+        wait = lambda w: pair.wait(w, op.deadline - time.perf_counter())  # noqa: E731
+        wait(op.works[0])
+        if (have := got.tolist()) != (want := preamble.tolist()):
+            # the sender (this wire version) sends no payload then; the pair breaks
+            raise TransferError(str(pair.peer), op.transfer_id, f"preamble {have} != expected {want}")
+        first = 2 if pair.backend == "gloo" else 1
+        if first == 2:
+            wait(op.works[1])           # our READY: the sender has posted its receive of it
         hashers = BlockHashers(op.num_blocks)
-        pieces = split_pieces(blocks, len(works) - 1)
-        for w, piece in zip(works, pieces):    # verify piece p while the next ones arrive
-            pair.wait(w, op.deadline - time.perf_counter())
+        pieces = split_pieces(blocks, len(op.works) - first - 1)
+        for w, piece in zip(op.works[first:-1], pieces):    # verify piece p while the next ones arrive
+            wait(w)
             hashers.update(piece if piece.device.type == "cpu" else piece.cpu())
-        pair.wait(works[-1], op.deadline - time.perf_counter())
+        wait(op.works[-1])
         checksums, hashes = decode_body(body.cpu(), op.num_blocks)
         ok = tuple(a == b for a, b in zip(hashers.digests(), checksums))
+        pair.release(op.bufs)
         op.future.set_result(ReceivedBlocks(blocks, tuple(hashes), ok))
 
 
