@@ -128,6 +128,19 @@ def test_silent_peer_times_out_and_only_that_pair_breaks() -> None:
 
 
 @pytest.mark.multiproc
+def test_size_mismatch_fails_both_sides_and_no_payload_is_sent() -> None:
+    """The receiver posts its receives before it knows what the sender sends (wire v2); a
+    sender that would send more than they hold sees the receiver's READY and sends nothing
+    (gloo would kill the receiving process on a message larger than its buffer)."""
+    with peer("mismatch") as (transfer, pairs, proc):
+        fewer = len(SEND_IDS) - 2
+        with pytest.raises(TransferError, match="preamble"):
+            transfer.recv(pairs["mismatch"], TRANSFER_IDS["mismatch"], fewer, _spec("fp32")).result(timeout=20)
+        assert pairs["mismatch"].broken
+        assert proc.wait(timeout=20) == 0  # its send failed on our READY, before any payload went
+
+
+@pytest.mark.multiproc
 def test_peer_vs_raw_runs_and_reports_figures() -> None:
     spec = _spec("fp32")
     r = peer_vs_raw(spec, num_blocks=16, repeats=2)
