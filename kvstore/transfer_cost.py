@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -133,9 +134,25 @@ def _timed(pair: PairGroup, receiver: bool, once: Callable[[], None], timeout: f
     return time.perf_counter() - t0
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)   # every thread: gloo's I/O threads and their syscalls too
+    return r.ru_utime + r.ru_stime
+
+
+def _timed_cpu(pair: PairGroup, receiver: bool, once: Callable[[], None], timeout: float) -> tuple[float, float]:
+    """`_timed`, and this process's CPU seconds over it (after a short settle: the
+    transfer's threads may still be finishing when `once` returns on the other side)."""
+    c0 = _cpu_s()
+    wall = _timed(pair, receiver, once, timeout)
+    time.sleep(0.005)
+    return wall, _cpu_s() - c0
+
+
 class PeerVsRaw(NamedTuple):
     """`peer_bytes_s`: blocks received into a reused staging buffer (as a worker does);
-    `peer_alloc_bytes_s`: into a fresh tensor each time; raw: one preallocated buffer."""
+    `peer_alloc_bytes_s`: into a fresh tensor each time; raw: one preallocated buffer.
+    `*_cpu_s`: CPU seconds (user + system, every thread, both processes) of one staging
+    transfer and of one raw send: on a shared box they move less with the load than wall time."""
 
     num_blocks: int
     num_bytes: int
@@ -144,6 +161,8 @@ class PeerVsRaw(NamedTuple):
     raw_bytes_s: float
     ratio: float  # peer_bytes_s / raw_bytes_s; the benchmark target is >= 0.7
     link: LinkEstimate
+    peer_cpu_s: float
+    raw_cpu_s: float
 
 
 _BENCH_KEY = "bench"
@@ -176,14 +195,18 @@ def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int,
         return once
     try:
         link = measure_link(pair, timeout_s=timeout)
-        rounds = [[_timed(pair, receiver, f, timeout) for f in (raw, ours(2 * i, True), ours(2 * i + 1, False))]
+        rounds = [[_timed_cpu(pair, receiver, f, timeout) for f in (raw, ours(2 * i, True), ours(2 * i + 1, False))]
                   for i in range(repeats + 1)][1:]  # round 0 warms up
-        raw_s, ours_s, alloc_s = _share(pair, [statistics.median(r[k] for r in rounds) for k in range(3)],
-                                        receiver, timeout)
+        cpu = [statistics.median(r[k][1] for r in rounds) for k in range(2)]   # raw, staging
+        other = _share(pair, cpu, not receiver, timeout)                       # the sender's, to the receiver
+        raw_s, ours_s, alloc_s, raw_cpu, ours_cpu = _share(
+            pair, [statistics.median(r[k][0] for r in rounds) for k in range(3)] + [cpu[0] + other[0], cpu[1] + other[1]],
+            receiver, timeout)
     finally:
         transfer.close()
         pair.close()
-    return PeerVsRaw(num_blocks, nbytes, nbytes / ours_s, nbytes / alloc_s, nbytes / raw_s, raw_s / ours_s, link)
+    return PeerVsRaw(num_blocks, nbytes, nbytes / ours_s, nbytes / alloc_s, nbytes / raw_s, raw_s / ours_s, link,
+                     ours_cpu, raw_cpu)
 
 
 def peer_vs_raw(spec: BlockSpec, num_blocks: int, repeats: int = 5, timeout_s: float = 30.0) -> PeerVsRaw:
