@@ -67,10 +67,11 @@ import torch
 
 from kvstore.transfer_group import PairGroup, TransferError
 from kvstore.transfer_wire import (BODY, FIRST_PIECE, MAGIC, MAX_TRANSFER_ID, PREAMBLE, READY, TAGS, BlockHashers,
-                                   BlockSpec, ReceivedBlocks, SendResult, block_checksums, decode_body, encode_body,
-                                   num_pieces, split_pieces, to_wire, wire_device)
+                                   BlockSpec, ReceivedBlocks, RecvTimes, SendResult, block_checksums, decode_body,
+                                   encode_body, num_pieces, split_pieces, to_wire, wire_device)
 
-__all__ = ["MAX_TRANSFER_ID", "BlockSpec", "BlockTransfer", "ReceivedBlocks", "SendResult", "block_checksums"]
+__all__ = ["MAX_TRANSFER_ID", "BlockSpec", "BlockTransfer", "ReceivedBlocks", "RecvTimes", "SendResult",
+           "block_checksums"]
 
 _BLOCK_DIM = 2
 
@@ -95,6 +96,7 @@ class _Op:
     works: tuple[Any, ...] = ()
     bufs: tuple[torch.Tensor, ...] = ()
     start: float = 0.0
+    hashing_s: float = 0.0
     retire: bool = False
     on_retired: Callable[[], None] | None = None
 
@@ -277,12 +279,16 @@ class BlockTransfer:
         pair, tag, n = op.pair, TAGS * op.transfer_id, op.num_blocks
         pieces = split_pieces(blocks, num_pieces(op.spec, n))
         hashers, works = BlockHashers(n), []
+        t0 = time.perf_counter()
         if self._fault_hook is None:
             for i, p in enumerate(pieces):
                 works.append(pair.isend(p.view(-1).view(torch.uint8), tag + FIRST_PIECE + i))
+                t = time.perf_counter()
                 hashers.update(p if p.device.type == "cpu" else p.cpu())
+                op.hashing_s += time.perf_counter() - t
         else:  # tests: the hook sees the blocks after the checksums are taken, before any byte goes out
             hashers.update(blocks if blocks.device.type == "cpu" else blocks.cpu())
+            op.hashing_s = time.perf_counter() - t0
             self._fault_hook(op.transfer_id, blocks)
             works += [pair.isend(p.view(-1).view(torch.uint8), tag + FIRST_PIECE + i) for i, p in enumerate(pieces)]
         body = encode_body(hashers.digests(), op.hashes).to(blocks.device)
@@ -324,7 +330,7 @@ class BlockTransfer:
         for w in works:
             pair.wait(w, op.deadline - time.perf_counter())
         nbytes = op.num_blocks * op.spec.bytes_per_block
-        op.future.set_result(SendResult(op.num_blocks, nbytes, time.perf_counter() - op.start))
+        op.future.set_result(SendResult(op.num_blocks, nbytes, time.perf_counter() - op.start, op.hashing_s))
 
     def _finish_recv(self, op: _Op) -> None:
         assert op.spec is not None
@@ -337,16 +343,20 @@ class BlockTransfer:
         first = 2 if pair.backend == "gloo" else 1
         if first == 2:
             wait(op.works[1])           # our READY: the sender has posted its receive of it
-        hashers = BlockHashers(op.num_blocks)
+        hashers, arrived = BlockHashers(op.num_blocks), []
         pieces = split_pieces(blocks, len(op.works) - first - 1)
         for w, piece in zip(op.works[first:-1], pieces):    # verify piece p while the next ones arrive
             wait(w)
+            arrived.append(time.perf_counter())
             hashers.update(piece if piece.device.type == "cpu" else piece.cpu())
+            op.hashing_s += time.perf_counter() - arrived[-1]
         wait(op.works[-1])
         checksums, hashes = decode_body(body.cpu(), op.num_blocks)
         ok = tuple(a == b for a, b in zip(hashers.digests(), checksums))
         pair.release(op.bufs)
-        op.future.set_result(ReceivedBlocks(blocks, tuple(hashes), ok))
+        end = time.perf_counter()
+        times = RecvTimes(arrived[0] - op.start, arrived[-1] - op.start, op.hashing_s, end - op.start)
+        op.future.set_result(ReceivedBlocks(blocks, tuple(hashes), ok, times))
 
 
 class _Countdown:

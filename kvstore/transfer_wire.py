@@ -61,6 +61,17 @@ class BlockSpec:
         return 2 * self.num_layers * self.chunk_bytes
 
 
+class RecvTimes(NamedTuple):
+    """Where a receive's time went, in seconds from the `recv` call: the first and the last
+    piece in, and the end; `hashing_s` is the time spent verifying (all but the last piece's
+    overlaps the wire)."""
+
+    first_piece_s: float
+    last_piece_s: float
+    hashing_s: float
+    total_s: float
+
+
 class ReceivedBlocks(NamedTuple):
     """What arrived: `blocks` `[L, 2, n, bs, H, D]` (owned by the caller), their hashes, and
     `ok[j]` False where block j failed its checksum (its bytes must not be used)."""
@@ -68,6 +79,7 @@ class ReceivedBlocks(NamedTuple):
     blocks: torch.Tensor
     block_hashes: tuple[BlockHash, ...]
     ok: tuple[bool, ...]
+    times: RecvTimes | None = None
 
     @property
     def bad_indices(self) -> list[int]:
@@ -80,6 +92,7 @@ class SendResult(NamedTuple):
     num_blocks: int
     num_bytes: int
     seconds: float
+    hashing_s: float = 0.0   # of `seconds`, spent on the checksums (overlapping the wire)
 
 
 class BlockHashers:

@@ -74,7 +74,8 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
             "peer_vs_raw": r.ratio, "target": 0.7, "link_gb_s": r.link.bandwidth_bytes_s / _GB,
             "link_latency_us": r.link.latency_s * 1e6,
             "peer_cpu_ms": r.peer_cpu_s * 1e3, "raw_cpu_ms": r.raw_cpu_s * 1e3,
-            "cpu_vs_raw": r.raw_cpu_s / r.peer_cpu_s if r.peer_cpu_s > 0 else 0.0}
+            "cpu_vs_raw": r.raw_cpu_s / r.peer_cpu_s if r.peer_cpu_s > 0 else 0.0,
+            "phases_ms": {k.removesuffix("_s"): v * 1e3 for k, v in r.phases._asdict().items()}}
     prefix = args.prefix_tokens or (1024 if args.quick else 2048)
     ttft = bench_ttft(args.model, prefix, args.seed, mc.vocab_size)
     return {"bench": "transfer", "model": mc.name, "quick": args.quick,

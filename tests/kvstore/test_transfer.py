@@ -147,6 +147,8 @@ def test_peer_vs_raw_runs_and_reports_figures() -> None:
     assert r.num_bytes == 16 * spec.bytes_per_block
     assert r.peer_bytes_s > 0 and r.raw_bytes_s > 0 and r.peer_alloc_bytes_s > 0
     assert r.peer_cpu_s > 0 and r.raw_cpu_s > 0   # both processes' threads, summed on the receiver
+    ph = r.phases
+    assert 0 < ph.first_piece_s <= ph.last_piece_s <= ph.total_s and ph.recv_hashing_s > 0 and ph.send_hashing_s > 0
     assert r.ratio == pytest.approx(r.peer_bytes_s / r.raw_bytes_s)
     assert r.link.bandwidth_bytes_s > 0 and r.link.latency_s > 0
 
