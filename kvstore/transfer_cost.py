@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -133,9 +134,37 @@ def _timed(pair: PairGroup, receiver: bool, once: Callable[[], None], timeout: f
     return time.perf_counter() - t0
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)   # every thread: gloo's I/O threads and their syscalls too
+    return r.ru_utime + r.ru_stime
+
+
+def _timed_cpu(pair: PairGroup, receiver: bool, once: Callable[[], None], timeout: float) -> tuple[float, float]:
+    """`_timed`, and this process's CPU seconds over it (after a short settle: the
+    transfer's threads may still be finishing when `once` returns on the other side)."""
+    c0 = _cpu_s()
+    wall = _timed(pair, receiver, once, timeout)
+    time.sleep(0.005)
+    return wall, _cpu_s() - c0
+
+
+class PeerPhases(NamedTuple):
+    """Where a staging transfer's time goes (medians, seconds from the receiver's `recv`):
+    the first and the last piece in, the receiver's and the sender's hashing (overlapping
+    the wire, but for the receiver's last piece), and the end."""
+
+    first_piece_s: float
+    last_piece_s: float
+    recv_hashing_s: float
+    send_hashing_s: float
+    total_s: float
+
+
 class PeerVsRaw(NamedTuple):
     """`peer_bytes_s`: blocks received into a reused staging buffer (as a worker does);
-    `peer_alloc_bytes_s`: into a fresh tensor each time; raw: one preallocated buffer."""
+    `peer_alloc_bytes_s`: into a fresh tensor each time; raw: one preallocated buffer.
+    `*_cpu_s`: CPU seconds (user + system, every thread, both processes) of one staging
+    transfer and of one raw send: on a shared box they move less with the load than wall time."""
 
     num_blocks: int
     num_bytes: int
@@ -144,6 +173,9 @@ class PeerVsRaw(NamedTuple):
     raw_bytes_s: float
     ratio: float  # peer_bytes_s / raw_bytes_s; the benchmark target is >= 0.7
     link: LinkEstimate
+    peer_cpu_s: float
+    raw_cpu_s: float
+    phases: PeerPhases
 
 
 _BENCH_KEY = "bench"
@@ -168,22 +200,36 @@ def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int,
     def raw() -> None:
         pair.wait((pair.irecv if receiver else pair.isend)(raw_buf, _DATA_TAG), timeout)
 
+    staged: list[list[float]] = []  # per staging round: this side's phase figures
+
     def ours(transfer_id: int, staging: bool) -> Callable[[], None]:
         def once() -> None:
-            future = transfer.recv(pair, transfer_id, num_blocks, spec, data if staging else None) \
-                if receiver else transfer.send(pair, transfer_id, data, hashes)
-            future.result()
+            if receiver:
+                got = transfer.recv(pair, transfer_id, num_blocks, spec, data if staging else None).result()
+                assert got.times is not None
+                figures = [got.times.first_piece_s, got.times.last_piece_s, got.times.hashing_s, got.times.total_s]
+            else:
+                figures = [transfer.send(pair, transfer_id, data, hashes).result().hashing_s]
+            if staging:
+                staged.append(figures)
         return once
     try:
         link = measure_link(pair, timeout_s=timeout)
-        rounds = [[_timed(pair, receiver, f, timeout) for f in (raw, ours(2 * i, True), ours(2 * i + 1, False))]
+        rounds = [[_timed_cpu(pair, receiver, f, timeout) for f in (raw, ours(2 * i, True), ours(2 * i + 1, False))]
                   for i in range(repeats + 1)][1:]  # round 0 warms up
-        raw_s, ours_s, alloc_s = _share(pair, [statistics.median(r[k] for r in rounds) for k in range(3)],
-                                        receiver, timeout)
+        cpu = [statistics.median(r[k][1] for r in rounds) for k in range(2)]   # raw, staging
+        mine = cpu + [statistics.median(f[0] for f in staged[1:])]             # (the sender's: its hashing)
+        other = _share(pair, mine, not receiver, timeout)                      # the sender's, to the receiver
+        phases = [statistics.median(f[k] for f in staged[1:]) for k in range(len(staged[0]))]
+        figures = _share(pair, [statistics.median(r[k][0] for r in rounds) for k in range(3)]
+                         + [cpu[0] + other[0], cpu[1] + other[1]] + phases[:3] + [other[2]] + phases[3:4],
+                         receiver, timeout) if receiver else _share(pair, [0.0] * 10, receiver, timeout)
     finally:
         transfer.close()
         pair.close()
-    return PeerVsRaw(num_blocks, nbytes, nbytes / ours_s, nbytes / alloc_s, nbytes / raw_s, raw_s / ours_s, link)
+    raw_s, ours_s, alloc_s, raw_cpu, ours_cpu = figures[:5]
+    return PeerVsRaw(num_blocks, nbytes, nbytes / ours_s, nbytes / alloc_s, nbytes / raw_s, raw_s / ours_s, link,
+                     ours_cpu, raw_cpu, PeerPhases(*figures[5:]))
 
 
 def peer_vs_raw(spec: BlockSpec, num_blocks: int, repeats: int = 5, timeout_s: float = 30.0) -> PeerVsRaw:

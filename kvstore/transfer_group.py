@@ -119,6 +119,7 @@ class PairGroup:
         self.key, self.peer, self.local_rank = key, peer, local_rank
         self.device, self.backend = device, backend
         self._pg, self._store = pg, store      # the store must outlive the group
+        self._held: dict[int, tuple[torch.Tensor, ...]] = {}
         self.broken: str | None = None
 
     @classmethod
@@ -166,11 +167,21 @@ class PairGroup:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def hold(self, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Keep `bufs` alive until `release(bufs)` or `close()`: receives posted into them
+        cannot be cancelled, so a transfer that fails early must not free their memory."""
+        self._held[id(bufs)] = bufs
+
+    def release(self, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Every op posted into `bufs` has completed."""
+        self._held.pop(id(bufs), None)
+
     def close(self) -> None:
         """Shut the group down (idempotent); pending ops on it fail."""
         pg, self._pg = self._pg, None
         if pg is not None:
             pg.shutdown()
+        self._held.clear()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -3,7 +3,6 @@ per-block checksums (streaming, so a receiver verifies piece by piece), the body
 the layer-contiguous pieces a payload is cut into, and where the bytes travel."""
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -14,10 +13,13 @@ import xxhash
 from kvstore.keys import BlockHash
 from kvstore.transfer_group import PairGroup
 
-TAGS = 10                                # tags per transfer: preamble, body, up to MAX_PIECES pieces
-MAX_PIECES = TAGS - 2
+WIRE_VERSION = 2                         # 1: no READY, gloo pieces posted after the preamble arrived
+MAGIC = (0x6B766D657368 << 8) | WIRE_VERSION  # "kvmesh" + the version: a v1 peer's preamble never matches
+TAGS = 11                                # tags per transfer, at these offsets from TAGS * transfer_id:
+PREAMBLE, BODY, FIRST_PIECE = 0, 1, 2    # (sender -> receiver)
+MAX_PIECES = 8                           # pieces at FIRST_PIECE .. FIRST_PIECE + MAX_PIECES - 1
+READY = FIRST_PIECE + MAX_PIECES         # (receiver -> sender, gloo only) its expected preamble
 MAX_TRANSFER_ID = (1 << 27) - 1          # gloo tags are C ints; measurements use tags above these
-MAGIC = 0x6B766D657368  # "kvmesh"
 _U64 = 1 << 64
 _PIECE_BYTES = 8 << 20                   # pieces of at least ~8 MiB: few per-op costs, most hashing overlapped
 
@@ -59,6 +61,17 @@ class BlockSpec:
         return 2 * self.num_layers * self.chunk_bytes
 
 
+class RecvTimes(NamedTuple):
+    """Where a receive's time went, in seconds from the `recv` call: the first and the last
+    piece in, and the end; `hashing_s` is the time spent verifying (all but the last piece's
+    overlaps the wire)."""
+
+    first_piece_s: float
+    last_piece_s: float
+    hashing_s: float
+    total_s: float
+
+
 class ReceivedBlocks(NamedTuple):
     """What arrived: `blocks` `[L, 2, n, bs, H, D]` (owned by the caller), their hashes, and
     `ok[j]` False where block j failed its checksum (its bytes must not be used)."""
@@ -66,6 +79,7 @@ class ReceivedBlocks(NamedTuple):
     blocks: torch.Tensor
     block_hashes: tuple[BlockHash, ...]
     ok: tuple[bool, ...]
+    times: RecvTimes | None = None
 
     @property
     def bad_indices(self) -> list[int]:
@@ -78,6 +92,7 @@ class SendResult(NamedTuple):
     num_blocks: int
     num_bytes: int
     seconds: float
+    hashing_s: float = 0.0   # of `seconds`, spent on the checksums (overlapping the wire)
 
 
 class BlockHashers:
@@ -89,14 +104,13 @@ class BlockHashers:
 
     def update(self, piece: torch.Tensor) -> None:
         assert piece.is_contiguous() and piece.device.type == "cpu" and piece.numel() > 0
-        n, nbytes = len(self._hashers), piece.numel() * piece.element_size()
-        view = memoryview((ctypes.c_ubyte * nbytes).from_address(piece.data_ptr())).cast("B")
-        planes = piece.shape[0] * 2
-        chunk = nbytes // n // planes
-        for plane in range(planes):
-            base = plane * n * chunk
-            for j, h in enumerate(self._hashers):
-                h.update(view[base + j * chunk:base + (j + 1) * chunk])
+        n = len(self._hashers)
+        # [planes, n, chunk] bytes; rows of a numpy view are the cheapest buffers to hand xxhash
+        rows = piece.reshape(-1).view(torch.uint8).numpy().reshape(piece.shape[0] * 2, n, -1)
+        updates = [h.update for h in self._hashers]
+        for plane in rows:
+            for update, chunk in zip(updates, plane):
+                update(chunk)
 
     def digests(self) -> list[int]:
         return [h.intdigest() for h in self._hashers]

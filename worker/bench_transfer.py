@@ -5,7 +5,8 @@
    block copy the engine's host tier uses.
 2. Peer: a `BlockTransfer` of N blocks over a gloo pair against one raw send of the same
    bytes on that pair (`peer_vs_raw`, target >= 0.7; `kvstore.transfer_cost.peer_vs_raw`,
-   two processes).
+   two processes), and the CPU time of each (both processes, every thread: `cpu_vs_raw`),
+   which a shared box disturbs less than wall time.
 3. TTFT of a prompt whose prefix (2,048 tokens; 1,024 with --quick) a peer holds: two
    `kvmesh worker --peer-transfer` processes; B serves it hinted to A (fetched, or
    recomputed if B's cost model says so), a same-length prompt nobody holds (recomputed), and
@@ -71,7 +72,10 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
     peer = {"num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "peer_gb_s": r.peer_bytes_s / _GB,
             "peer_alloc_gb_s": r.peer_alloc_bytes_s / _GB, "raw_gb_s": r.raw_bytes_s / _GB,
             "peer_vs_raw": r.ratio, "target": 0.7, "link_gb_s": r.link.bandwidth_bytes_s / _GB,
-            "link_latency_us": r.link.latency_s * 1e6}
+            "link_latency_us": r.link.latency_s * 1e6,
+            "peer_cpu_ms": r.peer_cpu_s * 1e3, "raw_cpu_ms": r.raw_cpu_s * 1e3,
+            "cpu_vs_raw": r.raw_cpu_s / r.peer_cpu_s if r.peer_cpu_s > 0 else 0.0,
+            "phases_ms": {k.removesuffix("_s"): v * 1e3 for k, v in r.phases._asdict().items()}}
     prefix = args.prefix_tokens or (1024 if args.quick else 2048)
     ttft = bench_ttft(args.model, prefix, args.seed, mc.vocab_size)
     return {"bench": "transfer", "model": mc.name, "quick": args.quick,

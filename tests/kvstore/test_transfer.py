@@ -128,11 +128,27 @@ def test_silent_peer_times_out_and_only_that_pair_breaks() -> None:
 
 
 @pytest.mark.multiproc
+def test_size_mismatch_fails_both_sides_and_no_payload_is_sent() -> None:
+    """The receiver posts its receives before it knows what the sender sends (wire v2); a
+    sender that would send more than they hold sees the receiver's READY and sends nothing
+    (gloo would kill the receiving process on a message larger than its buffer)."""
+    with peer("mismatch") as (transfer, pairs, proc):
+        fewer = len(SEND_IDS) - 2
+        with pytest.raises(TransferError, match="preamble"):
+            transfer.recv(pairs["mismatch"], TRANSFER_IDS["mismatch"], fewer, _spec("fp32")).result(timeout=20)
+        assert pairs["mismatch"].broken
+        assert proc.wait(timeout=20) == 0  # its send failed on our READY, before any payload went
+
+
+@pytest.mark.multiproc
 def test_peer_vs_raw_runs_and_reports_figures() -> None:
     spec = _spec("fp32")
     r = peer_vs_raw(spec, num_blocks=16, repeats=2)
     assert r.num_bytes == 16 * spec.bytes_per_block
     assert r.peer_bytes_s > 0 and r.raw_bytes_s > 0 and r.peer_alloc_bytes_s > 0
+    assert r.peer_cpu_s > 0 and r.raw_cpu_s > 0   # both processes' threads, summed on the receiver
+    ph = r.phases
+    assert 0 < ph.first_piece_s <= ph.last_piece_s <= ph.total_s and ph.recv_hashing_s > 0 and ph.send_hashing_s > 0
     assert r.ratio == pytest.approx(r.peer_bytes_s / r.raw_bytes_s)
     assert r.link.bandwidth_bytes_s > 0 and r.link.latency_s > 0
 

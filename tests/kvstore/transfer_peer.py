@@ -10,6 +10,7 @@ Modes:
   silent     join the group and never send
   late       send fp32 blocks (rank 0 receives them only after another peer timed out)
   silent+late  two pairs (silent, late), one thread each, to save a process
+  mismatch   send fp32 blocks to a receiver that expects fewer; the send must fail, sending no payload
 Exit status 0 means every check on this side passed.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
 from kvstore.transfer import BlockSpec, BlockTransfer
-from kvstore.transfer_group import PairGroup, PeerId, TransferConfig, connect_store
+from kvstore.transfer_group import PairGroup, PeerId, TransferConfig, TransferError, connect_store
 from kvstore.transfer_wire import MAGIC, TAGS
 
 SEND_IDS = [3, 7, 1, 5]  # pool block ids the sender gathers, in wire order
@@ -34,7 +35,7 @@ LAYOUTS = {
     "fp32": KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_cache_dtype="fp32"),
     "int8": KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_cache_dtype="int8"),
 }
-TRANSFER_IDS = {"fp32": 11, "int8": 12, "reverse": 13, "corrupt": 14, "die": 15, "silent": 16, "late": 17}
+TRANSFER_IDS = {"fp32": 11, "int8": 12, "reverse": 13, "corrupt": 14, "die": 15, "silent": 16, "late": 17, "mismatch": 18}
 
 
 def make_pool(kind: str, seed: int, num_blocks: int = 8) -> KVTensors:
@@ -71,6 +72,12 @@ def main(address: str, mode: str) -> int:
         group.wait(group.isend(preamble, TAGS * TRANSFER_IDS["die"]), 20.0)
         os._exit(17)
     transfer = BlockTransfer(20.0, fault_hook=_flip_byte if mode == "corrupt" else None)
+    if mode == "mismatch":
+        future = transfer.send(group, TRANSFER_IDS[mode], make_pool("fp32", seed=3).gather_blocks(SEND_IDS), HASHES)
+        error = future.exception(timeout=20)
+        transfer.close()
+        group.close()
+        return 0 if isinstance(error, TransferError) and "receiver expects" in error.reason else 4
     if mode in ("corrupt", "late"):
         blocks = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
         transfer.send(group, TRANSFER_IDS[mode], blocks, HASHES).result()

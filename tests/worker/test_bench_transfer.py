@@ -42,6 +42,8 @@ def test_kvmesh_bench_transfer_quick_writes_json(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["offload_vs_memcpy"] == r["offload"]["offload_vs_memcpy"] > 0
     assert r["peer_vs_raw"] == r["peer"]["peer_vs_raw"] > 0
+    assert r["peer"]["cpu_vs_raw"] == pytest.approx(r["peer"]["raw_cpu_ms"] / r["peer"]["peer_cpu_ms"])
+    assert set(r["peer"]["phases_ms"]) == {"first_piece", "last_piece", "recv_hashing", "send_hashing", "total"}
     t = r["ttft"]
     assert t["prefix_tokens"] == 64 and t["first_token_equal"] is True
     assert min(t["recomputed_s"], t["fetched_s"], t["local_hit_s"]) > 0
