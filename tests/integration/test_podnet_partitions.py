@@ -7,6 +7,9 @@ traffic cut with iptables DROP inside one pod's namespace.
   the router having dropped the silent worker; a short cut through the queued events alone);
 - worker <-> worker mid peer transfer: the receiver recomputes, its output equals the sender's
   own uninterrupted greedy run; after the heal a later transfer between them works;
+- router <-> worker: the worker leaves routing within the probe window, a stream open on it
+  migrates to the other worker (its output equals an uninterrupted run), new requests go to the
+  other worker; after the heal it returns;
 - peer transfer to a restarted worker (kill -9, started again under the same pod name): both
   directions work (also the restart case of issue #24).
 The oracle for every output is the same prompt computed from scratch on a worker (greedy).
@@ -159,6 +162,43 @@ def test_worker_worker_partition_mid_transfer_recomputes_and_heals(cl: PodCluste
     got3 = on_worker(cl, b, p3, hint=a)
     assert got3.tokens == want3 and got3.final.peer_cached_tokens == FULL, (got3.final, load(cl, b).peer)
     assert load(cl, b).peer.blocks_fetched >= after.blocks_fetched + FULL // 16
+
+
+def test_router_worker_partition_migrates_the_open_stream_and_heals(cl: PodCluster) -> None:
+    a, b = cl.worker(0), cl.worker(1)
+    assert wait_until(lambda: all(workers_up(cl).get(w) for w in (a, b)), 60) is not None
+    ids, n = prompt(31), 160
+    want = on_worker(cl, b, ids, max_tokens=n).tokens          # the uninterrupted greedy run, on b:
+    # b alone holds the prefix, so kv_aware sends the stream there
+    assert wait_until(lambda: index_matches_worker(cl, b)[0], 60) is not None
+    result: list[Reply | BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(via_router(cl, ids, timeout_s=240, max_tokens=n))
+        except BaseException as e:          # noqa: BLE001 - handed to the test thread
+            result.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: load(cl, b).num_running > 0, 60, poll_s=0.05) is not None, "the stream never reached b"
+    cl.cut(b, cl.router)
+    try:
+        left = wait_until(lambda: not workers_up(cl).get(b), 30, poll_s=0.1)
+        assert left is not None, "the partitioned worker stayed in routing"
+        other = via_router(cl, prompt(32))                    # new requests go to the other worker
+        assert other.final.worker_id == a, other.final
+        thread.join(240)
+    finally:
+        cl.heal(b, cl.router)
+    assert not thread.is_alive() and result and not isinstance(result[0], BaseException), result
+    reply = result[0]
+    assert isinstance(reply, Reply)
+    assert reply.final.migrations >= 1 and reply.final.worker_id == a, reply.final
+    assert reply.tokens == want, "the migrated stream differs from the uninterrupted run"
+    back = wait_until(lambda: workers_up(cl).get(b), 60)
+    assert back is not None, "the worker did not return to routing after the heal"
+    print(f"router <-> worker cut: out of routing {left:.1f} s after the cut, the stream migrated "
+          f"({reply.final.migrations}), back in routing {back:.1f} s after the heal")
 
 
 def test_peer_transfer_to_and_from_a_restarted_worker(cl: PodCluster) -> None:
