@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multiproc
 PROMPTS = ["The history of the lighthouse begins", "A recipe for bread needs", "The three laws of motion say",
            "In a small village by the sea,", "The best way to learn a language is", "Rivers of Europe include",
            "A paged KV cache works by", "The chess opening called the Sicilian"]
-MAX_TOKENS = 20
+MAX_TOKENS = 64      # long enough that a kill lands mid-stream on a quiet machine too (20 did not)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_kill9_worker_under_24_streams_migrates_them(serve: ServeProcess, baseli
                                                      smollm2_dir: Path) -> None:
     thread, outcomes = _in_background(serve, [i % len(PROMPTS) for i in range(24)])
     assert wait_until(lambda: _running(serve, 0) >= 4, 60) is not None
-    time.sleep(1.0)     # let its streams send some tokens
+    time.sleep(0.4)     # let its streams send some tokens (not all 64)
     pid = serve.kill("worker-0")
     killed_at = time.monotonic()
     thread.join(240)
