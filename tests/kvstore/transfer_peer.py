@@ -77,7 +77,10 @@ def main(address: str, mode: str) -> int:
         error = future.exception(timeout=20)
         transfer.close()
         group.close()
-        return 0 if isinstance(error, TransferError) and "receiver expects" in error.reason else 4
+        # Either it read our READY and refused ("receiver expects ..."), or the receiver, having
+        # seen our preamble first, broke the pair before that READY was read: both fail the send
+        # before any payload is posted (the payload goes out only after a matching READY).
+        return 0 if isinstance(error, TransferError) else 4
     if mode in ("corrupt", "late"):
         blocks = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
         transfer.send(group, TRANSFER_IDS[mode], blocks, HASHES).result()
