@@ -4,15 +4,18 @@ the router's /v1/cluster and /metrics, and a prompt of random token ids.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 import urllib.request
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from router.chaos import wait_until
 from tests.podnet import PodCluster
 
 BLOCK = 16
@@ -93,3 +96,25 @@ def index_matches_worker(cl: PodCluster, pod: str) -> tuple[bool, dict[str, Any]
     index = entry.get("index_blocks") or {}
     equal = entry.get("up", False) and index == {"device": held.get("device_cached"), "host": held.get("host")}
     return bool(equal), entry
+
+
+@contextlib.contextmanager
+def running(cluster: PodCluster, workers: int = 2) -> Iterator[PodCluster]:
+    """Redis, `workers` workers (loading side by side) and the router, as the chart starts them,
+    until every worker is in the router's routing; the pods' log tails are printed if the
+    bring-up fails, and everything is torn down at the end."""
+    try:
+        cluster.start_redis()
+        for i in range(workers):
+            cluster.start_worker(i, wait=False)
+        for i in range(workers):
+            cluster.wait_ready(cluster.worker(i), 420)
+        cluster.start_router()
+        assert wait_until(lambda: all(workers_up(cluster).get(cluster.worker(i)) for i in range(workers)), 60) \
+            is not None, "the workers never entered routing"
+        yield cluster
+    except BaseException:
+        print(cluster.log_tails())
+        raise
+    finally:
+        cluster.close()

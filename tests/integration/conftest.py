@@ -1,5 +1,4 @@
-"""Each test's call report on its item (`item.rep_call`), so a fixture can tell whether the test
-failed (tests/podnet.py's clusters print their pods' log tails then)."""
+"""A failed test that ran on a pod cluster (tests/podnet.py, fixture `cl`) prints its pods' log tails."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,4 +11,6 @@ import pytest
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome: Any = yield
     report = outcome.get_result()
-    setattr(item, f"rep_{report.when}", report)
+    cluster = getattr(item, "funcargs", {}).get("cl")
+    if report.when == "call" and report.failed and hasattr(cluster, "log_tails"):
+        print(cluster.log_tails())

@@ -10,10 +10,6 @@ pod, each process started with exactly the command line and env the manifests gi
   kubelet's answer, a restart, brings it back.
 The restart case of #24 (kill -9, start again under the same pod name, then a peer fetch both
 ways) is `test_peer_transfer_to_and_from_a_restarted_worker` in test_podnet_partitions.py.
-
-Each case runs only once the chart and CLI have what it needs (else skipped, saying what is
-missing): scaling needs a router that learns workers from the registry (no static `--worker`
-list in the rendered router args); liveness needs `kvmesh worker --liveness-timeout-s`.
 """
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.health import LIVENESS_SERVICE
 from router.chaos import wait_until
-from tests.helm.manifests import option_strings
 from tests.podnet import PodCluster, skip_reason
-from tests.podnet_client import on_worker, prompt, via_router, workers_up
+from tests.podnet_client import on_worker, prompt, running, via_router, workers_up
 
 pytestmark = pytest.mark.multiproc
 
@@ -40,52 +35,17 @@ pytestmark = pytest.mark.multiproc
 LIVENESS_TIMEOUT_S = 10
 
 
-def _has_liveness_flag() -> bool:
-    from router.cli import build_parser
-    return "--liveness-timeout-s" in option_strings(build_parser())
-
-
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodCluster]:
     reason = skip_reason()
     if reason:
         pytest.skip(f"pod network unavailable: {reason}")
     tmp = tmp_path_factory.mktemp("k8s")
-    worker: dict[str, object] = {"replicas": 2}
-    if _has_liveness_flag():
-        worker |= {"extraArgs": [f"--liveness-timeout-s={LIVENESS_TIMEOUT_S}"],
-                   "extraEnv": [{"name": "KVMESH_TEST_STALL_FILE", "value": f"{tmp}/stall-$(POD_NAME)"}]}
+    worker: dict[str, object] = {"replicas": 2, "liveness": {"timeoutS": LIVENESS_TIMEOUT_S},
+                                 "extraEnv": [{"name": "KVMESH_TEST_STALL_FILE", "value": f"{tmp}/stall-$(POD_NAME)"}]}
     cluster = PodCluster(tmp, {"worker": worker})
-    if not (_registry_membership(cluster) or _has_liveness_flag()):
-        cluster.close()
-        pytest.skip("neither registry-driven router membership nor --liveness-timeout-s exists yet")
-    try:
-        cluster.start_redis()
-        for i in range(2):
-            cluster.start_worker(i, wait=False)
-        for i in range(2):
-            cluster.wait_ready(cluster.worker(i), 420)
-        cluster.start_router()
-        assert wait_until(lambda: all(workers_up(cluster).get(cluster.worker(i)) for i in range(2)), 60) is not None
-        yield cluster
-    except BaseException:
-        print(cluster.log_tails())
-        raise
-    finally:
-        cluster.close()
-
-
-@pytest.fixture(autouse=True)
-def _log_tails_on_failure(request: pytest.FixtureRequest, cl: PodCluster) -> Iterator[None]:
-    yield
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed:
-        print(cl.log_tails())
-
-
-def _registry_membership(cl: PodCluster) -> bool:
-    assert cl.specs is not None
-    return not any(a.startswith("--worker=") for a in cl.specs.run("router", cl.router, "0.0.0.0").argv)
+    with running(cluster) as c:
+        yield c
 
 
 class Traffic:
@@ -118,9 +78,6 @@ class Traffic:
 
 
 def test_scale_2_3_2_with_traffic_flowing(cl: PodCluster) -> None:
-    if not _registry_membership(cl):
-        pytest.skip("waits for the router to learn workers from the registry: the rendered router "
-                    "args still carry a static --worker list")
     new = cl.worker(2)
     traffic = Traffic(cl)
     try:
@@ -142,8 +99,6 @@ def test_scale_2_3_2_with_traffic_flowing(cl: PodCluster) -> None:
 
 
 def test_stuck_engine_is_not_live_and_leaves_routing(cl: PodCluster) -> None:
-    if not _has_liveness_flag():
-        pytest.skip("waits for `kvmesh worker --liveness-timeout-s` and KVMESH_TEST_STALL_FILE (worker liveness)")
     stuck, healthy = cl.worker(1), cl.worker(0)
     assert cl.probe(stuck, "livenessProbe") and _live(cl, stuck) and _livez(cl, stuck)
     stall = Path(cl.pods[stuck].run.env["KVMESH_TEST_STALL_FILE"])

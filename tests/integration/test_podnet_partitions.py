@@ -25,7 +25,7 @@ import pytest
 from router.chaos import wait_until
 from tests.podnet import PodCluster, skip_reason
 from tests.podnet_client import (FULL, Reply, cluster_doc, index_matches_worker, load, on_worker, prompt,
-                                 via_router, workers_up)
+                                 running, via_router, workers_up)
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,28 +36,9 @@ def cl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodCluster]:
     if reason:
         pytest.skip(f"pod network unavailable: {reason}")
     cluster = PodCluster(tmp_path_factory.mktemp("podnet"))
-    try:
-        cluster.start_redis()
-        for i in range(2):
-            cluster.start_worker(i, wait=False)
-        for i in range(2):
-            cluster.wait_ready(cluster.worker(i), 420)
-        cluster.start_router()
-        assert wait_until(lambda: all(workers_up(cluster).get(cluster.worker(i)) for i in range(2)), 60) is not None
-        yield cluster
-    except BaseException:
-        print(cluster.log_tails())
-        raise
-    finally:
-        cluster.close()
+    with running(cluster) as c:
+        yield c
 
-
-@pytest.fixture(autouse=True)
-def _log_tails_on_failure(request: pytest.FixtureRequest, cl: PodCluster) -> Iterator[None]:
-    yield
-    report = getattr(request.node, "rep_call", None)
-    if report is not None and report.failed:
-        print(cl.log_tails())
 
 def test_worker_redis_partition_keeps_serving_and_the_index_is_exact_after_heal(cl: PodCluster) -> None:
     w = cl.worker(0)
