@@ -254,8 +254,25 @@ class DecoderLayer:
         `observe(q, k)` sees the queries and keys after RoPE, before any key scaling (calibration).
         """
         cfg = self.cfg
-        t = x.shape[0]
         qkv = self.qkv_proj.normed(x, self.ln1, cfg.rms_norm_eps)  # [T, q + 2 kv]
+        o = None
+        fused = self.attention.rope_decode
+        if fused is not None and observe is None and self.qk_scale is None and self.k_shift is None:
+            o = fused(qkv, rope, k_cache, v_cache, meta, self.scale, cfg.sliding_window, cfg.num_heads)  # [T, q]
+        if o is None:
+            o = self._attend(qkv, rope, k_cache, v_cache, meta, observe)
+        if keep is not None:
+            x, o = x[keep], o[keep]
+        x = self.o_proj.add_to(x, o)
+        return self.down_proj.add_to(x, self.gate_up_proj.normed(x, self.ln2, cfg.rms_norm_eps))
+
+    def _attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: KVCache,
+                v_cache: KVCache, meta: AttnMetadata,
+                observe: Callable[[torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+        """RoPE, key scaling, write_kv and paged attention of qkv [T, q + 2 kv] -> [T, q]: the
+        steps the backend's `rope_decode` runs as one kernel where it applies."""
+        cfg = self.cfg
+        t = qkv.shape[0]
         # q and k are adjacent in each row: rotate them as one [T, Hq + Hkv, D] view
         qk = Rotary.apply(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *rope)
         if observe is not None:
@@ -267,12 +284,8 @@ class DecoderLayer:
             k = k - self.k_shift                                   # softmax-invariant (see set_key_scales)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                           cfg.sliding_window).reshape(t, self.q_size)
-        if keep is not None:
-            x, o = x[keep], o[keep]
-        x = self.o_proj.add_to(x, o)
-        return self.down_proj.add_to(x, self.gate_up_proj.normed(x, self.ln2, cfg.rms_norm_eps))
+        return self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                              cfg.sliding_window).reshape(t, self.q_size)
 
 
 class LlamaModel:

@@ -46,7 +46,10 @@ ENV_DIR = "KVMESH_KERNELS_DIR"
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds (torch's libgomp at run time)
+    # at::parallel_for is OpenMP in torch's CPU builds (torch's libgomp at run time); no implicit FMA
+    # contraction, so a * b + c * d is rounded as torch rounds it (RoPE matches torch bit for bit;
+    # the kernels' FMAs are explicit intrinsics)
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
     return flags
@@ -129,6 +132,31 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     module = load()
     assert module is not None, "paged_decode: the native kernels are not built"
     return module.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0)
+
+
+def rope_decode_supported(qkv: torch.Tensor, k_cache: KVCache, v_cache: KVCache, num_heads: int) -> bool:
+    """Whether `rope_paged_decode` takes these tensors (and the kernel is built)."""
+    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        return False
+    module = load()
+    return (module is not None and qkv.device.type == "cpu"
+            and qkv.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and num_heads // k_cache.shape[2] <= module.max_group)
+
+
+def rope_paged_decode(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None, num_heads: int) -> torch.Tensor:
+    """A decode step's attention for one layer in one call: qkv [B, (Hq + 2 Hkv) D], each token's
+    q | k | v before RoPE (one token per sequence); cos, sin_signed [B, 1, D] (`worker.model.
+    Rotary.tables`). RoPE of q and k (bit for bit `Rotary.apply`), k and v written at
+    `slot_mapping` [B] (as `reference.write_kv`), then `paged_decode` of the rotated queries ->
+    [B, Hq * D]. Check `rope_decode_supported` first."""
+    module = load()
+    assert module is not None, "rope_paged_decode: the native kernels are not built"
+    return module.rope_paged_decode(qkv, cos, sin_signed, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                    scale, sliding_window or 0, num_heads)
 
 
 def block_copier() -> Callable[..., None] | None:

@@ -183,24 +183,21 @@ DecodeFn pick(int64_t g) {
   }
 }
 
-}  // namespace
-
-// query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
-// int64; seq_lens [B] int64 (keys 0 .. L-1 are read); window > 0 reads only the last `window`
-// keys (L - window .. L - 1). Returns [B, Hq, D].
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode: query [B, Hq, D], caches [N, bs, Hkv, D]");
-  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_decode: CPU tensors");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 only");
+void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: caches [N, bs, Hkv, D]");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "paged_decode: CPU tensors");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "paged_decode: fp32 only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_decode: int64 block tables and lengths");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous caches");
   TORCH_CHECK(scale > 0, "paged_decode: scale must be positive");
-  const auto q = query.contiguous();
+}
+
+// Attention of query rows q [B, Hq, D] (contiguous) over the caches (checked by check_caches);
+// see paged_decode below for the arguments.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale, int64_t window) {
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -208,7 +205,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "paged_decode: head shapes");
   const DecodeFn fn = pick<1>(Hq / Hkv);
   TORCH_CHECK(fn != nullptr, "paged_decode: at most ", kMaxGroup, " query heads per kv head");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.size(0) == B,
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.dim() == 1 && lens.size(0) == B,
               "paged_decode: one block table row and length per query row");
   const int64_t max_blocks = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -229,6 +226,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   float* op = out.data_ptr<float>();
   const Shape sh{bs, Hkv, D, static_cast<float>(scale)};
   // rows cut into one contiguous range per thread holding about the same number of keys
+  // (one row runs inline: at::parallel_for starts no threads for a range of 1)
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
@@ -242,6 +240,71 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// RoPE of one head, out = x * cos + (x2, x1) * sin_signed, as worker.model.Rotary.apply computes
+// it: both products rounded, then their sum (the extension is built with -ffp-contract=off, so
+// the compiler fuses neither into an FMA) -- bit for bit torch's result, which HF's equals.
+inline void rope_head(const float* x, const float* cos, const float* sin_signed, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + x[d + half] * sin_signed[d];
+  for (int64_t d = half; d < D; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin_signed[d];
+}
+
+}  // namespace
+
+// query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks]
+// int64; seq_lens [B] int64 (keys 0 .. L-1 are read); window > 0 reads only the last `window`
+// keys (L - window .. L - 1). Returns [B, Hq, D].
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && query.device().is_cpu(), "paged_decode: query [B, Hq, D] on CPU");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode: fp32 only");
+  check_caches(k_cache, v_cache, block_tables, seq_lens, scale);
+  return attend(query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, window);
+}
+
+// A decode step's attention for one layer in one call: RoPE of q and k, k and v written to their
+// cache slots, then paged_decode of the rotated queries (what worker.model.DecoderLayer runs as
+// Rotary.apply, reference.write_kv and paged_attention, without the ops between them).
+// qkv [B, >= (Hq + 2 Hkv) D] (unit column stride): each token's q | k | v heads before RoPE;
+// cos, sin_signed [B, 1, D] or [B, D]: the RoPE rows of each token's position (Rotary.tables);
+// slot_mapping [B] int64: each token's cache slot; the rest as paged_decode. Every k/v row is
+// written before any row attends, as write_kv then paged_attention do. Returns [B, Hq * D].
+torch::Tensor rope_paged_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed,
+                                torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                                torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window,
+                                int64_t num_heads) {
+  check_caches(k_cache, v_cache, block_tables, seq_lens, scale);
+  const int64_t B = qkv.size(0), Hq = num_heads, Hkv = k_cache.size(2), D = k_cache.size(3);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= (Hq + 2 * Hkv) * D, "rope_paged_decode: qkv [B, (Hq + 2 Hkv) D] fp32 CPU");
+  TORCH_CHECK(Hq > 0 && D % 2 == 0, "rope_paged_decode: num_heads > 0 and an even head_dim");
+  const auto c = cos.reshape({B, D}).contiguous(), s = sin_signed.reshape({B, D}).contiguous();
+  TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.device().is_cpu() &&
+                  s.device().is_cpu(), "rope_paged_decode: cos, sin_signed [B, D] fp32 CPU");
+  const auto sm = slot_mapping.contiguous();
+  TORCH_CHECK(sm.scalar_type() == at::kLong && sm.dim() == 1 && sm.size(0) == B,
+              "rope_paged_decode: slot_mapping [B] int64");
+  const int64_t* smp = sm.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(smp[b] >= 0 && smp[b] < slots, "rope_paged_decode: slot out of range");
+  auto q = torch::empty({B, Hq, D}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {  // a few KB per token: serial
+    const float* x = xp + b * qkv.stride(0);
+    const float* cb = cp + b * D;
+    const float* sb = sp + b * D;
+    for (int64_t h = 0; h < Hq; ++h) rope_head(x + h * D, cb, sb, D, qp + (b * Hq + h) * D);
+    for (int64_t h = 0; h < Hkv; ++h) rope_head(x + (Hq + h) * D, cb, sb, D, kp + (smp[b] * Hkv + h) * D);
+    std::copy(x + (Hq + Hkv) * D, x + (Hq + 2 * Hkv) * D, vp + smp[b] * Hkv * D);
+  }
+  return attend(q, k_cache, v_cache, block_tables, seq_lens, scale, window).view({B, Hq * D});
+}
+
 void bind_linear(pybind11::module& m);  // csrc/linear.cpp: the packed-weight linear kernels
 void bind_block_copy(pybind11::module& m);  // csrc/block_copy.cpp: KV blocks between the pool and the host tier
 
@@ -249,5 +312,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_linear(m);
   bind_block_copy(m);
   m.def("paged_decode", &paged_decode, "decode attention over a paged fp32 KV cache (CPU)");
+  m.def("rope_paged_decode", &rope_paged_decode, "RoPE, KV write and decode attention of one layer (CPU fp32)");
   m.attr("max_group") = kMaxGroup;
 }
