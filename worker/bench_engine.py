@@ -131,7 +131,7 @@ def measure_linear_gb_s(model: Any, rows: int, device: str = "cpu", repeats: int
             layer.o_proj.add_to(x, o)
             layer.gate_up_proj.normed(x, layer.ln2, eps)
             layer.down_proj.add_to(x, h)
-        model.lm_head(x)
+        model.lm_head.normed(x, model.norm, eps)
 
     cost = model_cost(model)
     return cost.weight_bytes / _best(step, repeats, _sync(device)) / 1e9

@@ -351,5 +351,4 @@ class LlamaModel:
                       None if obs is None else functools.partial(obs, i))
         if logits_indices is not None and keep is None:
             x = x[logits_indices]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        return self.lm_head.normed(x, self.norm, self.cfg.rms_norm_eps).float()
