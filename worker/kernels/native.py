@@ -6,7 +6,9 @@ by `pack_linear` into a layout the kernel streams near the read bandwidth (see c
 `paged_decode` is decode attention read in place from an fp32 paged cache: the torch path
 (`worker.kernels.decode`) gathers every block a step reads into a dense copy and reads it
 again in SDPA, which makes decode attention memory-bound on CPU; the kernel reads each
-cached byte once. Everything it does not cover (GPU, other dtypes, quantized caches, score
+cached byte once; `rope_paged_decode` is the same attention with the layer's RoPE and KV write
+before it, one call per layer of a decode step (what `worker.kernels.backend`'s native ops offer
+the model as `rope_decode`). Everything they do not cover (GPU, other dtypes, quantized caches, score
 collection for H2O) stays on the torch path, which is also the oracle it is tested against.
 
 Built with `torch.utils.cpp_extension` (a C++ compiler and ninja; ~30-40 s once) into
