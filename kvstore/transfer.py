@@ -31,7 +31,11 @@ its payload were larger than a v2 receiver's buffers, the receiving process woul
 upgrade the workers of a cluster together.
 
 The checksum is xxh3_64 rather than crc32: crc32 hashed several times slower than xxh3
-here, slower than gloo loopback moves bytes. The hashing releases the GIL.
+here, slower than gloo loopback moves bytes. It is computed by the worker's native kernel when
+built (`checksum_kernel`: worker/kernels/csrc/block_hash.cpp, one call per piece, AVX-512 or
+AVX2, GIL released; on the dev box ~75 GB/s on a piece in cache against ~30 GB/s for the
+python path's one `xxhash` update per (plane, block) chunk), else by python-xxhash; both give
+the same digests, so the wire does not say which, and either side may lack the kernel.
 
 What gloo (torch 2.13) does on failure, found by experiment, and what this module does:
 - A peer process that dies: every pending and later op with it fails at once with

@@ -60,6 +60,21 @@ def test_native_equals_python_and_oracle_for_every_cut(kernel: object, num_layer
         assert digests(blocks, cuts, None) == want, cuts
 
 
+@pytest.mark.parametrize("avx512", [True, False], ids=["best-isa", "avx2-or-scalar"])
+def test_each_vector_path_equals_the_oracle(kernel: object, avx512: bool) -> None:
+    """The kernel takes AVX-512 where the CPU has it; avx512=False keeps to the AVX2 (or
+    scalar) loop, so both run on a machine with AVX-512."""
+    for num_layers, chunk_bytes, cut in ((30, 12288, 7), (3, 100, 1), (2, 1000, 1)):
+        blocks = payload(num_layers, 4, chunk_bytes, seed=chunk_bytes)
+        total = 2 * num_layers * chunk_bytes
+        state = kernel.xxh3_blocks_init(4)  # type: ignore[attr-defined]
+        for part in (blocks[:cut], blocks[cut:]):
+            kernel.xxh3_blocks_update(state, part.reshape(-1, 4, chunk_bytes).contiguous(), total,  # type: ignore[attr-defined]
+                                      avx512=avx512)
+        got = [v % (1 << 64) for v in kernel.xxh3_blocks_digest(state, total).tolist()]  # type: ignore[attr-defined]
+        assert got == oracle(blocks), (num_layers, chunk_bytes)
+
+
 def test_total_of_exactly_241_bytes_and_fp32_views(kernel: object) -> None:
     raw = payload(1, 3, 241, seed=1)        # 2 planes of 241 bytes: 482 per block
     assert digests(raw, [], kernel) == oracle(raw)
