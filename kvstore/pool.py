@@ -1,4 +1,4 @@
-"""The block allocator: block ids, ref counts, an LRU free queue and the hash→block map.
+"""The block allocator: block ids, ref counts, a segmented LRU free queue and the hash→block map.
 
 The design of vLLM v1 (0.10) `BlockPool`, without tensors (this module imports no torch):
 
@@ -11,6 +11,16 @@ The design of vLLM v1 (0.10) `BlockPool`, without tensors (this module imports n
 - Freed blocks are appended in the order the caller gives them. A finished sequence's
   blocks should be given tail first (`free_sequence` does that), so a prefix's tail
   blocks are evicted before its head blocks, which more requests share.
+- Reuse-aware eviction (segmented LRU, as in SGLang's radix cache, which evicts a shared
+  prefix only after the requests' own tails hanging off it): a cached block that a later
+  request reused (`touch`) is *protected*. Freed, it joins the protected queue, which
+  `allocate` takes from only when the probation queue (free blocks never reused: empty
+  ones, finished requests' own tails) is empty. So under pressure a pool keeps the prefixes
+  its requests share and evicts the one-off questions first, where a plain LRU (vLLM's)
+  evicts an idle shared prefix as soon as it is older than the last few requests' tails.
+  The protected queue holds at most `protected_frac` of the pool; past that its least
+  recently freed block moves back to the probation queue's tail (so a stale prefix still
+  ages out). `protected_frac=0` is vLLM's plain LRU.
 - With `enable_prefix_caching=False` the hash map is a null object that stores nothing:
   `cache_full_blocks` caches nothing and `find_longest_prefix` finds nothing.
 """
@@ -76,12 +86,14 @@ class BlockInfo(NamedTuple):
 class _Block:
     """Metadata of one block; `prev`/`next` link it into the free queue while free."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "reused", "protected", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = BlockId(block_id)
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.reused = False      # its cached hash was reused by a later request (`touch`)
+        self.protected = False   # free, in the protected queue
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -154,12 +166,14 @@ class _NullHashIndex(_HashIndex):
 
 
 class BlockPool:
-    """Ref-counted blocks `0..num_blocks-1` with an LRU free queue and a prefix cache.
+    """Ref-counted blocks `0..num_blocks-1` with a segmented LRU free queue (probation, then
+    protected: see the module docstring) and a prefix cache.
 
     Ownership: `allocate` returns blocks at ref_cnt 1, owned by the caller; `touch` adds
     one reference per block for a request reusing cached blocks; `free` drops one. A block
     id is safe to read/write while the caller holds a reference. Only free blocks are ever
-    evicted, and only by `allocate` (least recently freed first) or `reset_prefix_cache`.
+    evicted, and only by `allocate` (least recently freed first, never-reused blocks before
+    reused ones) or `reset_prefix_cache`.
     `on_evict(block_ids, block_hashes)` runs once per `allocate` that drops cached hashes,
     before it drops them, while the blocks still hold that content (the host tier offloads
     them there in one batch); if it raises, the pool is unchanged. Events are recorded only with `enable_kv_cache_events` (drain them
@@ -168,11 +182,16 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
                  on_evict: EvictCallback | None = None,
-                 enable_kv_cache_events: bool = True) -> None:
+                 enable_kv_cache_events: bool = True, protected_frac: float = 0.8) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
+        if not 0.0 <= protected_frac <= 1.0:
+            raise ValueError(f"protected_frac={protected_frac!r} must be in [0, 1]")
         self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free = _FreeQueue(self._blocks)
+        self._free = _FreeQueue(self._blocks)           # probation: allocate takes these first
+        self._protected = _FreeQueue(())                # free blocks a later request reused
+        self._max_protected = int(protected_frac * num_blocks)
+        self._num_reused = 0
         self._index: _HashIndex = _HashIndex() if enable_prefix_caching else _NullHashIndex()
         self._on_evict = on_evict
         self._record_events = enable_kv_cache_events
@@ -188,18 +207,26 @@ class BlockPool:
         """
         if n < 0:
             raise ValueError(f"n={n} must be >= 0")
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
+        if n > self.num_free_blocks:
+            raise OutOfBlocks(n, self.num_free_blocks)
         if self._on_evict is not None:
-            evicted = [b for b in self._free.walk(forward=True, limit=n) if b.block_hash is not None]
+            evicted = [b for b in self._victims(n) if b.block_hash is not None]
             if evicted:
                 self._on_evict([b.block_id for b in evicted], [b.block_hash for b in evicted])  # type: ignore[misc]
-        taken = [self._free.popleft() for _ in range(n)]
+        from_probation = min(n, len(self._free))
+        taken = [self._free.popleft() for _ in range(from_probation)]
+        taken += [self._protected.popleft() for _ in range(n - from_probation)]
         for block in taken:
+            block.protected = False
             if block.block_hash is not None:
                 self._drop_hash(block)
             block.ref_cnt = 1
         return [block.block_id for block in taken]
+
+    def _victims(self, n: int) -> list[_Block]:
+        """The `n` blocks `allocate(n)` would take, in order."""
+        first = self._free.walk(forward=True, limit=n)
+        return first + self._protected.walk(forward=True, limit=n - len(first))
 
     def free(self, block_ids: Sequence[BlockId]) -> None:
         """Drop one reference per listed block; blocks reaching 0 join the free queue tail
@@ -215,7 +242,20 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free.append(block)
+                self._release(block)
+
+    def _release(self, block: _Block) -> None:
+        """A block at ref_cnt 0 joins its free queue's tail (a reused cached block the
+        protected one, whose oldest block moves to probation when it is over its cap)."""
+        if block.reused and block.block_hash is not None and self._max_protected > 0:
+            block.protected = True
+            self._protected.append(block)
+            if len(self._protected) > self._max_protected:
+                oldest = self._protected.popleft()
+                oldest.protected = False
+                self._free.append(oldest)
+        else:
+            self._free.append(block)
 
     def free_sequence(self, block_ids: Sequence[BlockId]) -> None:
         """Free a sequence's blocks given in sequence order: its tail is evicted first."""
@@ -233,8 +273,12 @@ class BlockPool:
                 raise ValueError(f"touching free block {block.block_id}, which caches nothing")
         for block in blocks:
             if block.ref_cnt == 0:
-                self._free.remove(block)
+                (self._protected if block.protected else self._free).remove(block)
+                block.protected = False
             block.ref_cnt += 1
+            if block.block_hash is not None and not block.reused:
+                block.reused = True
+                self._num_reused += 1
 
     def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
                           parent_hash: BlockHash | None = None) -> None:
@@ -290,8 +334,14 @@ class BlockPool:
         """
         if self.num_used_blocks:
             return False
+        while len(self._protected):       # nothing is reused any more: all back to probation
+            block = self._protected.popleft()
+            block.protected = False
+            self._free.append(block)
         for block in self._blocks:
             block.block_hash = None
+            block.reused = False
+        self._num_reused = 0
         self._index.map.clear()
         self._record(AllBlocksCleared())
         return True
@@ -303,7 +353,19 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can take now, including cached ones nobody references."""
-        return len(self._free)
+        return len(self._free) + len(self._protected)
+
+    @property
+    def num_protected_blocks(self) -> int:
+        """Free blocks caching a reused prefix: `allocate` evicts them only after every other
+        free block (the rest of `num_free_blocks` is room for new blocks that evicts no
+        reused prefix)."""
+        return len(self._protected)
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Cached blocks (in use or free) that a later request reused."""
+        return self._num_reused
 
     @property
     def num_cached_blocks(self) -> int:
@@ -312,7 +374,7 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         """Blocks with ref_cnt > 0."""
-        return len(self._blocks) - len(self._free)
+        return len(self._blocks) - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -328,7 +390,7 @@ class BlockPool:
 
     def free_block_ids(self) -> list[BlockId]:
         """The free queue, head first: the order in which `allocate` would take blocks."""
-        return [b.block_id for b in self._free.walk(forward=True, limit=len(self._blocks))]
+        return [b.block_id for b in self._victims(len(self._blocks))]
 
     def stats(self) -> PoolStats:
         return PoolStats(self._queries, self._hits, self._query_blocks, self._hit_blocks,
@@ -351,12 +413,22 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
         n = len(self._blocks)
-        forward = self._free.walk(forward=True, limit=n + 1)  # n + 1: a cycle shows
-        backward = self._free.walk(forward=False, limit=n + 1)
-        assert len(forward) <= n, "free queue has a cycle (forward walk)"
-        assert len(forward) == len(self._free), \
-            f"free queue length {len(self._free)} != {len(forward)} linked blocks"
-        assert forward == backward[::-1], "free queue forward and backward walks disagree"
+        forward: list[_Block] = []
+        for name, queue in (("probation free", self._free), ("protected free", self._protected)):
+            walk = queue.walk(forward=True, limit=n + 1)  # n + 1: a cycle shows
+            backward = queue.walk(forward=False, limit=n + 1)
+            assert len(walk) <= n, f"{name} queue has a cycle (forward walk)"
+            assert len(walk) == len(queue), f"{name} queue length {len(queue)} != {len(walk)} linked blocks"
+            assert walk == backward[::-1], f"{name} queue forward and backward walks disagree"
+            assert all(b.protected == (queue is self._protected) for b in walk), \
+                f"a block's protected flag disagrees with its place in the {name} queue"
+            forward += walk
+        assert len(self._protected) <= self._max_protected, "protected queue over its cap"
+        assert all(b.reused and b.block_hash is not None for b in self._protected.walk(True, n)), \
+            "the protected queue holds a block that caches nothing or was never reused"
+        assert all(b.block_hash is not None or not b.reused for b in self._blocks), \
+            "an uncached block is marked reused"
+        assert self._num_reused == sum(b.reused for b in self._blocks), "reused-block count is off"
         free_ids = {b.block_id for b in forward}
         assert len(free_ids) == len(forward), "a block appears twice in the free queue"
         for block in self._blocks:
@@ -387,6 +459,9 @@ class BlockPool:
         assert block_hash is not None
         del self._index.map[block_hash]
         block.block_hash = None
+        if block.reused:
+            block.reused = False
+            self._num_reused -= 1
         self._evictions += 1
         self._record(BlockRemoved(block_hash, block.block_id))
 

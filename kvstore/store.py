@@ -71,6 +71,8 @@ class StoreUsage(NamedTuple):
     prefix_query_blocks: int
     prefix_hit_blocks: int
     num_onloaded_blocks: int
+    num_protected_blocks: int = 0    # free, caching a reused prefix: evicted last
+    num_reused_blocks: int = 0       # cached and reused by a later request (in use or free)
 
 
 class NoHostTier(KVStoreError):
@@ -130,7 +132,8 @@ class KVStore:
         p, h = self.pool, self.host
         return StoreUsage(p.num_blocks, p.num_free_blocks, p.num_used_blocks, p.num_cached_blocks,
                           h.num_blocks if h else 0, h.num_used_blocks if h else 0, self._queries,
-                          self._query_blocks, self._hit_blocks, self._onloaded)
+                          self._query_blocks, self._hit_blocks, self._onloaded, p.num_protected_blocks,
+                          p.num_reused_blocks)
 
     def inventory(self) -> dict[Tier, list[BlockHash]]:
         """Every hash the store can serve now, per tier (a full snapshot for the block index)."""

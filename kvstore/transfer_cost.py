@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvstore.transfer import BlockSpec, BlockTransfer, block_checksums
+from kvstore.transfer import BlockSpec, BlockTransfer, ChecksumKernel, block_checksums
 from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, connect_store
 
 _GO_TAG, _DATA_TAG, _ACK_TAG, _FIGURES_TAG = ((1 << 31) - 1 - i for i in range(4))  # above transfer tags
@@ -74,13 +74,14 @@ class CostModel:
         return self.fetch_s(num_blocks, bytes_per_block) < self.recompute_s(num_blocks * block_size)
 
 
-def measure_checksum(nbytes: int = 16 << 20, repeats: int = 3) -> float:
-    """Bytes per second of `block_checksums` on this host (best of `repeats`)."""
+def measure_checksum(nbytes: int = 16 << 20, repeats: int = 3, kernel: ChecksumKernel | None = None) -> float:
+    """Bytes per second of `block_checksums` on this host (best of `repeats`), with `kernel`
+    as the transfers will use it."""
     data = torch.randint(0, 256, (1, 2, 16, nbytes // 32), dtype=torch.uint8)  # [1, 2, n, bytes]
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        block_checksums(data, 16)
+        block_checksums(data, 16, kernel)
         best = min(best, time.perf_counter() - t0)
     return data.numel() / best
 
@@ -181,13 +182,18 @@ class PeerVsRaw(NamedTuple):
 _BENCH_KEY = "bench"
 
 
-def _bench_sender(address: str, spec: BlockSpec, num_blocks: int, repeats: int, timeout_s: float) -> None:
+KernelLoader = Callable[[], ChecksumKernel | None]
+
+
+def _bench_sender(address: str, spec: BlockSpec, num_blocks: int, repeats: int, timeout_s: float,
+                  kernel_loader: KernelLoader | None) -> None:
     cfg = TransferConfig(timeout_s=timeout_s, connect_timeout_s=timeout_s)
     pair = PairGroup.form(_BENCH_KEY, connect_store(address, timeout_s), 1, PeerId("bench-receiver", 0), "cpu", cfg)
-    _bench_pair(pair, spec, num_blocks, repeats, timeout_s)
+    _bench_pair(pair, spec, num_blocks, repeats, timeout_s, None if kernel_loader is None else kernel_loader())
 
 
-def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int, timeout: float) -> PeerVsRaw:
+def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int, timeout: float,
+                kernel: ChecksumKernel | None) -> PeerVsRaw:
     """Raw send, transfer into a staging buffer, transfer into a fresh tensor: one of each
     per round (so load drifting on a shared box hits all three alike), medians reported."""
     receiver, nbytes = pair.local_rank == 0, num_blocks * spec.bytes_per_block
@@ -195,7 +201,7 @@ def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int,
     data = data.view(spec.shape(num_blocks))  # [L, 2, n, bs, H, D]: sent, or the staging buffer
     raw_buf = torch.zeros(nbytes, dtype=torch.uint8)
     hashes = list(range(num_blocks))
-    transfer = BlockTransfer(timeout)
+    transfer = BlockTransfer(timeout, checksum_kernel=kernel)
 
     def raw() -> None:
         pair.wait((pair.irecv if receiver else pair.isend)(raw_buf, _DATA_TAG), timeout)
@@ -206,7 +212,7 @@ def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int,
         def once() -> None:
             if receiver:
                 got = transfer.recv(pair, transfer_id, num_blocks, spec, data if staging else None).result()
-                assert got.times is not None
+                assert got.times is not None and all(got.ok), "a benchmark transfer failed its checksums"
                 figures = [got.times.first_piece_s, got.times.last_piece_s, got.times.hashing_s, got.times.total_s]
             else:
                 figures = [transfer.send(pair, transfer_id, data, hashes).result().hashing_s]
@@ -232,17 +238,21 @@ def _bench_pair(pair: PairGroup, spec: BlockSpec, num_blocks: int, repeats: int,
                      ours_cpu, raw_cpu, PeerPhases(*figures[5:]))
 
 
-def peer_vs_raw(spec: BlockSpec, num_blocks: int, repeats: int = 5, timeout_s: float = 30.0) -> PeerVsRaw:
+def peer_vs_raw(spec: BlockSpec, num_blocks: int, repeats: int = 5, timeout_s: float = 30.0,
+                kernel_loader: KernelLoader | None = None) -> PeerVsRaw:
     """Peer transfer of `num_blocks` blocks vs one raw gloo send of the same bytes, between
-    this process (the receiver, hosting the pair's store) and a spawned one over loopback."""
+    this process (the receiver, hosting the pair's store) and a spawned one over loopback.
+    `kernel_loader` (a module-level function: the spawned process calls it too) gives the
+    checksum kernel both sides use, as a worker's `BlockTransfer` does."""
     store = RendezvousStore("127.0.0.1", 0, timeout_s)
     child = multiprocessing.get_context("spawn").Process(
-        target=_bench_sender, args=(store.address(), spec, num_blocks, repeats, timeout_s), daemon=True)
+        target=_bench_sender, args=(store.address(), spec, num_blocks, repeats, timeout_s, kernel_loader), daemon=True)
     child.start()
     try:
         cfg = TransferConfig(timeout_s=timeout_s, connect_timeout_s=timeout_s)
         pair = PairGroup.form(_BENCH_KEY, store.store, 0, PeerId("bench-sender", 0), "cpu", cfg)
-        return _bench_pair(pair, spec, num_blocks, repeats, timeout_s)
+        return _bench_pair(pair, spec, num_blocks, repeats, timeout_s,
+                           None if kernel_loader is None else kernel_loader())
     finally:
         child.join(timeout_s)
         if child.is_alive():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import xxhash
@@ -95,32 +95,66 @@ class SendResult(NamedTuple):
     hashing_s: float = 0.0   # of `seconds`, spent on the checksums (overlapping the wire)
 
 
+class ChecksumKernel(Protocol):
+    """Per-block XXH3-64 streams in native code (`worker.kernels.native.checksum_kernel()`;
+    kvstore imports no worker code): bit-equal to the python path, for blocks of more than
+    `NATIVE_MIN_BLOCK_BYTES` bytes. The state is an int64 tensor, one row per block."""
+
+    def xxh3_blocks_init(self, n: int) -> torch.Tensor: ...
+
+    def xxh3_blocks_update(self, state: torch.Tensor, piece: torch.Tensor, total: int) -> None:
+        """Feed `piece` uint8 `[planes, n, chunk]` (block j: the j-th chunk of each plane) to
+        blocks of `total` bytes."""
+
+    def xxh3_blocks_digest(self, state: torch.Tensor, total: int) -> torch.Tensor:
+        """int64 [n]: the uint64 digests' bits, once every block got its `total` bytes."""
+
+
+NATIVE_MIN_BLOCK_BYTES = 241             # the kernel implements XXH3's long-input path only
+
+
 class BlockHashers:
     """Streaming xxh3_64 of each block of a `[L, 2, n, ...]` payload fed in layer order, one
-    contiguous `[l, 2, n, ...]` piece at a time (the digests do not depend on the cut)."""
+    contiguous `[l, 2, n, ...]` piece at a time (the digests do not depend on the cut). With a
+    `kernel`, one native call per piece (GIL released); else one python `update` per (plane,
+    block) chunk. Both give the same digests, so either side of a transfer may lack the kernel."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self._hashers = [xxhash.xxh3_64() for _ in range(num_blocks)]
+    def __init__(self, num_blocks: int, bytes_per_block: int, kernel: ChecksumKernel | None = None) -> None:
+        self._n, self._total = num_blocks, bytes_per_block
+        self._kernel = kernel if bytes_per_block >= NATIVE_MIN_BLOCK_BYTES else None
+        if self._kernel is not None:
+            self._state = self._kernel.xxh3_blocks_init(num_blocks)
+        else:
+            self._hashers = [xxhash.xxh3_64() for _ in range(num_blocks)]
+
+    @property
+    def native(self) -> bool:
+        return self._kernel is not None
 
     def update(self, piece: torch.Tensor) -> None:
         assert piece.is_contiguous() and piece.device.type == "cpu" and piece.numel() > 0
-        n = len(self._hashers)
-        # [planes, n, chunk] bytes; rows of a numpy view are the cheapest buffers to hand xxhash
-        rows = piece.reshape(-1).view(torch.uint8).numpy().reshape(piece.shape[0] * 2, n, -1)
+        n = self._n
+        planes = piece.reshape(-1).view(torch.uint8).view(piece.shape[0] * 2, n, -1)   # [planes, n, chunk]
+        if self._kernel is not None:
+            self._kernel.xxh3_blocks_update(self._state, planes, self._total)
+            return
+        # rows of a numpy view are the cheapest buffers to hand xxhash
         updates = [h.update for h in self._hashers]
-        for plane in rows:
+        for plane in planes.numpy():
             for update, chunk in zip(updates, plane):
                 update(chunk)
 
     def digests(self) -> list[int]:
+        if self._kernel is not None:
+            return [_u64(v) for v in self._kernel.xxh3_blocks_digest(self._state, self._total).tolist()]
         return [h.intdigest() for h in self._hashers]
 
 
-def block_checksums(payload: torch.Tensor, num_blocks: int) -> list[int]:
+def block_checksums(payload: torch.Tensor, num_blocks: int, kernel: ChecksumKernel | None = None) -> list[int]:
     """xxh3_64 of each block's bytes in a contiguous `[L, 2, n, ...]` payload (host memory).
 
     Block j's bytes are the j-th chunk of each of the 2L (layer, K|V) planes."""
-    hashers = BlockHashers(num_blocks)
+    hashers = BlockHashers(num_blocks, payload.numel() * payload.element_size() // num_blocks, kernel)
     hashers.update(payload)
     return hashers.digests()
 

@@ -245,8 +245,9 @@ def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s:
 
 
 def diagnostics(served: list[_Served], full_prefix: int) -> dict[str, Any]:
-    """What TTFT is made of: cold vs warm requests, and how evenly the requests in flight were
-    spread over the workers over time (time-averaged in flight per worker, its max / mean)."""
+    """What TTFT is made of: cold vs warm requests, how many other prefills each warm request
+    shared its worker's steps with (mean), and how evenly the requests in flight were spread
+    over the workers over time (time-averaged in flight per worker, its max / mean)."""
     cold = [s.ttft_s for s in served if s.cached_tokens < full_prefix]
     warm = [s.ttft_s for s in served if s.cached_tokens >= full_prefix]
     t0, t1 = min(s.start for s in served), max(s.end for s in served)
@@ -255,10 +256,21 @@ def diagnostics(served: list[_Served], full_prefix: int) -> dict[str, Any]:
         area[s.worker_id] = area.get(s.worker_id, 0.0) + (s.end - s.start)
     mean_in_flight = {w: a / (t1 - t0) for w, a in sorted(area.items())} if t1 > t0 else {}
     avg = sum(mean_in_flight.values()) / len(mean_in_flight) if mean_in_flight else 0.0
+    warm_served = [s for s in served if s.cached_tokens >= full_prefix]
     return {"ttft_p50_cold_s": statistics.median(cold) if cold else None,
             "ttft_p50_warm_s": statistics.median(warm) if warm else None,
+            "warm_prefill_overlap": (statistics.mean(_prefill_overlap(s, served) for s in warm_served)
+                                     if warm_served else None),
             "mean_in_flight_per_worker": mean_in_flight,
             "in_flight_imbalance": max(mean_in_flight.values()) / avg if avg else None}
+
+
+def _prefill_overlap(one: _Served, served: list[_Served]) -> int:
+    """Other requests on `one`'s worker waiting for their first token while it waited for its
+    own: the prefills it shared steps with (what a burst of arrivals on one worker costs)."""
+    t0, t1 = one.start, one.start + one.ttft_s
+    return sum(1 for s in served if s is not one and s.worker_id == one.worker_id
+               and s.start < t1 and s.start + s.ttft_s > t0)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

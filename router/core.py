@@ -305,22 +305,38 @@ class Router:
         return bool(response.found)
 
     def routing_state(self, route: RouteRequest) -> RoutingState:
-        """The policy's view now: in-flight and KV load per live worker, and the leading
-        prompt blocks each holds according to the block index (empty without one)."""
-        loads = {w.info.worker_id: w.load for w in self.registry.live() if w.info is not None}
+        """The policy's view now: in-flight and KV load per live worker, the leading prompt
+        blocks each holds according to the block index (empty without one) and those it could
+        fetch from a peer."""
+        return self._routing_view(route)[0]
+
+    def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int],
+                                                          dict[WorkerId, tuple[str, int, int]]]:
+        """The state, the leading blocks each worker has stored (not pending: a peer can send
+        only those) and the workers with a peer plane (id → address, rank, world size)."""
+        live = [w for w in self.registry.live() if w.info is not None]
+        loads = {w.info.worker_id: w.load for w in live}
         index = self.registry.index
         self.prefills.expire(index)
-        cached = index.match_prefix(route.block_hashes, list(loads)) if index is not None else {}
+        cached = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads)).items()}
+                  if index is not None else {})
+        stored = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads),
+                                                                  pending=False).items()}
+                  if isinstance(index, BlockIndex) else cached)
+        peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in live if w.rank is not None}
+        fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers
+                                      and peers[o][2] == peers[wid][2]), default=0) - cached.get(wid, 0))
+                     for wid in peers}
         info = self.model_info
-        return RoutingState(loads, {WorkerId(k): v for k, v in cached.items()},
-                            self.prefills.queued_tokens(index, loads, route),
-                            info.block_size if info is not None and info.block_size else 16,
-                            self.prefills.mean_in_flight(loads))
+        state = RoutingState(loads, cached, self.prefills.queued_tokens(index, loads, route),
+                             info.block_size if info is not None and info.block_size else 16,
+                             self.prefills.mean_in_flight(loads), fetchable)
+        return state, stored, peers
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
         cached, and the peer to hint when another live worker holds more of the prompt."""
-        state = self.routing_state(route)
+        state, stored, peers = self._routing_view(route)
         chosen = self.policy.pick(self.live_workers(), route, state, exclude=tried)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
@@ -329,12 +345,6 @@ class Router:
         # The worker recomputes at least the last prompt token, as the engine's lookup does.
         max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
         blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
-        peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in self.registry.live()
-                 if w.info is not None and w.rank is not None}
-        index = self.registry.index   # a peer can send only what it has stored, not what it computes
-        stored = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(state.loads),
-                                                                  pending=False).items()}
-                  if isinstance(index, BlockIndex) else state.cached_blocks)
         hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
         return Pick(self.registry.entry(chosen.address), blocks * bs, hint)
 

@@ -10,6 +10,7 @@ This module imports no torch: the workers load their engines in their own proces
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -85,7 +86,17 @@ def _worker_argv(cfg: ServeConfig, name: str, port: int, metrics_port: int, peer
     return [cfg.python, "-m", "router.cli", "worker", "--host", _LOOPBACK, "--port", str(port),
             "--metrics-port", str(metrics_port), "--log-format", cfg.log_format, "--worker-id", name,
             "--cluster-name", cfg.cluster_name,
-            "--model", cfg.model, *peer_argv, *cfg.worker_tls_argv(), *cfg.engine_argv]
+            "--model", cfg.model, *peer_argv, *cfg.worker_tls_argv(), *_threads_argv(cfg), *cfg.engine_argv]
+
+
+def _threads_argv(cfg: ServeConfig) -> list[str]:
+    """Each local worker's share of the cores this process may use (`--threads`), unless the
+    engine flags set it: N workers each running every core's worth of threads would make
+    2N threads take turns on N cores, and a worker's prefill would stall the others' decode
+    (vLLM's CPU backend binds each worker to its own cores for the same reason)."""
+    if any(a.split("=", 1)[0] == "--threads" for a in cfg.engine_argv):
+        return []
+    return ["--threads", str(max(1, len(os.sched_getaffinity(0)) // max(1, cfg.workers)))]
 
 
 

@@ -53,6 +53,7 @@ class WorkerEntry:
     in_flight: int = 0                      # streams the router has open on it
     free_blocks: int = 0                    # from its last GetLoad
     num_blocks: int = 0
+    reused_blocks: int = 0                  # cached blocks a later request reused
     rank: int | None = None                 # set (legacy 0) when it has a peer plane (from GetLoad)
     world_size: int = 0
     refused: str | None = None              # why it may never serve (logged once)
@@ -65,7 +66,7 @@ class WorkerEntry:
 
     @property
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks)
+        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks, self.reused_blocks)
 
 
 class WorkerRegistry:
@@ -266,6 +267,7 @@ class WorkerRegistry:
                 load = await w.stub.GetLoad(pb.LoadRequest(), timeout=timeout)
                 w.worker_id = WorkerId(load.worker_id)
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
+                w.reused_blocks = load.num_reused_blocks
                 in_group = load.HasField("peer")     # a peer plane: pairs form on demand
                 w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
                 if w.info is not None:

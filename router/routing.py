@@ -51,6 +51,13 @@ class WorkerLoad:
     in_flight: int = 0            # requests the router has open on it
     free_blocks: int = 0          # from the worker's last GetLoad
     num_blocks: int = 0           # 0: the worker has not reported its pool yet
+    reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
+
+    @property
+    def committed(self) -> float:
+        """The fraction of the pool holding reused prefixes (0 without a report): the chance
+        that a block placed there now displaces one of them, sooner or later."""
+        return min(1.0, max(0, self.reused_blocks) / self.num_blocks) if self.num_blocks > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,9 @@ class RoutingState:
     block_size: int = 16
     # Sustained load: in-flight requests averaged over the last minute or so (router/inflight.py).
     mean_in_flight: Mapping[WorkerId, float] = field(default_factory=dict)
+    # Leading prompt blocks beyond its own `cached_blocks` that the worker can fetch from a
+    # peer that has stored them (peer transfer; 0 or missing without a peer plane).
+    fetchable_blocks: Mapping[WorkerId, int] = field(default_factory=dict)
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         return self.loads.get(worker_id, _NO_LOAD)

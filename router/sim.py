@@ -178,7 +178,9 @@ class _Sim:
         cfg = self.cfg
         ids = [w.worker_id for w in self.workers]
         self.prefills.expire(self.index)
-        state = RoutingState({w: WorkerLoad(self.in_flight[w], cfg.cache_blocks, cfg.cache_blocks) for w in ids},
+        pools = self.pools
+        state = RoutingState({w: WorkerLoad(self.in_flight[w], pools[w].pool.num_free_blocks, cfg.cache_blocks,
+                                            pools[w].pool.num_reused_blocks) for w in ids},
                              {WorkerId(k): v for k, v in self.index.match_prefix(route.block_hashes, ids).items()},
                              self.prefills.queued_tokens(self.index, ids, route), cfg.block_size,
                              self.prefills.mean_in_flight(ids))

@@ -68,11 +68,14 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
     layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, resolve_kv_cache_dtype("auto", "fp32"))
     offload = bench_offload(layout, 64 if args.quick else 256, 3 if args.quick else 5, args.seed)
     from kvstore.transfer_cost import peer_vs_raw
-    r = peer_vs_raw(BlockSpec.of(KVTensors(layout, 1).kv), 64 if args.quick else 128, 3 if args.quick else 5)
+    from worker.kernels import native
+    r = peer_vs_raw(BlockSpec.of(KVTensors(layout, 1).kv), 64 if args.quick else 128, 3 if args.quick else 5,
+                    kernel_loader=native.checksum_kernel)   # as the workers' transfers hash
     peer = {"num_blocks": r.num_blocks, "num_bytes": r.num_bytes, "peer_gb_s": r.peer_bytes_s / _GB,
             "peer_alloc_gb_s": r.peer_alloc_bytes_s / _GB, "raw_gb_s": r.raw_bytes_s / _GB,
             "peer_vs_raw": r.ratio, "target": 0.7, "link_gb_s": r.link.bandwidth_bytes_s / _GB,
             "link_latency_us": r.link.latency_s * 1e6,
+            "native_checksums": native.checksum_kernel() is not None,
             "peer_cpu_ms": r.peer_cpu_s * 1e3, "raw_cpu_ms": r.raw_cpu_s * 1e3,
             "cpu_vs_raw": r.raw_cpu_s / r.peer_cpu_s if r.peer_cpu_s > 0 else 0.0,
             "phases_ms": {k.removesuffix("_s"): v * 1e3 for k, v in r.phases._asdict().items()}}

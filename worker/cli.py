@@ -42,6 +42,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto",
                    help="auto | torch | native | triton: the attention kernels (auto: triton on CUDA, "
                         "native on CPU when built, else torch)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for the engine's ops (torch.set_num_threads); 0 = torch's default, every "
+                        "core the process may use. `kvmesh serve --workers N` gives each local worker "
+                        "its share of the cores unless this is set")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="CUDA: run decode eagerly instead of replaying captured CUDA graphs")
 
@@ -56,7 +60,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib,
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
                             attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay,
-                            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                            threads=args.threads)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

@@ -54,6 +54,8 @@ class Scores(NamedTuple):
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
@@ -423,7 +425,7 @@ class Engine:
                            self.store.host.stats().offloaded if self.store.host is not None else 0,
                            self.store.pool.stats().evictions,
                            self.evictor.num_evicted_tokens if self.evictor is not None else 0,
-                           u.num_cached_blocks)
+                           u.num_cached_blocks, u.num_protected_blocks, u.num_reused_blocks)
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""

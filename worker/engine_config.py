@@ -34,8 +34,11 @@ class EngineConfig:
     kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
     attention_backend: str = "auto"       # auto | torch | native | triton (worker.kernels.backend)
     enforce_eager: bool = False           # CUDA: no decode CUDA graphs (vLLM's flag; worker.cuda_graph)
+    threads: int = 0                      # CPU threads for the engine's ops (torch.set_num_threads); 0 = torch's default
 
     def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"threads={self.threads!r} must be an integer >= 0 (0 = every core)")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype={self.dtype!r}; accepted: auto, fp32, fp16, bf16")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -78,3 +81,5 @@ class EngineStats(NamedTuple):
     num_lru_evicted_blocks: int = 0   # cached device blocks dropped (reused) by allocations
     num_evicted_tokens: int = 0       # tokens dropped by token eviction (kv_eviction)
     num_cached_blocks: int = 0        # device blocks holding a cached prefix (in use or free)
+    num_protected_blocks: int = 0     # free blocks caching a reused prefix (evicted last)
+    num_reused_blocks: int = 0        # cached blocks a later request reused (in use or free)

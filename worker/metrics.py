@@ -203,6 +203,10 @@ class _StatsCollector(Collector):
                     stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0)
         yield gauge("host_tier_usage_perc", "Fraction of host-tier KV blocks in use (0-1)",
                     stats.num_host_blocks / stats.host_num_blocks if stats.host_num_blocks else 0.0)
+        yield gauge("kv_reused_blocks", "Device blocks caching a prefix a later request reused (in use or free)",
+                    stats.num_reused_blocks)
+        yield gauge("kv_protected_blocks", "Free device blocks caching a reused prefix (evicted after every "
+                    "other free block)", stats.num_protected_blocks)
         yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later)",
                       stats.num_preemptions)
         yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",

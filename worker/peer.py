@@ -52,6 +52,7 @@ from kvstore.transfer_cost import LinkEstimate, measure_checksum
 from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, TransferError
 from contracts.requests import PeerHint, SendBlocksInput
 from worker.async_engine import AsyncEngine, CountHeld, ReadBlocks, StageBlocks
+from worker.kernels import native
 from worker.peer_plan import (ASSUMED_LINK, Decision, FaultPlan, FetchPlan, PlanView, good_leading_run,
                               plan_fetch)
 
@@ -183,7 +184,7 @@ class PeerPlane:
         self._lost: dict[str, str] = {}
         store = RendezvousStore(cfg.store_host, cfg.store_port, cfg.transfer.connect_timeout_s)
         self.transfer = BlockTransfer(cfg.transfer.timeout_s, FaultPlan(cfg.faults) if cfg.faults else None,
-                                      on_broken=self._broken)
+                                      on_broken=self._broken, checksum_kernel=native.checksum_kernel())
         self.pairs = Pairs(self.me, cfg.transfer, engine.device, store, store.address(cfg.advertise_host),
                            self.transfer, on_link=self._linked)
 
@@ -191,7 +192,7 @@ class PeerPlane:
     def start(cls, cfg: PeerConfig, engine: Engine) -> PeerPlane:
         """Measure, attach the staging tier, host the rendezvous store. Waits for no peer."""
         prefill = engine.measure_prefill(cfg.prefill_probe_tokens)
-        checksum = measure_checksum()
+        checksum = measure_checksum(kernel=native.checksum_kernel())
         engine.store.ensure_host_tier(engine.layout.blocks_for(engine.max_model_len))
         plane = cls(engine, cfg, prefill, checksum)
         log.info("peer plane of %s: store %s, prefill %.0f tokens/s, checksums %.2f GB/s", plane.me,

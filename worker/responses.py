@@ -44,7 +44,8 @@ def load_response(worker_id: str, s: EngineStats, prompt_tokens: int, cached_pro
                    cached_prompt_tokens=cached_prompt_tokens, num_preemptions=s.num_preemptions,
                    num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
                    num_onloaded_blocks=s.num_onloaded_blocks,
-                   num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks)
+                   num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks,
+                   num_protected_blocks=s.num_protected_blocks, num_reused_blocks=s.num_reused_blocks)
     if peer is not None:
         load.peer.CopyFrom(peer_stats(peer))
     return load

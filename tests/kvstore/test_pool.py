@@ -288,3 +288,48 @@ def test_pool_and_keys_are_torch_free() -> None:
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                    check=True, timeout=30)
+
+
+def _serve(pool: BlockPool, tokens: list[int]) -> list[BlockId]:
+    """One request as the store admits it: reuse the cached prefix, allocate the rest, cache
+    the full blocks; returns its blocks (free them with `free_sequence`)."""
+    hashes = block_hashes(tokens, BS, SALT)
+    found = pool.find_longest_prefix(hashes)
+    pool.touch(found)
+    blocks = found + pool.allocate(-(-len(tokens) // BS) - len(found))
+    pool.cache_full_blocks(blocks, hashes)
+    return blocks
+
+
+@pytest.mark.parametrize("protected_frac, survives", [(0.8, True), (0.0, False)])
+def test_a_reused_prefix_outlives_one_off_tails(protected_frac: float, survives: bool) -> None:
+    """Segmented LRU: a prefix two requests shared stays cached while later one-off requests
+    cycle through the rest of the pool; plain LRU (protected_frac=0) evicts it first."""
+    pool = BlockPool(12, protected_frac=protected_frac)
+    shared = list(range(1, 13))                          # 3 full blocks
+    for question in ([100, 101, 102, 103], [200, 201, 202, 203]):
+        pool.free_sequence(_serve(pool, shared + question))
+    assert pool.num_reused_blocks == 3
+    assert pool.num_protected_blocks == (3 if survives else 0)
+    for i in range(6):                                   # one-off prompts, 2 blocks each
+        pool.free_sequence(_serve(pool, [1000 + 10 * i + k for k in range(8)]))
+        pool.check_integrity()
+    hashes = block_hashes(shared, BS, SALT)
+    assert len(pool.find_longest_prefix(hashes)) == (3 if survives else 0)
+
+
+def test_protected_queue_is_capped_and_reset_clears_it() -> None:
+    pool = BlockPool(10, protected_frac=0.2)             # at most 2 free protected blocks
+    shared = list(range(1, 13))                          # 3 full blocks
+    pool.free_sequence(_serve(pool, shared))
+    pool.free_sequence(_serve(pool, shared))             # reused: all 3 protected, but cap 2
+    assert pool.num_reused_blocks == 3 and pool.num_protected_blocks == 2
+    # freed tail first, the cap moved the oldest (the tail block) back to probation's tail
+    tail = pool.find_longest_prefix(block_hashes(shared, BS, SALT))[2]
+    assert pool.free_block_ids()[-3] == tail
+    pool.check_integrity()
+    assert pool.reset_prefix_cache()
+    assert pool.num_reused_blocks == pool.num_protected_blocks == 0
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="protected_frac"):
+        BlockPool(4, protected_frac=1.5)

@@ -1,7 +1,8 @@
 """BlockPool against a small list/dict model of the same pool (hypothesis state machine).
 
-The model keeps the free queue as a Python list (head = next to allocate), ref counts and
-block hashes as dicts. After every step: `check_integrity()` holds, the pool's state,
+The model keeps the free queue as two Python lists (probation, then protected: blocks a later
+request reused; head = next to allocate), ref counts, block hashes and the reused set as
+dicts/sets. After every step: `check_integrity()` holds, the pool's state,
 events and counters equal the model's, and no referenced block lost its cached hash.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvstore.pool import (AllBlocksCleared, BlockId, BlockPool, BlockRemoved, Bl
                           KVEvent, PoolStats)
 
 NUM_BLOCKS = 8
+MAX_PROTECTED = 4    # BlockPool(NUM_BLOCKS, protected_frac=0.5)
 BS = 2
 SALT = b"statemachine"
 # a 2-letter alphabet and 2-token blocks: only 4 distinct first blocks, so prefixes collide
@@ -27,7 +29,9 @@ TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=12)
 
 @dataclass
 class Model:
-    free: list[BlockId] = field(default_factory=lambda: [BlockId(i) for i in range(NUM_BLOCKS)])
+    probation: list[BlockId] = field(default_factory=lambda: [BlockId(i) for i in range(NUM_BLOCKS)])
+    protected: list[BlockId] = field(default_factory=list)
+    reused: set[BlockId] = field(default_factory=set)
     ref: dict[BlockId, int] = field(default_factory=lambda: {BlockId(i): 0
                                                              for i in range(NUM_BLOCKS)})
     hash_of: dict[BlockId, BlockHash] = field(default_factory=dict)
@@ -36,12 +40,19 @@ class Model:
     evicted: list[tuple[BlockId, BlockHash]] = field(default_factory=list)
     stats: PoolStats = PoolStats(0, 0, 0, 0, 0)
 
+    @property
+    def free(self) -> list[BlockId]:
+        return self.probation + self.protected
+
     def allocate(self, n: int) -> list[BlockId] | None:
         if n > len(self.free):
             return None
-        taken, self.free = self.free[:n], self.free[n:]
+        taken = self.free[:n]
+        self.probation = [b for b in self.probation if b not in taken]
+        self.protected = [b for b in self.protected if b not in taken]
         for b in taken:
             if b in self.hash_of:
+                self.reused.discard(b)
                 h = self.hash_of.pop(b)
                 del self.block_of[h]
                 self.evicted.append((b, h))
@@ -54,13 +65,20 @@ class Model:
         for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self.free.append(b)
+                if b in self.reused:
+                    self.protected.append(b)
+                    if len(self.protected) > MAX_PROTECTED:
+                        self.probation.append(self.protected.pop(0))
+                else:
+                    self.probation.append(b)
 
     def touch(self, blocks: list[BlockId]) -> None:
         for b in blocks:
             if self.ref[b] == 0:
-                self.free.remove(b)
+                (self.protected if b in self.protected else self.probation).remove(b)
             self.ref[b] += 1
+            if b in self.hash_of:
+                self.reused.add(b)
 
     def find(self, hashes: list[BlockHash]) -> list[BlockId]:
         found: list[BlockId] = []
@@ -84,6 +102,9 @@ class Model:
     def reset(self) -> bool:
         if any(self.ref.values()):
             return False
+        self.probation += self.protected
+        self.protected = []
+        self.reused.clear()
         self.hash_of.clear()
         self.block_of.clear()
         self.events.append(AllBlocksCleared())
@@ -101,7 +122,8 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.model = Model()
         self.evicted: list[tuple[BlockId, BlockHash]] = []
-        self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda bs, hs: self.evicted.extend(zip(bs, hs)))
+        self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda bs, hs: self.evicted.extend(zip(bs, hs)),
+                              protected_frac=MAX_PROTECTED / NUM_BLOCKS)
         self.seqs: list[Seq] = []
         self.pinned: dict[BlockId, BlockHash] = {}
 
@@ -168,6 +190,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert (info.ref_cnt, info.block_hash) == (m.ref[BlockId(b)], m.hash_of.get(BlockId(b)))
         assert self.pool.num_cached_blocks == len(m.block_of)
         assert self.pool.num_free_blocks == len(m.free)
+        assert self.pool.num_protected_blocks == len(m.protected)
+        assert self.pool.num_reused_blocks == len(m.reused)
         assert self.pool.stats() == m.stats
         assert self.pool.take_events() == m.events
         m.events.clear()

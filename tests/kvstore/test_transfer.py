@@ -21,7 +21,7 @@ from kvstore.errors import KVStoreError
 from kvstore.tensors import KVTensors
 from kvstore.transfer import BlockSpec, BlockTransfer, block_checksums
 from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, TransferError, connect_store
-from kvstore.transfer_wire import BlockHashers, num_pieces
+from kvstore.transfer_wire import BlockHashers, ChecksumKernel, num_pieces
 from kvstore.transfer_cost import CostModel, LinkEstimate, peer_vs_raw
 from tests.kvstore.transfer_peer import CORRUPT_INDEX, HASHES, LAYOUTS, SEND_IDS, TRANSFER_IDS, make_pool
 
@@ -29,15 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
-def peer(mode: str, timeout_s: float = 10.0) -> Iterator[tuple[BlockTransfer, dict[str, PairGroup],
-                                                                 subprocess.Popen[bytes]]]:
+def peer(mode: str, timeout_s: float = 10.0, checksum_kernel: ChecksumKernel | None = None
+         ) -> Iterator[tuple[BlockTransfer, dict[str, PairGroup], subprocess.Popen[bytes]]]:
     """Start the peer process in `mode`, form its pair(s) here as member 0 (keyed by mode:
-    `silent` and `late` for silent+late), and clean both up. A broken pair is retired."""
+    `silent` and `late` for silent+late), and clean both up. A broken pair is retired. The
+    peer hashes in python; this side with `checksum_kernel` if given (tests/worker/test_block_hash.py)."""
     store = RendezvousStore("127.0.0.1", 0, 30.0)
     proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.transfer_peer", store.address(), mode], cwd=REPO)
     cfg = TransferConfig(timeout_s=timeout_s, connect_timeout_s=30.0)
     pairs: dict[str, PairGroup] = {}
-    transfer = BlockTransfer(timeout_s, on_broken=lambda pair, why: transfer.retire(pair))
+    transfer = BlockTransfer(timeout_s, on_broken=lambda pair, why: transfer.retire(pair), checksum_kernel=checksum_kernel)
     try:
         for key in mode.split("+"):
             pairs[key] = PairGroup.form(key, store.store, 0, PeerId(f"peer-{key}", 1), "cpu", cfg)
@@ -57,7 +58,11 @@ def _spec(kind: str) -> BlockSpec:
 
 @pytest.mark.multiproc
 def test_round_trip_is_bit_exact_fp32_and_int8_both_directions() -> None:
-    with peer("roundtrip") as (transfer, pairs, proc):
+    check_round_trip()
+
+
+def check_round_trip(checksum_kernel: ChecksumKernel | None = None) -> None:
+    with peer("roundtrip", checksum_kernel=checksum_kernel) as (transfer, pairs, proc):
         pair = pairs["roundtrip"]
         # the peer receives from us while it sends to us: neither side may deadlock
         sent = transfer.send(pair, TRANSFER_IDS["reverse"], make_pool("fp32", seed=2).gather_blocks(SEND_IDS), HASHES)
@@ -77,7 +82,11 @@ def test_round_trip_is_bit_exact_fp32_and_int8_both_directions() -> None:
 
 @pytest.mark.multiproc
 def test_corrupted_block_is_marked_bad_and_only_that_block() -> None:
-    with peer("corrupt") as (transfer, pairs, proc):
+    check_corrupted_block()
+
+
+def check_corrupted_block(checksum_kernel: ChecksumKernel | None = None) -> None:
+    with peer("corrupt", checksum_kernel=checksum_kernel) as (transfer, pairs, proc):
         out = torch.zeros(_spec("fp32").shape(len(SEND_IDS)))  # a reused staging buffer
         got = transfer.recv(pairs["corrupt"], TRANSFER_IDS["corrupt"], len(SEND_IDS), _spec("fp32"), out=out).result(timeout=20)
         expected = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
@@ -251,7 +260,7 @@ def test_piecewise_hashing_equals_whole_payload_hashing() -> None:
     blocks = torch.randn(7, 2, 5, 4, 2, 8)                      # [L, 2, n, bs, H, D], 7 layers
     whole = block_checksums(blocks, 5)
     for count in (1, 2, 3, 7):
-        hashers = BlockHashers(5)
+        hashers = BlockHashers(5, blocks.numel() * 4 // 5)
         for piece in torch.tensor_split(blocks, count, dim=0):
             hashers.update(piece)
         assert hashers.digests() == whole, count

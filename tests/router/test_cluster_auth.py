@@ -388,3 +388,22 @@ def test_serve_passes_tls_flags_and_secrets_to_its_children(tmp_path: Path) -> N
     only_router = config_from_args(build_parser().parse_args(
         ["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key)]))
     assert "--tls-cert" not in _worker_argv(only_router, "worker-0", 0, 1, [])   # no CA: workers stay plaintext
+
+
+def test_local_workers_split_the_cores_unless_threads_is_set() -> None:
+    """`kvmesh serve --workers N`: each local worker gets `--threads` = its share of the cores
+    this process may use (N workers of every-core threads would take turns on the same
+    cores); a `--threads` the user gives reaches every worker instead."""
+    import os
+
+    from router.cli import build_parser
+    from router.launch import _worker_argv
+    from router.serve_cli import config_from_args
+    cores = len(os.sched_getaffinity(0))
+    for workers in (1, 2, 64):
+        cfg = config_from_args(build_parser().parse_args(["serve", "--workers", str(workers)]))
+        ns = build_parser().parse_args(_worker_argv(cfg, "worker-0", 0, 1, [])[3:])
+        assert ns.threads == max(1, cores // workers)
+    cfg = config_from_args(build_parser().parse_args(["serve", "--workers", "2", "--threads", "3"]))
+    argv = _worker_argv(cfg, "worker-0", 0, 1, [])
+    assert argv.count("--threads") == 1 and build_parser().parse_args(argv[3:]).threads == 3

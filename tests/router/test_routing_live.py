@@ -56,6 +56,8 @@ def test_summarize_counts_cold_requests_and_placement() -> None:
     assert out["req_s"] == 1.0 and out["output_tok_s"] == 3.0 and out["mismatch_rate"] == 0.25
     assert out["ttft_p50_s"] == pytest.approx(0.65) and out["ttft_p99_s"] == 1.0 and out["itl_p50_s"] == 0.1
     assert out["diagnostics"]["mean_in_flight_per_worker"] == {"w0": 1.75, "w1": 0.25}
+    # warm: the 2nd waited [0.5, 1.0] on w0 while the 1st did [0, 1.0]; the 4th [1.0, 1.2] alone
+    assert out["diagnostics"]["warm_prefill_overlap"] == 0.5
 
 
 @pytest.mark.slow

@@ -175,8 +175,9 @@ def test_router_core_and_fronts_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_prefill_cost_adds_its_four_terms():
-    """cost = β(L − bs·cached) + queued + κ·in_flight + κ̄·mean_in_flight, each term alone."""
+def test_prefill_cost_adds_its_terms():
+    """cost = β(L − bs·(cached + fetched) + φ·bs·fetched + u·(L − bs·cached)) + γ·queued
+    + κ·in_flight + κ̄·mean_in_flight, each term alone."""
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
     scorer = PrefillCostScorer(running_cost_tokens=16.0, prefill_weight=2.0, sustained_cost_tokens=512.0)
@@ -184,9 +185,54 @@ def test_prefill_cost_adds_its_four_terms():
     assert scorer.cost(w, route, RoutingState()) == 2.0 * L
     assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3})) == 2.0 * (L - 48)
     assert scorer.cost(w, route, RoutingState(cached_blocks={w: 9})) == 0.0          # capped at L
-    assert scorer.cost(w, route, RoutingState(queued_tokens={w: 100})) == 2.0 * L + 100
+    assert scorer.cost(w, route, RoutingState(queued_tokens={w: 100})) == 2.0 * L + 2.0 * 100
     assert scorer.cost(w, route, RoutingState({w: WorkerLoad(3)})) == 2.0 * L + 48
     assert scorer.cost(w, route, RoutingState(mean_in_flight={w: 0.5})) == 2.0 * L + 256
+    # 4 blocks a peer stored: fetched at φ = 0.1 of their prefill; beyond L they do not count
+    assert scorer.cost(w, route, RoutingState(fetchable_blocks={w: 4})) == pytest.approx(2.0 * (L - 64 + 6.4))
+    assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3}, fetchable_blocks={w: 9})) \
+        == pytest.approx(2.0 * 0.1 * (L - 48))
+    # reused prefixes fill 3/4 of the pool: each new token displaces one with p = (0.75 − 0.5) / 0.5
+    committed = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=30)}, {w: 3})
+    assert scorer.cost(w, route, committed) == pytest.approx(2.0 * (L - 48) * 1.5)
+    roomy = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=20)}, {w: 3})
+    assert scorer.cost(w, route, roomy) == 2.0 * (L - 48)                # at most half: no displacement
+    assert WorkerLoad(0, num_blocks=0, reused_blocks=5).committed == 0.0     # no report: no data
+
+
+def test_prefix_replicates_by_fetch_only_where_the_pool_has_room():
+    """Two workers both idle but the holder has a queue: with a roomy pool the other one
+    takes the request and fetches the prefix from the holder; when its pool is committed to
+    other reused prefixes, the request waits on the holder instead."""
+    workers, route = _workers(2), _route(4, blocks=16)     # 16 shared blocks + 3 own tokens
+    policy = make_policy("kv_aware")
+    state = lambda reused: RoutingState(  # noqa: E731
+        {"w0": WorkerLoad(1, 100, 1000, 16), "w1": WorkerLoad(0, 100, 1000, reused)},
+        cached_blocks={"w0": 16}, queued_tokens={"w0": 64}, fetchable_blocks={"w1": 16})
+    assert policy.pick(workers, route, state(0)).worker_id == "w1"
+    assert policy.pick(workers, route, state(800)).worker_id == "w0"
+
+
+def test_a_new_prefix_goes_where_it_displaces_the_fewest_reused_blocks():
+    workers, route = _workers(2), _route(5, blocks=16)
+    policy = make_policy("kv_aware")
+    loads = {"w0": WorkerLoad(1, 10, 112, 96), "w1": WorkerLoad(1, 30, 112, 64)}
+    assert policy.pick(workers, route, RoutingState(loads)).worker_id == "w1"
+    swapped = {"w0": loads["w1"], "w1": loads["w0"]}
+    assert policy.pick(workers, route, RoutingState(swapped)).worker_id == "w0"
+
+
+def test_successors_of_a_finished_batch_spread_over_the_workers():
+    """Closed loop: w0's requests just finished together (1 left vs 4 on w1). The first
+    successor goes to w0; the second sees w0's queued prefill (γ = 2) and goes to w1 rather
+    than sharing w0's prefill step, although w0 still runs fewer requests."""
+    workers, route = _workers(2), _route(6, blocks=16)
+    policy = make_policy("kv_aware")
+    both = {"w0": 16, "w1": 16}
+    first = RoutingState({"w0": WorkerLoad(1), "w1": WorkerLoad(4)}, both)
+    assert policy.pick(workers, route, first).worker_id == "w0"
+    second = RoutingState({"w0": WorkerLoad(2), "w1": WorkerLoad(4)}, both, queued_tokens={"w0": 35})
+    assert policy.pick(workers, route, second).worker_id == "w1"
 
 
 def test_bounded_load_filter_lets_the_longest_holders_reach_holder_factor_times_the_cap():

@@ -98,6 +98,19 @@ def test_gauges_follow_the_engine_snapshot(worker):
     usage = value(s, "kvmesh:kv_cache_usage_perc")
     assert 0.0 <= usage <= 1.0
     assert value(s, "kvmesh:host_tier_usage_perc") == 0.0
+    # idle: the pool's reuse counters reach /metrics as GetLoad reports them (the router's input)
+    stub = pb_grpc.WorkerStub(channel)
+    shared = list(range(100, 140))                       # 40 tokens (the tiny vocabulary: 256 ids)
+    for tail in ([1, 2], [3, 4]):
+        collect(stub.Generate(request(shared + tail, max_tokens=2, ignore_eos=True)))
+    idle = stub.GetLoad(pb.LoadRequest())
+    assert idle.num_reused_blocks > 0, "the second request reused the first one's prefix"
+    while (value(s, "kvmesh:kv_reused_blocks"), value(s, "kvmesh:kv_protected_blocks")) \
+            != (idle.num_reused_blocks, idle.num_protected_blocks):
+        assert time.monotonic() < deadline + 10, "the reuse gauges never matched GetLoad"
+        time.sleep(0.1)
+        s = scrape(server.metrics_port)
+    assert idle.num_protected_blocks <= idle.num_free_blocks
 
 
 def test_metrics_port_flag_default():

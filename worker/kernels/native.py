@@ -42,7 +42,8 @@ from kvstore.quant import KVCache, QuantizedKV
 log = logging.getLogger(__name__)
 
 NAME = "kvmesh_native"
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "linear.cpp", "block_copy.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("paged_decode.cpp", "linear.cpp", "block_copy.cpp", "block_hash.cpp"))
 ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
 ENV_DIR = "KVMESH_KERNELS_DIR"
 
@@ -166,6 +167,14 @@ def block_copier() -> Callable[..., None] | None:
     host tier as one parallel loop of memcpys), or None when the kernels are not built."""
     module = load()
     return None if module is None else module.copy_blocks
+
+
+def checksum_kernel() -> ModuleType | None:
+    """The native per-block XXH3 checksums for `kvstore.transfer_wire.BlockHashers` (its
+    `xxh3_blocks_*`, bit-equal to the python path, one call per piece with the GIL released),
+    or None when the kernels are not built. A module-level function: the bench hands it to a
+    spawned process."""
+    return load()
 
 
 def linear_supported(weight: torch.Tensor) -> bool:

@@ -238,7 +238,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,8 @@ class Load(_message.Message):
     NUM_ONLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROTECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -273,7 +275,9 @@ class Load(_message.Message):
     num_onloaded_blocks: int
     num_cached_blocks: int
     num_offloaded_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ...) -> None: ...
+    num_protected_blocks: int
+    num_reused_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost", "worker_id")

@@ -49,7 +49,10 @@ void copy_blocks(torch::Tensor host, torch::Tensor slots, torch::Tensor pool, to
 
 }  // namespace
 
+void bind_block_hash(pybind11::module& m);  // csrc/block_hash.cpp: per-block checksums of a peer-transfer payload
+
 void bind_block_copy(pybind11::module& m) {
+  bind_block_hash(m);  // bound here so the module's entry point (paged_decode.cpp) needs no change
   m.def("copy_blocks", &copy_blocks, "host[slots[k]] <-> pool[:, :, ids[k]] (CPU; to_host picks the direction)",
         pybind11::arg("host"), pybind11::arg("slots"), pybind11::arg("pool"), pybind11::arg("ids"),
         pybind11::arg("to_host"));
