@@ -90,8 +90,11 @@ def workers_up(cl: PodCluster) -> dict[str, bool]:
 def index_matches_worker(cl: PodCluster, pod: str) -> tuple[bool, dict[str, Any]]:
     """The router's block index holds, per tier, as many blocks of `pod` as `pod` says it holds
     (both read in one /v1/cluster answer: the index side from the router's memory, the worker
-    side from the worker's GetLoad). Returns (equal, the worker's entry)."""
-    entry = next(w for w in cluster_doc(cl)["workers"] if w["worker_id"] == pod)
+    side from the worker's GetLoad). Returns (equal, the worker's entry); (False, {}) while the
+    router does not list `pod` (e.g. its registry record expired)."""
+    entry = next((w for w in cluster_doc(cl)["workers"] if w["worker_id"] == pod), None)
+    if entry is None:
+        return False, {}
     held = entry.get("blocks") or {}
     index = entry.get("index_blocks") or {}
     equal = entry.get("up", False) and index == {"device": held.get("device_cached"), "host": held.get("host")}

@@ -59,9 +59,11 @@ def test_worker_redis_partition_keeps_serving_and_the_index_is_exact_after_heal(
         # no Redis call on the engine thread: not slowed by Redis timeouts (it was ~4x before)
         assert served_s < 2 * base_s + 3, (served_s, base_s)
         time.sleep(1.0)
+        # the cut took: the index lags — it still has the old blocks, or dropped the silent
+        # worker's blocks, or (the cut outlasted the 3 s heartbeat TTL, as on a loaded machine)
+        # the router dropped the worker itself, blocks and all
         equal, entry = index_matches_worker(cl, w)
-        # the cut took: the index lags (it still has the old blocks, or dropped the silent worker)
-        assert not equal and entry["index_blocks"]["device"] in (before, 0), entry
+        assert not equal and (not entry or entry["index_blocks"]["device"] in (before, 0)), entry
     finally:
         cl.heal(w, cl.redis)
     waited = wait_until(lambda: index_matches_worker(cl, w)[0], 60)
