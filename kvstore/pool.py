@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, NewType
+from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
+from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue
 from kvstore.keys import BlockHash
 
-BlockId = NewType("BlockId", int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,67 +81,6 @@ class BlockInfo(NamedTuple):
     block_id: BlockId
     ref_cnt: int
     block_hash: BlockHash | None
-
-
-class _Block:
-    """Metadata of one block; `prev`/`next` link it into the free queue while free."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "reused", "protected", "prev", "next")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = BlockId(block_id)
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        self.reused = False      # its cached hash was reused by a later request (`touch`)
-        self.protected = False   # free, in the protected queue
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-
-
-class _FreeQueue:
-    """Intrusive doubly linked list of free blocks between two sentinels; head = LRU."""
-
-    def __init__(self, blocks: Sequence[_Block]) -> None:
-        self._head, self._tail = _Block(-1), _Block(-1)  # sentinels: no None checks at ends
-        self._head.next, self._tail.prev = self._tail, self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def append(self, block: _Block) -> None:
-        last = self._tail.prev
-        assert last is not None and block.prev is None and block.next is None, \
-            f"block {block.block_id} is already in the free queue"
-        block.prev, block.next = last, self._tail
-        last.next = self._tail.prev = block
-        self._len += 1
-
-    def remove(self, block: _Block) -> None:
-        prev, nxt = block.prev, block.next
-        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
-        prev.next, nxt.prev = nxt, prev
-        block.prev = block.next = None
-        self._len -= 1
-
-    def popleft(self) -> _Block:
-        first = self._head.next
-        assert first is not None and first is not self._tail, "free queue is empty"
-        self.remove(first)
-        return first
-
-    def walk(self, forward: bool, limit: int) -> list[_Block]:
-        """At most `limit` blocks from the head following `next` (or from the tail, `prev`)."""
-        out: list[_Block] = []
-        end = self._tail if forward else self._head
-        node = self._head.next if forward else self._tail.prev
-        while node is not end and len(out) < limit:
-            assert node is not None, "broken free-queue link (None before the sentinel)"
-            out.append(node)
-            node = node.next if forward else node.prev
-        return out
 
 
 class _HashIndex:
