@@ -2,7 +2,6 @@
 the padded W · xᵀ GEMM, F.linear) gives F.linear's result, on every weight shape the model uses."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,14 +26,6 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     else:
         assert native.linear_supported(torch.empty(2, 2)), "the native kernels did not build"
     return str(request.param)
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -7,7 +7,6 @@ oracle, its fallback, and its input checks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,14 +16,6 @@ from worker.kernels import native
 from worker.kernels.reference import paged_attention
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def kernel(case, window: int | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -2,7 +2,6 @@
 layer, csrc/paged_decode.cpp) against the steps it replaces, and the model's use of it."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,14 +14,6 @@ from worker.loader import load_weights
 from worker.model import LlamaModel, Rotary
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def rope_rows(positions: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
