@@ -188,6 +188,9 @@ class RotationScorer:
         return {wid: 1.0 - ((i - turn) % n) / n for i, wid in enumerate(ids)}
 
 
+_MAX_DISPLACE = 0.9   # p's cap in PrefillCostScorer: the cascade p / (1 − p) stays finite (9)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillCostScorer:
     """Holder-first placement (issue #23). The work, in prompt tokens, the request adds to a
@@ -197,37 +200,39 @@ class PrefillCostScorer:
                   + γ × queued(w) + κ × in_flight(w) + κ̄ × excess(w)
 
     L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending);
-    fetched(w) the further leading blocks a peer has stored, which w would fetch (peer
-    transfer) at φ = `fetch_cost_ratio` of their prefill; u(w) the chance that each new block
-    placed there (computed or fetched) displaces a reused prefix block, which a later request
-    then recomputes: 0 while reused prefixes fill at most `room_frac` of w's pool (its
-    GetLoad: `WorkerLoad.committed`), rising linearly to 1 when they fill all of it (so a
-    roomy pool's small differences never outweigh prefix affinity); queued(w) the uncached prompt tokens of requests sent to w that have not
+    fetched(w) the further leading blocks a peer has stored, which w would fetch (peer transfer)
+    at φ = `fetch_cost_ratio` of their prefill; u(w) the recompute each new block placed there
+    (computed or fetched) causes by displacing reused prefix blocks: with p the chance that it
+    displaces one — 0 while reused prefixes fill at most `room_frac` of w's pool (its GetLoad:
+    `WorkerLoad.committed`), rising linearly to 1 when they fill all of it (so a roomy pool's
+    small differences never outweigh prefix affinity), capped at 0.9 — a later request
+    recomputes the displaced block, which displaces another with the same chance: u = p + p² + …
+    = p / (1 − p); queued(w) the uncached prompt tokens of requests sent to w that have not
     started streaming, less those computing this prompt's own prefix (they are the prefill it
-    saves), weighted γ = `queue_weight` because a request sent where prefills are queued
-    shares their step: it waits for them and they for it (in a closed loop the least loaded
-    worker is the one whose requests just finished together, and all their successors would
-    otherwise prefill there in one step); κ = `running_cost_tokens`, what one
-    running request costs a new one (it shares every step); β = `prefill_weight`: a prefill
-    counts once as this request's wait and once more as the worker time it takes from every
-    request queued behind it. κ̄ = `sustained_cost_tokens` prices the worker's sustained load
-    above its fair share (in-flight averaged over the last `load_window_s`,
-    router/inflight.py): routing to a holder is a decision for all the prefix's later
-    requests too, so a worker that has carried more load than another for a while loses its
-    prefixes' new traffic once κ̄ × the difference exceeds β × the prefill saved — that is
-    when a prefix is replicated (load-demanded), by a peer fetch where a peer has it stored,
-    while a momentary burst (κ, queued) rarely outweighs the saving. Through u, under cache
-    pressure a new prefix goes where its blocks displace the fewest reused ones, and a
-    replica costs about a prefill of what it displaces, while in a roomy pool a replica
-    costs only its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding the
-    prefix wins unless its queue and load exceed β × the prefill it saves; equal costs tie."""
+    saves), weighted γ = `queue_weight` because a request sent where prefills are queued shares
+    their step: it waits for them and they for it (in a closed loop the least loaded worker is
+    the one whose requests just finished together, and all their successors would otherwise
+    prefill there in one step); κ = `running_cost_tokens`, what one running request costs a new
+    one (it shares every step); β = `prefill_weight`: a prefill counts once as this request's
+    wait and once more as the worker time it takes from every request queued behind it. κ̄ =
+    `sustained_cost_tokens` prices the worker's sustained load above its fair share (in-flight
+    averaged over the last `load_window_s`, router/inflight.py): routing to a holder is a
+    decision for all the prefix's later requests too, so a worker that has carried more load
+    than another for a while loses its prefixes' new traffic once κ̄ × the difference exceeds β
+    × the prefill saved — that is when a prefix is replicated (load-demanded), by a peer fetch
+    where a peer has it stored, while a momentary burst (κ, queued) rarely outweighs the saving.
+    Through u, under cache pressure a new prefix goes where its blocks displace the fewest
+    reused ones, and a replica costs the recompute of what it displaces, while in a roomy pool a
+    replica costs only its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding
+    the prefix wins unless its queue and load exceed β × the prefill it saves; equal costs tie."""
 
     running_cost_tokens: float = 16.0
     prefill_weight: float = 2.0
-    sustained_cost_tokens: float = 2048.0
+    sustained_cost_tokens: float = 4096.0
     fetch_cost_ratio: float = 0.1
     queue_weight: float = 2.0
-    room_frac: float = 0.5
+    room_frac: float = 0.4
+    sustained_tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("running_cost_tokens", "sustained_cost_tokens", "queue_weight"):
@@ -237,6 +242,8 @@ class PrefillCostScorer:
             raise ValueError(f"prefill_weight={self.prefill_weight!r} must be >= 1")
         if not 0.0 <= self.fetch_cost_ratio <= 1.0:
             raise ValueError(f"fetch_cost_ratio={self.fetch_cost_ratio!r} must be in [0, 1]")
+        if not self.sustained_tolerance >= 0.0:
+            raise ValueError(f"sustained_tolerance={self.sustained_tolerance!r} must be >= 0")
         if not 0.0 <= self.room_frac < 1.0:
             raise ValueError(f"room_frac={self.room_frac!r} must be in [0, 1)")
 
@@ -246,10 +253,11 @@ class PrefillCostScorer:
         own = max(0, state.cached_blocks.get(worker_id, 0))
         cached = min(total, bs * own)
         fetched = min(total - cached, bs * max(0, state.fetchable_blocks.get(worker_id, 0)))
-        excess = max(0.0, state.mean_in_flight.get(worker_id, 0.0) - fair_share)
+        excess = max(0.0, state.mean_in_flight.get(worker_id, 0.0) - fair_share * (1.0 + self.sustained_tolerance))
         queued = max(0, state.queued_tokens.get(worker_id, 0))
         load = state.load(worker_id)
-        displaced = max(0.0, load.committed - self.room_frac) / (1.0 - self.room_frac)
+        p = min(_MAX_DISPLACE, max(0.0, load.committed - self.room_frac) / (1.0 - self.room_frac))
+        displaced = p / (1.0 - p)   # each displaced block recomputed later, displacing again: p + p² + …
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached))
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)

@@ -5,6 +5,11 @@ commands of `worker.commands`, queued to the engine thread and applied between s
 order sent (`AsyncEngine.run`, dispatched by `_apply`), so requests from any number of
 coroutines never race it and no step runs while a command reads the KV store.
 
+A load snapshot (`snapshot`, the worker's GetLoad) does not wait out a long step: it is a
+`Snapshot` command like any other when the engine answers within `wait_s`, else the figures
+the thread recorded after its last step (a CPU prefill of a few thousand tokens runs for
+seconds, and a router probing a busy worker must not take it for a dead one).
+
 The thread reports its progress on an `EnginePulse` (worker/liveness.py): a beat on every loop
 iteration (idle waits included) and the count of steps that raised in a row. A step that raises
 fails the requests it was running and the loop carries on; the worker's liveness check decides
@@ -30,6 +35,7 @@ from typing import Any, TypeVar
 from worker.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
                              ReadBlocks, ResetPrefixCache, Snapshot, StageBlocks, Tokenize)
 from worker.engine import Engine, Prompt
+from worker.engine_config import EngineStats
 from worker.liveness import EnginePulse
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
@@ -80,6 +86,7 @@ class AsyncEngine:
         self._idle_tick = 0.05 if after_step is not None else 0.5
         self._commands: queue.SimpleQueue[tuple[Command[Any], Reply | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._latest: EngineStats | None = None   # the figures after the last step or Snapshot
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
@@ -131,6 +138,16 @@ class AsyncEngine:
         self._post(command, reply)
         return await fut
 
+    async def snapshot(self, wait_s: float) -> EngineStats:
+        """The engine's figures now (`Snapshot`) if it answers within `wait_s`; else, while a
+        step runs on, those recorded after the last one (none yet: it waits for the step)."""
+        now = asyncio.ensure_future(self.run(Snapshot()))
+        try:
+            return await asyncio.wait_for(asyncio.shield(now), wait_s)
+        except TimeoutError:
+            latest = self._latest
+            return latest if latest is not None else await now
+
     def _post(self, command: Command[Any], reply: Reply | None) -> None:
         if not isinstance(command, Command):
             raise TypeError(f"not an engine command: {command!r}")
@@ -172,7 +189,8 @@ class AsyncEngine:
             case StageBlocks(hashes, data):
                 return engine.store.stage(hashes, data)
             case Snapshot():
-                return engine.stats()
+                self._latest = engine.stats()
+                return self._latest
             case ListRequests():
                 return tuple(engine.requests)
             case ResetPrefixCache():
@@ -237,7 +255,8 @@ class AsyncEngine:
                     self._fail_all(e)
                 else:
                     pulse.step_ok()
-                    self._deliver(outputs)
+                    self._latest = self.engine.stats()   # before the outputs: a client that
+                    self._deliver(outputs)                # saw them finds them counted
             else:
                 self._wake.wait(timeout=self._idle_tick)
                 self._wake.clear()

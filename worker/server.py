@@ -37,7 +37,7 @@ from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES, TokenizerError, Tok
 from contracts.wire import ParsedRequest, parse_generate_request, parse_send_blocks_request, to_send_blocks_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker import cluster_auth
-from worker.commands import ListRequests, ResetPrefixCache, Snapshot
+from worker.commands import ListRequests, ResetPrefixCache
 from worker.generate_stream import GenerateStreams
 from worker.health import WORKER_SERVICE, WorkerHealth
 from worker.liveness import Liveness, watch
@@ -59,6 +59,7 @@ log = logging.getLogger("kvmesh.worker")
 T = TypeVar("T")
 _SEND_MARGIN_S = 1.0     # SendBlocks: no send is queued with less of the caller's deadline left
 _STOP_ABORT_S = 10.0     # stop(): how long the engine thread may take to abort what still runs
+LOAD_WAIT_S = 0.5        # GetLoad: past this mid-step, the figures of the last step (AsyncEngine.snapshot)
 
 
 class WorkerServer:
@@ -359,7 +360,7 @@ class WorkerServer:
         return await self._guard(context, self._load_now(ae))
 
     async def _load_now(self, ae: AsyncEngine) -> pb.Load:
-        stats = await ae.run(Snapshot())
+        stats = await ae.snapshot(LOAD_WAIT_S)
         return load_response(self.cfg.worker_id, stats, self._gen.prompt_tokens, self._gen.cached_prompt_tokens,
                              self._peer.figures() if self._peer is not None else None)
 

@@ -192,11 +192,14 @@ def test_prefill_cost_adds_its_terms():
     assert scorer.cost(w, route, RoutingState(fetchable_blocks={w: 4})) == pytest.approx(2.0 * (L - 64 + 6.4))
     assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3}, fetchable_blocks={w: 9})) \
         == pytest.approx(2.0 * 0.1 * (L - 48))
-    # reused prefixes fill 3/4 of the pool: each new token displaces one with p = (0.75 − 0.5) / 0.5
+    # reused prefixes fill 3/4 of the pool: each new token displaces one with u = (0.75 − 0.4) / 0.6,
+    # which a later request recomputes, displacing again: u + u² + … = u / (1 − u) = 1.4 per token
     committed = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=30)}, {w: 3})
-    assert scorer.cost(w, route, committed) == pytest.approx(2.0 * (L - 48) * 1.5)
-    roomy = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=20)}, {w: 3})
-    assert scorer.cost(w, route, roomy) == 2.0 * (L - 48)                # at most half: no displacement
+    assert scorer.cost(w, route, committed) == pytest.approx(2.0 * (L - 48) * 2.4)
+    roomy = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=16)}, {w: 3})
+    assert scorer.cost(w, route, roomy) == 2.0 * (L - 48)                # at most room_frac: no displacement
+    full = RoutingState({w: WorkerLoad(0, free_blocks=0, num_blocks=40, reused_blocks=40)}, {w: 3})
+    assert scorer.cost(w, route, full) == pytest.approx(2.0 * (L - 48) * 10)   # u capped at 0.9: 9 per token
     assert WorkerLoad(0, num_blocks=0, reused_blocks=5).committed == 0.0     # no report: no data
 
 
@@ -253,15 +256,21 @@ def test_bounded_load_filter_lets_the_longest_holders_reach_holder_factor_times_
 
 
 def test_sustained_load_counts_above_the_fair_share_only():
-    """fair share = (Σ mean_in_flight + 1) / n; only the excess over it costs κ̄ per request."""
+    """fair share = (Σ mean_in_flight + 1) / n; only the excess over (1 + ε) × it costs κ̄ per
+    request (ε = `sustained_tolerance`, 0.1: equally popular prefixes drift that much)."""
     workers, route = _workers(2), _route(1, blocks=4)
     scorer = PrefillCostScorer(sustained_cost_tokens=1024.0)
     # Nearly idle: one short request a while ago on w0 is no reason to leave it (equal scores).
     idle = RoutingState(mean_in_flight={"w0": 0.3, "w1": 0.0})
     assert fair_share(workers, idle) == pytest.approx(0.65)
     assert scorer.score(workers, route, idle) == {"w0": 0.0, "w1": 0.0}
-    # Loaded 6 : 2 on average: w0 is 6 − 4.5 = 1.5 requests over its share, 1536 tokens.
+    # Loaded 6 : 2 on average: w0 is 6 − 1.1 × 4.5 = 1.05 requests over its tolerated share, 1075 tokens.
     loaded = RoutingState(mean_in_flight={"w0": 6.0, "w1": 2.0})
     assert fair_share(workers, loaded) == pytest.approx(4.5)
     base = scorer.cost(WorkerId("w1"), route, loaded, 4.5)
-    assert scorer.cost(WorkerId("w0"), route, loaded, 4.5) == pytest.approx(base + 1536.0)
+    assert scorer.cost(WorkerId("w0"), route, loaded, 4.5) == pytest.approx(base + 1.05 * 1024.0)
+    # Within the tolerance (4.9 ≤ 1.1 × 4.5): no sustained cost at all.
+    drift = RoutingState(mean_in_flight={"w0": 4.9, "w1": 3.1})
+    assert scorer.cost(WorkerId("w0"), route, drift, 4.5) == scorer.cost(WorkerId("w1"), route, drift, 4.5)
+    strict = PrefillCostScorer(sustained_cost_tokens=1024.0, sustained_tolerance=0.0)
+    assert strict.cost(WorkerId("w0"), route, loaded, 4.5) == pytest.approx(base + 1536.0)

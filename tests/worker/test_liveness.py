@@ -156,3 +156,30 @@ def test_stall_file_blocks_the_loop_until_removed(tiny_engine: Engine, tmp_path:
         assert asyncio.run(one()) == 2
     finally:
         ae.shutdown()
+
+
+def test_a_load_snapshot_does_not_wait_out_a_long_step(tiny_engine: Engine, tmp_path: Path) -> None:
+    """GetLoad's `snapshot`: the engine's own answer while it answers; while the thread is
+    held mid-loop (a long prefill, here the stall hook), the figures of its last step after
+    `wait_s` — a router probing a busy worker must not take it for a dead one."""
+    stall = tmp_path / "stall"
+    ae = AsyncEngine(tiny_engine, stall_file=stall)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        [o async for o in ae.generate([9, 8, 7, 6], params, "s")]
+        fresh = await ae.snapshot(wait_s=5.0)                 # answered by the engine thread
+        assert fresh.num_running == 0 and fresh.num_used_blocks == 0
+        stall.touch()
+        await asyncio.sleep(0.7)                             # the loop reaches the hook
+        t = time.perf_counter()
+        held = await ae.snapshot(wait_s=0.3)
+        assert time.perf_counter() - t < 2.0
+        assert held == fresh                                  # the last recorded figures
+        stall.unlink()
+        assert (await ae.snapshot(wait_s=5.0)) == fresh       # and the engine answers again
+    try:
+        asyncio.run(run())
+    finally:
+        stall.unlink(missing_ok=True)
+        ae.shutdown()
