@@ -67,7 +67,7 @@ class ServeConfig:
     load_factor: float = 1.25
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
-    stop_timeout_s: float = 10.0
+    stop_timeout_s: float = 30.0            # SIGTERM → SIGKILL per child; the router drains for half of it
     python: str = sys.executable
     restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
     migration_limit: int = 3                # the router's --migration-limit
