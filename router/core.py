@@ -14,7 +14,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import grpc
@@ -315,8 +315,9 @@ class Router:
         """The state, the leading blocks each worker has stored (not pending: a peer can send
         only those) and the workers with a peer plane (id → address, rank, world size)."""
         live = [w for w in self.registry.live() if w.info is not None]
-        loads = {w.info.worker_id: w.load for w in live}
         index = self.registry.index
+        loads = {w.info.worker_id: (replace(w.load, shared_blocks=index.shared_blocks(w.info.worker_id))
+                                    if isinstance(index, BlockIndex) else w.load) for w in live}
         self.prefills.expire(index)
         cached = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads)).items()}
                   if index is not None else {})
@@ -328,9 +329,12 @@ class Router:
                                       and peers[o][2] == peers[wid][2]), default=0) - cached.get(wid, 0))
                      for wid in peers}
         info = self.model_info
+        capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
         state = RoutingState(loads, cached, self.prefills.queued_tokens(index, loads, route),
                              info.block_size if info is not None and info.block_size else 16,
-                             self.prefills.mean_in_flight(loads), fetchable)
+                             self.prefills.mean_in_flight(loads), fetchable,
+                             min(1.0, index.distinct_shared_blocks() / capacity)
+                             if isinstance(index, BlockIndex) and capacity else 0.0)
         return state, stored, peers
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:

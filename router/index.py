@@ -17,6 +17,15 @@ are drawn to the worker already computing their prefix. A pending entry goes whe
 worker's `BlockStored` event for it arrives (confirmed), when the request fails before its
 prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shortened by
 `settle_pending` once the request is done: the events should arrive within the grace).
+
+Shared blocks: `add_pending` also counts, per block, the requests whose prompts held it
+(up to two). A block two requests asked for is *shared* (a prefix, not one request's own
+tail). One asked for once may still be: the index learns, per depth in the prompt (block
+position), how often a block asked once was asked again (a system prompt's depths: mostly;
+a question's: never), and `shared_blocks(worker)` is the blocks the worker holds that are
+shared plus those asked once, each at its depth's rate ((again + 1) / (once + 2)) — the part
+of its pool a new placement would displace. Kept per worker and depth as blocks come and
+go; a block's count is forgotten once no worker holds or computes it.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from kvstore.keys import BlockHash
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
 _ALL_TIERS = (1 << len(Tier)) - 1
+_DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
 
 
 class IndexStats(NamedTuple):
@@ -63,6 +73,13 @@ class BlockIndex:
         self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
         self._requests: dict[str, _Pending] = {}
         self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
+        self._asked: dict[BlockHash, tuple[int, int]] = {}   # (requests that asked, up to 2; depth bucket)
+        self._shared: dict[WorkerId, int] = {}       # blocks each worker holds that 2 requests asked for
+        self._once: dict[WorkerId, dict[int, int]] = {}   # depth → blocks it holds that 1 request asked for
+        self._shared_any = 0                         # the same over the distinct blocks held anywhere
+        self._once_any: dict[int, int] = {}
+        self._first = [0] * _DEPTHS                  # blocks first asked for, per depth (ever)
+        self._again = [0] * _DEPTHS                  # of those, asked for a second time
 
     def apply(self, worker_id: WorkerId, event: WireEvent) -> None:
         """Apply one wire event of `worker_id` (its meaning: `kvstore.events`); the worker
@@ -86,9 +103,14 @@ class BlockIndex:
         bit = _BIT[tier]
         held = self._by_worker.setdefault(worker_id, set())
         for h in hashes:
-            holders = self._blocks.setdefault(h, {})
+            holders = self._blocks.get(h)
+            if holders is None:
+                holders = self._blocks[h] = {}
+                self._count_any(h, +1)
             holders[worker_id] = holders.get(worker_id, 0) | bit
-            held.add(h)
+            if h not in held:
+                held.add(h)
+                self._count_held(worker_id, h, +1)
             computing = self._pending.get(h)
             if computing is not None and computing.pop(worker_id, None) is not None and not computing:
                 del self._pending[h]    # confirmed: the prediction is now a stored block
@@ -106,6 +128,8 @@ class BlockIndex:
         """Forget `worker_id` altogether (it left routing), with its pending blocks."""
         self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
         self._by_worker.pop(worker_id, None)
+        self._shared.pop(worker_id, None)
+        self._once.pop(worker_id, None)
         for rid in [r for r, p in self._requests.items() if p.worker_id == worker_id]:
             self.drop_pending(rid)
 
@@ -115,9 +139,13 @@ class BlockIndex:
         """`request_id` was sent to `worker_id`, which will compute and store `hashes`; the
         blocks it already holds, or another request computes there, are not recorded (the
         request waits on those: `computing`). Replaces an earlier record of the request."""
+        retry = request_id in self._requests
         self.drop_pending(request_id)
         held = self._by_worker.setdefault(worker_id, set())
+        hashes = tuple(hashes)
         todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
+        if not retry:
+            self._count_asks(hashes)
         self._requests[request_id] = _Pending(worker_id, todo, expires_at)
         for h in todo:
             self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
@@ -146,6 +174,7 @@ class BlockIndex:
                 del computing[p.worker_id]   # type: ignore[union-attr]
                 if not computing:
                     del self._pending[h]
+                    self._forget_asks(h)
 
     def expire_pending(self, now: float) -> int:
         """Drop every prediction whose expiry is at or before `now`; returns how many."""
@@ -167,6 +196,64 @@ class BlockIndex:
             if rids:
                 out |= rids
         return out
+
+    def shared_blocks(self, worker_id: str) -> float:
+        """The shared blocks `worker_id` holds (any tier), expected: those two requests'
+        prompts held, plus those one did at the rate blocks of their depth were asked again."""
+        wid = WorkerId(worker_id)
+        once = self._once.get(wid, {})
+        return self._shared.get(wid, 0) + sum(n * (self._again[d] + 1) / (self._first[d] + 2) for d, n in once.items())
+
+    def _count_asks(self, hashes: Sequence[BlockHash]) -> None:
+        for depth, h in enumerate(hashes):
+            seen = self._asked.get(h)
+            if seen is not None and seen[0] >= 2:
+                continue
+            holders = self._blocks.get(h, ())
+            for w in holders:
+                self._count_held(w, h, -1)
+            if holders:
+                self._count_any(h, -1)
+            if seen is None:
+                d = min(depth, _DEPTHS - 1)
+                self._asked[h] = (1, d)
+                self._first[d] += 1
+            else:
+                self._asked[h] = (2, seen[1])
+                self._again[seen[1]] += 1
+            for w in holders:
+                self._count_held(w, h, +1)
+            if holders:
+                self._count_any(h, +1)
+
+    def distinct_shared_blocks(self) -> float:
+        """`shared_blocks` over the distinct blocks held anywhere: the pool space the cluster's
+        shared prefixes take with one copy each."""
+        return self._shared_any + sum(n * (self._again[d] + 1) / (self._first[d] + 2)
+                                      for d, n in self._once_any.items())
+
+    def _count_any(self, h: BlockHash, sign: int) -> None:
+        seen = self._asked.get(h)
+        if seen is None:
+            return
+        if seen[0] >= 2:
+            self._shared_any += sign
+        else:
+            self._once_any[seen[1]] = self._once_any.get(seen[1], 0) + sign
+
+    def _count_held(self, worker_id: WorkerId, h: BlockHash, sign: int) -> None:
+        seen = self._asked.get(h)
+        if seen is None:
+            return
+        if seen[0] >= 2:
+            self._shared[worker_id] = self._shared.get(worker_id, 0) + sign
+        else:
+            once = self._once.setdefault(worker_id, {})
+            once[seen[1]] = once.get(seen[1], 0) + sign
+
+    def _forget_asks(self, h: BlockHash) -> None:
+        if h not in self._blocks and h not in self._pending:
+            self._asked.pop(h, None)
 
     def pending_requests(self) -> list[str]:
         return sorted(self._requests)
@@ -228,6 +315,19 @@ class BlockIndex:
                 assert w in self._blocks.get(h, {}), f"{w}'s set has {h:032x} but the map does not"
         by_worker = sum(len(held) for held in self._by_worker.values())
         assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
+        for w, held in self._by_worker.items():
+            asked = [self._asked[h] for h in held if h in self._asked]
+            shared = sum(1 for n, _ in asked if n >= 2)
+            assert self._shared.get(w, 0) == shared, f"{w} counts {self._shared.get(w, 0)} shared blocks, holds {shared}"
+            once = {d: sum(1 for n, e in asked if n == 1 and e == d) for d in {e for n, e in asked if n == 1}}
+            kept = {d: n for d, n in self._once.get(w, {}).items() if n}
+            assert kept == once, f"{w} counts blocks asked once by depth as {kept}, holds {once}"
+        anywhere = [self._asked[h] for h in self._blocks if h in self._asked]
+        assert self._shared_any == sum(1 for n, _ in anywhere if n >= 2), "the distinct shared-block count is off"
+        once_any = {d: sum(1 for n, e in anywhere if n == 1 and e == d) for d in {e for n, e in anywhere if n == 1}}
+        assert {d: n for d, n in self._once_any.items() if n} == once_any, "the distinct asked-once counts are off"
+        for h in self._asked:
+            assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
         for h, computing in self._pending.items():
             for w, rids in computing.items():
                 assert rids, f"pending block {h:032x} on {w} has no request"
@@ -251,5 +351,8 @@ class BlockIndex:
                 continue
             del holders[worker_id]
             held.discard(h)
+            self._count_held(worker_id, h, -1)
             if not holders:
                 del self._blocks[h]
+                self._count_any(h, -1)
+                self._forget_asks(h)

@@ -52,12 +52,17 @@ class WorkerLoad:
     free_blocks: int = 0          # from the worker's last GetLoad
     num_blocks: int = 0           # 0: the worker has not reported its pool yet
     reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
+    shared_blocks: int = 0        # blocks it holds that 2+ requests' prompts held (the router's index)
 
     @property
     def committed(self) -> float:
-        """The fraction of the pool holding reused prefixes (0 without a report): the chance
-        that a block placed there now displaces one of them, sooner or later."""
-        return min(1.0, max(0, self.reused_blocks) / self.num_blocks) if self.num_blocks > 0 else 0.0
+        """The fraction of the pool holding shared prefixes (0 without a report): the chance
+        that a block placed there now displaces one of them, sooner or later. Shared: reused
+        there (the worker's count) or asked for by two requests anywhere (the router's, which
+        also counts a replica's blocks and a prefix whose second request went elsewhere)."""
+        if self.num_blocks <= 0:
+            return 0.0
+        return min(1.0, max(0, self.reused_blocks, self.shared_blocks) / self.num_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,10 @@ class RoutingState:
     # Leading prompt blocks beyond its own `cached_blocks` that the worker can fetch from a
     # peer that has stored them (peer transfer; 0 or missing without a peer plane).
     fetchable_blocks: Mapping[WorkerId, int] = field(default_factory=dict)
+    # The fraction of the pool's capacity (all its workers') the shared prefixes would fill
+    # with one copy each (router/index.py `distinct_shared_blocks`): past the room, a replica
+    # displaces someone's only copy.
+    cluster_committed: float = 0.0
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         return self.loads.get(worker_id, _NO_LOAD)

@@ -191,23 +191,38 @@ class RotationScorer:
 _MAX_DISPLACE = 0.9   # p's cap in PrefillCostScorer: the cascade p / (1 − p) stays finite (9)
 
 
+def _cascade(p: float) -> float:
+    """u = p / (1 − p), p capped at 0.9: each displaced block is recomputed later, displacing
+    another with the same chance (p + p² + …)."""
+    p = min(_MAX_DISPLACE, max(0.0, p))
+    return p / (1.0 - p)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillCostScorer:
     """Holder-first placement (issue #23). The work, in prompt tokens, the request adds to a
     worker and waits behind there:
 
-        cost(w) = β × (L − bs × (cached(w) + fetched(w)) + φ × bs × fetched(w) + u(w) × (L − bs × cached(w)))
+        cost(w) = β × (L − bs × (cached(w) + fetched(w)) + φ × bs × fetched(w)
+                       + u(w) × (L − bs × (cached(w) + copies(w))) + u'(w) × bs × copies(w))
                   + γ × queued(w) + κ × in_flight(w) + κ̄ × excess(w)
 
     L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending);
     fetched(w) the further leading blocks a peer has stored, which w would fetch (peer transfer)
     at φ = `fetch_cost_ratio` of their prefill; u(w) the recompute each new block placed there
-    (computed or fetched) causes by displacing reused prefix blocks: with p the chance that it
-    displaces one — 0 while reused prefixes fill at most `room_frac` of w's pool (its GetLoad:
-    `WorkerLoad.committed`), rising linearly to 1 when they fill all of it (so a roomy pool's
-    small differences never outweigh prefix affinity), capped at 0.9 — a later request
-    recomputes the displaced block, which displaces another with the same chance: u = p + p² + …
-    = p / (1 − p); queued(w) the uncached prompt tokens of requests sent to w that have not
+    (computed or fetched) causes by displacing shared prefix blocks: with p the chance that it
+    displaces one — 0 while shared prefixes fill at most `room_frac` of w's pool
+    (`WorkerLoad.committed`: the blocks reused there by its GetLoad, or the router index's
+    expected shared blocks on it, router/index.py, the larger), rising linearly to 1 when they
+    fill all of it (so a roomy pool's small differences never outweigh prefix affinity), capped
+    at 0.9 — a later request recomputes the displaced block, which displaces another with the
+    same chance: u = p + p² + … = p / (1 − p); copies(w) the blocks beyond cached(w) that
+    another worker holds or computes (w would hold a second copy), at u'(w), the same cascade
+    with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction of all the
+    workers' pools the shared prefixes fill with one copy each, from 0, no room): a replica
+    takes space some prefix's only copy will need once the cluster fills, even while w itself
+    still has room, where a new prefix must go somewhere anyway and costs only w's own u;
+    queued(w) the uncached prompt tokens of requests sent to w that have not
     started streaming, less those computing this prompt's own prefix (they are the prefill it
     saves), weighted γ = `queue_weight` because a request sent where prefills are queued shares
     their step: it waits for them and they for it (in a closed loop the least loaded worker is
@@ -222,14 +237,14 @@ class PrefillCostScorer:
     × the prefill saved — that is when a prefix is replicated (load-demanded), by a peer fetch
     where a peer has it stored, while a momentary burst (κ, queued) rarely outweighs the saving.
     Through u, under cache pressure a new prefix goes where its blocks displace the fewest
-    reused ones, and a replica costs the recompute of what it displaces, while in a roomy pool a
-    replica costs only its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding
+    reused ones, and a replica costs the recompute of what it displaces, while in a roomy cluster
+    a replica costs little more than its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding
     the prefix wins unless its queue and load exceed β × the prefill it saves; equal costs tie."""
 
     running_cost_tokens: float = 16.0
     prefill_weight: float = 2.0
-    sustained_cost_tokens: float = 4096.0
-    fetch_cost_ratio: float = 0.1
+    sustained_cost_tokens: float = 8192.0
+    fetch_cost_ratio: float = 0.03
     queue_weight: float = 2.0
     room_frac: float = 0.4
     sustained_tolerance: float = 0.1
@@ -256,12 +271,16 @@ class PrefillCostScorer:
         excess = max(0.0, state.mean_in_flight.get(worker_id, 0.0) - fair_share * (1.0 + self.sustained_tolerance))
         queued = max(0, state.queued_tokens.get(worker_id, 0))
         load = state.load(worker_id)
-        p = min(_MAX_DISPLACE, max(0.0, load.committed - self.room_frac) / (1.0 - self.room_frac))
-        displaced = p / (1.0 - p)   # each displaced block recomputed later, displacing again: p + p² + …
+        # blocks another worker holds or computes: placed here they are a second copy
+        copies = min(total - cached, bs * max(0, max(state.cached_blocks.values(), default=0) - own))
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
-                                       + displaced * (total - cached))
+                                       + self._cascade(load.committed) * (total - cached - copies)
+                                       + max(self._cascade(load.committed), _cascade(state.cluster_committed)) * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
+
+    def _cascade(self, committed: float) -> float:
+        return _cascade(max(0.0, committed - self.room_frac) / (1.0 - self.room_frac))
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         share = fair_share(pool, state)

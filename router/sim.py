@@ -180,10 +180,12 @@ class _Sim:
         self.prefills.expire(self.index)
         pools = self.pools
         state = RoutingState({w: WorkerLoad(self.in_flight[w], pools[w].pool.num_free_blocks, cfg.cache_blocks,
-                                            pools[w].pool.num_reused_blocks) for w in ids},
+                                            pools[w].pool.num_reused_blocks, self.index.shared_blocks(w)) for w in ids},
                              {WorkerId(k): v for k, v in self.index.match_prefix(route.block_hashes, ids).items()},
                              self.prefills.queued_tokens(self.index, ids, route), cfg.block_size,
-                             self.prefills.mean_in_flight(ids))
+                             self.prefills.mean_in_flight(ids),
+                             cluster_committed=min(1.0, self.index.distinct_shared_blocks()
+                                                   / (cfg.cache_blocks * len(ids))))
         chosen = self.policy.pick(self.workers, route, state)
         assert chosen is not None
         wid = chosen.worker_id

@@ -94,7 +94,8 @@ class Engine:
                              block_size=cfg.block_size, kv_codec=codec_id).digest()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            cfg.enable_chunked_prefill, mc.sliding_window), self.store, self.salt)
+                            cfg.enable_chunked_prefill, mc.sliding_window, cfg.enable_prefix_caching),
+            self.store, self.salt)
         ev = cfg.eviction_config()
         if ev.enabled and mc.sliding_window is not None:
             raise ValueError(f"kv_eviction={cfg.kv_eviction}: this model has a sliding window "
@@ -425,7 +426,8 @@ class Engine:
                            self.store.host.stats().offloaded if self.store.host is not None else 0,
                            self.store.pool.stats().evictions,
                            self.evictor.num_evicted_tokens if self.evictor is not None else 0,
-                           u.num_cached_blocks, u.num_protected_blocks, u.num_reused_blocks)
+                           u.num_cached_blocks, u.num_protected_blocks, u.num_reused_blocks,
+                           self.scheduler.num_prefix_waits)
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""

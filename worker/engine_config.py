@@ -83,3 +83,4 @@ class EngineStats(NamedTuple):
     num_cached_blocks: int = 0        # device blocks holding a cached prefix (in use or free)
     num_protected_blocks: int = 0     # free blocks caching a reused prefix (evicted last)
     num_reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
+    num_prefix_waits: int = 0         # admissions put off for a block another request was computing

@@ -209,6 +209,9 @@ class _StatsCollector(Collector):
                     "other free block)", stats.num_protected_blocks)
         yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later)",
                       stats.num_preemptions)
+        yield counter("prefix_waits", "Admissions put off one step because another running request was "
+                      "computing the prompt's next block (it is then reused, not computed twice)",
+                      stats.num_prefix_waits)
         yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",
                       stats.num_onloaded_blocks)
         yield counter("kv_blocks_offloaded", "Blocks copied from the device pool into the host tier",

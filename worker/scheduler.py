@@ -10,6 +10,11 @@ as the proto says — while budget, sequence slots and blocks allow, after one s
 (device pool, then host tier) that sets `num_cached_tokens`. Priority orders admission only:
 the preemption victim is still the most recently admitted running request.
 
+In-flight prefix dedupe: a waiting request whose next uncached full block is one a running
+request is computing (two requests of one new prefix arriving together) is not admitted
+that step; later waiting requests may be. Once the block is cached it is admitted with the
+hit, so a shared prefix is computed once — the worker side of the router's pending blocks.
+
 All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
 """
 from __future__ import annotations
@@ -22,8 +27,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
+from kvstore.keys import BlockHash
 from kvstore.store import KVStore
 from worker.request import NO_BLOCK, FinishReason, Request, RequestStatus
+
+
+_WAITS_FOR_PREFIX = -1   # `Scheduler._admit`: put off, another request computes its next block
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +42,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     sliding_window: int | None = None   # the model's: blocks wholly outside it are released
+    enable_prefix_caching: bool = True  # False: nothing is cached, so no admission waits for a block
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -92,6 +102,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefix_waits = 0   # admissions put off for a block another request computes
 
     # -- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -130,13 +141,18 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.cfg.max_num_seqs):
-            req = self.waiting.peek()
-            n = self._admit(req, budget)
+        computing = self._computing_hashes() if self.waiting and not preempted else {}
+        for req in list(self.waiting):
+            if budget <= 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            n = self._admit(req, budget, computing)
+            if n == _WAITS_FOR_PREFIX:
+                self.num_prefix_waits += 1
+                continue
             if n == 0:
                 break
-            self.waiting.pop()
+            self.waiting.remove(req)
+            self._note_computing(req, computing)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
@@ -229,14 +245,32 @@ class Scheduler:
             self.store.free(freed)
             req.block_ids[:dead] = [NO_BLOCK] * dead
 
-    def _admit(self, req: Request, budget: int) -> int:
-        """Take blocks for the waiting head; returns tokens scheduled (0: it does not fit now)."""
+    def _computing_hashes(self) -> dict[BlockHash, Request]:
+        """The full blocks running requests are computing and will cache (hash → request)."""
+        computing: dict[BlockHash, Request] = {}
+        for req in self.running:
+            self._note_computing(req, computing)
+        return computing
+
+    def _note_computing(self, req: Request, computing: dict[BlockHash, Request]) -> None:
+        if req.num_evicted_tokens or not self.cfg.enable_prefix_caching:   # then it caches nothing
+            return
+        for h in req.block_hashes[req.num_computed_tokens // self.cfg.block_size:]:
+            computing.setdefault(h, req)
+
+    def _admit(self, req: Request, budget: int, computing: dict[BlockHash, Request] | None = None) -> int:
+        """Take blocks for a waiting request; returns tokens scheduled (0: it does not fit
+        now; `_WAITS_FOR_PREFIX`: the next block it would compute is one a running request is
+        computing (`computing`), so it waits for that block to be cached instead of computing
+        it again — the in-flight prefix dedupe the router's pending blocks count on)."""
         bs = self.cfg.block_size
         # Keep at least the last token uncached: its logits are needed to sample.
         max_cached_blocks = (req.num_tokens - 1) // bs
         # prompt logprobs need the logits of every prompt position: no cache hit for those
         hashes = req.block_hashes[:max_cached_blocks] if not req.needs_prompt_logits else []
         match = self.store.lookup(hashes)
+        if computing and match.num_blocks < len(hashes) and hashes[match.num_blocks] in computing:
+            return _WAITS_FOR_PREFIX
         num_computed = match.num_blocks * bs
         remaining = req.num_tokens - num_computed
         n = min(remaining, budget)

@@ -379,6 +379,12 @@ def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) 
                 done = await _generate(router, a2)
                 expected = _expected_hit(shared, len(a2.route.token_ids), bs)
                 assert done.worker_id == "w-solo" and done.cached_tokens == expected > 0
+                # Both prompts held the shared blocks: the index counts them shared on w-solo,
+                # and in the cluster's one-copy fill of the pool.
+                seen = router.core.routing_state(a2.route)
+                assert seen.loads["w-solo"].shared_blocks >= shared
+                assert 0 < seen.cluster_committed == pytest.approx(
+                    router.registry.index.distinct_shared_blocks() / seen.loads["w-solo"].num_blocks)
                 assert (router.core.stats.routed_hit_tokens - routed0, router.core.stats.mismatches) == (expected, mismatches0)
                 # Blocks stored while Redis is down cannot reach the index yet.
                 b = await _prepare(router, _chat(SYSTEM_B, "Which wind blows in the Bay of Biscay?"))

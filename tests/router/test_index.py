@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -62,6 +63,37 @@ def test_inventory_replaces_and_workers_come_and_go() -> None:
     index.remove_worker(A)
     assert index.workers() == [B] and index.stats().num_blocks == 0
     index.remove_worker(WorkerId("never-seen"))
+    index.check_integrity()
+
+
+def test_shared_blocks_count_what_two_requests_asked_for_and_learn_the_rest_by_depth() -> None:
+    """A block two requests' prompts held is shared wherever it is held; a block one asked
+    for counts at the rate blocks of its depth were asked again ((again + 1) / (once + 2));
+    the distinct count takes each block once however many workers hold it."""
+    index = BlockIndex()
+    prefix, q1, q2 = H[:2], H[2], H[3]          # a two-block prefix, two one-block questions
+    index.add_pending("r1", A, (*prefix, q1), expires_at=100.0)
+    index.apply(A, stored(*prefix, q1))
+    # depths 0, 1, 2 each asked once, never again: rate 1/3 each
+    assert index.shared_blocks(A) == pytest.approx(3 * 1 / 3) and index.shared_blocks(B) == 0
+    index.add_pending("r2", A, (*prefix, q2), expires_at=100.0)
+    index.apply(A, stored(q2))
+    # the prefix is shared now (2 blocks); depths 0 and 1 were asked again; q1 and q2 sit at
+    # depth 2, asked once twice and never again: (0 + 1) / (2 + 2) each
+    assert index.shared_blocks(A) == pytest.approx(2 + 2 * 1 / 4)
+    index.apply(B, stored(*prefix))            # a copy on B (a peer fetch)
+    assert index.shared_blocks(B) == 2
+    assert index.distinct_shared_blocks() == pytest.approx(2 + 2 * 1 / 4)
+    index.add_pending("r2", A, (*prefix, q2), expires_at=100.0)   # a retry of r2 counts no new ask
+    assert index.shared_blocks(A) == pytest.approx(2 + 2 * 1 / 4)
+    index.apply(A, removed(*prefix, q1))
+    assert index.shared_blocks(A) == pytest.approx(1 / 4) and index.shared_blocks(B) == 2
+    index.remove_worker(B)
+    assert index.distinct_shared_blocks() == pytest.approx(1 / 4)
+    index.check_integrity()
+    index.expire_pending(200.0)
+    index.apply(A, removed(q2))
+    assert index.shared_blocks(A) == 0 == index.distinct_shared_blocks()
     index.check_integrity()
 
 
@@ -131,6 +163,21 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.remove_worker(w)
         self.model.pop(w, None)
 
+    @rule(rid=st.integers(0, 5), w=workers, hashes=hash_lists)
+    def ask(self, rid: int, w: WorkerId, hashes: list[BlockHash]) -> None:
+        """A request routed (its asks counted, its blocks pending; pending blocks are not
+        holdings, so the model is untouched); shared counts are checked by check_integrity."""
+        self.index.add_pending(f"r{rid}", w, hashes, expires_at=float(rid))
+        self._held(w)
+
+    @rule(rid=st.integers(0, 5))
+    def drop_request(self, rid: int) -> None:
+        self.index.drop_pending(f"r{rid}")
+
+    @rule(now=st.integers(0, 6))
+    def expire(self, now: int) -> None:
+        self.index.expire_pending(float(now))
+
     @rule(query=st.lists(st.sampled_from(H), max_size=6), some=st.lists(workers, max_size=3))
     def match(self, query: list[BlockHash], some: list[WorkerId]) -> None:
         for subset in (None, some):
@@ -141,7 +188,7 @@ class IndexMachine(RuleBasedStateMachine):
                 while n < len(query) and query[n] in held:
                     n += 1
                 expected[w] = n
-            assert self.index.match_prefix(query, subset) == expected
+            assert self.index.match_prefix(query, subset, pending=False) == expected
 
     @invariant()
     def agrees_with_model(self) -> None:

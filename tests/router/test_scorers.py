@@ -180,7 +180,8 @@ def test_prefill_cost_adds_its_terms():
     + κ·in_flight + κ̄·mean_in_flight, each term alone."""
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
-    scorer = PrefillCostScorer(running_cost_tokens=16.0, prefill_weight=2.0, sustained_cost_tokens=512.0)
+    scorer = PrefillCostScorer(running_cost_tokens=16.0, prefill_weight=2.0, sustained_cost_tokens=512.0,
+                               fetch_cost_ratio=0.1)
     w = WorkerId("w0")
     assert scorer.cost(w, route, RoutingState()) == 2.0 * L
     assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3})) == 2.0 * (L - 48)
@@ -201,6 +202,25 @@ def test_prefill_cost_adds_its_terms():
     full = RoutingState({w: WorkerLoad(0, free_blocks=0, num_blocks=40, reused_blocks=40)}, {w: 3})
     assert scorer.cost(w, route, full) == pytest.approx(2.0 * (L - 48) * 10)   # u capped at 0.9: 9 per token
     assert WorkerLoad(0, num_blocks=0, reused_blocks=5).committed == 0.0     # no report: no data
+    # the router's expected shared blocks count when they exceed the worker's reused ones
+    assert WorkerLoad(0, num_blocks=40, reused_blocks=8, shared_blocks=30.0).committed == 0.75
+
+
+def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
+    """Blocks another worker holds are a second copy on w: they displace at the larger of
+    w's committed fraction and the cluster's (from 0, no room), while w's own new blocks
+    displace only past w's room; a new prefix (held nowhere) is priced by w alone."""
+    route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
+    L = len(route.token_ids)
+    scorer = PrefillCostScorer(fetch_cost_ratio=0.1)
+    w, v = WorkerId("w0"), WorkerId("w1")
+    roomy = {w: WorkerLoad(0, 10, 40, 0)}
+    held_by_v = RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.5)      # u' = 0.5 / 0.5 = 1
+    assert scorer.cost(w, route, held_by_v) == pytest.approx(2.0 * (L + 1.0 * 80))
+    # fetched from v instead of computed: φ of the prefill, the copy still displaces
+    fetch = RoutingState(roomy, {w: 0, v: 5}, fetchable_blocks={w: 5}, cluster_committed=0.5)
+    assert scorer.cost(w, route, fetch) == pytest.approx(2.0 * (L - 80 + 0.1 * 80 + 80))
+    assert scorer.cost(w, route, RoutingState(roomy, {w: 0}, cluster_committed=0.5)) == 2.0 * L
 
 
 def test_prefix_replicates_by_fetch_only_where_the_pool_has_room():

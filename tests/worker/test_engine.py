@@ -167,3 +167,32 @@ def test_outputs_carry_request_timings(tiny):
     assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s
     assert t.prefill_s == pytest.approx(t.ttft_s - t.queue_s) and t.decode_s >= 0
     assert outs[0].timings.first_token_time == t.first_token_time
+
+
+def test_requests_of_one_new_prefix_arriving_together_compute_it_once(tiny_model_dir):
+    """In-flight prefix dedupe: the second request of a prefix the first is computing waits
+    one step and reuses it (cached tokens = the prefix's full blocks), while an unrelated
+    request behind it is admitted at once; outputs equal those of each prompt alone."""
+    def engine(prefix_caching=True):
+        return Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=128,
+                                   check_integrity=True, max_model_len=64, enable_prefix_caching=prefix_caching))
+    shared = list(range(30, 50))                     # 5 full blocks
+    a, b, other = shared + [7, 8], shared + [9, 10, 11], [60, 61, 62, 63, 64]
+    alone = {tuple(p): engine().generate(p, GREEDY)[0].token_ids for p in (a, b, other)}
+    eng = engine()
+    ids = {eng.add_request(p, GREEDY): p for p in (a, b, other)}
+    first_step = {o.request_id for o in eng.step()}
+    assert first_step == {rid for rid, p in ids.items() if p is not b}, "b waits, the unrelated one does not"
+    assert eng.stats().num_prefix_waits == 1
+    final = {}
+    while eng.has_unfinished():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    by_prompt = {tuple(ids[rid]): o for rid, o in final.items()}
+    assert by_prompt[tuple(b)].num_cached_tokens == len(shared)
+    assert {p: o.token_ids for p, o in by_prompt.items()} == {p: alone[p] for p in by_prompt}
+    assert eng.stats().num_prefix_waits == 1 and eng.store.pool.num_used_blocks == 0
+    # without a prefix cache nothing would be reused: no request waits
+    plain = engine(prefix_caching=False)
+    for p in (a, b):
+        plain.add_request(p, GREEDY)
+    assert len(plain.step()) == 2 and plain.stats().num_prefix_waits == 0
