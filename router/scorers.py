@@ -273,9 +273,10 @@ class PrefillCostScorer:
         load = state.load(worker_id)
         # blocks another worker holds or computes: placed here they are a second copy
         copies = min(total - cached, bs * max(0, max(state.cached_blocks.values(), default=0) - own))
+        displaced = self._cascade(load.committed)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
-                                       + self._cascade(load.committed) * (total - cached - copies)
-                                       + max(self._cascade(load.committed), _cascade(state.cluster_committed)) * copies)
+                                       + displaced * (total - cached - copies)
+                                       + max(displaced, _cascade(state.cluster_committed)) * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 

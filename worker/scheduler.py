@@ -141,7 +141,7 @@ class Scheduler:
             budget -= n
             i += 1
 
-        computing = self._computing_hashes() if self.waiting and not preempted else {}
+        computing = self._computing_hashes() if self.waiting and not preempted else set()
         for req in list(self.waiting):
             if budget <= 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
                 break
@@ -245,20 +245,19 @@ class Scheduler:
             self.store.free(freed)
             req.block_ids[:dead] = [NO_BLOCK] * dead
 
-    def _computing_hashes(self) -> dict[BlockHash, Request]:
-        """The full blocks running requests are computing and will cache (hash → request)."""
-        computing: dict[BlockHash, Request] = {}
+    def _computing_hashes(self) -> set[BlockHash]:
+        """The full blocks running requests are computing and will cache."""
+        computing: set[BlockHash] = set()
         for req in self.running:
             self._note_computing(req, computing)
         return computing
 
-    def _note_computing(self, req: Request, computing: dict[BlockHash, Request]) -> None:
+    def _note_computing(self, req: Request, computing: set[BlockHash]) -> None:
         if req.num_evicted_tokens or not self.cfg.enable_prefix_caching:   # then it caches nothing
             return
-        for h in req.block_hashes[req.num_computed_tokens // self.cfg.block_size:]:
-            computing.setdefault(h, req)
+        computing.update(req.block_hashes[req.num_computed_tokens // self.cfg.block_size:])
 
-    def _admit(self, req: Request, budget: int, computing: dict[BlockHash, Request] | None = None) -> int:
+    def _admit(self, req: Request, budget: int, computing: set[BlockHash] | None = None) -> int:
         """Take blocks for a waiting request; returns tokens scheduled (0: it does not fit
         now; `_WAITS_FOR_PREFIX`: the next block it would compute is one a running request is
         computing (`computing`), so it waits for that block to be cached instead of computing
