@@ -247,6 +247,36 @@ class KVStore:
             parts.append(data.to(device))                        # [L, 2, run, bs, H, D]
         return HeldBlocks(n, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2).contiguous())
 
+    def read_now(self, block_hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks | None:
+        """`read` from a thread other than the engine's, without waiting for the step it may
+        be running: the leading run of `block_hashes` in the device pool, copied, then checked —
+        the copy keeps the blocks whose hash still maps to the block it was read from (a
+        step evicts a block, dropping its hash, before it writes into it; full cached blocks
+        are never written otherwise). None where only `read` on the engine thread can answer:
+        a pool off the CPU (its writes are queued on a stream), a run that goes on in the host
+        tier, or a first block evicted during the copy. Nothing is referenced or reordered."""
+        if self.kv.device.type != "cpu":
+            return None
+        ids: list[int] = []
+        for h in block_hashes:
+            block_id = self.pool.get_cached_block(h)
+            if block_id is None:
+                break
+            ids.append(int(block_id))
+        if len(ids) < len(block_hashes) and self.host is not None and block_hashes[len(ids)] in self.host:
+            return None
+        if not ids:
+            return HeldBlocks(0, None)
+        data = self.kv.gather_blocks(ids)                      # [L, 2, n, bs, H, D]
+        n = 0
+        for h, block_id in zip(block_hashes, ids):
+            if self.pool.get_cached_block(h) != block_id:
+                break
+            n += 1
+        if n == 0:
+            return None
+        return HeldBlocks(n, (data if n == len(ids) else data[:, :, :n]).to(device).contiguous())
+
     def stage(self, block_hashes: Sequence[BlockHash], data: torch.Tensor) -> int:
         """Put blocks that arrived from a peer (`data` as `read` returns it) in the host tier,
         where the next admission finds them; returns how many were written (hashes already

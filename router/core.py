@@ -47,11 +47,13 @@ class Prepared(NamedTuple):
 
 
 class Pick(NamedTuple):
-    """The chosen worker, the prompt tokens the index says it holds, the peer to hint."""
+    """The chosen worker, the prompt tokens the index says it holds, the peer to hint and the
+    further prompt tokens that peer is predicted to send (the worker computes neither)."""
 
     worker: WorkerEntry
     predicted_tokens: int
     hint: PeerHint | None
+    fetched_tokens: int = 0
 
 
 @dataclass
@@ -246,7 +248,8 @@ class Router:
         worker_id = worker.info.worker_id
         self._inflight[rid] = worker
         # pending blocks on the pick until its worker stores them (router/inflight.py)
-        self.prefills.dispatched(self.registry.index, rid, worker_id, route, pick.predicted_tokens)
+        self.prefills.dispatched(self.registry.index, rid, worker_id, route, pick.predicted_tokens,
+                                 pick.fetched_tokens)
         streamed = False
         worker.in_flight += 1
         call = responses = None
@@ -350,7 +353,8 @@ class Router:
         max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
         blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
         hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
-        return Pick(self.registry.entry(chosen.address), blocks * bs, hint)
+        fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
+        return Pick(self.registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
 
     def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
         if hint is None:

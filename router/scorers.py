@@ -219,12 +219,13 @@ class PrefillCostScorer:
     same chance: u = p + p² + … = p / (1 − p); copies(w) the blocks beyond cached(w) that
     another worker holds or computes (w would hold a second copy), at u'(w), the same cascade
     with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction of all the
-    workers' pools the shared prefixes fill with one copy each, from 0, no room): a replica
-    takes space some prefix's only copy will need once the cluster fills, even while w itself
-    still has room, where a new prefix must go somewhere anyway and costs only w's own u;
-    queued(w) the uncached prompt tokens of requests sent to w that have not
-    started streaming, less those computing this prompt's own prefix (they are the prefill it
-    saves), weighted γ = `queue_weight` because a request sent where prefills are queued shares
+    workers' pools the shared prefixes fill with one copy each) past `copy_room_frac` (a
+    smaller room than a worker's): a replica takes space some prefix's only copy will need
+    once the cluster fills, even while w itself still has room, where a new prefix must go
+    somewhere anyway and costs only w's own u (in a nearly empty cluster a copy costs only
+    its fetch); queued(w) the prompt tokens requests sent to w that have not started
+    streaming will compute there (less their cached blocks and those a peer hint fetches),
+    less those computing this prompt's own prefix (they are the prefill it saves), weighted γ = `queue_weight` because a request sent where prefills are queued shares
     their step: it waits for them and they for it (in a closed loop the least loaded worker is
     the one whose requests just finished together, and all their successors would otherwise
     prefill there in one step); κ = `running_cost_tokens`, what one running request costs a new
@@ -248,6 +249,7 @@ class PrefillCostScorer:
     queue_weight: float = 2.0
     room_frac: float = 0.4
     sustained_tolerance: float = 0.1
+    copy_room_frac: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("running_cost_tokens", "sustained_cost_tokens", "queue_weight"):
@@ -259,8 +261,9 @@ class PrefillCostScorer:
             raise ValueError(f"fetch_cost_ratio={self.fetch_cost_ratio!r} must be in [0, 1]")
         if not self.sustained_tolerance >= 0.0:
             raise ValueError(f"sustained_tolerance={self.sustained_tolerance!r} must be >= 0")
-        if not 0.0 <= self.room_frac < 1.0:
-            raise ValueError(f"room_frac={self.room_frac!r} must be in [0, 1)")
+        for name in ("room_frac", "copy_room_frac"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
 
     def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0) -> float:
         """The cost on `worker_id`; its sustained load counts above `fair_share` only."""
@@ -276,12 +279,15 @@ class PrefillCostScorer:
         displaced = self._cascade(load.committed)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
-                                       + max(displaced, _cascade(state.cluster_committed)) * copies)
+                                       + max(displaced, self._copy_cascade(state.cluster_committed)) * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 
     def _cascade(self, committed: float) -> float:
         return _cascade(max(0.0, committed - self.room_frac) / (1.0 - self.room_frac))
+
+    def _copy_cascade(self, cluster_committed: float) -> float:
+        return _cascade(max(0.0, cluster_committed - self.copy_room_frac) / (1.0 - self.copy_room_frac))
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         share = fair_share(pool, state)

@@ -3,7 +3,9 @@
 The engine is single-threaded. Everything else reaches it through the closed set of typed
 commands of `worker.commands`, queued to the engine thread and applied between steps in the
 order sent (`AsyncEngine.run`, dispatched by `_apply`), so requests from any number of
-coroutines never race it and no step runs while a command reads the KV store.
+coroutines never race it and no step runs while a command reads the KV store. One read is
+the exception: a peer's copy of cached blocks (`read_blocks`) runs beside a step on a CPU pool
+and is checked afterwards (`KVStore.read_now`), falling back to the `ReadBlocks` command.
 
 A load snapshot (`snapshot`, the worker's GetLoad) does not wait out a long step: it is a
 `Snapshot` command like any other when the engine answers within `wait_s`, else the figures
@@ -30,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from worker.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
                              ReadBlocks, ResetPrefixCache, Snapshot, StageBlocks, Tokenize)
@@ -39,6 +41,12 @@ from worker.engine_config import EngineStats
 from worker.liveness import EnginePulse
 from worker.request import InvalidRequest, QueueFull, RequestOutput
 from worker.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.keys import BlockHash
+    from kvstore.store import HeldBlocks
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -137,6 +145,16 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, fut, result)
         self._post(command, reply)
         return await fut
+
+    async def read_blocks(self, hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks:
+        """A copy of the leading run of `hashes` held here (a peer's `SendBlocks`): read at
+        once beside a running step where the store can check the copy (`KVStore.read_now`, a
+        CPU pool), else the `ReadBlocks` command between steps. A peer's fetch then waits for
+        the copy only, not for the end of this worker's step (a long prefill's, seconds on a CPU)."""
+        held = await asyncio.to_thread(self.engine.store.read_now, tuple(hashes), device)
+        if held is not None:
+            return held
+        return await self.run(ReadBlocks(tuple(hashes), device))
 
     async def snapshot(self, wait_s: float) -> EngineStats:
         """The engine's figures now (`Snapshot`) if it answers within `wait_s`; else, while a

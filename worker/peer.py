@@ -26,10 +26,12 @@ Any failure (RPC error, dead peer, timeout, bad checksum) keeps only the good le
 possibly nothing: the engine recomputes the rest, and the output is the same. A failed
 transfer breaks its pair only (`Pairs.broken`); the next fetch forms a new one.
 
-Send, for a peer's `SendBlocks` (`serve_send`): `ReadBlocks` (an engine command) copies the
-leading run of the asked hashes held in the store, then the copy is queued on the
-`BlockTransfer` once the pair is ready (at once for a live pair; after joining for a new one,
-in a thread bounded by the connect timeout), whose own threads wait for the network.
+Send, for a peer's `SendBlocks` (`serve_send`): `AsyncEngine.read_blocks` copies the leading
+run of the asked hashes held in the store (beside a running step where the store can check
+the copy, a CPU pool; else the `ReadBlocks` engine command, between steps), then the copy is
+queued on the `BlockTransfer` once the pair is ready (at once for a live pair; after joining
+for a new one, in a thread bounded by the connect timeout), whose own threads wait for the
+network.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ from kvstore.transfer import MAX_TRANSFER_ID, BlockSpec, BlockTransfer, SendResu
 from kvstore.transfer_cost import LinkEstimate, measure_checksum
 from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, TransferError
 from contracts.requests import PeerHint, SendBlocksInput
-from worker.async_engine import AsyncEngine, CountHeld, ReadBlocks, StageBlocks
+from worker.async_engine import AsyncEngine, CountHeld, StageBlocks
 from worker.kernels import native
 from worker.peer_plan import (ASSUMED_LINK, Decision, FaultPlan, FetchPlan, PlanView, good_leading_run,
                               plan_fetch)
@@ -235,7 +237,7 @@ class PeerPlane:
         if not req.new_pair and (slot is None or stale or slot.peer_id != req.receiver_id):
             return 0, 0, f"no live pair {req.pair_key!r} here (this is {self.me})", True
         hashes = tuple(BlockHash(h) for h in req.block_hashes)
-        held = await ae.run(ReadBlocks(hashes, self.pairs.device))
+        held = await ae.read_blocks(hashes, self.pairs.device)
         if held.blocks is None:
             return 0, 0, "none of the blocks is held here", False
         if not still_wanted():

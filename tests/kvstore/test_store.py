@@ -119,6 +119,53 @@ def test_read_copies_the_leading_run_from_both_tiers_and_stage_lands_in_host() -
     puller.check_integrity([ids])
 
 
+def test_read_now_copies_the_device_run_and_drops_blocks_evicted_during_the_copy(monkeypatch) -> None:
+    """`read_now` (a peer's read beside a running step) returns what `read` does for blocks
+    the device pool holds; a block evicted and overwritten while it was being copied ends the
+    run there (its hash no longer maps to that block); a run going on in the host tier, or
+    a first block lost, is left to `read` on the engine thread (None)."""
+    store = KVStore(LAYOUT, 8)
+    chain = [H(i) for i in range(4)]
+    ids = computed(store, chain)
+    held = store.read_now(chain + [H(99)], CPU)
+    assert held is not None and held.num_blocks == 4
+    assert torch.equal(held.blocks, store.read(chain, CPU).blocks)
+    assert store.read_now([H(99)], CPU) == (0, None)
+
+    gather = store.kv.gather_blocks
+
+    def step_meanwhile(block_ids):                       # the engine thread runs a step mid-copy
+        out = gather(block_ids)
+        taken = store.allocate(len(store.pool.free_block_ids()))   # evicts every cached block
+        write(store, taken, [H(50 + i) for i in range(len(taken))])
+        return out
+    monkeypatch.setattr(store.kv, "gather_blocks", step_meanwhile)
+    assert store.read_now(chain, CPU) is None               # nothing of the copy can be trusted
+    monkeypatch.undo()
+
+    store = KVStore(LAYOUT, 8)
+    ids = computed(store, chain)
+    victim = ids[2]
+
+    def evict_third(block_ids):
+        out = store.kv.__class__.gather_blocks(store.kv, block_ids)
+        store.pool._drop_hash(store.pool._blocks[victim])   # chain[2]'s block evicted...
+        store.kv.kv[:, :, victim] = -1.0                     # ...and written by the step
+        return out
+    monkeypatch.setattr(store.kv, "gather_blocks", evict_third)
+    held = store.read_now(chain, CPU)
+    assert held is not None and held.num_blocks == 2
+    for j, h in enumerate(chain[:2]):
+        assert bool((held.blocks[:, :, j] == content(h)).all())
+    monkeypatch.undo()
+
+    owner = offload_store(num_blocks=4)
+    computed(owner, chain[:3])
+    owner.free(owner.allocate(4))                          # chain[:3] to host
+    assert owner.read_now(chain[:3], CPU) is None          # the host tier's run: the engine thread's
+    assert owner.read(chain[:3], CPU).num_blocks == 3
+
+
 def test_staging_tier_takes_no_evictions() -> None:
     store = KVStore(LAYOUT, 4)
     store.ensure_host_tier(4)

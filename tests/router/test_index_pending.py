@@ -247,3 +247,18 @@ def test_a_burst_waits_on_the_holder_but_sustained_load_replicates_the_prefix() 
     picks, late = asyncio.run(scenario())
     assert picks == [W0, W0, W0]     # the last two at the plain cap (2 of 2, then 3 of 3 in flight)
     assert late == W1
+
+
+def test_a_request_fetching_its_prefix_from_a_peer_queues_only_what_it_computes() -> None:
+    """A request sent where a peer will send the prefix (a peer hint) computes only the rest:
+    that is what it queues there, not the whole prompt (else the next requests shun the worker
+    as if a cold prefill were queued)."""
+    index, prefills = BlockIndex(), InFlightPrefills()
+    route = _route(0, 0)                                    # 8 prefix blocks + 2 question blocks
+    prefills.dispatched(index, "fetching", W1, route, 0, 8 * BS)
+    prefills.dispatched(index, "cold", W0, _route(1, 0), 0)
+    assert prefills.queued_tokens(index, [W0, W1], _route(2, 0)) == {W0: 10 * BS, W1: 2 * BS}
+    # the fetched blocks are pending on the receiver: it will hold them once stored
+    assert index.match_prefix(_route(0, 1).block_hashes, [W1]) == {W1: 8}
+    prefills.prefilled(index, "fetching")
+    assert prefills.queued_tokens(index, [W0, W1], _route(2, 0)) == {W0: 10 * BS, W1: 0}

@@ -137,6 +137,22 @@ def test_round_robin_pick_with_fewer_blocks_gets_a_hint_to_the_other() -> None:
     assert router.stats.actual_hit_tokens == 4 + 20
 
 
+def test_a_hinted_request_queues_only_the_tokens_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w0 holds 1 block of the 30-token prompt and is hinted to fetch 4 more from w1: the
+    router counts 30 − 4 − 16 = 10 tokens queued for prefill there, as for w1's own hit."""
+    from router.inflight import InFlightPrefills
+    queued: dict[str, int] = {}
+    dispatched = InFlightPrefills.dispatched
+
+    def record(self: InFlightPrefills, index: object, request_id: str, worker_id: str, *args: Any) -> None:
+        dispatched(self, index, request_id, worker_id, *args)   # type: ignore[arg-type]
+        queued[worker_id] = self.queued_tokens(None, [worker_id], args[0])[worker_id]   # type: ignore[arg-type]
+    monkeypatch.setattr(InFlightPrefills, "dispatched", record)
+    results, _, _ = asyncio.run(_route("round_robin", (0, 1), {"w0": 1, "w1": 5}, 2))
+    assert sorted(w for w, _ in results) == ["w0", "w1"]
+    assert queued == {"w0": 10, "w1": 10}
+
+
 def test_kv_aware_picks_the_holder_and_needs_no_hint() -> None:
     results, router, _ = asyncio.run(_route("kv_aware", (0, 1), {"w0": 1, "w1": 5}, 2))
     assert results == [("w1", []), ("w1", [])] and router.stats.peer_hints == 0

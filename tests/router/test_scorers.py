@@ -208,11 +208,12 @@ def test_prefill_cost_adds_its_terms():
 
 def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     """Blocks another worker holds are a second copy on w: they displace at the larger of
-    w's committed fraction and the cluster's (from 0, no room), while w's own new blocks
-    displace only past w's room; a new prefix (held nowhere) is priced by w alone."""
+    w's committed fraction and the cluster's (past `copy_room_frac`, a smaller room than a
+    worker's), while w's own new blocks displace only past w's room; a new prefix (held
+    nowhere) is priced by w alone."""
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
-    scorer = PrefillCostScorer(fetch_cost_ratio=0.1)
+    scorer = PrefillCostScorer(fetch_cost_ratio=0.1, copy_room_frac=0.0)
     w, v = WorkerId("w0"), WorkerId("w1")
     roomy = {w: WorkerLoad(0, 10, 40, 0)}
     held_by_v = RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.5)      # u' = 0.5 / 0.5 = 1
@@ -221,6 +222,12 @@ def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     fetch = RoutingState(roomy, {w: 0, v: 5}, fetchable_blocks={w: 5}, cluster_committed=0.5)
     assert scorer.cost(w, route, fetch) == pytest.approx(2.0 * (L - 80 + 0.1 * 80 + 80))
     assert scorer.cost(w, route, RoutingState(roomy, {w: 0}, cluster_committed=0.5)) == 2.0 * L
+    # the default room: a nearly empty cluster charges nothing for a copy, a filling one does
+    default = PrefillCostScorer(fetch_cost_ratio=0.1)
+    assert default.copy_room_frac == 0.2
+    assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.2)) == 2.0 * L
+    assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.6)) == pytest.approx(
+        2.0 * (L + 1.0 * 80))                       # u' = 0.5 / 0.5 = 1
 
 
 def test_prefix_replicates_by_fetch_only_where_the_pool_has_room():

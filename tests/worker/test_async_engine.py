@@ -76,6 +76,8 @@ def test_commands_are_dispatched_by_type(tiny_engine):
         held = await ae.run(ReadBlocks(hashes, torch.device("cpu")))
         device = list(tiny_engine.store.lookup(hashes).device)
         assert held.num_blocks == 4 and torch.equal(held.blocks, tiny_engine.store.kv.gather_blocks(device))
+        now = await ae.read_blocks(hashes, torch.device("cpu"))      # beside a step: the same copy
+        assert now.num_blocks == 4 and torch.equal(now.blocks, held.blocks)
         with pytest.raises(NoHostTier):                   # this engine has no host tier
             await ae.run(StageBlocks(hashes, held.blocks))
         snap = await ae.run(Snapshot())

@@ -183,3 +183,37 @@ def test_a_load_snapshot_does_not_wait_out_a_long_step(tiny_engine: Engine, tmp_
     finally:
         stall.unlink(missing_ok=True)
         ae.shutdown()
+
+
+def test_a_peer_read_of_cached_blocks_does_not_wait_out_a_long_step(tiny_engine: Engine, tmp_path: Path) -> None:
+    """`read_blocks` (a peer's SendBlocks) copies cached blocks while the engine thread is held
+    mid-loop (a long prefill, here the stall hook), where the `ReadBlocks` command waits."""
+    import torch
+
+    from kvstore.keys import block_hashes
+    from worker.commands import ReadBlocks
+    stall = tmp_path / "stall"
+    ae = AsyncEngine(tiny_engine, stall_file=stall)
+    prompt = list(range(60, 77))                           # 4 full blocks + 1 token
+    hashes = tuple(block_hashes(prompt, 4, tiny_engine.salt))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        [o async for o in ae.generate(prompt, params, "p")]
+        between = await ae.run(ReadBlocks(hashes, torch.device("cpu")))
+        stall.touch()
+        await asyncio.sleep(0.7)                             # the loop reaches the hook
+        t = time.perf_counter()
+        beside = await asyncio.wait_for(ae.read_blocks(hashes, torch.device("cpu")), 2.0)
+        assert time.perf_counter() - t < 2.0
+        assert beside.num_blocks == between.num_blocks == 4 and torch.equal(beside.blocks, between.blocks)
+        waiting = asyncio.ensure_future(ae.run(ReadBlocks(hashes, torch.device("cpu"))))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()                            # the command waits for the thread
+        stall.unlink()
+        assert (await asyncio.wait_for(waiting, 5.0)).num_blocks == 4
+    try:
+        asyncio.run(run())
+    finally:
+        stall.unlink(missing_ok=True)
+        ae.shutdown()
