@@ -257,14 +257,10 @@ class KVStore:
         tier, or a first block evicted during the copy. Nothing is referenced or reordered."""
         if self.kv.device.type != "cpu":
             return None
-        ids: list[int] = []
-        for h in block_hashes:
-            block_id = self.pool.get_cached_block(h)
-            if block_id is None:
-                break
-            ids.append(int(block_id))
-        if len(ids) < len(block_hashes) and self.host is not None and block_hashes[len(ids)] in self.host:
+        match = self.lookup(block_hashes)                      # a query: safe beside a step
+        if match.num_host:
             return None
+        ids = [int(b) for b in match.device]
         if not ids:
             return HeldBlocks(0, None)
         data = self.kv.gather_blocks(ids)                      # [L, 2, n, bs, H, D]

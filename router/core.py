@@ -248,8 +248,8 @@ class Router:
         worker_id = worker.info.worker_id
         self._inflight[rid] = worker
         # pending blocks on the pick until its worker stores them (router/inflight.py)
-        self.prefills.dispatched(self.registry.index, rid, worker_id, route, pick.predicted_tokens,
-                                 pick.fetched_tokens)
+        self.prefills.dispatched(self.registry.index, rid, worker_id, route,
+                                 pick.predicted_tokens + pick.fetched_tokens)
         streamed = False
         worker.in_flight += 1
         call = responses = None

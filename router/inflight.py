@@ -67,10 +67,10 @@ class InFlightPrefills:
         self.wait_s = 0.0
 
     def dispatched(self, index: object, request_id: str, worker_id: WorkerId, route: RouteRequest,
-                   predicted_tokens: int, fetched_tokens: int = 0) -> None:
+                   predicted_tokens: int) -> None:
         """`request_id` is about to be sent to `worker_id`, which is predicted to find
-        `predicted_tokens` of its prompt cached (held or being computed) and to receive the next
-        `fetched_tokens` from a peer: it queues the rest for prefill."""
+        `predicted_tokens` of its prompt cached (held or being computed, or fetched from a
+        peer): it queues the rest for prefill."""
         self.done(index, request_id, streamed=False)
         self._count(worker_id, +1)
         self._attempts[request_id] = worker_id
@@ -79,7 +79,7 @@ class InFlightPrefills:
             leaders = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
             index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s)
         self._leaders[request_id] = leaders
-        self._queued[request_id] = _Queued(worker_id, max(0, len(route.token_ids) - predicted_tokens - fetched_tokens),
+        self._queued[request_id] = _Queued(worker_id, max(0, len(route.token_ids) - predicted_tokens),
                                            asyncio.Event())
 
     async def wait_for_leaders(self, request_id: str, timeout_s: float) -> None:

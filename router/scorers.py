@@ -198,6 +198,11 @@ def _cascade(p: float) -> float:
     return p / (1.0 - p)
 
 
+def _cascade_past(committed: float, room: float) -> float:
+    """The cascade at the chance p = the committed fraction past `room`, rising linearly to 1."""
+    return _cascade(max(0.0, committed - room) / (1.0 - room))
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillCostScorer:
     """Holder-first placement (issue #23). The work, in prompt tokens, the request adds to a
@@ -218,15 +223,16 @@ class PrefillCostScorer:
     at 0.9 — a later request recomputes the displaced block, which displaces another with the
     same chance: u = p + p² + … = p / (1 − p); copies(w) the blocks beyond cached(w) that
     another worker holds or computes (w would hold a second copy), at u'(w), the same cascade
-    with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction of all the
-    workers' pools the shared prefixes fill with one copy each) past `copy_room_frac` (a
-    smaller room than a worker's): a replica takes space some prefix's only copy will need
-    once the cluster fills, even while w itself still has room, where a new prefix must go
-    somewhere anyway and costs only w's own u (in a nearly empty cluster a copy costs only
-    its fetch); queued(w) the prompt tokens requests sent to w that have not started
-    streaming will compute there (less their cached blocks and those a peer hint fetches),
-    less those computing this prompt's own prefix (they are the prefill it saves), weighted γ = `queue_weight` because a request sent where prefills are queued shares
-    their step: it waits for them and they for it (in a closed loop the least loaded worker is
+    with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction
+    of all the workers' pools the shared prefixes fill with one copy each) past
+    `copy_room_frac` (a smaller room than a worker's): a replica takes space some prefix's
+    only copy will need once the cluster fills, even while w itself still has room, where a
+    new prefix must go somewhere anyway and costs only w's own u (in a nearly empty cluster
+    a copy costs only its fetch); queued(w) the prompt tokens requests sent to w that have
+    not started streaming will compute there (less their cached blocks and those a peer hint
+    fetches), less those computing this prompt's own prefix (they are the prefill it saves),
+    weighted γ = `queue_weight` because a request sent where prefills are queued shares their
+    step: it waits for them and they for it (in a closed loop the least loaded worker is
     the one whose requests just finished together, and all their successors would otherwise
     prefill there in one step); κ = `running_cost_tokens`, what one running request costs a new
     one (it shares every step); β = `prefill_weight`: a prefill counts once as this request's
@@ -276,18 +282,14 @@ class PrefillCostScorer:
         load = state.load(worker_id)
         # blocks another worker holds or computes: placed here they are a second copy
         copies = min(total - cached, bs * max(0, max(state.cached_blocks.values(), default=0) - own))
-        displaced = self._cascade(load.committed)
+        displaced = _cascade_past(load.committed, self.room_frac)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
-                                       + max(displaced, self._copy_cascade(state.cluster_committed)) * copies)
+                                       + max(displaced, _cascade_past(state.cluster_committed, self.copy_room_frac))
+                                       * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 
-    def _cascade(self, committed: float) -> float:
-        return _cascade(max(0.0, committed - self.room_frac) / (1.0 - self.room_frac))
-
-    def _copy_cascade(self, cluster_committed: float) -> float:
-        return _cascade(max(0.0, cluster_committed - self.copy_room_frac) / (1.0 - self.copy_room_frac))
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         share = fair_share(pool, state)

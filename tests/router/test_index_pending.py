@@ -255,7 +255,7 @@ def test_a_request_fetching_its_prefix_from_a_peer_queues_only_what_it_computes(
     as if a cold prefill were queued)."""
     index, prefills = BlockIndex(), InFlightPrefills()
     route = _route(0, 0)                                    # 8 prefix blocks + 2 question blocks
-    prefills.dispatched(index, "fetching", W1, route, 0, 8 * BS)
+    prefills.dispatched(index, "fetching", W1, route, 8 * BS)   # its 8 prefix blocks fetched
     prefills.dispatched(index, "cold", W0, _route(1, 0), 0)
     assert prefills.queued_tokens(index, [W0, W1], _route(2, 0)) == {W0: 10 * BS, W1: 2 * BS}
     # the fetched blocks are pending on the receiver: it will hold them once stored
