@@ -6,17 +6,24 @@ stops them in order) and carries PR_SET_PDEATHSIG=SIGTERM, so it is told to exit
 thread that started it dies — even if the launcher is SIGKILLed. Start children from a thread
 that outlives them (normally the main thread). The caller owns each child: `terminate` it.
 
+A child is started without a `preexec_fn`, so CPython starts it with vfork, which runs no
+fork handlers: with a plain fork, gRPC's handlers restart its poller thread in the child,
+Popen's close_fds then closes the poller's epoll fd, and the child aborts (SIGABRT) before it
+reaches exec whenever this process has gRPC traffic in flight (grpc/grpc#43055). A short
+Python shim sets PR_SET_PDEATHSIG in the child instead and execs the real command (the signal
+survives exec), keeping the pid.
+
 Imports no torch; the Redis client only for `start_redis`'s readiness check.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import quote
@@ -26,6 +33,12 @@ from pathlib import Path
 import redis
 
 _PR_SET_PDEATHSIG = 1
+# argv: PARENT_PID PROGRAM ARGS...; exit 1 at once if the parent has already gone.
+_DIE_WITH_PARENT = (f"import ctypes, os, sys\n"
+                    f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGTERM)}, 0, 0, 0)\n"
+                    f"if os.getppid() != int(sys.argv[1]):\n"
+                    f"    os._exit(1)\n"
+                    f"os.execv(sys.argv[2], sys.argv[2:])\n")
 _INSTALL_REDIS = ("redis-server not found on PATH: install it (apt-get install redis-server, "
                   "brew install redis) or pass --redis-url redis://HOST:PORT/0 to use a running Redis")
 
@@ -73,22 +86,18 @@ def spawn(log_dir: Path, name: str, argv: Sequence[str], append: bool = False,
           env: Mapping[str, str] | None = None) -> Child:
     """Start `argv` in its own process group, stdout/stderr to `log_dir`/<name>.out/.log
     (appended to with `append`, as a restart does, so the earlier run's log stays); `env` is
-    added to this process's environment (secrets go there, never into argv: argv shows in ps)."""
+    added to this process's environment (secrets go there, never into argv: argv shows in ps).
+    FileNotFoundError if the program is not found (on PATH unless it names a path)."""
+    program = shutil.which(argv[0])
+    if program is None:
+        raise FileNotFoundError(f"{argv[0]}: no such program")
     stdout, stderr = log_dir / f"{name}.out", log_dir / f"{name}.log"
-    parent, libc = os.getpid(), ctypes.CDLL(None, use_errno=True)
     mode = "ab" if append else "wb"
+    shim = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *argv[1:]]
     with open(stdout, mode) as out, open(stderr, mode) as err:
-        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                process_group=0, preexec_fn=lambda: _die_with_parent(parent, libc),
+        proc = subprocess.Popen(shim, stdin=subprocess.DEVNULL, stdout=out, stderr=err, process_group=0,
                                 env=os.environ | dict(env or {}) | {"PYTHONUNBUFFERED": "1"})
     return Child(name, proc, stdout, stderr)
-
-
-def _die_with_parent(parent: int, libc: ctypes.CDLL) -> None:
-    """In the child, before exec: SIGTERM when the parent (thread) dies; if it already has, go."""
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def terminate(children: Sequence[Child], timeout: float) -> None:
