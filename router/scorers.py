@@ -225,7 +225,7 @@ class PrefillCostScorer:
     another worker holds or computes (w would hold a second copy), at u'(w), the same cascade
     with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction
     of all the workers' pools the shared prefixes fill with one copy each) past
-    `copy_room_frac` (a smaller room than a worker's): a replica takes space some prefix's
+    `copy_room_frac` (by default the same 20%): a replica takes space some prefix's
     only copy will need once the cluster fills, even while w itself still has room, where a
     new prefix must go somewhere anyway and costs only w's own u (in a nearly empty cluster
     a copy costs only its fetch); queued(w) the prompt tokens requests sent to w that have
@@ -253,7 +253,7 @@ class PrefillCostScorer:
     sustained_cost_tokens: float = 8192.0
     fetch_cost_ratio: float = 0.03
     queue_weight: float = 2.0
-    room_frac: float = 0.4
+    room_frac: float = 0.2
     sustained_tolerance: float = 0.1
     copy_room_frac: float = 0.2
 

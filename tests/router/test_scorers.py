@@ -181,7 +181,7 @@ def test_prefill_cost_adds_its_terms():
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
     scorer = PrefillCostScorer(running_cost_tokens=16.0, prefill_weight=2.0, sustained_cost_tokens=512.0,
-                               fetch_cost_ratio=0.1)
+                               fetch_cost_ratio=0.1, room_frac=0.4)
     w = WorkerId("w0")
     assert scorer.cost(w, route, RoutingState()) == 2.0 * L
     assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3})) == 2.0 * (L - 48)
@@ -201,6 +201,9 @@ def test_prefill_cost_adds_its_terms():
     assert scorer.cost(w, route, roomy) == 2.0 * (L - 48)                # at most room_frac: no displacement
     full = RoutingState({w: WorkerLoad(0, free_blocks=0, num_blocks=40, reused_blocks=40)}, {w: 3})
     assert scorer.cost(w, route, full) == pytest.approx(2.0 * (L - 48) * 10)   # u capped at 0.9: 9 per token
+    # the default room is 20%: the same 3/4 displaces with u = (0.75 − 0.2) / 0.8, 2.2 per token
+    assert PrefillCostScorer().room_frac == 0.2
+    assert PrefillCostScorer().cost(w, route, committed) == pytest.approx(2.0 * (L - 48) * (1 + 0.6875 / 0.3125))
     assert WorkerLoad(0, num_blocks=0, reused_blocks=5).committed == 0.0     # no report: no data
     # the router's expected shared blocks count when they exceed the worker's reused ones
     assert WorkerLoad(0, num_blocks=40, reused_blocks=8, shared_blocks=30.0).committed == 0.75
@@ -208,8 +211,7 @@ def test_prefill_cost_adds_its_terms():
 
 def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     """Blocks another worker holds are a second copy on w: they displace at the larger of
-    w's committed fraction and the cluster's (past `copy_room_frac`, a smaller room than a
-    worker's), while w's own new blocks displace only past w's room; a new prefix (held
+    w's committed fraction and the cluster's (past `copy_room_frac`), while w's own new blocks displace only past w's room; a new prefix (held
     nowhere) is priced by w alone."""
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
