@@ -51,6 +51,37 @@ class IndexStats(NamedTuple):
     num_pending: int = 0      # (hash, worker) pairs predicted and not yet confirmed
 
 
+class _Tally:
+    """Blocks held in one scope (a worker, or the distinct blocks held anywhere) by how many
+    requests asked for them: `shared` two or more, `once[depth]` one."""
+
+    __slots__ = ("shared", "once")
+
+    def __init__(self) -> None:
+        self.shared = 0
+        self.once: dict[int, int] = {}
+
+    def count(self, seen: tuple[int, int], sign: int) -> None:
+        """Add (+1) or take away (−1) one held block whose ask count is `seen`."""
+        if seen[0] >= 2:
+            self.shared += sign
+        else:
+            self.once[seen[1]] = self.once.get(seen[1], 0) + sign
+
+    def expected(self, first: Sequence[int], again: Sequence[int]) -> float:
+        """The shared blocks, expected: those asked for twice, plus those asked for once at
+        the rate blocks of their depth were asked for again (`again` of `first`, smoothed)."""
+        return self.shared + sum(n * (again[d] + 1) / (first[d] + 2) for d, n in self.once.items())
+
+    def check(self, asked: Sequence[tuple[int, int]], what: str) -> None:
+        """AssertionError unless the tally equals the count over `asked` (held blocks' asks)."""
+        shared = sum(1 for n, _ in asked if n >= 2)
+        assert self.shared == shared, f"{what} counts {self.shared} shared blocks, holds {shared}"
+        once = {d: sum(1 for n, e in asked if n == 1 and e == d) for d in {e for n, e in asked if n == 1}}
+        kept = {d: n for d, n in self.once.items() if n}
+        assert kept == once, f"{what} counts blocks asked once by depth as {kept}, holds {once}"
+
+
 class _Pending(NamedTuple):
     """One request's prediction: the blocks it computes on `worker_id`, until `expires_at`."""
 
@@ -74,10 +105,8 @@ class BlockIndex:
         self._requests: dict[str, _Pending] = {}
         self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
         self._asked: dict[BlockHash, tuple[int, int]] = {}   # (requests that asked, up to 2; depth bucket)
-        self._shared: dict[WorkerId, int] = {}       # blocks each worker holds that 2 requests asked for
-        self._once: dict[WorkerId, dict[int, int]] = {}   # depth → blocks it holds that 1 request asked for
-        self._shared_any = 0                         # the same over the distinct blocks held anywhere
-        self._once_any: dict[int, int] = {}
+        self._held_asks: dict[WorkerId, _Tally] = {}   # each worker's blocks by their asks
+        self._any_asks = _Tally()                    # the same over the distinct blocks held anywhere
         self._first = [0] * _DEPTHS                  # blocks first asked for, per depth (ever)
         self._again = [0] * _DEPTHS                  # of those, asked for a second time
 
@@ -128,24 +157,26 @@ class BlockIndex:
         """Forget `worker_id` altogether (it left routing), with its pending blocks."""
         self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
         self._by_worker.pop(worker_id, None)
-        self._shared.pop(worker_id, None)
-        self._once.pop(worker_id, None)
+        self._held_asks.pop(worker_id, None)
         for rid in [r for r, p in self._requests.items() if p.worker_id == worker_id]:
             self.drop_pending(rid)
 
     # -- pending (in-flight) blocks --------------------------------------------------------
     def add_pending(self, request_id: str, worker_id: WorkerId, hashes: Iterable[BlockHash],
-                    expires_at: float) -> None:
+                    expires_at: float, count_asks: bool = True) -> None:
         """`request_id` was sent to `worker_id`, which will compute and store `hashes`; the
         blocks it already holds, or another request computes there, are not recorded (the
-        request waits on those: `computing`). Replaces an earlier record of the request."""
+        request waits on those: `computing`). Replaces an earlier record of the request, and
+        counts the request's asks for `hashes` (shared blocks) once: not again while a record of
+        it is kept; with `count_asks=False` (a retry after its record was dropped) only for the
+        blocks whose ask counts were forgotten since (held and computed nowhere)."""
         retry = request_id in self._requests
         self.drop_pending(request_id)
         held = self._by_worker.setdefault(worker_id, set())
         hashes = tuple(hashes)
         todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
         if not retry:
-            self._count_asks(hashes)
+            self._count_asks(hashes, forgotten_only=not count_asks)
         self._requests[request_id] = _Pending(worker_id, todo, expires_at)
         for h in todo:
             self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
@@ -200,14 +231,13 @@ class BlockIndex:
     def shared_blocks(self, worker_id: str) -> float:
         """The shared blocks `worker_id` holds (any tier), expected: those two requests'
         prompts held, plus those one did at the rate blocks of their depth were asked again."""
-        wid = WorkerId(worker_id)
-        once = self._once.get(wid, {})
-        return self._shared.get(wid, 0) + sum(n * (self._again[d] + 1) / (self._first[d] + 2) for d, n in once.items())
+        tally = self._held_asks.get(WorkerId(worker_id))
+        return tally.expected(self._first, self._again) if tally is not None else 0.0
 
-    def _count_asks(self, hashes: Sequence[BlockHash]) -> None:
+    def _count_asks(self, hashes: Sequence[BlockHash], forgotten_only: bool = False) -> None:
         for depth, h in enumerate(hashes):
             seen = self._asked.get(h)
-            if seen is not None and seen[0] >= 2:
+            if seen is not None and (seen[0] >= 2 or forgotten_only):
                 continue
             holders = self._blocks.get(h, ())
             for w in holders:
@@ -229,27 +259,17 @@ class BlockIndex:
     def distinct_shared_blocks(self) -> float:
         """`shared_blocks` over the distinct blocks held anywhere: the pool space the cluster's
         shared prefixes take with one copy each."""
-        return self._shared_any + sum(n * (self._again[d] + 1) / (self._first[d] + 2)
-                                      for d, n in self._once_any.items())
+        return self._any_asks.expected(self._first, self._again)
 
     def _count_any(self, h: BlockHash, sign: int) -> None:
         seen = self._asked.get(h)
-        if seen is None:
-            return
-        if seen[0] >= 2:
-            self._shared_any += sign
-        else:
-            self._once_any[seen[1]] = self._once_any.get(seen[1], 0) + sign
+        if seen is not None:
+            self._any_asks.count(seen, sign)
 
     def _count_held(self, worker_id: WorkerId, h: BlockHash, sign: int) -> None:
         seen = self._asked.get(h)
-        if seen is None:
-            return
-        if seen[0] >= 2:
-            self._shared[worker_id] = self._shared.get(worker_id, 0) + sign
-        else:
-            once = self._once.setdefault(worker_id, {})
-            once[seen[1]] = once.get(seen[1], 0) + sign
+        if seen is not None:
+            self._held_asks.setdefault(worker_id, _Tally()).count(seen, sign)
 
     def _forget_asks(self, h: BlockHash) -> None:
         if h not in self._blocks and h not in self._pending:
@@ -316,16 +336,8 @@ class BlockIndex:
         by_worker = sum(len(held) for held in self._by_worker.values())
         assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
         for w, held in self._by_worker.items():
-            asked = [self._asked[h] for h in held if h in self._asked]
-            shared = sum(1 for n, _ in asked if n >= 2)
-            assert self._shared.get(w, 0) == shared, f"{w} counts {self._shared.get(w, 0)} shared blocks, holds {shared}"
-            once = {d: sum(1 for n, e in asked if n == 1 and e == d) for d in {e for n, e in asked if n == 1}}
-            kept = {d: n for d, n in self._once.get(w, {}).items() if n}
-            assert kept == once, f"{w} counts blocks asked once by depth as {kept}, holds {once}"
-        anywhere = [self._asked[h] for h in self._blocks if h in self._asked]
-        assert self._shared_any == sum(1 for n, _ in anywhere if n >= 2), "the distinct shared-block count is off"
-        once_any = {d: sum(1 for n, e in anywhere if n == 1 and e == d) for d in {e for n, e in anywhere if n == 1}}
-        assert {d: n for d, n in self._once_any.items() if n} == once_any, "the distinct asked-once counts are off"
+            self._held_asks.get(w, _Tally()).check([self._asked[h] for h in held if h in self._asked], w)
+        self._any_asks.check([self._asked[h] for h in self._blocks if h in self._asked], "the distinct blocks")
         for h in self._asked:
             assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
         for h, computing in self._pending.items():

@@ -67,17 +67,19 @@ class InFlightPrefills:
         self.wait_s = 0.0
 
     def dispatched(self, index: object, request_id: str, worker_id: WorkerId, route: RouteRequest,
-                   predicted_tokens: int) -> None:
+                   predicted_tokens: int, count_asks: bool = True) -> None:
         """`request_id` is about to be sent to `worker_id`, which is predicted to find
         `predicted_tokens` of its prompt cached (held or being computed, or fetched from a
-        peer): it queues the rest for prefill."""
+        peer): it queues the rest for prefill. `count_asks=False` for a retry or a migration
+        of a request whose prompt the index has counted (`BlockIndex.add_pending`)."""
         self.done(index, request_id, streamed=False)
         self._count(worker_id, +1)
         self._attempts[request_id] = worker_id
         leaders: set[str] = set()
         if isinstance(index, BlockIndex):
             leaders = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
-            index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s)
+            index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
+                              count_asks)
         self._leaders[request_id] = leaders
         self._queued[request_id] = _Queued(worker_id, max(0, len(route.token_ids) - predicted_tokens),
                                            asyncio.Event())

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import block_hashes
 from router.index import BlockIndex
@@ -262,3 +264,28 @@ def test_a_request_fetching_its_prefix_from_a_peer_queues_only_what_it_computes(
     assert index.match_prefix(_route(0, 1).block_hashes, [W1]) == {W1: 8}
     prefills.prefilled(index, "fetching")
     assert prefills.queued_tokens(index, [W0, W1], _route(2, 0)) == {W0: 10 * BS, W1: 0}
+
+
+def test_a_retried_request_counts_its_prompt_once_as_evidence_of_sharing() -> None:
+    """A failed attempt drops its pending blocks; the retry (`count_asks=False`, which the
+    router passes for every attempt after the first) records them again without a second ask
+    for blocks held somewhere (their counts were kept), so one request's prompt does not look
+    shared (asked for twice); blocks held nowhere had their counts forgotten: asked once again."""
+    route = _route(0, 0)
+    n = len(route.block_hashes)
+    for count_asks, expected in ((False, n / 3), (True, n)):    # asked once: rate (0 + 1) / (1 + 2)
+        index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(), Clock())
+        index.apply(W0, _stored(*route.block_hashes))            # W0 holds the prompt
+        prefills.dispatched(index, "r", W1, route, 0)
+        prefills.done(index, "r", streamed=False)                # W1 died before streaming
+        prefills.dispatched(index, "r", W1, route, 0, count_asks=count_asks)
+        assert index.shared_blocks(W0) == pytest.approx(expected)
+        index.check_integrity()
+    index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(), Clock())
+    prefills.dispatched(index, "r", W0, route, 0)
+    prefills.done(index, "r", streamed=False)                    # held nowhere: counts forgotten
+    prefills.dispatched(index, "r", W1, route, 0, count_asks=False)
+    index.apply(W1, _stored(*route.block_hashes))
+    # asked once each; each depth's tally of first asks (kept for ever) counts both: 1 / (2 + 2)
+    assert index.shared_blocks(W1) == pytest.approx(n / 4)
+    index.check_integrity()

@@ -144,8 +144,8 @@ def test_a_hinted_request_queues_only_the_tokens_it_computes(monkeypatch: pytest
     queued: dict[str, int] = {}
     dispatched = InFlightPrefills.dispatched
 
-    def record(self: InFlightPrefills, index: object, request_id: str, worker_id: str, *args: Any) -> None:
-        dispatched(self, index, request_id, worker_id, *args)   # type: ignore[arg-type]
+    def record(self: InFlightPrefills, index: object, request_id: str, worker_id: str, *args: Any, **kw: Any) -> None:
+        dispatched(self, index, request_id, worker_id, *args, **kw)   # type: ignore[arg-type]
         queued[worker_id] = self.queued_tokens(None, [worker_id], args[0])[worker_id]   # type: ignore[arg-type]
     monkeypatch.setattr(InFlightPrefills, "dispatched", record)
     results, _, _ = asyncio.run(_route("round_robin", (0, 1), {"w0": 1, "w1": 5}, 2))
