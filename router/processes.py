@@ -33,12 +33,13 @@ from pathlib import Path
 import redis
 
 _PR_SET_PDEATHSIG = 1
-# argv: PARENT_PID PROGRAM ARGS...; exit 1 at once if the parent has already gone.
+# argv: PARENT_PID PATH ARGV0 ARGS...; exit 1 at once if the parent has already gone, else exec
+# PATH with the argv as given (so ps shows the command as before).
 _DIE_WITH_PARENT = (f"import ctypes, os, sys\n"
                     f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGTERM)}, 0, 0, 0)\n"
                     f"if os.getppid() != int(sys.argv[1]):\n"
                     f"    os._exit(1)\n"
-                    f"os.execv(sys.argv[2], sys.argv[2:])\n")
+                    f"os.execv(sys.argv[2], sys.argv[3:])\n")
 _INSTALL_REDIS = ("redis-server not found on PATH: install it (apt-get install redis-server, "
                   "brew install redis) or pass --redis-url redis://HOST:PORT/0 to use a running Redis")
 
@@ -93,7 +94,7 @@ def spawn(log_dir: Path, name: str, argv: Sequence[str], append: bool = False,
         raise FileNotFoundError(f"{argv[0]}: no such program")
     stdout, stderr = log_dir / f"{name}.out", log_dir / f"{name}.log"
     mode = "ab" if append else "wb"
-    shim = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *argv[1:]]
+    shim = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), program, *argv]
     with open(stdout, mode) as out, open(stderr, mode) as err:
         proc = subprocess.Popen(shim, stdin=subprocess.DEVNULL, stdout=out, stderr=err, process_group=0,
                                 env=os.environ | dict(env or {}) | {"PYTHONUNBUFFERED": "1"})

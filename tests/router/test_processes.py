@@ -3,7 +3,6 @@ is told to exit when the thread that started it ends, and keeps its pid through 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -60,11 +59,12 @@ def test_children_start_while_grpc_calls_are_in_flight(tmp_path: Path, grpc_traf
     assert failed == {}
 
 
-def _exec_done(child: Child, program: bytes) -> None:
-    """Wait until the shim has exec'd `program` (its PR_SET_PDEATHSIG is set by then)."""
+def _exec_done(child: Child, argv: list[str]) -> None:
+    """Wait until the shim has exec'd `argv` (its PR_SET_PDEATHSIG is set by then): the
+    child's pid shows the command line as given."""
     deadline = time.monotonic() + 10
     cmdline = Path(f"/proc/{child.proc.pid}/cmdline")
-    while cmdline.read_bytes().split(b"\0")[0] != program:
+    while cmdline.read_bytes() != b"".join(os.fsencode(a) + b"\0" for a in argv):
         assert time.monotonic() < deadline, cmdline.read_bytes()
         time.sleep(0.01)
 
@@ -74,7 +74,7 @@ def test_a_child_keeps_its_pid_and_exits_when_the_thread_that_started_it_ends(tm
 
     def start() -> None:
         child = spawn(tmp_path, "sleeper", ["sleep", "60"])
-        _exec_done(child, os.fsencode(shutil.which("sleep") or "sleep"))
+        _exec_done(child, ["sleep", "60"])
         started.append(child)
 
     t = threading.Thread(target=start)
