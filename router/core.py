@@ -190,7 +190,6 @@ class Router:
         progress = Progress(prepared.request, self.cfg.migration_limit, started=time.perf_counter())
         request, route = prepared.request, prepared.route
         tried: set[WorkerId] = set()
-        first = True        # the request's first attempt (its prompt's asks are counted once)
         # The model the request was prepared for; the registry may forget it while no worker is
         # ready (a router whose tokenizer comes from the workers), e.g. while its only worker restarts.
         prepared_for = self.model_info
@@ -202,13 +201,11 @@ class Router:
                 tried.add(worker_id)
                 self.observer.picked(route, worker_id)
                 try:
-                    async with contextlib.aclosing(self._attempt(rid, request, route, pick, deadline, progress,
-                                                                 first)) as attempt:
+                    async with contextlib.aclosing(self._attempt(rid, request, route, pick, deadline, progress)) as attempt:
                         async for response in attempt:
                             yield response
                     return
                 except _Failed as f:
-                    first = False
                     if not progress.may_resubmit():
                         raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
                                             f"worker {pick.worker.address} {f}") from None
@@ -243,17 +240,17 @@ class Router:
         raise NoWorkerAvailable("no worker is available (retry failed)")
 
     async def _attempt(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
-                       deadline: float, progress: Progress, first: bool = True) -> AsyncIterator[pb.GenerateResponse]:
+                       deadline: float, progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
         """Stream `request` from `pick.worker` until its finished response; raises _Failed
-        when the worker is gone (its call UNAVAILABLE, its stream cut, its probes failing).
-        `first`: the request's first attempt, not a retry or a migration."""
+        when the worker is gone (its call UNAVAILABLE, its stream cut, its probes failing)."""
         worker = pick.worker
         assert worker.info is not None
         worker_id = worker.info.worker_id
         self._inflight[rid] = worker
-        # pending blocks on the pick until its worker stores them (router/inflight.py)
+        # pending blocks on the pick until its worker stores them (router/inflight.py); a
+        # resubmitted request's prompt was counted as evidence of sharing by its first attempt
         self.prefills.dispatched(self.registry.index, rid, worker_id, route,
-                                 pick.predicted_tokens + pick.fetched_tokens, count_asks=first)
+                                 pick.predicted_tokens + pick.fetched_tokens, count_asks=progress.resubmits == 0)
         streamed = False
         worker.in_flight += 1
         call = responses = None

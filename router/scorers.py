@@ -224,8 +224,8 @@ class PrefillCostScorer:
     same chance: u = p + p² + … = p / (1 − p); copies(w) the blocks beyond cached(w) that
     another worker holds or computes (w would hold a second copy), at u'(w), the same cascade
     with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction
-    of all the workers' pools the shared prefixes fill with one copy each) past
-    `copy_room_frac` (by default the same 20%): a replica takes space some prefix's
+    of all the workers' pools the shared prefixes fill with one copy each) past the same
+    `room_frac`: a replica takes space some prefix's
     only copy will need once the cluster fills, even while w itself still has room, where a
     new prefix must go somewhere anyway and costs only w's own u (in a nearly empty cluster
     a copy costs only its fetch); queued(w) the prompt tokens requests sent to w that have
@@ -255,7 +255,6 @@ class PrefillCostScorer:
     queue_weight: float = 2.0
     room_frac: float = 0.2
     sustained_tolerance: float = 0.1
-    copy_room_frac: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("running_cost_tokens", "sustained_cost_tokens", "queue_weight"):
@@ -267,9 +266,8 @@ class PrefillCostScorer:
             raise ValueError(f"fetch_cost_ratio={self.fetch_cost_ratio!r} must be in [0, 1]")
         if not self.sustained_tolerance >= 0.0:
             raise ValueError(f"sustained_tolerance={self.sustained_tolerance!r} must be >= 0")
-        for name in ("room_frac", "copy_room_frac"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
+        if not 0.0 <= self.room_frac < 1.0:
+            raise ValueError(f"room_frac={self.room_frac!r} must be in [0, 1)")
 
     def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0) -> float:
         """The cost on `worker_id`; its sustained load counts above `fair_share` only."""
@@ -285,8 +283,7 @@ class PrefillCostScorer:
         displaced = _cascade_past(load.committed, self.room_frac)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
-                                       + max(displaced, _cascade_past(state.cluster_committed, self.copy_room_frac))
-                                       * copies)
+                                       + max(displaced, _cascade_past(state.cluster_committed, self.room_frac)) * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 

@@ -211,11 +211,11 @@ def test_prefill_cost_adds_its_terms():
 
 def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     """Blocks another worker holds are a second copy on w: they displace at the larger of
-    w's committed fraction and the cluster's (past `copy_room_frac`), while w's own new blocks displace only past w's room; a new prefix (held
-    nowhere) is priced by w alone."""
+    w's committed fraction and the cluster's (each past `room_frac`), while w's own new blocks
+    displace only past w's room; a new prefix (held nowhere) is priced by w alone."""
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
-    scorer = PrefillCostScorer(fetch_cost_ratio=0.1, copy_room_frac=0.0)
+    scorer = PrefillCostScorer(fetch_cost_ratio=0.1, room_frac=0.0)
     w, v = WorkerId("w0"), WorkerId("w1")
     roomy = {w: WorkerLoad(0, 10, 40, 0)}
     held_by_v = RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.5)      # u' = 0.5 / 0.5 = 1
@@ -226,7 +226,7 @@ def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     assert scorer.cost(w, route, RoutingState(roomy, {w: 0}, cluster_committed=0.5)) == 2.0 * L
     # the default room: a nearly empty cluster charges nothing for a copy, a filling one does
     default = PrefillCostScorer(fetch_cost_ratio=0.1)
-    assert default.copy_room_frac == 0.2
+    assert default.room_frac == 0.2
     assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.2)) == 2.0 * L
     assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.6)) == pytest.approx(
         2.0 * (L + 1.0 * 80))                       # u' = 0.5 / 0.5 = 1
