@@ -45,7 +45,7 @@ $(VENV)/.stamp-deps: $(VENV)/.stamp-torch $(VENV)/.stamp-triton pyproject.toml
 
 $(VENV)/.stamp-model: $(VENV)/.stamp-deps
 	@# One-time GGUF -> safetensors conversion into ~/.cache/kvmesh (fast loads afterwards).
-	$(PY) -m worker.loader prepare smollm2
+	$(PY) -m worker.model.loader prepare smollm2
 	touch $@
 
 # The native CPU kernels (worker/kernels/csrc), built once per machine into ~/.cache/kvmesh/kernels.
@@ -68,7 +68,7 @@ test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m router.demo
+	$(PY) -m kvmesh.demo
 
 # Regenerate the gRPC/protobuf stubs (tests/test_proto.py fails when they are stale).
 proto: $(VENV)/.stamp-deps

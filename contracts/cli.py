@@ -1,7 +1,7 @@
 """Errors of the `kvmesh` command line, shared by the router's and the worker's CLIs.
 
 Torch-free and free of router/worker imports, so every CLI front can take them. Only the
-top-level `kvmesh` entry (router.cli.main) turns a CLIError into exit status 2.
+top-level `kvmesh` entry (kvmesh.cli.main) turns a CLIError into exit status 2.
 """
 from __future__ import annotations
 

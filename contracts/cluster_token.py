@@ -1,4 +1,4 @@
-"""The cluster token: the one secret the router and the workers share (issue #17 items 4, 5).
+"""The cluster token: the one secret the router and the workers share.
 
 `--cluster-token` / `KVMESH_CLUSTER_TOKEN` (`kvmesh serve` makes one per start). It is
 - sent by the router (and by a worker asking a peer) as gRPC metadata `x-kvmesh-cluster-token`

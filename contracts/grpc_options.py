@@ -1,5 +1,5 @@
 """gRPC server options shared by the router and the worker servers: message size limits,
-keepalive, and the closing of idle or never-handshaking connections (issue #17 item 6).
+keepalive, and the closing of idle or never-handshaking connections.
 
 Plain tuples: this module imports no grpc, so every layer may use it.
 """

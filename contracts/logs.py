@@ -1,8 +1,8 @@
-"""Logging of every kvmesh process (issue #19 item 3): the request id of the request being
+"""Logging of every kvmesh process: the request id of the request being
 served on every log line, and `--log-format text|json`.
 
-- `REQUEST_ID` is a contextvar: a front sets it when a request arrives (router/http.py from the
-  `x-request-id` header or the id it generates, router/core.py `Router.generate`, the worker's
+- `REQUEST_ID` is a contextvar: a front sets it when a request arrives (router/fronts/openai/app.py from the
+  `x-request-id` header or the id it generates, router/routing/core.py `Router.generate`, the worker's
   Generate handler from the `x-request-id` gRPC metadata) and every line logged by that task
   carries it, because `RequestIdFilter` copies it into each record on the handler.
 - `configure_logging` installs one stderr handler on the root logger, with that filter and

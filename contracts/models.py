@@ -1,5 +1,5 @@
 """Where a model's files are, torch-free: the model aliases, the conversion cache and the
-checks on an HF model dir. Both sides use it: `worker.loader` converts a GGUF into the dir
+checks on an HF model dir. Both sides use it: `worker.model.loader` converts a GGUF into the dir
 this module names (and owns the conversion), the router only finds that dir to load the
 tokenizer (`find_model_dir`), so the router never imports the worker or torch.
 """
@@ -27,7 +27,7 @@ _INDEX = "model.safetensors.index.json"
 
 class ModelLocateError(ValueError):
     """A model name, path or dir that cannot be found or is not a model; the message says why.
-    (`worker.loader` re-raises it as its `ModelLoadError`.)"""
+    (`worker.model.loader` re-raises it as its `ModelLoadError`.)"""
 
 
 class ModelNotPrepared(ModelLocateError):
@@ -98,11 +98,11 @@ def locate_model(name_or_path: str) -> ModelSource:
 
 def find_model_dir(name_or_path: str) -> Path:
     """The HF dir of an HF model or of an already-converted GGUF; raises `ModelNotPrepared`
-    when the GGUF is not converted yet (`python -m worker.loader prepare MODEL` does it)."""
+    when the GGUF is not converted yet (`python -m worker.model.loader prepare MODEL` does it)."""
     source = locate_model(name_or_path)
     if source.gguf is not None and not (source.model_dir / CONVERTED_MARKER).is_file():
         raise ModelNotPrepared(
-            f"{source.gguf.name} is not converted yet; run `python -m worker.loader prepare {name_or_path}`"
+            f"{source.gguf.name} is not converted yet; run `python -m worker.model.loader prepare {name_or_path}`"
         )
     return source.model_dir
 

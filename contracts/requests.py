@@ -55,7 +55,7 @@ class GenerateInput:
 @dataclass(frozen=True, slots=True)
 class SendBlocksInput:
     """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash).
-    The pair fields name the caller's pair (worker.peer); the legacy ranks are ignored."""
+    The pair fields name the caller's pair (worker.peer.plane); the legacy ranks are ignored."""
 
     block_hashes: tuple[int, ...]
     dst_rank: int

@@ -1,4 +1,4 @@
-"""TLS for every kvmesh port that crosses a network (issue #17 item 2), shared by the router, the
+"""TLS for every kvmesh port that crosses a network, shared by the router, the
 workers and `kvmesh client`.
 
 `TlsConfig` holds PEM paths: `cert`/`key` (this process's certificate) and `ca` (the CA that

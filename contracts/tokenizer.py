@@ -2,7 +2,7 @@
 transformers or torch.
 
 Both sides load it the same way (`ModelTokenizer.from_model_dir`; the worker through
-`worker.loader.load_tokenizer`), so they turn the same text or chat into the same ids.
+`worker.model.loader.load_tokenizer`), so they turn the same text or chat into the same ids.
 `transformers.AutoTokenizer` is not used: it imports torch, which the router must not, and it
 picks a tokenizer class from the model type (a Qwen2 dir gets `Qwen2Tokenizer` whatever its
 `tokenizer.json` holds), so it can disagree with the files. This class reads the files with
@@ -16,7 +16,7 @@ picks a tokenizer class from the model type (a Qwen2 dir gets `Qwen2Tokenizer` w
 - `apply_chat_template(messages)`: the template rendered with the generation prompt, then
   `encode(add_special_tokens=False)`.
 
-The files travel too (issue #24: a router without the model's storage asks a worker for them,
+The files travel too (a router without the model's storage asks a worker for them,
 `Worker.GetTokenizer`): `read_tokenizer_files(dir)` reads the `TOKENIZER_FILES` a dir has,
 `tokenizer_files_digest(files)` names them (the worker's `ModelInfo.tokenizer_sha256`), and
 `ModelTokenizer.from_files(files)` loads them exactly as `from_model_dir` loads the dir

@@ -1,6 +1,6 @@
 """KV events on the wire: what a worker tells the router about the blocks it holds.
 
-Pure data and bookkeeping, no Redis (the Redis side is `kvstore.metadata`). One stream
+Pure data and bookkeeping, no Redis (the Redis side is `kvstore.metadata.registry`). One stream
 entry is one `WireEvent` plus its `epoch` and `seq`, encoded as flat string fields:
 
     type    stored | removed | cleared | inventory_begin | inventory_end
@@ -211,7 +211,7 @@ class WorkerCursor:
 
 
 class IndexSink(Protocol):
-    """What a consumer feeds: the router's block-location index (`router.index.BlockIndex`)."""
+    """What a consumer feeds: the router's block-location index (`router.index.blocks.BlockIndex`)."""
 
     def apply(self, worker_id: WorkerId, event: WireEvent) -> None: ...
 

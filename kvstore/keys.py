@@ -15,7 +15,7 @@ Byte layout fed to blake2b(digest_size=16) — changing any of it changes every 
 A `BlockHash` is that digest read as a big-endian 128-bit int; `block_hash_hex` gives
 back the digest's 32 hex characters.
 
-A request's `cache_salt` (vLLM's name; tenant isolation, issue #17) enters the FIRST block's
+A request's `cache_salt` (vLLM's name; tenant isolation) enters the FIRST block's
 hash: `cache_salt_root` turns it into a virtual parent (blake2b over a version tag and the
 length-prefixed utf-8 salt), passed as `parent` to `block_hashes`, so the first block is
 keyed ``… ‖ b"P" ‖ root ‖ tokens`` and every block after it differs from the unsalted chain

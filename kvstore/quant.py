@@ -38,7 +38,7 @@ fp8 ≤ |y| / 16 + scale · 2^-10 (3 mantissa bits; subnormals below 2^-6).
 R is orthogonal, so the error vector of `x` has the same L2 norm.
 
 Keys can also be scaled per channel before they are quantized (`KVCacheScales`, see
-`worker.calibration`): the quantization error of a key matters through q·k, so channels
+`worker.model.calibration`): the quantization error of a key matters through q·k, so channels
 where queries are large get finer steps. That scaling is done by the model, not here.
 
 `QuantizedKV` is what a paged cache of one layer's K (or V) looks like when quantized: the

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from contracts.cluster_token import check_token
 from contracts.tls import PLAINTEXT, TlsConfig
 
-from router.auth import ApiKey
-from router.routing import RoutingPolicy
+from router.security.auth import ApiKey
+from router.routing.types import RoutingPolicy
 
 
 class TokenizerSource(enum.Enum):
     """Where the router gets the model's tokenizer (`--tokenizer-source`; the value is the CLI
     spelling): LOCAL reads `--model`'s dir (converting a GGUF in a child), WORKER fetches the files
-    from a ready worker (router/worker_tokenizer.py), AUTO is LOCAL when `--model` resolves to a
+    from a ready worker (router/workers/tokenizer.py), AUTO is LOCAL when `--model` resolves to a
     local model with a tokenizer, else WORKER."""
 
     AUTO = "auto"
@@ -54,8 +54,8 @@ class RouterConfig:
     cluster_name: str = "kvmesh"
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     load_factor: float = 1.25
-    api_keys: tuple[ApiKey, ...] = ()       # client keys (router/auth.py); () = no authentication
-    http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/http_guard.py)
+    api_keys: tuple[ApiKey, ...] = ()       # client keys (router/security/auth.py); () = no authentication
+    http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/fronts/openai/guard.py)
     http_idle_timeout_s: float = 75.0       # an idle HTTP keep-alive connection is closed after this
     max_concurrent_per_tenant: int | None = None   # requests in flight per tenant; None = unlimited
     max_tokens_limit: int | None = None     # --max-tokens-limit: default and cap of max_tokens; None = the context
@@ -63,7 +63,7 @@ class RouterConfig:
     migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
-    # Cluster authentication (router/attest.py): TLS of both fronts and to the workers, and the
+    # Cluster authentication (router/security/attest.py): TLS of both fronts and to the workers, and the
     # token workers must prove they hold before they are admitted (and that every call to them carries).
     tls: TlsConfig = PLAINTEXT
     cluster_token: str | None = field(default=None, repr=False)

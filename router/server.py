@@ -1,9 +1,9 @@
 """`RouterServer` wires one router process: config → tokenizer → worker registry → routing
-core (router/core.py) → fronts (gRPC: router/grpc_front.py; OpenAI HTTP: router/http.py);
+core (router/routing/core.py) → fronts (gRPC: router/fronts/grpc_front.py; OpenAI HTTP: router/fronts/openai/app.py);
 and `kvmesh router` (its flags and `run_router`).
 
 The tokenizer comes from `--model`'s dir (`--tokenizer-source local`) or from the first ready
-worker (`worker`: router/worker_tokenizer.py); readiness (HTTP /health and /readyz, gRPC health
+worker (`worker`: router/workers/tokenizer.py); readiness (HTTP /health and /readyz, gRPC health
 of the Router service) needs a ready worker and the tokenizer, and not draining. Liveness (HTTP
 /live and /livez, gRPC health of contracts.health.LIVENESS_SERVICE) is up while the loop runs.
 
@@ -26,19 +26,19 @@ from contracts.logs import add_log_format_argument, configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tls import tls_from_args
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from router.auth import add_auth_arguments, keys_from_args, warn_if_open
+from router.security.auth import add_auth_arguments, keys_from_args, warn_if_open
 from router.config import RouterConfig, TokenizerSource
-from router.core import Router
-from router.errors import RouterStartError
-from router.grpc_front import GrpcFront
-from router.http import HttpFrontend
-from router.metrics import RouterMetrics
-from router.openapi import add_openapi_route
-from router.registry import WorkerRegistry
-from router.routing import RoutingPolicy
-from router.tenancy import add_limit_arguments
-from router.vllm_fields import generation_default_temperature
-from router.worker_tokenizer import LoadedTokenizer, WorkerTokenizer, resolve_tokenizer_source
+from router.routing.core import Router
+from router.routing.errors import RouterStartError
+from router.fronts.grpc_front import GrpcFront
+from router.fronts.openai.app import HttpFrontend
+from router.observe.metrics import RouterMetrics
+from router.fronts.openai.openapi import add_openapi_route
+from router.workers.registry import WorkerRegistry
+from router.routing.types import RoutingPolicy
+from router.security.tenancy import add_limit_arguments
+from router.fronts.openai.vllm_fields import generation_default_temperature
+from router.workers.tokenizer import LoadedTokenizer, WorkerTokenizer, resolve_tokenizer_source
 
 log = logging.getLogger("kvmesh.router")
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
@@ -151,7 +151,7 @@ class RouterServer:
 
 def _load_tokenizer(model: str) -> ModelTokenizer:
     """The model's tokenizer. A GGUF (alias) not converted yet is converted by a child
-    `python -m worker.loader prepare`, so the router process never imports torch."""
+    `python -m worker.model.loader prepare`, so the router process never imports torch."""
     try:
         try:
             model_dir = find_model_dir(model)
@@ -164,7 +164,7 @@ def _load_tokenizer(model: str) -> ModelTokenizer:
 
 
 def _prepare_in_child(model: str) -> None:
-    argv = [sys.executable, "-m", "worker.loader", "prepare", "--no-progress", model]
+    argv = [sys.executable, "-m", "worker.model.loader", "prepare", "--no-progress", model]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=_PREPARE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:

@@ -71,7 +71,7 @@ def model_dir(ctx: Ctx) -> Path:
     if ctx.model_dir is not None:
         return ctx.model_dir
     if not ctx.dry:
-        from worker.loader import resolve_model_dir
+        from worker.model.loader import resolve_model_dir
         try:
             ctx.model_dir = resolve_model_dir(ctx.model, progress=False)
             ctx.model_note = f"{ctx.model} (real weights)"
@@ -172,7 +172,7 @@ def _decode_step_s(engine: Any, batch: int, steps: int, prompt_len: int) -> floa
     """Median time of one engine step once `batch` sequences are all decoding."""
     import torch
 
-    from worker.sampling import SamplingParams
+    from worker.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([3 + (i * 7 + j) % 200 for j in range(prompt_len)], params)  # in any vocab
@@ -194,7 +194,7 @@ def _decode_step_s(engine: Any, batch: int, steps: int, prompt_len: int) -> floa
 def step_graph_vs_eager(ctx: Ctx) -> dict[str, Any]:
     import torch
 
-    from worker.engine import Engine, EngineConfig
+    from worker.engine.engine import Engine, EngineConfig
     path = str(model_dir(ctx))
     batches, steps = ((1, 2), 2) if ctx.dry else ((1, 16, 64), 30)
     modes = (True,) if ctx.dry else (False, True)  # enforce_eager; graphs only exist on CUDA
@@ -231,8 +231,8 @@ def peer_rank_main(rank: int, port: int, device: str, backend: str, out: Path, d
     every byte and writes the timings to `out`."""
     import torch
 
-    from kvstore.transfer import BlockSpec, BlockTransfer
-    from kvstore.transfer_group import PairGroup, PeerId, RendezvousStore, TransferConfig, connect_store
+    from kvstore.transfer.blocks import BlockSpec, BlockTransfer
+    from kvstore.transfer.group import PairGroup, PeerId, RendezvousStore, TransferConfig, connect_store
     layers, blocks = (2, 8) if dry else (30, PEER_BLOCKS)
     spec = BlockSpec(layers, 16, 3, 64, torch.bfloat16)
     cfg = TransferConfig(backend=backend, timeout_s=120.0, connect_timeout_s=120.0)
@@ -263,7 +263,7 @@ def peer_rank_main(rank: int, port: int, device: str, backend: str, out: Path, d
 
 
 def _peer_pair(ctx: Ctx, devices: tuple[str, str], backend: str) -> dict[str, Any]:
-    from kvstore.transfer_group import free_port
+    from kvstore.transfer.group import free_port
     port, out = free_port(), ctx.tmp / f"peer-{backend}.json"
     out.unlink(missing_ok=True)
     argv = [sys.executable, str(SCRIPT), "--out", str(ctx.out), "--peer-port", str(port),

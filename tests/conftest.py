@@ -47,7 +47,7 @@ def _tiny_config(kind: str, overrides: dict[str, Any]) -> Any:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct dir (converted on first use; `make setup` does it once)."""
-    from worker.loader import resolve_model_dir
+    from worker.model.loader import resolve_model_dir
 
     return resolve_model_dir("smollm2", progress=False)
 
@@ -99,8 +99,8 @@ def one_torch_thread() -> Iterator[None]:
 def calibration_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """int4 engines built in this process cache their key calibration in a temp dir, not in
     the user's cache (where it would pile up one file per run for the tiny models)."""
-    import worker.calibration
+    import worker.model.calibration
     path = tmp_path_factory.mktemp("calibration-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(worker.calibration, "calibration_cache_dir", lambda: path)
+        mp.setattr(worker.model.calibration, "calibration_cache_dir", lambda: path)
         yield path

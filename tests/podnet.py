@@ -12,7 +12,7 @@ as a kubelet gives it (gloo resolves the hostname to pick its interface).
 
 Processes (`PodCluster`): `tests.podspec` gives each container's argv and env exactly as the
 manifests say; `kvmesh` runs as this repo's CLI (`.venv/bin/kvmesh`, else `python -m
-router.cli`, with PYTHONPATH = this checkout), `redis-server` as installed. What differs from
+kvmesh.cli`, with PYTHONPATH = this checkout), `redis-server` as installed. What differs from
 a kubelet: no mount namespace (the chart's volumes are real directories: values point
 modelCache/cache mountPaths at the test's tmp dir; Redis' `--dir /data` is rewritten to a tmp
 dir; the worker's /tmp emptyDir is the machine's /tmp), no resource limits, root instead of the
@@ -137,7 +137,7 @@ class PodCluster:
         run = self.specs.run(component, pod, ip)
         argv = list(run.argv)
         if argv[0] == "kvmesh":
-            argv[:1] = [str(KVMESH)] if KVMESH.exists() else [sys.executable, "-m", "router.cli"]
+            argv[:1] = [str(KVMESH)] if KVMESH.exists() else [sys.executable, "-m", "kvmesh.cli"]
         if argv[0] == "redis-server":
             data = self.tmp / pod / "data"
             data.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.chaos import wait_until
+from kvmesh.bench.chaos_harness import wait_until
 from tests.podnet import PodCluster
 
 BLOCK = 16

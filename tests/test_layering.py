@@ -1,5 +1,6 @@
-"""The layering of the packages (router -> worker -> kvstore -> contracts -> proto; the router and
-the contracts torch-free) holds, checked by import-linter with the contracts in pyproject.toml.
+"""The layering of the packages (kvmesh -> router | worker -> kvstore -> contracts -> proto; router and
+worker siblings that never import each other; the router and the contracts torch-free) holds, checked
+by import-linter with the contracts in pyproject.toml, which allow no exemptions.
 
 import-linter reads every import statement, those inside functions included, and follows
 chains (router -> kvstore -> torch breaks "router imports no torch" too).
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "worker", "kvstore", "contracts", "proto")
+PACKAGES = ("kvmesh", "router", "worker", "kvstore", "contracts", "proto")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -29,12 +30,12 @@ def test_import_contracts_hold() -> None:
 
 
 def test_a_wrong_way_import_breaks_the_contracts(tmp_path: Path) -> None:
-    """The oracle that the check can fail: the same tree plus one kvstore -> router import."""
+    """The oracle that the check can fail: the same tree plus one worker -> router import (siblings)."""
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    scratch = tmp_path / "kvstore" / "scratch_wrong_way.py"
-    scratch.write_text("from router import client  # a wrong-way import\n")
+    scratch = tmp_path / "worker" / "scratch_wrong_way.py"
+    scratch.write_text("from router.routing import policy  # a sibling import\n")
     r = _lint_imports(tmp_path)
     assert r.returncode != 0, r.stdout
-    assert "kvstore.scratch_wrong_way -> router.client" in r.stdout, r.stdout
+    assert "worker.scratch_wrong_way -> router.routing.policy" in r.stdout, r.stdout

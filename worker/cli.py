@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from contracts.cli import CLIError, flagify
 from contracts.sampling import SamplingParams
 from kvstore.layout import KV_CACHE_DTYPES
-from worker.config import ModelLoadError
+from worker.model.config import ModelLoadError
 
 if TYPE_CHECKING:   # imports torch: the CLI imports it when a command builds an engine
-    from worker.engine import EngineConfig
+    from worker.engine.engine import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from worker.engine import EngineConfig   # torch: only when a command builds an engine
+    from worker.engine.engine import EngineConfig   # torch: only when a command builds an engine
     try:
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
@@ -103,7 +103,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from worker.engine import Engine, InvalidRequest   # torch: only when the command runs
+    from worker.engine.engine import Engine, InvalidRequest   # torch: only when the command runs
     if args.prompt_file is not None:
         try:
             prompt = args.prompt_file.read_text()

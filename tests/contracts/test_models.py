@@ -28,7 +28,7 @@ def test_unconverted_gguf_is_not_prepared(tmp_path: Path, monkeypatch: pytest.Mo
     source = locate_model(str(gguf))
     assert source.gguf == gguf.resolve() and source.model_dir == converted_dir(gguf.resolve())
     assert source.model_dir.parent == tmp_path / "cache" / "models"
-    with pytest.raises(ModelNotPrepared, match="worker.loader prepare"):
+    with pytest.raises(ModelNotPrepared, match="worker.model.loader prepare"):
         find_model_dir(str(gguf))
     gguf.write_bytes(b"GGUF2")  # a changed file is a different conversion
     os.utime(gguf, ns=(1, 1))
@@ -59,9 +59,9 @@ def test_router_loads_the_tokenizer_without_torch(smollm2_dir: Path) -> None:
 
 
 def test_router_converts_in_a_child_and_reports_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An unconverted GGUF makes the router run `python -m worker.loader prepare` in a child;
+    """An unconverted GGUF makes the router run `python -m worker.model.loader prepare` in a child;
     the child's error (here: not a GGUF) becomes the router's start error on --model."""
-    from router.errors import RouterStartError
+    from router.routing.errors import RouterStartError
     from router.server import _load_tokenizer
 
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))

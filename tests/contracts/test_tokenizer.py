@@ -52,7 +52,7 @@ def test_decode_equals_transformers(tok: ModelTokenizer, hf: Any, text: str) -> 
 
 @pytest.mark.parametrize("messages", CHATS)
 def test_chat_template_equals_engine_path(tok: ModelTokenizer, hf: Any, messages: list[dict[str, str]]) -> None:
-    # What worker.engine.Engine.apply_chat_template does, with the same transformers tokenizer.
+    # What worker.engine.engine.Engine.apply_chat_template does, with the same transformers tokenizer.
     text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert tok.render_chat(messages) == text
     assert tok.apply_chat_template(messages) == hf.encode(text, add_special_tokens=False)
@@ -93,9 +93,9 @@ def test_template_raise_exception_and_missing_files(tok: ModelTokenizer, tmp_pat
 
 def test_router_modules_import_without_torch() -> None:
     code = ("import sys\n"
-            "import contracts.tokenizer, router.policy, router.server, router.http, router.client, router.cli\n"
-            "import router.launch, router.ray_launch, router.serve_cli, router.demo\n"
-            "import router.cli as c; c.build_parser()\n"
+            "import contracts.tokenizer, router.routing.policy, router.server, router.fronts.openai.app, kvmesh.client, kvmesh.cli\n"
+            "import kvmesh.serve.local, kvmesh.serve.ray_launch, kvmesh.serve.cli, kvmesh.demo\n"
+            "import kvmesh.cli as c; c.build_parser()\n"
             "bad = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
             "assert not bad, bad\n")
     root = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ def test_router_modules_import_without_torch() -> None:
 # -- router and worker: one tokenizer ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> Any:
-    from worker.engine import Engine, EngineConfig
+    from worker.engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=str(smollm2_dir), num_blocks=64))
 
 
@@ -129,7 +129,7 @@ def test_router_and_worker_template_chats_alike(engine: Any, tok: ModelTokenizer
 
 
 def test_engine_maps_a_template_error_to_invalid_request(engine: Any, tok: ModelTokenizer) -> None:
-    from worker.request import InvalidRequest
+    from worker.engine.request import InvalidRequest
     loaded = engine.tokenizer
     engine.tokenizer = ModelTokenizer(tok._tokenizer, "{{ raise_exception('roles must alternate') }}",
                                       tok.special_tokens)
@@ -153,7 +153,7 @@ def test_prefix_decodes_grow_into_the_text(tok: ModelTokenizer, hf: Any, text: s
 
 
 def test_stream_text_equals_final_text(engine: Any) -> None:
-    from worker.sampling import SamplingParams
+    from worker.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=24, temperature=0.0)
     prompt = engine.apply_chat_template([{"role": "user", "content": "Écris « bonjour » en japonais 🎌"}])
     streamed = "".join(out.new_text for out in engine.stream(prompt, params))

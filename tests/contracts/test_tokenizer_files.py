@@ -1,4 +1,4 @@
-"""The tokenizer files as they travel (issue #24): read, digest, load from bytes.
+"""The tokenizer files as they travel: read, digest, load from bytes.
 
 Oracles: the digest against an independent encoding of its spec (struct), `from_files` against
 `from_model_dir` on SmolLM2's real files.

@@ -1,4 +1,4 @@
-"""`spaces_between_special_tokens` in ModelTokenizer.decode (issue #22): HF slow tokenizers'
+"""`spaces_between_special_tokens` in ModelTokenizer.decode: HF slow tokenizers'
 meaning — kept added tokens and the text runs between them joined with a space."""
 from __future__ import annotations
 

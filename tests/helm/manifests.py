@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import kubernetes_validate
 import yaml
 
-from router.cli import build_parser
+from kvmesh.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 HELM = ROOT / ".tools" / "bin" / "helm"

@@ -1,4 +1,4 @@
-"""helm/kvmesh for real GPU pools (issue #24): no static worker list and no worker count the
+"""helm/kvmesh for real GPU pools: no static worker list and no worker count the
 other manifests depend on, a router without model storage, liveness apart from readiness,
 placement (soft spread, runtime class, scheduler, priority), image digests, and worker
 autoscaling (KEDA ScaledObject only where its API exists, or an HPA on prometheus-adapter's

@@ -1,4 +1,4 @@
-"""helm/kvmesh `security` values (issue #17 item 8): the cluster token and the Redis password as
+"""helm/kvmesh `security` values: the cluster token and the Redis password as
 generated (or existing) Secrets reaching the pods by environment, client API keys from a Secret,
 TLS from an existing Secret or a cert-manager Certificate, and the router's NetworkPolicy
 admitting a named label by default. Command lines are read back with the real `kvmesh` parser.
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.auth import parse_keys_file
+from router.security.auth import parse_keys_file
 from tests.helm.manifests import (CHART, NAMESPACE, RELEASE, Doc, check_references, container, env_value, one, parse_cli,
                                   probe_spec, render, run_helm, validate_all)
 from tests.helm.test_chart import helm  # noqa: F401  (the session fixture)

@@ -1,4 +1,4 @@
-"""helm/kvmesh monitoring (issue #19 item 5): the workers' PodMonitor next to the router's
+"""helm/kvmesh monitoring: the workers' PodMonitor next to the router's
 ServiceMonitor (same switch, only with the Prometheus Operator API), the Grafana dashboard
 ConfigMap (label grafana_dashboard: "1"), and every metric its queries name is one kvmesh
 exports (names taken from real `WorkerMetrics` / `RouterMetrics` registries)."""
@@ -8,16 +8,16 @@ import json
 import re
 from pathlib import Path
 
-from kvstore.streams import ConsumerStats
+from kvstore.metadata.streams import ConsumerStats
 from router.config import RouterConfig
-from router.core import Router
-from router.metrics import RouterMetrics
-from router.registry import WorkerRegistry
+from router.routing.core import Router
+from router.observe.metrics import RouterMetrics
+from router.workers.registry import WorkerRegistry
 from tests.helm.manifests import (CHART, NAMESPACE, container, matches, one, pod_labels, render, run_helm,
                                   validate_all)
 from tests.helm.test_chart import helm  # noqa: F401 - the fixture
-from worker.engine_config import EngineStats
-from worker.metrics import PeerTotals, WorkerMetrics
+from worker.engine.config import EngineStats
+from worker.server.metrics import PeerTotals, WorkerMetrics
 
 MONITORING = ("monitoring.coreos.com/v1",)
 

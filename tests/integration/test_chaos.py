@@ -1,4 +1,4 @@
-"""Chaos under load (issue #18 item 6) on one `kvmesh serve --workers 2` (real processes, all on
+"""Chaos under load on one `kvmesh serve --workers 2` (real processes, all on
 127.0.0.1): kill -9 a worker under 24 concurrent greedy streams (they migrate: no client sees an
 error, every output equals the fault-free run), kill -9 Redis under load (nothing fails, the
 index resyncs), SIGTERM a worker under load (its streams finish, nothing new reaches it).
@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.chaos import Outcome, ServeProcess, run_streams, wait_until, workers_up
+from kvmesh.bench.chaos_harness import Outcome, ServeProcess, run_streams, wait_until, workers_up
 
 pytestmark = pytest.mark.multiproc
 

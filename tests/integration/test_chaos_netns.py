@@ -1,4 +1,4 @@
-"""Partitions (issue #18 item 6) inside a network namespace this test creates: `kvmesh bench
+"""Partitions inside a network namespace this test creates: `kvmesh bench
 chaos --only partition_router_worker` runs in it (cluster, load and the iptables rules, all on
 the namespace's own loopback); the namespace is deleted at the end. Skipped, with the reason,
 where the machine refuses namespaces or iptables. Slow: a 3-worker cluster under load.
@@ -37,7 +37,7 @@ def test_partition_router_worker_leaves_routing_and_returns(tmp_path: Path) -> N
     ns = _netns_or_skip()
     out = tmp_path / "chaos.json"
     try:
-        run = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "router.cli", "bench", "chaos",
+        run = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "kvmesh.cli", "bench", "chaos",
                               "--quick", "--in-netns", "--only", "partition_router_worker", "--json", str(out)],
                              cwd=ROOT, capture_output=True, text=True, timeout=900)
     finally:

@@ -1,6 +1,6 @@
 """Faults a user meets on `kvmesh serve --workers 2` (real processes on 127.0.0.1): `kill -9`
 of a worker or of the embedded Redis. The supervisor restarts the dead child on its port while
-the cluster keeps serving (issue #18 item 1). One `kvmesh serve` for the whole file, with
+the cluster keeps serving. One `kvmesh serve` for the whole file, with
 `--migration-limit 0`: a stream cut by a dead worker must end with an error, never silently
 (tests/integration/test_chaos.py has migration on, the default).
 """
@@ -193,7 +193,7 @@ def test_router_is_live_but_not_ready_without_a_ready_worker(tmp_path: Path) -> 
     from tests.integration.test_serve import ROOT
     out = tmp_path / "router.out"
     with open(out, "wb") as fo:
-        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "router", "--worker", "127.0.0.1:1",
+        proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "router", "--worker", "127.0.0.1:1",
                                  "--grpc-port", "0", "--http-port", "0"], cwd=ROOT, stdout=fo,
                                 stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     try:

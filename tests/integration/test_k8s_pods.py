@@ -1,4 +1,4 @@
-"""Issue #24 on the rendered chart run as processes (tests/podnet.py: one network namespace per
+"""The worker lifecycle on the rendered chart run as processes (tests/podnet.py: one network namespace per
 pod, each process started with exactly the command line and env the manifests give it):
 
 - scaling 2 -> 3 -> 2 workers with traffic flowing through the router: no request fails, the
@@ -8,7 +8,7 @@ pod, each process started with exactly the command line and env the manifests gi
   chart's worker.extraEnv) turns the worker's liveness not-live (gRPC `kvmesh.v1.Liveness`,
   HTTP /livez, and the chart's own livenessProbe) while readiness takes it out of routing; the
   kubelet's answer, a restart, brings it back.
-The restart case of #24 (kill -9, start again under the same pod name, then a peer fetch both
+The restart case (kill -9, start again under the same pod name, then a peer fetch both
 ways) is `test_peer_transfer_to_and_from_a_restarted_worker` in test_podnet_partitions.py.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.health import LIVENESS_SERVICE
-from router.chaos import wait_until
+from kvmesh.bench.chaos_harness import wait_until
 from tests.podnet import PodCluster, skip_reason
 from tests.podnet_client import on_worker, prompt, running, via_router, workers_up
 

@@ -45,7 +45,7 @@ class Worker(NamedTuple):
 
 def _spawn(tmp: Path, worker_id: str, *flags: str, env: dict[str, str] | None = None) -> Worker:
     out, log = tmp / f"{worker_id}.out", tmp / f"{worker_id}.log"
-    argv = [sys.executable, "-m", "router.cli", "worker", "--port", "0", "--worker-id", worker_id,
+    argv = [sys.executable, "-m", "kvmesh.cli", "worker", "--port", "0", "--worker-id", worker_id,
             "--model", "smollm2", "--peer-transfer", *flags]
     with open(out, "wb") as fo, open(log, "ab") as fe:
         proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,

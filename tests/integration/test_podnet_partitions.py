@@ -1,4 +1,4 @@
-"""Partitions (issue #18 item 6) on the rendered chart run as processes, one network namespace
+"""Partitions on the rendered chart run as processes, one network namespace
 per pod (tests/podnet.py): Redis, the router and two workers exactly as the manifests start them,
 traffic cut with iptables DROP inside one pod's namespace.
 
@@ -11,7 +11,7 @@ traffic cut with iptables DROP inside one pod's namespace.
   migrates to the other worker (its output equals an uninterrupted run), new requests go to the
   other worker; after the heal it returns;
 - peer transfer to a restarted worker (kill -9, started again under the same pod name): both
-  directions work (also the restart case of issue #24).
+  directions work (also the restart case).
 The oracle for every output is the same prompt computed from scratch on a worker (greedy).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.chaos import wait_until
+from kvmesh.bench.chaos_harness import wait_until
 from tests.podnet import PodCluster, skip_reason
 from tests.podnet_client import (FULL, Reply, cluster_doc, index_matches_worker, load, on_worker, prompt,
                                  running, via_router, workers_up)

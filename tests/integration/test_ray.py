@@ -1,4 +1,4 @@
-"""`kvmesh serve --ray` (router.ray_launch): a local Ray on CPU, 2 worker actors, Redis and the
+"""`kvmesh serve --ray` (kvmesh.serve.ray_launch): a local Ray on CPU, 2 worker actors, Redis and the
 router as child processes of this one. The oracle is `Engine.generate` on the same model in this process.
 
 Ray hygiene on a shared machine: our own `ray.init` (no auth token, a short temp dir, a capped
@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.supervise import ServeConfig
-from router.ray_launch import RayCluster, RayServeConfig, namespace_for, stop_named_cluster
+from kvmesh.serve.supervise import ServeConfig
+from kvmesh.serve.ray_launch import RayCluster, RayServeConfig, namespace_for, stop_named_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
@@ -32,8 +32,8 @@ CHAT = ({"role": "system", "content": "You answer in one short sentence."},
 
 
 def test_ray_flags_become_config() -> None:
-    from router.cli import build_parser
-    from router.serve_cli import ray_config_from_args
+    from kvmesh.cli import build_parser
+    from kvmesh.serve.cli import ray_config_from_args
     args = build_parser().parse_args(["serve", "--ray", "--ray-address", "auto", "--workers", "3",
                                       "--gpus-per-worker", "2", "--placement-strategy", "SPREAD",
                                       "--cluster-name", "c1", "--num-blocks", "64"])
@@ -49,9 +49,9 @@ def test_ray_flags_become_config() -> None:
 def test_ray_worker_actors_get_the_tls_files_with_tls_ca(tmp_path: Path) -> None:
     # as `kvmesh serve`'s local workers: with --tls-ca every worker serves mutual TLS
     from contracts.tls import PLAINTEXT
-    from router.cli import build_parser
-    from router.ray_launch import worker_specs
-    from router.serve_cli import ray_config_from_args
+    from kvmesh.cli import build_parser
+    from kvmesh.serve.ray_launch import worker_specs
+    from kvmesh.serve.cli import ray_config_from_args
     for name in ("c.pem", "k.pem", "ca.pem"):
         (tmp_path / name).write_text("x")
     tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
@@ -64,10 +64,10 @@ def test_ray_worker_actors_get_the_tls_files_with_tls_ca(tmp_path: Path) -> None
 
 
 def test_stop_without_ray_is_a_usage_error() -> None:
-    r = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--stop"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", "--stop"], cwd=ROOT, capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 2 and "--stop: only with --ray" in r.stderr
-    assert "ray" not in subprocess.run([sys.executable, "-c", "import router.launch, router.cli, sys; "
+    assert "ray" not in subprocess.run([sys.executable, "-c", "import kvmesh.serve.local, kvmesh.cli, sys; "
                                         "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')))"],
                                        cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
 
@@ -81,8 +81,8 @@ def _chat_request() -> pb.GenerateRequest:
 
 def _oracle(smollm2_dir: Path) -> tuple[list[int], int]:
     """Greedy chat ids and prompt length from an in-process Engine (freed before Ray starts)."""
-    from worker.engine import Engine, EngineConfig
-    from worker.sampling import SamplingParams
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.sampling import SamplingParams
     engine = Engine(EngineConfig(model=str(smollm2_dir), num_blocks=int(NUM_BLOCKS)))
     prompt = engine.apply_chat_template(list(CHAT))
     out = engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]

@@ -1,4 +1,4 @@
-"""A router without model storage (issue #24), as real processes: redis-server, one `kvmesh
+"""A router without model storage, as real processes: redis-server, one `kvmesh
 worker --redis-url` (SmolLM2) and `kvmesh router` with NO --worker and `--tokenizer-source
 worker`, its KVMESH_CACHE_DIR in tmp. The router is started first: /health answers 503 (and
 /livez 200) until the worker registers and the router has its tokenizer, then 200. The oracle:
@@ -24,7 +24,7 @@ import pytest
 
 from contracts.tokenizer import tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.processes import Child, spawn, terminate
+from kvmesh.serve.processes import Child, spawn, terminate
 from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER_LINE = re.compile(r"^kvmesh worker (\S+) serving on (\S+):(\d+)$", re.M)
 ROUTER_LINE = re.compile(r"kvmesh router serving grpc on (\S+):(\d+) http on (\S+):(\d+)")
 START_S = 180.0
-CLI = [sys.executable, "-m", "router.cli"]
+CLI = [sys.executable, "-m", "kvmesh.cli"]
 
 
 def _status(url: str) -> int:
@@ -84,7 +84,7 @@ def test_router_without_model_storage_gets_the_tokenizer_from_a_registered_worke
             files = stub.GetTokenizer(pb.TokenizerRequest(), timeout=30)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:   # type: ignore[attr-defined]
-                pytest.skip("this worker does not serve GetTokenizer yet (issue #24, worker side)")
+                pytest.skip("this worker does not serve GetTokenizer yet")
             raise
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30)
     assert info.tokenizer_sha256 == files.sha256 == tokenizer_files_digest(dict(files.files))

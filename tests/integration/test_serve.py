@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.launch import LocalCluster, ServeConfig
+from kvmesh.serve.local import LocalCluster, ServeConfig
 
 pytestmark = pytest.mark.multiproc
 
@@ -87,7 +87,7 @@ class Launched(NamedTuple):
 def _launch_serve(tmp_path: Path, cluster_name: str, *flags: str, workers: int = 1) -> Launched:
     """`kvmesh serve --workers N` on free ports (plus `flags`); waits for its ready banner."""
     out, err = tmp_path / f"{cluster_name}.out", tmp_path / f"{cluster_name}.err"
-    argv = [sys.executable, "-m", "router.cli", "serve", "--workers", str(workers), "--grpc-port", "0",
+    argv = [sys.executable, "-m", "kvmesh.cli", "serve", "--workers", str(workers), "--grpc-port", "0",
             "--http-port", "0", "--cluster-name", cluster_name, "--log-dir", str(tmp_path / f"{cluster_name}-logs"),
             "--kv-cache-memory-gib", KV_GIB, *flags]
     with open(out, "wb") as fo, open(err, "wb") as fe:
@@ -128,7 +128,7 @@ def _collect(responses: Iterator[pb.GenerateResponse]) -> tuple[list[int], pb.Ge
 
 # -- fast failures: before any child starts -----------------------------------------------------
 def _serve_fails(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "router.cli", "serve", *flags], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", *flags], cwd=ROOT, capture_output=True,
                           text=True, timeout=30, env=env)
 
 
@@ -163,8 +163,8 @@ def test_redis_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
 
 
 def test_serve_flags_become_config() -> None:
-    from router.cli import build_parser
-    from router.serve_cli import config_from_args
+    from kvmesh.cli import build_parser
+    from kvmesh.serve.cli import config_from_args
     args = build_parser().parse_args(["serve", "--workers", "3", "--model", "/m", "--kv-cache-memory-gib", "0.5",
                                       "--no-enable-prefix-caching", "--grpc-port", "0", "--cluster-name", "c1"])
     cfg = config_from_args(args)
@@ -183,7 +183,7 @@ def test_serve_subprocess_sigterm_leaves_nothing(tmp_path: Path) -> None:
     name = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
     launched = _launch_serve(tmp_path, name)
     try:
-        client = subprocess.run([sys.executable, "-m", "router.cli", "client", "generate", "--target",
+        client = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", "generate", "--target",
                                  launched.grpc_target, "--json", "--max-tokens", "8", "Hello, my name is"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert client.returncode == 0, client.stderr
@@ -263,7 +263,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> Any:
-    from worker.engine import Engine, EngineConfig
+    from worker.engine.engine import Engine, EngineConfig
     return Engine(EngineConfig(model=str(smollm2_dir), kv_cache_memory_gib=float(KV_GIB)))
 
 
@@ -274,7 +274,7 @@ def channel(cluster: LocalCluster) -> Iterator[grpc.Channel]:
 
 
 def _greedy(engine: Any, ids: list[int]) -> Any:   # -> RequestOutput
-    from worker.sampling import SamplingParams
+    from worker.engine.sampling import SamplingParams
     return engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
 
 

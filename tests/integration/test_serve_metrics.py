@@ -42,7 +42,7 @@ def _samples(url: str) -> dict[str, float]:
 
 
 def _client(target: str, prompt: str, request_id: str) -> dict[str, Any]:
-    client = subprocess.run([sys.executable, "-m", "router.cli", "client", "generate", "--target", target, "--json",
+    client = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", "generate", "--target", target, "--json",
                              "--max-tokens", "4", "--request-id", request_id, prompt],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert client.returncode == 0, client.stderr

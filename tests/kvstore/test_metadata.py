@@ -20,11 +20,11 @@ from kvstore.events import (MAX_HASHES_PER_ENTRY, EventDecodeError, EventType, T
                             WireEvent, WorkerCursor, WorkerId, decode_event, encode_event,
                             from_pool_events, inventory_events)
 from kvstore.keys import BlockHash, HashSalt, block_hashes
-from kvstore.metadata import (Heartbeater, MetadataError, MetadataUnavailable, RedisConfig,
+from kvstore.metadata.registry import (Heartbeater, MetadataError, MetadataUnavailable, RedisConfig,
                               WorkerRecord, WorkerRegistry, parse_redis_url)
 from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored
-from kvstore.streams import EventConsumer, EventPublisher
-from router.index import BlockIndex
+from kvstore.metadata.streams import EventConsumer, EventPublisher
+from router.index.blocks import BlockIndex
 from tests.redis_server import RedisServer, redis_server, redis_server_factory  # noqa: F401
 
 BS = 4

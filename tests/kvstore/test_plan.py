@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.layout import KVLayout
-from kvstore.plan import (PRESETS, ModelShape, PlanError, add_arguments, load_model_shape, main,
-                          make_plan, parse_lengths, render_table)
+from kvmesh.plan import add_arguments, main, render_table
+from kvstore.plan import PRESETS, ModelShape, PlanError, load_model_shape, make_plan, parse_lengths
 
 GIB = 1 << 30
 LLAMA_7B_PARAMS = 6_738_415_616

@@ -24,9 +24,9 @@ import torch
 
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
-from kvstore.transfer import BlockSpec, BlockTransfer
-from kvstore.transfer_group import PairGroup, PeerId, TransferConfig, TransferError, connect_store
-from kvstore.transfer_wire import MAGIC, TAGS
+from kvstore.transfer.blocks import BlockSpec, BlockTransfer
+from kvstore.transfer.group import PairGroup, PeerId, TransferConfig, TransferError, connect_store
+from kvstore.transfer.wire import MAGIC, TAGS
 
 SEND_IDS = [3, 7, 1, 5]  # pool block ids the sender gathers, in wire order
 HASHES = [0, (1 << 128) - 1, 1 << 127, 0x0123456789ABCDEF_FEDCBA9876543210]

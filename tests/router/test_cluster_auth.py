@@ -1,10 +1,10 @@
-"""Cluster authentication (issue #17 items 2, 4, 5), met the way clients and attackers meet it.
+"""Cluster authentication, met the way clients and attackers meet it.
 
 One real worker (SmolLM2) serving mutual TLS with a cluster token, registered in a Redis that
 requires a password, and one router finding it there, serving HTTPS and gRPC over TLS.
 Certificates come from `trustme`. Clients are real: the `openai` SDK over HTTPS, grpcio over
 TLS, grpcio without a client certificate (the worker's handshake fails), and the fake-worker
-attack of #17 done exactly: with Redis write access, SADD/HSET/SET a fake worker pointing at a
+attack done exactly: with Redis write access, SADD/HSET/SET a fake worker pointing at a
 gRPC server of ours (holding a certificate from the cluster's CA, but not the token, relaying
 the router's nonce to the real worker); it gets 0 requests and the router logs it as rejected.
 """
@@ -34,11 +34,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts.cluster_token import TOKEN_METADATA, attestation_mac, masked, token_from, verify_attestation
 from contracts.tls import TlsConfig
-from kvstore.metadata import RedisConfig
+from kvstore.metadata.registry import RedisConfig
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.attest import Admitter, Verdict
+from router.security.attest import Admitter, Verdict
 from router.config import RouterConfig
-from router.processes import start_redis, terminate
+from kvmesh.serve.processes import start_redis, terminate
 from router.server import RouterServer
 from tests.redis_server import RedisServer
 from tests.router.test_router import NUM_BLOCKS, LoopThread
@@ -151,8 +151,8 @@ class Secured:
 
 @pytest.fixture(scope="module")
 def secured(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
-    from worker.engine import Engine, EngineConfig
-    from worker.server import WorkerServer, WorkerServerConfig
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.server.service import WorkerServer, WorkerServerConfig
     tmp = tmp_path_factory.mktemp("auth")
     certs = make_certs(tmp)
     server = RedisServer(tmp, ["--user", "default", "off", *(a for user, commands in ACL.items() for a in (
@@ -213,7 +213,7 @@ def test_grpc_over_tls_and_openai_sdk_over_https(secured: Secured) -> None:
                                http_client=http, max_retries=0, timeout=60)
         done = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
     assert done.choices[0].text == grpc_text      # both fronts, one greedy answer
-    cli = subprocess.run([sys.executable, "-m", "router.cli", "client", "generate", "--target",
+    cli = subprocess.run([sys.executable, "-m", "kvmesh.cli", "client", "generate", "--target",
                           f"127.0.0.1:{secured.grpc_port}", "--tls-ca", str(secured.certs.ca), "--json",
                           "--max-tokens", "8", PROMPT], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and json.loads(cli.stdout)["text"] == grpc_text, cli.stderr
@@ -332,8 +332,8 @@ def test_peer_channel_carries_certificate_and_token(tmp_path: Path) -> None:
     """worker -> worker SendBlocks (worker/cluster_auth.peer_channel) against a server demanding
     both mutual TLS and the token, as a worker does."""
     from contracts.grpc_auth import ClusterTokenGuard
-    from worker.cluster_auth import peer_channel
-    from worker.server_config import WorkerServerConfig
+    from worker.server.cluster_auth import peer_channel
+    from worker.server.config import WorkerServerConfig
     certs = make_certs(tmp_path)
 
     async def send_blocks(req: pb.SendBlocksRequest, context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
@@ -369,9 +369,9 @@ def test_serve_passes_tls_flags_and_secrets_to_its_children(tmp_path: Path) -> N
     """`kvmesh serve --tls-cert --tls-key --tls-ca`: the flags reach the router's and every
     worker's command line (parsed back with the real `kvmesh` parser); the token and the Redis URL
     go by environment only."""
-    from router.cli import build_parser
-    from router.launch import LocalCluster, _worker_argv
-    from router.serve_cli import config_from_args
+    from kvmesh.cli import build_parser
+    from kvmesh.serve.local import LocalCluster, _worker_argv
+    from kvmesh.serve.cli import config_from_args
     certs = make_certs(tmp_path)
     args = build_parser().parse_args(["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
                                       "--tls-ca", str(certs.ca)])
@@ -380,7 +380,7 @@ def test_serve_passes_tls_flags_and_secrets_to_its_children(tmp_path: Path) -> N
     worker = _worker_argv(cfg, "worker-0", 0, 1, [])
     router = LocalCluster(cfg)._router_argv(0, 0)
     for argv in (worker, router):
-        ns = build_parser().parse_args(argv[3:])          # after `python -m router.cli`
+        ns = build_parser().parse_args(argv[3:])          # after `python -m kvmesh.cli`
         assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == (certs.cert, certs.key, certs.ca)
         assert ns.cluster_token is None and ns.redis_url is None
         assert cfg.cluster_token not in " ".join(argv) and REDIS_PASSWORD not in " ".join(argv)
@@ -396,9 +396,9 @@ def test_local_workers_split_the_cores_unless_threads_is_set() -> None:
     cores); a `--threads` the user gives reaches every worker instead."""
     import os
 
-    from router.cli import build_parser
-    from router.launch import _worker_argv
-    from router.serve_cli import config_from_args
+    from kvmesh.cli import build_parser
+    from kvmesh.serve.local import _worker_argv
+    from kvmesh.serve.cli import config_from_args
     cores = len(os.sched_getaffinity(0))
     for workers in (1, 2, 64):
         cfg = config_from_args(build_parser().parse_args(["serve", "--workers", str(workers)]))

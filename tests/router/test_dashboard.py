@@ -1,4 +1,4 @@
-"""`GET /dashboard` (router/dashboard.py) in a real headless browser (Debian chromium through
+"""`GET /dashboard` (router/observe/dashboard.py) in a real headless browser (Debian chromium through
 selenium and /usr/bin/chromedriver) over a real router and SmolLM2 worker: the numbers on the
 page equal `GET /v1/cluster`, the page updates itself after a request, the browser logs no
 console error, and a screenshot is saved (the path is printed; `KVMESH_ARTIFACTS=<dir>` keeps it)."""

@@ -211,7 +211,7 @@ def test_no_worker_is_503(web: Cluster) -> None:
         web.lt.run(router.stop(0))
 
 
-# -- vLLM's extra fields (issue #22) -----------------------------------------------------
+# -- vLLM's extra fields -----------------------------------------------------
 def grpc_ids(web: Cluster, req: pb.GenerateRequest) -> tuple[list[int], str, pb.GenerateResponse]:
     with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
         return summary(run_generate(ch, req))
@@ -289,7 +289,7 @@ def test_openai_sdk_extra_body_and_unknown_fields(client: openai.OpenAI, caplog:
     assert c.usage is not None and c.usage.completion_tokens == 4
 
 
-ISSUE_BODIES = [  # the requests quoted in issue #22, as load tools send them: all 200
+ISSUE_BODIES = [  # requests as load tools send them: all 200
     (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}),
     (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": False}),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True, "stream": True}),
@@ -343,7 +343,7 @@ def test_utility_endpoints_tokenize_detokenize_version_models(web: Cluster) -> N
 
 
 def test_default_temperature_from_generation_config(web: Cluster, tmp_path: Path) -> None:
-    from router.vllm_fields import generation_default_temperature, read_default_temperature
+    from router.fronts.openai.vllm_fields import generation_default_temperature, read_default_temperature
     cfg = tmp_path / "generation_config.json"
     assert read_default_temperature(cfg) == 1.0  # no file
     cfg.write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))

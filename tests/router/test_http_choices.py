@@ -1,4 +1,4 @@
-"""logprobs, echo, n / best_of and /reset_prefix_cache on the router's HTTP and gRPC (issue #22).
+"""logprobs, echo, n / best_of and /reset_prefix_cache on the router's HTTP and gRPC.
 
 One real worker (SmolLM2) behind a real router (the `web` fixture). Oracles: HF transformers'
 log_softmax on the same weights for every logprob, the gRPC response for the HTTP shapes,
@@ -165,7 +165,7 @@ def test_reset_prefix_cache_needs_admin_key(web: Cluster) -> None:
     import urllib.error
     import urllib.request
 
-    from router.auth import ApiKey, TenantId
+    from router.security.auth import ApiKey, TenantId
     from router.config import RouterConfig
     from router.server import RouterServer
     keys = (ApiKey("user-key"), ApiKey("ops-key", TenantId("ops"), admin=True))
@@ -192,7 +192,7 @@ def test_reset_prefix_cache_needs_admin_key(web: Cluster) -> None:
         web.lt.run(router.stop(1))
 
 
-CHOICE_BODIES = [  # issue #22's refused-by-design fields, as harnesses send them: all 200
+CHOICE_BODIES = [  # refused-by-design fields, as harnesses send them: all 200
     (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 4, "logprobs": 5}),
     (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}),
     (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 3, "n": 2, "stream": True}),
@@ -247,7 +247,7 @@ def test_grpc_rejects_the_same_values(web: Cluster, field: str) -> None:
 
 
 def test_keys_file_admin_flag(tmp_path: Path) -> None:
-    from router.auth import parse_keys_file
+    from router.security.auth import parse_keys_file
     f = tmp_path / "keys"
     f.write_text("k1 ops admin\nk2 team priority admin\nk3 team priority\nk4 plain\n")
     assert [(k.priority, k.admin) for k in parse_keys_file(f)] == [

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, inventory_events
 from kvstore.keys import BlockHash
-from router.index import BlockIndex, IndexStats
+from router.index.blocks import BlockIndex, IndexStats
 
 H = [BlockHash(0x1000 + i) for i in range(8)]
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
@@ -98,7 +98,7 @@ def test_shared_blocks_count_what_two_requests_asked_for_and_learn_the_rest_by_d
 
 
 def test_router_index_imports_no_torch() -> None:
-    code = "import sys, router.index, kvstore.streams; assert 'torch' not in sys.modules"
+    code = "import sys, router.index.blocks, kvstore.metadata.streams; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

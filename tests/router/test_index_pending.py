@@ -1,5 +1,5 @@
 """Pending (in-flight) blocks in the block index and holder-first placement over a real
-`BlockIndex` (issue #23): recorded at dispatch, confirmed by BlockStored, expired, dropped on
+`BlockIndex`: recorded at dispatch, confirmed by BlockStored, expired, dropped on
 failure; a pending prefix draws followers; the holder wins until its queue outweighs the
 prefill it saves."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import block_hashes
-from router.index import BlockIndex
-from router.inflight import InFlightConfig, InFlightPrefills
-from router.policy import make_policy
-from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerInfo, WorkerLoad
+from router.index.blocks import BlockIndex
+from router.routing.inflight import InFlightConfig, InFlightPrefills
+from router.routing.policy import make_policy
+from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerInfo, WorkerLoad
 
 SALT = b"pending-test"
 BS = 16

@@ -1,4 +1,4 @@
-"""The router's /metrics (router/metrics.py) on its HTTP port, scraped over real HTTP from a
+"""The router's /metrics (router/observe/metrics.py) on its HTTP port, scraped over real HTTP from a
 real router over one real SmolLM2 worker: after a known sequence of gRPC requests (two with a
 shared prefix) the counters equal what the clients were told."""
 from __future__ import annotations

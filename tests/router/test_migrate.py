@@ -1,4 +1,4 @@
-"""Request migration's pieces without processes (router/migrate.py): what is re-submitted, the
+"""Request migration's pieces without processes (router/routing/migrate.py): what is re-submitted, the
 limit, and a stream cut when its worker is found lost. End to end: tests/integration/test_chaos.py."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.bench_chaos import ChaosConfig
+from kvmesh.bench.chaos import ChaosConfig
 from router.config import RouterConfig
-from router.migrate import Progress, WorkerLost, read_until_lost
-from router.supervise import Cluster, ServeConfig
+from router.routing.migrate import Progress, WorkerLost, read_until_lost
+from kvmesh.serve.supervise import Cluster, ServeConfig
 
 SALT = bytes(16)
 
@@ -91,7 +91,7 @@ def test_config_and_flags() -> None:
     cluster = Cluster(ServeConfig(migration_limit=5), placement=None)  # type: ignore[arg-type]
     argv = cluster._router_argv(1, 2)
     assert argv[argv.index("--migration-limit") + 1] == "5"
-    from router.cli import build_parser
+    from kvmesh.cli import build_parser
     args = build_parser().parse_args(["router", "--migration-limit", "0", "--drain-timeout", "2.5"])
     assert (args.migration_limit, args.drain_timeout_s) == (0, 2.5)
     assert build_parser().parse_args(["serve", "--migration-limit", "1"]).migration_limit == 1

@@ -1,4 +1,4 @@
-"""`GET /openapi.json` and a schemathesis fuzz of the HTTP API it describes (issue #17 item 7):
+"""`GET /openapi.json` and a schemathesis fuzz of the HTTP API it describes:
 against one real worker (SmolLM2) and a router on loopback with `--max-tokens-limit 4` (so a
 fuzzed request generates little), every generated request (schema-conforming and
 schema-violating) gets a non-5xx answer within a per-request timeout, 4xx answers carry an
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
 from router.config import RouterConfig
-from router.openapi import openapi_document
+from router.fronts.openai.openapi import openapi_document
 from router.server import RouterServer
 from tests.router.test_router import start_cluster, stop_cluster
 

@@ -19,9 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from contracts.requests import PeerHint
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
-from router.core import Router, best_peer_hint
-from router.registry import WORKER_SERVICE
-from router.routing import WorkerId
+from router.routing.core import Router, best_peer_hint
+from router.workers.registry import WORKER_SERVICE
+from router.routing.types import WorkerId
 from router.server import RouterServer
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
@@ -140,7 +140,7 @@ def test_round_robin_pick_with_fewer_blocks_gets_a_hint_to_the_other() -> None:
 def test_a_hinted_request_queues_only_the_tokens_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
     """w0 holds 1 block of the 30-token prompt and is hinted to fetch 4 more from w1: the
     router counts 30 − 4 − 16 = 10 tokens queued for prefill there, as for w1's own hit."""
-    from router.inflight import InFlightPrefills
+    from router.routing.inflight import InFlightPrefills
     queued: dict[str, int] = {}
     dispatched = InFlightPrefills.dispatched
 

@@ -7,9 +7,9 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 
 from kvstore.keys import block_hashes
-from router.policy import make_policy
-from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
-from router.scorers import BoundedLoadFilter, load_cap
+from router.routing.policy import make_policy
+from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
+from router.routing.scorers import BoundedLoadFilter, load_cap
 
 SALT = b"test-salt"
 

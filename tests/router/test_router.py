@@ -24,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
-from router.errors import RouterStartError
-from router.policy import make_policy
-from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo
+from router.routing.errors import RouterStartError
+from router.routing.policy import make_policy
+from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo
 from router.server import RouterServer
 
 T = TypeVar("T")
@@ -68,7 +68,7 @@ class Cluster:
 
     def start_worker(self, i: int) -> None:
         """(Re)start worker i on its engine at a new port and tell the router."""
-        from worker.server import WorkerServer, WorkerServerConfig
+        from worker.server.service import WorkerServer, WorkerServerConfig
         w = WorkerServer(self.engines[i].cfg, WorkerServerConfig(worker_id=f"worker-{i}"), engine=self.engines[i])
         self.lt.run(w.start())
         self.lt.run(w.wait_ready(60))
@@ -82,13 +82,13 @@ class Cluster:
 
 
 def start_cluster(model_dir: Path, num_workers: int, http: bool) -> Cluster:
-    from worker.engine import Engine, EngineConfig
+    from worker.engine.engine import Engine, EngineConfig
     # Loaded one after the other in this thread: transformers' lazy imports race across threads.
     engines = [Engine(EngineConfig(model=str(model_dir), num_blocks=NUM_BLOCKS)) for _ in range(num_workers)]
     lt = LoopThread()
     cluster = Cluster(lt, None, 0, None, [None] * num_workers, engines, model_dir)  # type: ignore[arg-type]
     for i in range(num_workers):
-        from worker.server import WorkerServer, WorkerServerConfig
+        from worker.server.service import WorkerServer, WorkerServerConfig
         cluster.workers[i] = WorkerServer(engines[i].cfg, WorkerServerConfig(worker_id=f"worker-{i}"),
                                           engine=engines[i])
         lt.run(cluster.workers[i].start())
@@ -363,8 +363,8 @@ def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel
 
 
 def test_mismatched_workers_refuse_to_start(cluster: Cluster, tiny_model_dir: Any) -> None:
-    from worker.server import WorkerServer, WorkerServerConfig
-    from worker.engine import EngineConfig
+    from worker.server.service import WorkerServer, WorkerServerConfig
+    from worker.engine.engine import EngineConfig
     tiny = WorkerServer(EngineConfig(model=str(tiny_model_dir("llama-gqa")), num_blocks=16),
                         WorkerServerConfig(worker_id="tiny"))
     cluster.lt.run(tiny.start())
@@ -399,7 +399,7 @@ def test_no_worker_ready_is_unavailable(cluster: Cluster) -> None:
 
 # -- the CLI ------------------------------------------------------------------------------
 def test_client_cli_router_and_worker_fallback(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
-    from router.cli import main
+    from kvmesh.cli import main
     prompt = "The capital of Italy is"
     results = []
     for target in (f"127.0.0.1:{cluster.grpc_port}", cluster.worker_addresses[0]):
@@ -413,7 +413,7 @@ def test_client_cli_router_and_worker_fallback(cluster: Cluster, capsys: pytest.
 
 
 def test_router_cli_serves_until_sigterm(cluster: Cluster) -> None:
-    cmd = [sys.executable, "-m", "router.cli", "router", "--grpc-port", "0", "--http-port", "0",
+    cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--grpc-port", "0", "--http-port", "0",
            "--model", str(cluster.model_dir)] + [a for w in cluster.worker_addresses for a in ("--worker", w)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvstore.keys import block_hashes
-from router.policy import POLICIES, Policy, Weighted, make_policy
-from router.routing import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
-from router.scorers import (BoundedLoadFilter, FreeKVScorer, HashRing, InverseLoadScorer, LoadScorer,
+from router.routing.policy import POLICIES, Policy, Weighted, make_policy
+from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
+from router.routing.scorers import (BoundedLoadFilter, FreeKVScorer, HashRing, InverseLoadScorer, LoadScorer,
                             PrefillCostScorer, PrefixCacheScorer, RingScorer, RotationScorer, fair_share, load_cap,
                             route_key)
 
@@ -170,8 +170,8 @@ def test_router_config_takes_the_cli_spelling_and_stores_the_member():
 def test_router_core_and_fronts_import_no_torch():
     import subprocess
     import sys
-    code = ("import sys, router.core, router.registry, router.grpc_front, router.http, router.server, "
-            "router.policy, router.scorers; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, router.routing.core, router.workers.registry, router.fronts.grpc_front, router.fronts.openai.app, router.server, "
+            "router.routing.policy, router.routing.scorers; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -1,4 +1,4 @@
-"""Client authentication on the router (issue #17 item 1), met the way a client meets it: the
+"""Client authentication on the router, met the way a client meets it: the
 official `openai` SDK and raw HTTP for 401/200, grpcio for UNAUTHENTICATED.
 
 One real worker (SmolLM2) behind two routers on one loop: an open one (the loopback default)
@@ -27,7 +27,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.auth import ApiKey, Authenticator, add_auth_arguments, keys_from_args, parse_keys_file, warn_if_open
+from router.security.auth import ApiKey, Authenticator, add_auth_arguments, keys_from_args, parse_keys_file, warn_if_open
 from router.config import RouterConfig
 from router.server import RouterServer
 from tests.router.test_router import Cluster, greedy, start_cluster, stop_cluster
@@ -151,7 +151,7 @@ def test_keys_file_parsing_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [(k.key, k.tenant, k.priority) for k in parse_keys_file(f)] == [
         ("k1", "alpha", False), ("k2", "beta", True)]
     assert "k1" not in repr(parse_keys_file(f)[0])
-    for bad in ("k1\n", "k1 alpha root\n", "", "a b c d\n"):  # admin is a flag now (issue #22)
+    for bad in ("k1\n", "k1 alpha root\n", "", "a b c d\n"):  # admin is a flag now
         f.write_text(bad)
         with pytest.raises(ValueError, match="api_keys_file"):
             parse_keys_file(f)
@@ -175,7 +175,7 @@ def test_warns_when_binding_non_loopback_without_keys(caplog: pytest.LogCaptureF
         assert warn_if_open("0.0.0.0", (ApiKey("k"),)) is False
 
 
-# -- hostile input (#17 item 7): 4xx with an OpenAI-style body, then the next request served --
+# -- hostile input: 4xx with an OpenAI-style body, then the next request served --
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 

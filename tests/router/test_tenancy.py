@@ -1,5 +1,4 @@
-"""Tenant isolation of the prefix cache, Abort ownership and bounded requests (issue #17
-items 3 and 6), met the way clients meet them: the `openai` SDK on HTTP, grpcio on gRPC.
+"""Tenant isolation of the prefix cache, Abort ownership and bounded requests, met the way clients meet them: the `openai` SDK on HTTP, grpcio on gRPC.
 
 One real worker (SmolLM2, its gRPC idle timeout short) behind two routers on one loop: one
 with a keys file of four tenants (c and d configured with the same `salt=`), one open with
@@ -26,10 +25,10 @@ from contracts.requests import BadRequest, ChatMessage, GenerateInput
 from contracts.sampling import SamplingParams
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.auth import ANONYMOUS, ApiKey, TenantId, parse_keys_file
+from router.security.auth import ANONYMOUS, ApiKey, TenantId, parse_keys_file
 from router.config import RouterConfig
 from router.server import RouterServer
-from router.tenancy import TenantSalts, bound_max_tokens
+from router.security.tenancy import TenantSalts, bound_max_tokens
 from tests.router.test_router import NUM_BLOCKS, LoopThread
 
 KEYS = {"a": "sk-tenant-a-0001", "b": "sk-tenant-b-0002", "c": "sk-tenant-c-0003", "d": "sk-tenant-d-0004"}
@@ -51,8 +50,8 @@ class Tenancy:
 
 @pytest.fixture(scope="module")
 def ten(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenancy]:
-    from worker.engine import Engine, EngineConfig
-    from worker.server import WorkerServer, WorkerServerConfig
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.server.service import WorkerServer, WorkerServerConfig
     keys_file = tmp_path_factory.mktemp("keys") / "keys"
     keys_file.write_text(f"{KEYS['a']} team-a\n{KEYS['b']} team-b\n"
                          f"{KEYS['c']} team-c salt=shared-c-d\n{KEYS['d']} team-d priority salt=shared-c-d\n")
@@ -100,7 +99,7 @@ def chat(ten: Tenancy, tenant: str, question: str, **extra: Any) -> int:
 
 def held(ten: Tenancy, hashes: tuple[int, ...]) -> int:
     """How many leading `hashes` the worker's cache holds (the worker's own lookup)."""
-    from worker.commands import CountHeld
+    from worker.engine.commands import CountHeld
     return ten.lt.run(ten.worker._ae.run(CountHeld(hashes)))
 
 
@@ -178,8 +177,8 @@ def test_salted_request_chain_in_the_engine_request() -> None:
     salt's root, exactly as the router's prepare does."""
     import torch
 
-    from worker.fork import _sequence
-    from worker.request import Request
+    from worker.engine.fork import _sequence
+    from worker.engine.request import Request
     root = cache_salt_root("team-x")
     req = Request("r", list(range(40)), SamplingParams(max_tokens=4, n=2), 44, None, 0, root)
     req.update_block_hashes(16, b"m")
@@ -192,9 +191,9 @@ def test_salted_request_chain_in_the_engine_request() -> None:
 def test_max_tokens_limit_flag() -> None:
     import argparse
 
-    from router.serve_cli import add_serve_arguments, config_from_args
+    from kvmesh.serve.cli import add_serve_arguments, config_from_args
     from router.server import add_router_arguments
-    from router.tenancy import limit_argv
+    from router.security.tenancy import limit_argv
     for add in (add_router_arguments, add_serve_arguments):
         p = argparse.ArgumentParser()
         add(p)
@@ -278,8 +277,8 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 def idle_worker(tmp_path: Path) -> Iterator[int]:
     """A worker server whose gRPC idle timeout is 1 s (its model fails to load: only its
     server is needed, and health answers NOT_SERVING)."""
-    from worker.engine import EngineConfig
-    from worker.server import WorkerServer, WorkerServerConfig
+    from worker.engine.engine import EngineConfig
+    from worker.server.service import WorkerServer, WorkerServerConfig
     lt = LoopThread()
     worker = WorkerServer(EngineConfig(model=str(tmp_path)), WorkerServerConfig(grpc_idle_timeout_s=1.0))
     try:

@@ -1,4 +1,4 @@
-"""A prompt that tokenizes to zero tokens (issue #17 item 7) is a clear error on every path:
+"""A prompt that tokenizes to zero tokens is a clear error on every path:
 `Engine.generate`, `kvmesh generate` (its `main`, in process), the worker's gRPC, the router's gRPC
 and HTTP; the servers keep serving.
 
@@ -51,8 +51,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from worker.engine import Engine, EngineConfig
-    from worker.server import WorkerServer, WorkerServerConfig
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.server.service import WorkerServer, WorkerServerConfig
     model_dir = _with_tokenizer(tiny_model_dir("llama-mha"), tmp_path_factory.mktemp("zero") / "model")
     engine = Engine(EngineConfig(model=str(model_dir), num_blocks=64))
     lt = LoopThread()
@@ -79,8 +79,8 @@ def served(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPat
 
 
 def test_engine_generate_rejects_zero_tokens(served: Served) -> None:
-    from worker.engine import InvalidRequest
-    from worker.sampling import SamplingParams
+    from worker.engine.engine import InvalidRequest
+    from worker.engine.sampling import SamplingParams
     assert served.engine.encode(NOTHING) == []
     for prompt in (NOTHING, served.engine.encode(NOTHING)):
         with pytest.raises(InvalidRequest, match="empty"):
@@ -88,7 +88,7 @@ def test_engine_generate_rejects_zero_tokens(served: Served) -> None:
 
 
 def test_cli_generate_rejects_zero_tokens(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
-    from router.cli import main
+    from kvmesh.cli import main
     for extra in (["--json"], []):
         assert main(["generate", "--model", str(served.model_dir), "--prompt", NOTHING, "--max-tokens", "2",
                      "--num-blocks", "16", *extra]) == 2

@@ -9,12 +9,12 @@ import torch
 
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.store import NoHostTier
-from worker.async_engine import AsyncEngine
-from worker.commands import (AbortRequest, CountHeld, ListRequests, ReadBlocks, Snapshot, StageBlocks,
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.commands import (AbortRequest, CountHeld, ListRequests, ReadBlocks, Snapshot, StageBlocks,
                              Tokenize)
-from worker.engine import Engine, EngineConfig
-from worker.request import InvalidRequest
-from worker.sampling import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.request import InvalidRequest
+from worker.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 from tests.worker import test_kernels as plain
 from tests.worker import test_quant_attention as quant
 from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention
-from worker.loader import load_weights
-from worker.model import LlamaModel
+from worker.model.loader import load_weights
+from worker.model.llama import LlamaModel
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -1,4 +1,4 @@
-"""int4 key calibration (worker.calibration): scales exact and the shift softmax-invariant when
+"""int4 key calibration (worker.model.calibration): scales exact and the shift softmax-invariant when
 nothing is quantized; both found where they matter, and each cuts the int4 error."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvstore.keys import HashSalt
-from worker.calibration import calibration_tokens, measure_key_calibration
-from worker.engine import Engine, EngineConfig
+from worker.model.calibration import calibration_tokens, measure_key_calibration
+from worker.engine.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -152,7 +152,7 @@ def test_salt_field_is_absent_when_empty() -> None:
 def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) -> None:
     """The second int4 start reads the calibration back instead of measuring; a torn file is
     measured again and replaced; the key follows the weights and the tokens."""
-    import worker.calibration as calibration
+    import worker.model.calibration as calibration
     monkeypatch.setattr(calibration, "calibration_cache_dir", lambda: tmp_path / "cal")
     src = tiny_model_dir("llama-gqa")
     path = tmp_path / "model"
@@ -176,7 +176,7 @@ def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) 
 
     (cached,) = (tmp_path / "cal").glob("*.pt")
     cached.write_bytes(cached.read_bytes()[:40])                     # torn
-    with caplog.at_level("WARNING", logger="worker.calibration"):
+    with caplog.at_level("WARNING", logger="worker.model.calibration"):
         third = engine(path, "int4")
     assert len(measured) == 2 and "unreadable" in caplog.text and third.salt == first.salt
     assert torch.load(cached, weights_only=True)["digest"] == cached_digest(first)
@@ -195,16 +195,16 @@ def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) 
 
 
 def cached_digest(eng: Engine) -> str:
-    from worker.calibration import KeyCalibration
+    from worker.model.calibration import KeyCalibration
     assert eng.model.key_scales is not None and eng.model.key_shift is not None
     return KeyCalibration(eng.model.key_scales, eng.model.key_shift).digest()
 
 
 def test_calibration_cache_dir_unwritable(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) -> None:
-    import worker.calibration as calibration
+    import worker.model.calibration as calibration
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
     monkeypatch.setattr(calibration, "calibration_cache_dir", lambda: blocker / "cal")
-    with caplog.at_level("WARNING", logger="worker.calibration"):
+    with caplog.at_level("WARNING", logger="worker.model.calibration"):
         eng = engine(tiny_model_dir("llama-gqa"), "int4")
     assert eng.model.key_scales is not None and "not cached" in caplog.text

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import main
+from kvmesh.cli import main
 
 BAD: list[tuple[list[str], str]] = [
     (["--max-tokens", "0"], "--max-tokens"),
@@ -43,8 +43,8 @@ def test_worker_peer_flags_env_and_legacy_group_settings() -> None:
     """--peer-transfer / --transfer-port and their env fallbacks; the legacy static-group
     settings are accepted and reported (to be logged as ignored), a world size > 1 turns
     peer transfer on."""
-    from router.cli import build_parser
-    from worker.server_cli import PeerFlags, peer_flags, peer_flags_from_env
+    from kvmesh.cli import build_parser
+    from worker.server.cli import PeerFlags, peer_flags, peer_flags_from_env
 
     def flags(argv: list[str], env: dict[str, str] | None = None) -> PeerFlags:
         return peer_flags(build_parser().parse_args(["worker", *argv]), env or {})

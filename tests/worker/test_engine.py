@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from worker.engine import Engine, EngineConfig
-from worker.request import InvalidRequest, QueueFull
-from worker.sampling import SamplingParams, SamplingParamsError
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.request import InvalidRequest, QueueFull
+from worker.engine.sampling import SamplingParams, SamplingParamsError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

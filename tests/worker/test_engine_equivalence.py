@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.worker.oracle import assert_greedy_match, hf_greedy, hf_logits_fn
-from worker.engine import Engine, EngineConfig
-from worker.sampling import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sampling import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 QUESTIONS = [

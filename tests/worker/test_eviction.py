@@ -11,10 +11,10 @@ import torch
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockPool
 from kvstore.tensors import KVTensors
-from worker.engine import Engine, EngineConfig
-from worker.eviction import EvictionConfig, EvictionPolicy, TokenEvictor, select_kept
-from worker.request import Request
-from worker.sampling import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.eviction import EvictionConfig, EvictionPolicy, TokenEvictor, select_kept
+from worker.engine.request import Request
+from worker.engine.sampling import SamplingParams
 
 S, H2O = EvictionPolicy.STREAMING, EvictionPolicy.H2O
 

@@ -1,4 +1,4 @@
-"""n / best_of in the engine (issue #22): sequences forked after one prefill share the prompt's
+"""n / best_of in the engine: sequences forked after one prefill share the prompt's
 blocks through the pool's reference counts; the partial last block is copied on first write;
 nothing leaks. Each sequence i samples like a request seeded seed + i. Also prompt logprobs
 with max_tokens 0, and the raw logprobs against the model's own log_softmax."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine import Engine, EngineConfig
-from worker.request import RequestOutput
-from worker.sampling import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.request import RequestOutput
+from worker.engine.sampling import SamplingParams
 
 BS = 4
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 81, 64, 12]   # 10 tokens: two full blocks and a partial one

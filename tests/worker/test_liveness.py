@@ -1,4 +1,4 @@
-"""Liveness of the engine loop (issue #24): the verdict over a pulse (fake clock), and the pulse
+"""Liveness of the engine loop: the verdict over a pulse (fake clock), and the pulse
 the real engine thread gives (idle beats, step failures counted in a row, the stall hook)."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from worker.async_engine import AsyncEngine
-from worker.engine import Engine, EngineConfig
-from worker.liveness import EnginePulse, Liveness, watch
-from worker.sampling import SamplingParams
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.engine import Engine, EngineConfig
+from worker.server.liveness import EnginePulse, Liveness, watch
+from worker.engine.sampling import SamplingParams
 
 
 class Clock:
@@ -191,7 +191,7 @@ def test_a_peer_read_of_cached_blocks_does_not_wait_out_a_long_step(tiny_engine:
     import torch
 
     from kvstore.keys import block_hashes
-    from worker.commands import ReadBlocks
+    from worker.engine.commands import ReadBlocks
     stall = tmp_path / "stall"
     ae = AsyncEngine(tiny_engine, stall_file=stall)
     prompt = list(range(60, 77))                           # 4 full blocks + 1 token

@@ -1,4 +1,4 @@
-"""worker.loader / worker.config: HF transformers is the oracle for configs and weights."""
+"""worker.model.loader / worker.model.config: HF transformers is the oracle for configs and weights."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from tests.conftest import TINY_KINDS
-from worker import loader
-from worker.config import ModelConfig, RopeScaling
-from worker.loader import (
+from worker.model import loader
+from worker.model.config import ModelConfig, RopeScaling
+from worker.model.loader import (
     MODEL_ALIASES, GgufPackage, ModelLoadError, cache_root, load_tokenizer, load_weights,
     resolve_model_dir,
 )

@@ -1,4 +1,4 @@
-"""The worker's event publishing off the engine thread (worker/metadata_hook.py): the `Shadow`
+"""The worker's event publishing off the engine thread (worker/server/metadata_hook.py): the `Shadow`
 inventory equals the pool it follows, `PublishThread.put` never waits for Redis (a Redis that
 accepts the connection and never answers, as a partition looks), and against a real
 redis-server the router's BlockIndex ends up holding exactly what the pool caches."""
@@ -13,12 +13,12 @@ import pytest
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, from_pool_events
 from kvstore.keys import BlockHash, HashSalt, block_hashes
-from kvstore.metadata import RedisConfig
+from kvstore.metadata.registry import RedisConfig
 from kvstore.pool import BlockPool
-from kvstore.streams import EventConsumer, EventPublisher
-from router.index import BlockIndex
+from kvstore.metadata.streams import EventConsumer, EventPublisher
+from router.index.blocks import BlockIndex
 from tests.redis_server import RedisServer, redis_server  # noqa: F401
-from worker.metadata_hook import PublishThread, Shadow
+from worker.server.metadata_hook import PublishThread, Shadow
 
 BS = 4
 SALT = HashSalt("test-model", "test-tok", "fp16", BS).digest()
@@ -77,7 +77,7 @@ def test_put_never_waits_for_a_redis_that_does_not_answer() -> None:
 def test_events_put_from_the_engine_side_reach_the_index(redis_server: RedisServer) -> None:  # noqa: F811
     cfg = RedisConfig(redis_server.url, "test-hook", heartbeat_ttl_s=1.0, heartbeat_interval_s=0.2,
                       socket_timeout_s=1.0)
-    from kvstore.metadata import Heartbeater, WorkerRecord, WorkerRegistry
+    from kvstore.metadata.registry import Heartbeater, WorkerRecord, WorkerRegistry
     worker = WorkerId("w0")
     registry = WorkerRegistry(cfg)
     epoch = registry.new_epoch(worker)

@@ -1,4 +1,4 @@
-"""Worker /metrics (worker/metrics.py) scraped over real HTTP from a real WorkerServer: after a
+"""Worker /metrics (worker/server/metrics.py) scraped over real HTTP from a real WorkerServer: after a
 known sequence of gRPC requests (one with a shared prefix, one stopped by a stop token) the
 counters equal what the client was told, and the histograms counted every request."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import LoopThread, collect, request, serving, tiny_cfg
-from worker.server import WorkerServer, WorkerServerConfig
-from worker.server_cli import metrics_port_for
+from worker.server.service import WorkerServer, WorkerServerConfig
+from worker.server.cli import metrics_port_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

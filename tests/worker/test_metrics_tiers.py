@@ -22,8 +22,8 @@ from tests.json_logs import json_logs
 from tests.prometheus_server import Prometheus, needs_prometheus
 from tests.worker.test_metrics import scrape
 from tests.worker.test_server import LoopThread, collect, request, serving, wait_idle
-from worker.engine import Engine, EngineConfig
-from worker.server import WorkerServer
+from worker.engine.engine import Engine, EngineConfig
+from worker.server.service import WorkerServer
 
 WORKER = "w-tiers"
 

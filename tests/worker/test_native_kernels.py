@@ -144,7 +144,7 @@ def test_kernels_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None
     monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
     assert native.build_dir().parent == tmp_path
     monkeypatch.delenv(native.ENV_DIR)
-    from worker.loader import cache_root
+    from worker.model.loader import cache_root
 
     assert native.build_dir().parent == cache_root() / "kernels"
 

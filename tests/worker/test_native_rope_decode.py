@@ -10,14 +10,14 @@ from tests.worker.test_kernels import dense_oracle, make_case
 from worker.kernels import native
 from worker.kernels.backend import AttentionBackend, attention_ops
 from worker.kernels.reference import AttnMetadata, paged_attention, write_kv
-from worker.loader import load_weights
-from worker.model import LlamaModel, Rotary
+from worker.model.loader import load_weights
+from worker.model.llama import LlamaModel, Rotary
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def rope_rows(positions: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin_signed) [B, 1, D] of `positions`, built as worker.model.Rotary builds them."""
+    """(cos, sin_signed) [B, 1, D] of `positions`, built as worker.model.llama.Rotary builds them."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.tensor(positions, dtype=torch.float32)[:, None] * inv_freq  # [B, D/2]
     cos = torch.cat((freqs, freqs), -1).cos()

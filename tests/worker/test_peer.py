@@ -1,4 +1,4 @@
-"""Peer transfer in the worker (worker/peer.py, the SendBlocks RPC, fetch-or-recompute).
+"""Peer transfer in the worker (worker/peer/plane.py, the SendBlocks RPC, fetch-or-recompute).
 
 Unit tests run the cost decision, the engine-thread helpers and the fault hook against
 oracles (hand-computed costs, the pool's own gather, an engine without any cache). The
@@ -19,19 +19,19 @@ import pytest
 import torch
 
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.transfer import MAX_TRANSFER_ID
-from kvstore.transfer_group import free_port
-from kvstore.transfer_cost import LinkEstimate
+from kvstore.transfer.blocks import MAX_TRANSFER_ID
+from kvstore.transfer.group import free_port
+from kvstore.transfer.cost import LinkEstimate
 from contracts.requests import PeerHint, SendBlocksInput
 from contracts.wire import to_send_blocks_request
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import LoopThread, collect, request
-from worker.engine import Engine, EngineConfig
-from worker.peer import (ASSUMED_LINK, Decision, FaultPlan, PeerConfig, PeerPlane, PlanView, good_leading_run,
+from worker.engine.engine import Engine, EngineConfig
+from worker.peer.plane import (ASSUMED_LINK, Decision, FaultPlan, PeerConfig, PeerPlane, PlanView, good_leading_run,
                          plan_fetch)
-from worker.sampling import SamplingParams
-from worker.server import WorkerServer, WorkerServerConfig
+from worker.engine.sampling import SamplingParams
+from worker.server.service import WorkerServer, WorkerServerConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 H = [BlockHash(1000 + i) for i in range(10)]
@@ -301,7 +301,7 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, 
     load = b.GetLoad(pb.LoadRequest())
     assert load.peer.pairs_formed == 1 and [(link.worker_id, link.lost) for link in load.peer.links] == [("w-a", "")]
     # 10 tiny-model blocks: with the link now measured, a loaded machine may price the fetch
-    # above recomputing 40 tokens (the cost model's call, worker/peer_plan.py); a fetch gets all
+    # above recomputing 40 tokens (the cost model's call, worker/peer/plan.py); a fetch gets all
     assert load.peer.last_decision in ("fetch", "recompute")
     assert final.peer_cached_tokens == (40 if load.peer.last_decision == "fetch" else 0)
     assert b.GetLoad(pb.LoadRequest()).peer.pairs_broken == 0

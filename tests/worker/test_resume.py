@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from worker.engine import Engine, EngineConfig
-from worker.request import InvalidRequest
-from worker.sampling import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.request import InvalidRequest
+from worker.engine.sampling import SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time,"
 

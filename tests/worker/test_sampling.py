@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from worker.sampling import (
+from worker.engine.sampling import (
     Sampler,
     SamplingHistory,
     SamplingParams,

@@ -26,9 +26,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from worker.engine import Engine, EngineConfig
-from worker.sampling import SamplingParams
-from worker.server import WORKER_SERVICE, WorkerServer, WorkerServerConfig
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sampling import SamplingParams
+from worker.server.service import WORKER_SERVICE, WorkerServer, WorkerServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -396,7 +396,7 @@ def test_config_validation():
 def test_kvmesh_worker_process_serves_and_exits_on_sigterm(tiny_model_dir, tmp_path):
     stderr = (tmp_path / "worker.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "worker", "--model", str(tiny_model_dir("llama-gqa")),
+        [sys.executable, "-m", "kvmesh.cli", "worker", "--model", str(tiny_model_dir("llama-gqa")),
          "--port", "0", "--num-blocks", "64", "--block-size", "4", "--worker-id", "w-proc"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:

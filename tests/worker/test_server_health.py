@@ -1,4 +1,4 @@
-"""Liveness apart from readiness on a real WorkerServer (issue #24): gRPC health services and
+"""Liveness apart from readiness on a real WorkerServer: gRPC health services and
 /livez, /readyz on the metrics port, while loading, serving, draining, with a stalled engine
 (the KVMESH_TEST_STALL_FILE hook), with steps that keep raising, and idle past the timeout."""
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import Any
 import grpc
 import pytest
 
-import worker.engine
+import worker.engine.engine
 from contracts.health import LIVENESS_SERVICE
-from kvstore.metadata import RedisConfig, WorkerRegistry
+from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.redis_server import RedisServer, free_port, redis_server  # noqa: F401 - the fixture
 from tests.worker.test_server import (LONG, NOT_SERVING, ROOT, SERVING, assert_serves,  # noqa: F401
                                       health_status, loop, request, serving, tiny_cfg)
-from worker.engine import Engine
-from worker.health import WORKER_SERVICE
-from worker.server import WorkerServer, WorkerServerConfig
+from worker.engine.engine import Engine
+from worker.server.health import WORKER_SERVICE
+from worker.server.service import WorkerServer, WorkerServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_loading_and_draining_are_live_but_not_ready(loop, tiny_engine, monkeypa
     def slow_load(cfg: Any) -> Engine:   # the load thread waits for the test
         assert loaded.wait(30)
         return tiny_engine
-    monkeypatch.setattr(worker.engine, "Engine", slow_load)
+    monkeypatch.setattr(worker.engine.engine, "Engine", slow_load)
     server = WorkerServer(tiny_engine.cfg, WorkerServerConfig(worker_id="w-life", metrics_port=0))
     port = loop.run(server.start())
     try:
@@ -184,7 +184,7 @@ def test_kvmesh_worker_process_stall_hook_and_flags(tiny_model_dir: Any, tmp_pat
     metrics_port = free_port()
     with log_path.open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "worker", "--model", str(tiny_model_dir("llama-gqa")),
+            [sys.executable, "-m", "kvmesh.cli", "worker", "--model", str(tiny_model_dir("llama-gqa")),
              "--port", "0", "--num-blocks", "64", "--block-size", "4", "--worker-id", "w-hook",
              "--metrics-port", str(metrics_port), "--liveness-timeout-s", "2", "--max-step-failures", "5"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,

@@ -1,4 +1,4 @@
-"""Worker.GetTokenizer over real gRPC (issue #24): a router without model storage gets the
+"""Worker.GetTokenizer over real gRPC: a router without model storage gets the
 tokenizer files from a worker. Round trip against the model dir (the oracle is the tokenizer
 loaded from the dir itself), the digest in ModelInfo, the cluster token on every Worker RPC,
 the 32 MiB bound, and a model without a tokenizer."""
@@ -13,14 +13,14 @@ from typing import Any
 import grpc
 import pytest
 
-import worker.server_load
+import worker.server.load
 from contracts.cluster_token import TOKEN_METADATA
 from contracts.tokenizer import (MAX_TOKENIZER_MESSAGE_BYTES, ModelTokenizer, read_tokenizer_files,
                                  tokenizer_files_digest)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import loop, serving  # noqa: F401 - the fixture
-from worker.engine import Engine, EngineConfig
+from worker.engine.engine import Engine, EngineConfig
 
 TOKEN = "tokenizer-test-cluster-token-0123456789"
 AUTH = ((TOKEN_METADATA, TOKEN),)
@@ -97,7 +97,7 @@ def test_every_worker_rpc_but_attest_needs_the_token(loop, tok_engine: Engine) -
 
 
 def test_too_large_tokenizer_is_refused(loop, tok_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker.server_load, "read_tokenizer_files",
+    monkeypatch.setattr(worker.server.load, "read_tokenizer_files",
                         functools.partial(read_tokenizer_files, max_bytes=PADDING))
     with serving(loop, tok_engine.cfg, tok_engine, worker_id="w-big") as (_, ch):
         stub = pb_grpc.WorkerStub(ch)

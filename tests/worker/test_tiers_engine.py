@@ -10,8 +10,8 @@ import pytest
 from kvstore.keys import block_hashes
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
-from worker.engine import Engine, EngineConfig
-from worker.sampling import SamplingParams
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -71,10 +71,10 @@ def test_redis_index_reflects_tiers(tiny_model_dir, redis_server):
     import time
 
     from kvstore.events import Tier, WorkerId
-    from kvstore.metadata import RedisConfig
-    from kvstore.streams import EventConsumer
-    from router.index import BlockIndex
-    from worker.server import WorkerServerConfig, _Metadata
+    from kvstore.metadata.registry import RedisConfig
+    from kvstore.metadata.streams import EventConsumer
+    from router.index.blocks import BlockIndex
+    from worker.server.service import WorkerServerConfig, _Metadata
 
     eng = _engine(tiny_model_dir("llama-gqa"), num_blocks=12, offload_gib=0.001)
     cfg = WorkerServerConfig(worker_id="w-tier", redis_url=redis_server.url, cluster_name="tiers")

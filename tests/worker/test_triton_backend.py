@@ -16,13 +16,13 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is installed by `make setup` (Linux only)")
 
-from worker.cuda_graph import StaticDecode, bucket_for, capture_sizes  # noqa: E402
+from worker.model.cuda_graph import StaticDecode, bucket_for, capture_sizes  # noqa: E402
 from worker.kernels import native  # noqa: E402
 from worker.kernels.backend import (AttentionBackend, attention_ops, parse_backend,  # noqa: E402
                                     resolve_backend)
 from worker.kernels.reference import AttnMetadata  # noqa: E402
-from worker.loader import load_weights  # noqa: E402
-from worker.model import LlamaModel  # noqa: E402
+from worker.model.loader import load_weights  # noqa: E402
+from worker.model.llama import LlamaModel  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -65,7 +65,7 @@ def test_explicit_backends_that_cannot_run_raise(monkeypatch: pytest.MonkeyPatch
 
 
 def test_engine_config_validates_the_backend_name() -> None:
-    from worker.engine_config import EngineConfig
+    from worker.engine.config import EngineConfig
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
     assert EngineConfig(attention_backend="torch", enforce_eager=True).enforce_eager
@@ -157,9 +157,9 @@ def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
     """The engine's graph path without the capture (`capture=False`): every decode step goes
     through a padded bucket's static buffers (batches of 3, 2 and 1 in buckets of 4, 2, 1 as
     requests finish) and generates the eager engine's tokens."""
-    from worker.cuda_graph import CudaGraphRunner
-    from worker.engine import Engine, EngineConfig
-    from worker.sampling import SamplingParams
+    from worker.model.cuda_graph import CudaGraphRunner
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.sampling import SamplingParams
 
     path = str(tiny_model_dir("llama-gqa"))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 101, 102, 103, 104, 105, 106]]
@@ -180,8 +180,8 @@ def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
 def test_engine_on_the_triton_backend_generates_the_torch_tokens(tiny_model_dir) -> None:
     """Greedy generation (prefill, prefix hit, decode) on the Triton backend equals the torch
     backend's, token for token; on CUDA the Triton engine also replays its decode graphs."""
-    from worker.engine import Engine, EngineConfig
-    from worker.sampling import SamplingParams
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.sampling import SamplingParams
 
     path = str(tiny_model_dir("llama-gqa"))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42], [100, 101, 102]]
@@ -202,8 +202,8 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir, kv_dtype: str) -> None:
     """On CUDA: the engine with captured decode graphs generates what --enforce-eager does."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need CUDA")
-    from worker.engine import Engine, EngineConfig
-    from worker.sampling import SamplingParams
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.sampling import SamplingParams
 
     path = str(tiny_model_dir("llama-gqa"))
     prompts = [[5 + i, 6, 7, 8, 9, 10 + i] for i in range(5)]

@@ -2,7 +2,7 @@
 
 `packed_linear` is y = x Wᵀ (+ b) (+ residual) for few rows (decode) over a weight packed once
 by `pack_linear` into a layout the kernel streams near the read bandwidth (see csrc/linear.cpp);
-`worker.model.Linear` uses it and keeps F.linear for many rows and as the fallback.
+`worker.model.llama.Linear` uses it and keeps F.linear for many rows and as the fallback.
 `paged_decode` is decode attention read in place from an fp32 paged cache: the torch path
 (`worker.kernels.decode`) gathers every block a step reads into a dense copy and reads it
 again in SDPA, which makes decode attention memory-bound on CPU; the kernel reads each
@@ -59,7 +59,7 @@ def _flags() -> list[str]:
 
 
 def build_dir() -> Path:
-    from worker.loader import cache_root
+    from worker.model.loader import cache_root
 
     h = hashlib.sha256()
     for src in SOURCES:
@@ -152,7 +152,7 @@ def rope_paged_decode(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, sliding_window: int | None, num_heads: int) -> torch.Tensor:
     """A decode step's attention for one layer in one call: qkv [B, (Hq + 2 Hkv) D], each token's
-    q | k | v before RoPE (one token per sequence); cos, sin_signed [B, 1, D] (`worker.model.
+    q | k | v before RoPE (one token per sequence); cos, sin_signed [B, 1, D] (`worker.model.llama.
     Rotary.tables`). RoPE of q and k (bit for bit `Rotary.apply`), k and v written at
     `slot_mapping` [B] (as `reference.write_kv`), then `paged_decode` of the rotated queries ->
     [B, Hq * D]. Check `rope_decode_supported` first."""
@@ -170,7 +170,7 @@ def block_copier() -> Callable[..., None] | None:
 
 
 def checksum_kernel() -> ModuleType | None:
-    """The native per-block XXH3 checksums for `kvstore.transfer_wire.BlockHashers` (its
+    """The native per-block XXH3 checksums for `kvstore.transfer.wire.BlockHashers` (its
     `xxh3_blocks_*`, bit-equal to the python path, one call per piece with the GIL released),
     or None when the kernels are not built. A module-level function: the bench hands it to a
     spawned process."""
@@ -200,8 +200,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
                   eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
     """x [M, K] against `pack_linear(W)` of a W with n rows -> [M, n] = residual + (x Wᵀ + bias).
 
-    `norm_weight` [K]: x is RMS-normalised first (`worker.model.rms_norm`'s arithmetic, `eps`).
-    `gated`: W's rows are interleaved 8 gate rows, 8 up rows (`worker.model.GatedLinear`) and
+    `norm_weight` [K]: x is RMS-normalised first (`worker.model.llama.rms_norm`'s arithmetic, `eps`).
+    `gated`: W's rows are interleaved 8 gate rows, 8 up rows (`worker.model.llama.GatedLinear`) and
     the result is silu(gate) * up, [M, n // 2]."""
     module = load()
     assert module is not None, "packed_linear: the native kernels are not built"

@@ -14,7 +14,7 @@ signatures (`worker.kernels.reference`, the oracle they are tested against).
 
 `decode_splits` is the one shape decision taken from Python ints (`meta.seq_lens_list`):
 a CUDA graph captured with a metadata whose lengths are all `max_model_len` covers every
-later replay (see `worker.cuda_graph`).
+later replay (see `worker.model.cuda_graph`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,252 @@
+"""`kvmesh bench engine`: kvmesh vs HF transformers `generate`, and the rooflines of the same run.
+
+Machine figures: a read-only stream (decode only reads weights), a copy (read + write bytes),
+and an n³ matmul (fp32 on CPU, bf16 on GPU). Model figures: the weight bytes a decode step
+reads and the flops a token costs, from the engine's own model (the weights its linear layers
+hold, the attention shape of its config). From both:
+- batch-1 decode: min(read bandwidth / weight bytes, matmul flops / decode flops per token);
+- a batch workload (prompts + outputs of given lengths): its prefill at matmul speed, then each
+  decode step as the slower of one weight read and its rows' flops;
+- prefill: the flops of a cold prompt over the matmul peak.
+Best of several repetitions for every machine figure (a busy machine only slows them down).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+
+class MachineSpeed(NamedTuple):
+    read_gb_s: float        # sum() of a tensor beyond any cache
+    copy_gb_s: float        # copy_(): read + write bytes
+    matmul_gflop_s: float   # an n³ matmul
+
+
+class ModelCost(NamedTuple):
+    weight_bytes: int        # everything one decode step reads (all linear weights, norms, LM head)
+    layer_params: int        # matmul weights of the decoder layers (every token runs them)
+    head_params: int         # the LM head (one row per sampled token)
+    attn_flops_per_pair: int  # q·k and p·v flops for one (query, key) pair, all layers and heads
+
+    def decode_flops(self, context: int = 0) -> float:
+        """Flops of one decode token reading `context` cached keys."""
+        return 2 * (self.layer_params + self.head_params) + self.attn_flops_per_pair * context
+
+    def prefill_flops(self, tokens: int) -> float:
+        """Flops of a cold `tokens`-token prompt (causal attention, one sampled row)."""
+        attention = self.attn_flops_per_pair * tokens * (tokens + 1) / 2
+        return 2 * self.layer_params * tokens + 2 * self.head_params + attention
+
+
+def random_prompts(rng: random.Random, vocab: int, lengths: list[int]) -> list[list[int]]:
+    """Token ids from the middle of the vocabulary (no special tokens), deterministic per seed."""
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
+
+
+def _best(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def measure_machine(device: str = "cpu") -> MachineSpeed:
+    """Read and copy bandwidth over 512 MiB (2 GiB on a GPU) and the matmul peak."""
+    import torch
+    cuda = device.startswith("cuda")
+    sync = _sync(device)
+    src = torch.ones((512 if cuda else 128) * 2**20, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    read = nbytes / _best(lambda: src.sum(), 5, sync)
+    copy = 2 * nbytes / _best(lambda: dst.copy_(src), 5, sync)
+    del src, dst
+    n = 4096 if cuda else 1024
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    b = torch.randn_like(a)
+    flops = 2 * n**3 / _best(lambda: a @ b, 10, sync)
+    return MachineSpeed(read / 1e9, copy / 1e9, flops / 1e9)
+
+
+def model_cost(model: Any) -> ModelCost:
+    """The cost figures of a `worker.model.llama.LlamaModel`."""
+    cfg = model.cfg
+    layer_params = sum(lin.weight.numel() for layer in model.layers
+                       for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj.proj, layer.down_proj))
+    head_params = model.lm_head.weight.numel()
+    norms = sum(layer.ln1.numel() + layer.ln2.numel() for layer in model.layers) + model.norm.numel()
+    elem = model.embed.element_size()
+    return ModelCost(weight_bytes=(layer_params + head_params + norms) * elem, layer_params=layer_params,
+                     head_params=head_params, attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+
+
+def decode_roofline(machine: MachineSpeed, cost: ModelCost) -> float:
+    """Batch-1 decode tokens/s: one read of the weights per token, or the matmul peak if slower."""
+    return min(machine.read_gb_s * 1e9 / cost.weight_bytes, machine.matmul_gflop_s * 1e9 / cost.decode_flops())
+
+
+def workload_roofline(machine: MachineSpeed, cost: ModelCost, prompt_lens: Sequence[int],
+                      output_lens: Sequence[int]) -> float:
+    """Output tokens/s of a batch (every request's prompt, then its output tokens, all admitted
+    at once): every prompt's prefill at the matmul peak (the first output token comes from it),
+    then step s reads the weights once and runs the rows still going, whichever is slower."""
+    bw, peak = machine.read_gb_s * 1e9, machine.matmul_gflop_s * 1e9
+    prefill = sum(cost.prefill_flops(n) for n in prompt_lens)
+    seconds = max(cost.weight_bytes / bw, prefill / peak)
+    for step in range(1, max(output_lens)):
+        live = [p + step for p, n in zip(prompt_lens, output_lens) if n > step]
+        flops = sum(cost.decode_flops(ctx) for ctx in live)
+        seconds += max(cost.weight_bytes / bw, flops / peak)
+    return sum(output_lens) / seconds
+
+
+def measure_linear_gb_s(model: Any, rows: int, device: str = "cpu", repeats: int = 5) -> float:
+    """Weight bytes / seconds of the linear layers of one decode step of `rows` rows, run alone
+    as the model runs them (fused norms, the gated MLP, residual adds, the LM head)."""
+    import torch
+    cfg = model.cfg
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, cfg.hidden_size, generator=g, device=device, dtype=model.dtype)
+    o = torch.randn(rows, cfg.num_heads * cfg.head_dim, generator=g, device=device, dtype=model.dtype)
+    h = torch.randn(rows, cfg.intermediate_size, generator=g, device=device, dtype=model.dtype)
+    eps = cfg.rms_norm_eps
+
+    @torch.inference_mode()
+    def step() -> None:
+        for layer in model.layers:
+            layer.qkv_proj.normed(x, layer.ln1, eps)
+            layer.o_proj.add_to(x, o)
+            layer.gate_up_proj.normed(x, layer.ln2, eps)
+            layer.down_proj.add_to(x, h)
+        model.lm_head.normed(x, model.norm, eps)
+
+    cost = model_cost(model)
+    return cost.weight_bytes / _best(step, repeats, _sync(device)) / 1e9
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.kernels import native
+    from worker.server.metrics import metrics_cost
+    from worker.engine.sampling import SamplingParams
+
+    device = getattr(args, "device", "cpu")
+    cuda = device.startswith("cuda")
+    dtype_name, dtype = ("bf16", torch.bfloat16) if cuda else ("fp32", torch.float32)
+    engine = Engine(EngineConfig(model=args.model, dtype=dtype_name, device=device,
+                                 attention_backend=getattr(args, "attention_backend", "auto"),
+                                 enforce_eager=getattr(args, "enforce_eager", False)))
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=dtype).to(device).eval()
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)
+    n1 = 32 if args.quick else 128
+    batch_n = 16
+    prompt_lens = [rng.randrange(16, 128 if args.quick else 256) for _ in range(batch_n)]
+    out_lens = [rng.randrange(8, 32 if args.quick else 128) for _ in range(batch_n)]
+    prompts = random_prompts(rng, vocab, [64] + prompt_lens)
+    p1, pb = prompts[0], prompts[1:]
+
+    def kv_run(ps: list[list[int]], lens: list[int]) -> tuple[float, int]:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+        engine.store.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = engine.generate(ps, params)
+        return time.perf_counter() - t, sum(o.completion_tokens for o in outs)
+
+    def hf_run(ps: list[list[int]], lens: list[int]) -> tuple[float, int]:
+        # HF generate pads the batch (left) and runs every row to the longest requested output;
+        # only the tokens each request asked for count as useful.
+        width = max(len(p) for p in ps)
+        pad = engine.model_config.eos_token_ids[0]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
+                        do_sample=False, pad_token_id=pad)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t, sum(lens)
+
+    def prefill_s(n: int) -> float:
+        # a cold prompt of n tokens run to its first token
+        engine.store.reset_prefix_cache()
+        prompt = random_prompts(rng, vocab, [n])[0]
+        t = time.perf_counter()
+        engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t
+
+    kv_run([p1], [4])       # warm-up both
+    hf_run([p1], [4])
+    results: dict[str, Any] = {}
+    # batch 1 is short and its steps are short: one busy moment on a shared machine moves it a lot,
+    # so it is the best of 2 runs for each side; batch 16 is one run each
+    for name, ps, lens, runs in (("batch1", [p1], [n1], 2), ("batch16", pb, out_lens, 1)):
+        kt, kn = min(kv_run(ps, lens) for _ in range(runs))
+        ht, hn = min(hf_run(ps, lens) for _ in range(runs))
+        results[name] = {"kvmesh_tok_s": kn / kt, "hf_tok_s": hn / ht, "speedup": (kn / kt) / (hn / ht),
+                         "kvmesh_s": kt, "hf_s": ht, "tokens": kn}
+    batch_params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
+    results["metrics_cost"] = metrics_cost(engine, pb, batch_params, 3 if args.quick else 5)
+    prefill_n = min(1024, engine.max_model_len - 2)
+    prefill_best = min(prefill_s(prefill_n) for _ in range(2 if args.quick else 3))
+    engine.store.reset_prefix_cache()
+    del hf
+    mc = engine.model_config
+    cost = model_cost(engine.model)
+    machine = measure_machine(device)
+    roof1 = decode_roofline(machine, cost)
+    roof16 = workload_roofline(machine, cost, prompt_lens, out_lens)
+    results["batch1"].update(roofline_tok_s=roof1, roofline_frac=results["batch1"]["kvmesh_tok_s"] / roof1,
+                             linear_gb_s=measure_linear_gb_s(engine.model, 1, device))
+    results["batch16"].update(roofline_tok_s=roof16, roofline_frac=results["batch16"]["kvmesh_tok_s"] / roof16,
+                              linear_gb_s=measure_linear_gb_s(engine.model, batch_n, device))
+    prefill_gflop_s = cost.prefill_flops(prefill_n) / prefill_best / 1e9
+    results["prefill"] = {"tokens": prefill_n, "seconds": prefill_best, "tok_s": prefill_n / prefill_best,
+                          "gflop_s": prefill_gflop_s, "peak_frac": prefill_gflop_s / machine.matmul_gflop_s}
+    results["roofline_tok_s"] = roof1
+    results["roofline"] = {"read_gb_s": machine.read_gb_s, "copy_gb_s": machine.copy_gb_s,
+                           "matmul_gflop_s": machine.matmul_gflop_s, "weight_bytes": cost.weight_bytes,
+                           "batch1_tok_s": roof1, "batch16_tok_s": roof16}
+    results["config"] = {"model": mc.name, "dtype": dtype_name, "device": str(engine.device), "batch1_new_tokens": n1,
+                         "attention_backend": engine.attention_backend.value,
+                         "cuda_graphs": engine.cuda_graphs is not None,
+                         "native_decode_attention": native.load() is not None,
+                         "native_linear": engine.model.lm_head.packed is not None,
+                         "batch16_prompt_lens": prompt_lens, "batch16_output_lens": out_lens}
+    results["notes"] = ENGINE_NOTES
+    return results
+
+
+ENGINE_NOTES = {
+    "roofline_frac": "kvmesh tokens/s over the roofline of the same workload (worker.bench_roofline): batch 1 "
+                     "reads every weight once per token at roofline.read_gb_s; batch 16 runs its prompts at the "
+                     "matmul peak, then each decode step at the slower of one weight read and its rows' flops",
+    "batch1": "best of 2 runs for kvmesh and for HF (batch 16: one run each)",
+    "linear_gb_s": "weight bytes / time of one decode step's linear layers (fused norms, gated MLP, residual "
+                   "adds, LM head) run alone with 1 or 16 rows: the speed the weights are streamed at",
+    "prefill": "a cold prompt of `tokens` random ids run to its first token, best of 2 (quick) or 3; gflop_s "
+               "counts the layers' matmuls, causal attention and one LM-head row; peak_frac = gflop_s / "
+               "roofline.matmul_gflop_s",
+    "metrics_cost": "the batch-16 workload with worker metrics (worker/server/metrics.py) fed as the server feeds them "
+                    "(every output, every finished request, a snapshot every 0.5 s) vs without, interleaved, best "
+                    "of 3 (quick) or 5 each; on_vs_off must be >= 0.97",
+    "roofline": "read_gb_s: sum() over 512 MiB; copy_gb_s: copy_() of 512 MiB, read + write bytes; "
+                "matmul_gflop_s: a 1024^3 fp32 matmul (4096^3 bf16 on a GPU); best of 5-10 each",
+}

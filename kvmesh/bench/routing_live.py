@@ -1,0 +1,305 @@
+"""`kvmesh bench routing-live`: the routing policies through the real service, as a user sees them.
+
+For each scenario (`no_pressure`: the default KV pool, `--prefixes` shared prefixes;
+`pressure`: `--num-blocks` per worker and `--pressure-prefixes` prefixes) and each policy, a
+fresh `LocalCluster` (Redis, `--workers` workers, a router child) is started and driven
+through its OpenAI HTTP API with the `openai` SDK: `--requests` completions, at most
+`--concurrency` at a time, each a token-id prompt of one shared prefix (`--prefix-tokens`)
+and a unique question (`--question-tokens`), greedy with `ignore_eos` and `max_tokens =
+--output-tokens`, so every policy does the same work. Every policy sees the same request
+sequence (same seed). Measured per policy: TTFT and inter-token latency percentiles (client
+side, streamed), requests/s and output tokens/s over the run's wall time, the fraction of
+prompt tokens served from cache (`usage.prompt_tokens_details.cached_tokens`), cold requests
+(a request whose cached tokens do not cover its prefix's full blocks: it computed the prefix
+itself), the requests each worker served per prefix, and the router's hit-mismatch rate
+(`/v1/cluster`: requests whose predicted cache hit differed from the served one).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+from kvmesh.bench.report import emit
+from contracts.cli import CLIError
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from kvmesh.serve.local import LocalCluster, ServeConfig
+from router.routing.types import RoutingPolicy
+
+POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
+_BLOCK_SIZE = 16
+SCENARIOS = ("no_pressure", "pressure")
+_TOKEN_RANGE = (1000, 40000)
+_UNAVAILABLE_RETRIES = 60
+_RETRIES = [0]     # 503 retries in the current policy's run (one run at a time)   # plain vocabulary ids of the default model (49,152 ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    prefixes: int = 4
+    pressure_prefixes: int = 16
+    prefix_tokens: int = 512
+    question_tokens: int = 32
+    output_tokens: int = 32
+    requests: int = 120
+    concurrency: int = 8
+    num_blocks: int = 320          # per worker, in the pressure scenario
+    workers: int = 2
+    model: str = "smollm2"
+    seed: int = 0
+    policies: tuple[RoutingPolicy, ...] = POLICY_ORDER
+    scenarios: tuple[str, ...] = SCENARIOS
+
+    def __post_init__(self) -> None:
+        for name in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens", "output_tokens",
+                     "requests", "concurrency", "num_blocks", "workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise CLIError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
+        if not self.scenarios or any(x not in SCENARIOS for x in self.scenarios):
+            raise CLIError(f"--scenarios: {','.join(self.scenarios)!r}; accepted: {', '.join(SCENARIOS)}")
+        if self.prefix_tokens < _BLOCK_SIZE:
+            raise CLIError(f"--prefix-tokens: {self.prefix_tokens} is less than one block ({_BLOCK_SIZE} tokens)")
+
+
+QUICK = LiveConfig(prefixes=4, pressure_prefixes=12, prefix_tokens=256, question_tokens=32, output_tokens=16,
+                   requests=48, concurrency=8, num_blocks=112)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("routing-live", help="routing policies through the real HTTP API, fresh cluster per policy")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="a run of a few minutes (the defaults below are smaller)")
+    d = LiveConfig()
+    for name, doc in (("prefixes", "shared prefixes without pressure"),
+                      ("pressure-prefixes", "shared prefixes under pressure"),
+                      ("prefix-tokens", "tokens per shared prefix"), ("question-tokens", "unique tokens per request"),
+                      ("output-tokens", "tokens generated per request (ignore_eos)"),
+                      ("requests", "requests per policy and scenario"), ("concurrency", "requests in flight at most"),
+                      ("num-blocks", "KV pool blocks per worker under pressure"), ("workers", "workers per cluster")):
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"{doc} (default {getattr(d, name.replace('-', '_'))}; --quick: "
+                            f"{getattr(QUICK, name.replace('-', '_'))})")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default=",".join(x.value for x in POLICY_ORDER),
+                   help="comma-separated routing policies to run")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenarios to run")
+    p.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> LiveConfig:
+    base = QUICK if args.quick else LiveConfig()
+    given = {f: getattr(args, f) for f in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens",
+                                           "output_tokens", "requests", "concurrency", "num_blocks", "workers")
+             if getattr(args, f) is not None}
+    try:
+        policies = tuple(RoutingPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip())
+    except ValueError as e:
+        raise CLIError(f"--policies: {e}") from None
+    if not policies:
+        raise CLIError("--policies: no policy given")
+    scenarios = tuple(x.strip() for x in args.scenarios.split(",") if x.strip())
+    return replace(base, model=args.model, seed=args.seed, policies=policies, scenarios=scenarios, **given)
+
+
+def run(args: argparse.Namespace) -> int:
+    return emit(run_live(config_from_args(args)), args.json)
+
+
+def run_live(cfg: LiveConfig) -> dict[str, Any]:
+    """Both scenarios, every policy on a fresh cluster; the JSON described in the module docstring."""
+    print(f"kvmesh bench routing-live: {json.dumps(asdict(cfg) | {'policies': [p.value for p in cfg.policies]})}",
+          file=sys.stderr)
+    out: dict[str, Any] = {}
+    for scenario, prefixes, engine_argv in (("no_pressure", cfg.prefixes, ()),
+                                            ("pressure", cfg.pressure_prefixes, ("--num-blocks", str(cfg.num_blocks)))):
+        if scenario not in cfg.scenarios:
+            continue
+        workload = make_workload(cfg, prefixes)
+        out[scenario] = {policy.value: run_policy(cfg, policy, workload, engine_argv) for policy in cfg.policies}
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prefixes: tuple[tuple[int, ...], ...]
+    requests: tuple[tuple[int, tuple[int, ...]], ...]    # (prefix index, question tokens)
+
+
+def make_workload(cfg: LiveConfig, num_prefixes: int) -> Workload:
+    rng = random.Random(cfg.seed * 1000 + num_prefixes)
+    prefixes = tuple(tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.prefix_tokens)) for _ in range(num_prefixes))
+    requests = tuple((rng.randrange(num_prefixes), tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.question_tokens)))
+                     for _ in range(cfg.requests))
+    return Workload(prefixes, requests)
+
+
+def run_policy(cfg: LiveConfig, policy: RoutingPolicy, workload: Workload, engine_argv: tuple[str, ...]) -> dict[str, Any]:
+    serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
+                        startup_timeout_s=900.0, routing_policy=policy.value, cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
+    with LocalCluster(serve) as cluster:
+        return asyncio.run(_drive(cfg, workload, cluster))
+
+
+@dataclass(slots=True)
+class _Served:
+    prefix: int
+    worker_id: str
+    start: float
+    end: float
+    ttft_s: float
+    itls: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+async def _drive(cfg: LiveConfig, workload: Workload, cluster: LocalCluster) -> dict[str, Any]:
+    from openai import AsyncOpenAI   # imported here: only this bench needs it
+
+    await _warm_workers(cluster.worker_addresses)
+    client = AsyncOpenAI(base_url=cluster.http_base_url, api_key="unused", max_retries=0, timeout=600)
+    sem = asyncio.Semaphore(cfg.concurrency)
+
+    async def one(prefix: int, question: tuple[int, ...]) -> _Served:
+        async with sem:
+            return await _complete(client, cfg, prefix, list(workload.prefixes[prefix] + question))
+
+    _RETRIES[0] = 0
+    start = time.perf_counter()
+    served = await asyncio.gather(*(one(p, q) for p, q in workload.requests))
+    wall = time.perf_counter() - start
+    await client.close()
+    router = await _router_view(cluster.http_base_url)
+    return summarize(cfg, len(workload.prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
+
+
+async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]) -> _Served:
+    from openai import InternalServerError
+
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    worker_id, usage = "", None
+    for attempt in range(_UNAVAILABLE_RETRIES + 1):
+        try:
+            stream = await client.completions.create(
+                model=cfg.model, prompt=prompt, max_tokens=cfg.output_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            break
+        except InternalServerError as e:
+            # 503: the router sees no ready worker for a moment (health probes time out on a
+            # saturated machine); the wait counts in this request's TTFT.
+            if e.status_code != 503 or attempt == _UNAVAILABLE_RETRIES:
+                raise
+            _RETRIES[0] += 1
+            await asyncio.sleep(1.0)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        extra = chunk.model_extra or {}
+        worker_id = (extra.get("kvmesh") or {}).get("worker_id", worker_id)
+        usage = chunk.usage or usage
+    if usage is None or not stamps:
+        raise RuntimeError(f"a completion ended without tokens or usage (worker {worker_id!r})")
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return _Served(prefix, worker_id, t0, time.perf_counter(), stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])],
+                   usage.prompt_tokens, cached or 0, usage.completion_tokens)
+
+
+def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s: float,
+              router: dict[str, Any]) -> dict[str, Any]:
+    """One policy's figures (the keys `routing-live` promises) from what the client saw."""
+    full_prefix = cfg.prefix_tokens // _BLOCK_SIZE * _BLOCK_SIZE
+    ttfts = sorted(s.ttft_s for s in served)
+    itls = sorted(x for s in served for x in s.itls)
+    per: dict[str, dict[str, int]] = {}
+    for s in served:
+        row = per.setdefault(str(s.prefix), {})
+        row[s.worker_id] = row.get(s.worker_id, 0) + 1
+    prompt = sum(s.prompt_tokens for s in served)
+    requests = max(1, int(router.get("requests", 0)))
+    return {
+        "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": _quantile(ttfts, 0.99),
+        "itl_p50_s": statistics.median(itls) if itls else 0.0,
+        "req_s": len(served) / wall_s, "output_tok_s": sum(s.completion_tokens for s in served) / wall_s,
+        "cached_token_frac": sum(s.cached_tokens for s in served) / prompt if prompt else 0.0,
+        "cold_requests": sum(s.cached_tokens < full_prefix for s in served),
+        "min_cold_requests": num_prefixes,
+        "requests_per_worker_per_prefix": {k: dict(sorted(v.items())) for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
+        "mismatch_rate": int(router.get("hit_mismatches", 0)) / requests,
+        "wall_s": wall_s, "requests": len(served),
+        "diagnostics": diagnostics(served, full_prefix), "router": router,
+    }
+
+
+def diagnostics(served: list[_Served], full_prefix: int) -> dict[str, Any]:
+    """What TTFT is made of: cold vs warm requests, how many other prefills each warm request
+    shared its worker's steps with (mean), and how evenly the requests in flight were spread
+    over the workers over time (time-averaged in flight per worker, its max / mean)."""
+    cold = [s.ttft_s for s in served if s.cached_tokens < full_prefix]
+    warm = [s.ttft_s for s in served if s.cached_tokens >= full_prefix]
+    t0, t1 = min(s.start for s in served), max(s.end for s in served)
+    area: dict[str, float] = {}
+    for s in served:
+        area[s.worker_id] = area.get(s.worker_id, 0.0) + (s.end - s.start)
+    mean_in_flight = {w: a / (t1 - t0) for w, a in sorted(area.items())} if t1 > t0 else {}
+    avg = sum(mean_in_flight.values()) / len(mean_in_flight) if mean_in_flight else 0.0
+    warm_served = [s for s in served if s.cached_tokens >= full_prefix]
+    return {"ttft_p50_cold_s": statistics.median(cold) if cold else None,
+            "ttft_p50_warm_s": statistics.median(warm) if warm else None,
+            "warm_prefill_overlap": (statistics.mean(_prefill_overlap(s, served) for s in warm_served)
+                                     if warm_served else None),
+            "mean_in_flight_per_worker": mean_in_flight,
+            "in_flight_imbalance": max(mean_in_flight.values()) / avg if avg else None}
+
+
+def _prefill_overlap(one: _Served, served: list[_Served]) -> int:
+    """Other requests on `one`'s worker waiting for their first token while it waited for its
+    own: the prefills it shared steps with (what a burst of arrivals on one worker costs)."""
+    t0, t1 = one.start, one.start + one.ttft_s
+    return sum(1 for s in served if s is not one and s.worker_id == one.worker_id
+               and s.start < t1 and s.start + s.ttft_s > t0)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank quantile of an ascending list."""
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+async def _warm_workers(addresses: tuple[str, ...]) -> None:
+    """One short unrelated generation straight to each worker (first-call costs out of the run)."""
+    for i, address in enumerate(addresses):
+        async with grpc.aio.insecure_channel(address) as ch:
+            req = pb.GenerateRequest(request_id=f"warm-{i}", token_ids=pb.TokenIds(ids=[500 + i, 501, 502, 503]),
+                                     sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            async for _ in pb_grpc.WorkerStub(ch).Generate(req, timeout=300):
+                pass
+
+
+async def _router_view(http_base_url: str) -> dict[str, Any]:
+    """The router's own counters from `/v1/cluster`: requests, predicted/served hits, mismatches."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(f"{http_base_url}/cluster") as resp:
+            doc = await resp.json()
+        async with session.get(http_base_url.removesuffix("/v1") + "/metrics") as resp:
+            metrics = await resp.text()
+    view = doc["router"]
+    view["requests"] = sum(r["count"] for r in view.pop("requests", []))
+    sums = {name: float(value) for name, value in (line.split()[:2] for line in metrics.splitlines()
+                                                   if line.startswith("kvmesh:router_routing_decision_seconds_"))
+            if name.endswith(("_sum", "_count"))}
+    count = sums.get("kvmesh:router_routing_decision_seconds_count", 0.0)
+    view["decision_mean_s"] = sums.get("kvmesh:router_routing_decision_seconds_sum", 0.0) / count if count else None
+    return view

@@ -1,0 +1,117 @@
+"""`kvmesh serve` flags → `ServeConfig` / `RayServeConfig` → the launcher (kvmesh.serve.local, or
+kvmesh.serve.ray_launch with --ray). Imports no torch and no ray."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from contracts.cli import CLIError, flagify
+from contracts.cluster_token import add_cluster_auth_arguments, new_token, token_from
+from contracts.tls import tls_from_args
+from contracts.logs import add_log_format_argument
+from router.security.auth import add_auth_arguments, auth_argv
+from kvmesh.serve.local import run_serve
+from kvmesh.serve.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
+from kvmesh.serve.restarts import RestartPolicy
+from router.server import add_migration_argument
+from kvmesh.serve.supervise import ServeConfig
+from router.security.tenancy import add_limit_arguments, limit_argv
+from worker.cli import add_engine_arguments
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serve")
+    g.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    g.add_argument("--host", default="127.0.0.1", help="address the router binds (workers stay on 127.0.0.1)")
+    g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0 = a free port)")
+    g.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port (0 = a free port)")
+    g.add_argument("--redis-url", default=None, help="metadata Redis (default: start a redis-server child)")
+    g.add_argument("--cluster-name", default="kvmesh")
+    g.add_argument("--routing-policy", default="kv_aware",
+                   choices=("kv_aware", "prefix_hash", "round_robin", "least_loaded"))
+    g.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor c (>= 1)")
+    g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
+    g.add_argument("--startup-timeout-s", type=float, default=180.0)
+    g.add_argument("--restart-policy", default=RestartPolicy.ON_FAILURE.value, choices=[p.value for p in RestartPolicy],
+                   help="restart a child that exits: always, on-failure (non-zero status; default), or never "
+                        "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
+    add_log_format_argument(g)
+    add_migration_argument(g)
+    add_auth_arguments(g)
+    add_limit_arguments(g)
+    add_cluster_auth_arguments(p, "serve",
+                               "the router's and workers' shared secret, else a fresh random one per start; children get it by environment")
+    add_engine_arguments(p)
+    add_ray_arguments(p)
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """The --ray flags of `kvmesh serve`."""
+    g = p.add_argument_group("ray (kvmesh serve --ray)")
+    g.add_argument("--ray", action="store_true", help="place the workers on a Ray cluster as actors")
+    g.add_argument("--ray-address", default=None,
+                   help="auto or HOST:PORT (default: RAY_ADDRESS if set, else start a local Ray)")
+    g.add_argument("--gpus-per-worker", type=float, default=1.0, help="GPUs per worker bundle (GPU clusters)")
+    g.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per worker bundle (CPU-only clusters)")
+    g.add_argument("--placement-strategy", default="PACK", choices=PLACEMENT_STRATEGIES)
+    g.add_argument("--stop", action="store_true",
+                   help="with --ray: stop the actors and placement group of --cluster-name, then exit")
+
+
+def engine_argv_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine flags the user changed (all but --model), spelled back as worker argv."""
+    reference = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(reference)
+    argv: list[str] = []
+    for action in reference._actions:
+        value = getattr(args, action.dest)
+        if action.dest == "model" or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return tuple(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    try:
+        return ServeConfig(workers=args.workers, model=args.model, host=args.host, grpc_port=args.grpc_port,
+                           http_port=args.http_port, redis_url=args.redis_url, cluster_name=args.cluster_name,
+                           engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
+                           routing_policy=args.routing_policy, load_factor=args.load_factor,
+                           startup_timeout_s=args.startup_timeout_s,
+                           restart_policy=RestartPolicy(args.restart_policy),
+                           router_argv=auth_argv(args) + limit_argv(args),
+                           cluster_token=token_from(args.cluster_token) or new_token(), tls=tls_from_args(args),
+                           log_format=args.log_format, migration_limit=args.migration_limit)
+    except ValueError as e:
+        raise CLIError(flagify(str(e))) from None
+
+
+def ray_config_from_args(args: argparse.Namespace) -> RayServeConfig:
+    serve = config_from_args(args)
+    try:
+        return RayServeConfig(serve=serve, address=args.ray_address, gpus_per_worker=args.gpus_per_worker,
+                              cpus_per_worker=args.cpus_per_worker, placement_strategy=args.placement_strategy)
+    except ValueError as e:
+        raise CLIError(flagify(str(e)).replace("--address", "--ray-address")) from None
+
+
+def run_serve_args(args: argparse.Namespace) -> int:
+    """The `kvmesh serve` entry point: local processes, `--ray`, or `--ray --stop`."""
+    if args.stop and not args.ray:
+        raise CLIError("--stop: only with --ray (a plain kvmesh serve stops with Ctrl-C or SIGTERM)")
+    if args.stop:
+        stopped = stop_named_cluster(args.ray_address, args.cluster_name)
+        if not stopped:
+            print(f"kvmesh serve --ray --stop: nothing named in namespace {namespace_for(args.cluster_name)}",
+                  file=sys.stderr)
+            return 1
+        print(f"kvmesh serve --ray --stop: stopped {', '.join(stopped)}")
+        return 0
+    if args.ray:
+        return run_ray_serve(ray_config_from_args(args))
+    return run_serve(config_from_args(args))

@@ -1,0 +1,381 @@
+"""KV event streams in Redis: the worker's `EventPublisher` and the router's `EventConsumer`.
+
+One stream per worker (`Keys.events`), entries in the `kvstore.events` wire format with a
+`seq` that grows by one per entry within the worker's epoch. The publisher (sync, worker
+threads) never raises into its caller while Redis is down; the consumer (redis.asyncio,
+the router's event loop) never loses its index while Redis is down: it serves the last
+known one (degraded) and retries with backoff.
+
+How the consumer keeps its index right (each case: clear that worker's entries, then ask
+it for a full inventory through `Keys.resync`, unless the entry at hand already begins one):
+- a hole or a repeat in `seq` (entries trimmed, lost in a Redis crash, or a bad entry);
+- an epoch it has not seen (a worker restart), in the stream or in the registry;
+- a worker seen for the first time (it reads that stream from its current end);
+- a Redis restart (a new `run_id`): every stream is read again from its start, and every
+  known worker is asked for an inventory. Workers missing from the registry are kept for
+  a grace period of one TTL after a restart or an outage, while heartbeats re-register.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import redis
+import redis.asyncio
+
+from kvstore.events import (EventDecodeError, EventType, IndexSink, Tier, Verdict, WireEvent,
+                            WorkerCursor, WorkerId, decode_event, encode_event, from_pool_events,
+                            inventory_events)
+from kvstore.keys import BlockHash
+from kvstore.metadata.registry import (MetadataError, RedisConfig, WorkerRecord, check_worker_id, connect,
+                              connect_async, decode_live, redis_errors)
+from kvstore.pool import KVEvent
+
+log = logging.getLogger("kvmesh.streams")
+
+
+InventoryFn = Callable[[], Mapping[Tier, Sequence[BlockHash]]]
+
+
+class PublisherStats(NamedTuple):
+    """`pending`: events waiting for Redis; `dropped`: events dropped from a full buffer
+    (an inventory replaces them); `inventories`: full snapshots written."""
+
+    next_seq: int
+    pending: int
+    dropped: int
+    inventories: int
+    failures: int
+    connected: bool
+
+
+class EventPublisher:
+    """Appends one worker's KV events to its stream, each entry with the next `seq`.
+
+    Never raises into its caller when Redis is down: events wait in a buffer of at most
+    `max_pending`; overflowing it drops them all and schedules a full inventory instead.
+    The inventory comes from `inventory_fn`, which must reflect at least every event
+    already handed to `publish` (call it on the thread that takes the pool's events). It
+    is published at start (so a new epoch begins with one), after drops, after a Redis
+    restart, and when the router asks (`poll`). Thread-safe; `inventory_fn` runs under
+    the publisher's lock and must not call back into the publisher.
+
+    Entries are written in one MULTI/EXEC per call. If a write fails it is retried with
+    the same `seq`s; should the failed one have landed after all, the consumer sees the
+    repeat as a gap and asks for an inventory.
+    """
+
+    def __init__(self, config: RedisConfig, worker_id: WorkerId, epoch: int,
+                 inventory_fn: InventoryFn, *, max_pending: int = 10_000,
+                 max_backoff_s: float = 1.0, client: redis.Redis | None = None) -> None:
+        check_worker_id(worker_id)
+        if max_pending <= 0:
+            raise ValueError(f"max_pending={max_pending!r} must be > 0")
+        self.config, self.worker_id, self.epoch = config, worker_id, epoch
+        self._inventory_fn = inventory_fn
+        self._max_pending, self._max_backoff_s = max_pending, max_backoff_s
+        self._r = client if client is not None else connect(config)
+        self._stream = config.keys.events(worker_id)
+        self._resync_key = config.keys.resync(worker_id)
+        self._lock = threading.RLock()
+        self._pending: list[WireEvent] = []
+        self._next_seq = 1
+        self._needs_inventory = True
+        self._run_id: str | None = None
+        self._next_check = 0.0
+        self._retry_at, self._backoff_s = 0.0, 0.0
+        self._dropped = self._inventories = self._failures = 0
+
+    def publish(self, events: Sequence[KVEvent], tier: Tier = Tier.DEVICE) -> bool:
+        """Queue `BlockPool.take_events()` output and try to write it; True if it is in Redis."""
+        return self.publish_wire(from_pool_events(events, tier))
+
+    def publish_wire(self, events: Sequence[WireEvent]) -> bool:
+        """Like `publish`, for events already in wire form (e.g. tier moves)."""
+        with self._lock:
+            self._pending.extend(events)
+            if len(self._pending) > self._max_pending:
+                self._dropped += len(self._pending)
+                self._pending.clear()
+                self._needs_inventory = True
+            return self._flush()
+
+    def publish_inventory(self, hashes_by_tier: Mapping[Tier, Sequence[BlockHash]]) -> bool:
+        """Write a full snapshot now; it replaces every event queued before it."""
+        with self._lock:
+            return self._flush(inventory_events(hashes_by_tier))
+
+    def poll(self) -> bool:
+        """Serve a resync request, notice a Redis restart, retry what is queued.
+        Call it every few tens of ms. True when nothing is left waiting for Redis."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._retry_at:
+                return False
+            try:
+                with redis_errors("poll"):
+                    if self._r.getdel(self._resync_key) is not None:
+                        self._needs_inventory = True
+                    if now >= self._next_check:
+                        self._check_run_id()
+                        self._next_check = now + self.config.heartbeat_interval_s
+            except MetadataError as e:
+                self._fail(e)
+                return False
+            return self._flush()
+
+    def stats(self) -> PublisherStats:
+        with self._lock:
+            return PublisherStats(self._next_seq, len(self._pending), self._dropped,
+                                  self._inventories, self._failures, self._retry_at == 0.0)
+
+    def close(self) -> None:
+        self._r.close()
+
+    def _check_run_id(self) -> None:
+        run_id = str(self._r.info("server")["run_id"])
+        if self._run_id is not None and run_id != self._run_id:
+            log.warning("worker %s: Redis restarted; republishing the inventory", self.worker_id)
+            self._needs_inventory = True
+        self._run_id = run_id
+
+    def _flush(self, inventory: list[WireEvent] | None = None) -> bool:
+        if inventory is None and time.monotonic() < self._retry_at:
+            return False
+        try:
+            with redis_errors("publish"):
+                if self._run_id is None or self._retry_at:
+                    self._check_run_id()  # first contact, or back after a failure
+                if inventory is None and self._needs_inventory:
+                    inventory = inventory_events(self._inventory_fn())
+                batch = inventory if inventory is not None else self._pending
+                if batch:
+                    p = self._r.pipeline(transaction=True)
+                    for i, event in enumerate(batch):
+                        fields = encode_event(event, self.epoch, self._next_seq + i)
+                        p.xadd(self._stream, fields,  # type: ignore[arg-type]
+                               maxlen=self.config.stream_maxlen, approximate=True)
+                    p.execute()
+        except MetadataError as e:
+            self._fail(e)
+            if inventory is not None:  # it will be taken again, fresh, on the next try
+                self._pending.clear()
+                self._needs_inventory = True
+            return False
+        self._next_seq += len(batch)
+        self._pending.clear()  # an inventory supersedes what was queued before it
+        if inventory is not None:
+            self._needs_inventory = False
+            self._inventories += 1
+        self._retry_at, self._backoff_s = 0.0, 0.0
+        return True
+
+    def _fail(self, error: MetadataError) -> None:
+        self._failures += 1
+        self._backoff_s = min(self._max_backoff_s, max(0.05, 2 * self._backoff_s))
+        self._retry_at = time.monotonic() + self._backoff_s
+        log.warning("worker %s: events wait for Redis (%d queued): %s", self.worker_id,
+                    len(self._pending), error)
+
+
+class ConsumerStats(NamedTuple):
+    """Counters since the consumer was built; `degraded`: Redis is unreachable right now."""
+
+    degraded: bool
+    num_workers: int
+    entries: int
+    gaps: int
+    new_epochs: int
+    bad_entries: int
+    resyncs_requested: int
+    redis_restarts: int
+    failures: int
+
+
+class EventConsumer:
+    """Router side: follows every live worker's stream and keeps `index` up to date.
+
+    Drive it with `await poll()` in a loop (or `run(stop)`); it must run on one event loop,
+    the one that reads `index`, so the index needs no lock. `workers` is the last known
+    registry (kept while Redis is unreachable). Redis errors never escape `poll`.
+    """
+
+    def __init__(self, config: RedisConfig, index: IndexSink, *, block_ms: int = 100,
+                 count: int = 1000, max_backoff_s: float = 2.0,
+                 client: redis.asyncio.Redis | None = None) -> None:
+        if block_ms <= 0 or count <= 0:
+            raise ValueError(f"block_ms={block_ms!r} and count={count!r} must be > 0")
+        self.config, self.index = config, index
+        self._block_ms, self._count, self._max_backoff_s = block_ms, count, max_backoff_s
+        self._r = client if client is not None else connect_async(config, block_ms / 1000)
+        self._keys = config.keys
+        self._cursors: dict[WorkerId, WorkerCursor] = {}
+        self._workers: dict[WorkerId, WorkerRecord] = {}
+        self._run_id: str | None = None
+        self._degraded = False
+        self._next_refresh = self._grace_until = 0.0
+        self._retry_at, self._backoff_s = 0.0, 0.0
+        self._entries = self._gaps = self._new_epochs = self._bad = 0
+        self._resyncs = self._restarts = self._failures = 0
+
+    @property
+    def workers(self) -> dict[WorkerId, WorkerRecord]:
+        """The live workers as last seen in the registry (a copy)."""
+        return dict(self._workers)
+
+    @property
+    def degraded(self) -> bool:
+        return self._degraded
+
+    async def poll(self) -> int:
+        """Refresh the registry when due, then read (blocking up to `block_ms`) and apply
+        new entries. Returns the number of entries applied."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            await asyncio.sleep(min(self._retry_at - now, self._block_ms / 1000))
+            return 0
+        try:
+            with redis_errors("consume events"):
+                if now >= self._next_refresh:
+                    await self._refresh(now)
+                return await self._read()
+        except MetadataError as e:
+            self._failures += 1
+            if not self._degraded:
+                log.warning("routing on the last known block index: %s", e)
+            self._degraded = True
+            self._next_refresh = 0.0
+            self._backoff_s = min(self._max_backoff_s, max(0.05, 2 * self._backoff_s))
+            self._retry_at = time.monotonic() + self._backoff_s
+            return 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.poll()
+
+    async def request_resync(self, *worker_ids: WorkerId) -> None:
+        """Ask workers for a full inventory (they take the request on their next poll)."""
+        if not worker_ids:
+            return
+        p = self._r.pipeline(transaction=False)
+        for w in worker_ids:
+            p.set(self._keys.resync(w), "1", px=int(self.config.record_ttl_s * 1000))
+        await p.execute()
+        self._resyncs += len(worker_ids)
+
+    async def lag_s(self) -> dict[WorkerId, float]:
+        """Per followed worker: how far behind the newest entry of its stream the last entry
+        read is, in stream time (both ids are Redis clock milliseconds), in seconds. Raises
+        MetadataError when Redis does not answer."""
+        workers = sorted(self._cursors)
+        with redis_errors("read stream heads"):
+            p = self._r.pipeline(transaction=False)
+            for w in workers:
+                p.xrevrange(self._keys.events(w), count=1)
+            heads = await p.execute()
+        return {w: max(_id_ms(head[0][0]) - _id_ms(self._cursors[w].last_id), 0) / 1000 if head else 0.0
+                for w, head in zip(workers, heads)}
+
+    def stats(self) -> ConsumerStats:
+        return ConsumerStats(self._degraded, len(self._workers), self._entries, self._gaps,
+                             self._new_epochs, self._bad, self._resyncs, self._restarts,
+                             self._failures)
+
+    async def aclose(self) -> None:
+        await self._r.aclose()
+
+    async def _refresh(self, now: float) -> None:
+        run_id = str((await self._r.info("server"))["run_id"])
+        restarted = self._run_id is not None and run_id != self._run_id
+        self._run_id = run_id
+        resync: set[WorkerId] = set()
+        if restarted:
+            log.warning("Redis restarted: rereading every stream, asking for inventories")
+            self._restarts += 1
+            for cursor in self._cursors.values():
+                cursor.last_id = "0-0"
+            resync.update(self._cursors)
+        if restarted or self._degraded:
+            self._grace_until = now + self.config.heartbeat_ttl_s + self.config.heartbeat_interval_s
+        ids = sorted(await self._r.smembers(self._keys.workers))
+        p = self._r.pipeline(transaction=False)
+        for w in ids:
+            p.hgetall(self._keys.record(w))
+            p.get(self._keys.alive(w))
+        live, gone = decode_live(ids, await p.execute())
+        if gone:
+            await self._r.srem(self._keys.workers, *gone)
+        for record in live:
+            w, cursor = record.worker_id, self._cursors.get(record.worker_id)
+            if cursor is None:
+                last = await self._r.xrevrange(self._keys.events(w), count=1)
+                cursor = WorkerCursor(last[0][0] if last else "0-0", record_epoch=record.epoch)
+                self._cursors[w] = cursor
+                self.index.clear_worker(w)
+                resync.add(w)
+            elif cursor.record_epoch != record.epoch:
+                cursor.record_epoch = record.epoch
+                if cursor.epoch != record.epoch:  # restarted; its events may not be out yet
+                    self._new_epochs += 1
+                    cursor.epoch, cursor.next_seq = record.epoch, None
+                    self.index.clear_worker(w)
+                    resync.add(w)
+            self._workers[w] = record
+        live_ids = {r.worker_id for r in live}
+        if now >= self._grace_until:
+            for w in [w for w in self._cursors if w not in live_ids]:
+                del self._cursors[w]
+                self._workers.pop(w, None)
+                self.index.remove_worker(w)
+        await self.request_resync(*sorted(resync))
+        if self._degraded:
+            log.warning("Redis is back: block index live again")
+        self._degraded = False
+        self._retry_at, self._backoff_s = 0.0, 0.0
+        self._next_refresh = now + self.config.heartbeat_interval_s
+
+    async def _read(self) -> int:
+        if not self._cursors:
+            await asyncio.sleep(self._block_ms / 1000)
+            return 0
+        by_key = {self._keys.events(w): w for w in self._cursors}
+        reply = await self._r.xread({k: self._cursors[w].last_id for k, w in by_key.items()},
+                                    count=self._count, block=self._block_ms)
+        resync: set[WorkerId] = set()
+        applied = 0
+        for key, entries in reply or ():
+            w = by_key[key]
+            cursor = self._cursors[w]
+            for entry_id, fields in entries:
+                cursor.last_id = entry_id
+                try:
+                    entry = decode_event(fields)
+                except EventDecodeError as e:
+                    log.warning("worker %s: %s", w, e)
+                    self._bad += 1
+                    cursor.next_seq = None
+                    self.index.clear_worker(w)
+                    resync.add(w)
+                    continue
+                verdict = cursor.check(entry.epoch, entry.seq)
+                if verdict is not Verdict.NEXT:
+                    self._gaps += verdict is Verdict.GAP
+                    self._new_epochs += verdict is Verdict.NEW_EPOCH
+                    self.index.clear_worker(w)
+                    resync.add(w)
+                if entry.event.type is EventType.INVENTORY_BEGIN:
+                    resync.discard(w)  # the inventory that begins here restores the worker
+                self.index.apply(w, entry.event)
+                applied += 1
+        self._entries += applied
+        await self.request_resync(*sorted(resync))
+        return applied
+
+
+def _id_ms(entry_id: str) -> int:
+    """The millisecond part of a stream entry id (`<ms>-<seq>`)."""
+    return int(str(entry_id).partition("-")[0])

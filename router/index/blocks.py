@@ -1,0 +1,370 @@
+"""Where blocks live: block hash → the workers holding it, and in which tiers.
+
+Fed by the workers' KV event streams (`kvstore.metadata.streams.EventConsumer` calls `apply`,
+`clear_worker`, `remove_worker`); read by the routing policy through `match_prefix`. In
+memory only and torch-free. Not thread-safe: one event loop owns it (the consumer and the
+policy run on the router's loop).
+
+A worker may hold one block in several tiers at once (a device copy being offloaded to
+host memory), so each (block, worker) entry is a set of tiers, kept as a bit mask; the
+entry goes when its last tier goes. Removing a worker is O(its blocks): a per-worker set
+of hashes mirrors the main map.
+
+Pending blocks: when the router sends a request to a worker it records the
+prompt's blocks as *pending* there (`add_pending`), a prediction that the worker is computing
+them. `match_prefix` counts a pending block like a stored one, so the requests that follow
+are drawn to the worker already computing their prefix. A pending entry goes when the
+worker's `BlockStored` event for it arrives (confirmed), when the request fails before its
+prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shortened by
+`settle_pending` once the request is done: the events should arrive within the grace).
+
+Shared blocks: `add_pending` also counts, per block, the requests whose prompts held it
+(up to two). A block two requests asked for is *shared* (a prefix, not one request's own
+tail). One asked for once may still be: the index learns, per depth in the prompt (block
+position), how often a block asked once was asked again (a system prompt's depths: mostly;
+a question's: never), and `shared_blocks(worker)` is the blocks the worker holds that are
+shared plus those asked once, each at its depth's rate ((again + 1) / (once + 2)) — the part
+of its pool a new placement would displace. Kept per worker and depth as blocks come and
+go; a block's count is forgotten once no worker holds or computes it.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from kvstore.events import EventType, Tier, WireEvent, WorkerId
+from kvstore.keys import BlockHash
+
+_BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
+_ALL_TIERS = (1 << len(Tier)) - 1
+_DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
+
+
+class IndexStats(NamedTuple):
+    """`num_blocks`: distinct hashes held anywhere; `num_entries`: (hash, worker) pairs."""
+
+    num_blocks: int
+    num_entries: int
+    num_workers: int
+    events_applied: int
+    num_pending: int = 0      # (hash, worker) pairs predicted and not yet confirmed
+
+
+class _Tally:
+    """Blocks held in one scope (a worker, or the distinct blocks held anywhere) by how many
+    requests asked for them: `shared` two or more, `once[depth]` one."""
+
+    __slots__ = ("shared", "once")
+
+    def __init__(self) -> None:
+        self.shared = 0
+        self.once: dict[int, int] = {}
+
+    def count(self, seen: tuple[int, int], sign: int) -> None:
+        """Add (+1) or take away (−1) one held block whose ask count is `seen`."""
+        if seen[0] >= 2:
+            self.shared += sign
+        else:
+            self.once[seen[1]] = self.once.get(seen[1], 0) + sign
+
+    def expected(self, first: Sequence[int], again: Sequence[int]) -> float:
+        """The shared blocks, expected: those asked for twice, plus those asked for once at
+        the rate blocks of their depth were asked for again (`again` of `first`, smoothed)."""
+        return self.shared + sum(n * (again[d] + 1) / (first[d] + 2) for d, n in self.once.items())
+
+    def check(self, asked: Sequence[tuple[int, int]], what: str) -> None:
+        """AssertionError unless the tally equals the count over `asked` (held blocks' asks)."""
+        shared = sum(1 for n, _ in asked if n >= 2)
+        assert self.shared == shared, f"{what} counts {self.shared} shared blocks, holds {shared}"
+        once = {d: sum(1 for n, e in asked if n == 1 and e == d) for d in {e for n, e in asked if n == 1}}
+        kept = {d: n for d, n in self.once.items() if n}
+        assert kept == once, f"{what} counts blocks asked once by depth as {kept}, holds {once}"
+
+
+class _Pending(NamedTuple):
+    """One request's prediction: the blocks it computes on `worker_id`, until `expires_at`."""
+
+    worker_id: WorkerId
+    hashes: tuple[BlockHash, ...]
+    expires_at: float
+
+
+def _tiers(mask: int) -> frozenset[Tier]:
+    return frozenset(tier for tier, bit in _BIT.items() if mask & bit)
+
+
+class BlockIndex:
+    """block hash → {worker_id: tiers}; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[BlockHash, dict[WorkerId, int]] = {}
+        self._by_worker: dict[WorkerId, set[BlockHash]] = {}
+        self._applied = 0
+        self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
+        self._requests: dict[str, _Pending] = {}
+        self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
+        self._asked: dict[BlockHash, tuple[int, int]] = {}   # (requests that asked, up to 2; depth bucket)
+        self._held_asks: dict[WorkerId, _Tally] = {}   # each worker's blocks by their asks
+        self._any_asks = _Tally()                    # the same over the distinct blocks held anywhere
+        self._first = [0] * _DEPTHS                  # blocks first asked for, per depth (ever)
+        self._again = [0] * _DEPTHS                  # of those, asked for a second time
+
+    def apply(self, worker_id: WorkerId, event: WireEvent) -> None:
+        """Apply one wire event of `worker_id` (its meaning: `kvstore.events`); the worker
+        becomes known if it was not."""
+        self._by_worker.setdefault(worker_id, set())
+        kind = event.type
+        if kind is EventType.STORED:
+            self.add(worker_id, event.hashes, event.tier)
+        elif kind is EventType.REMOVED:
+            self.discard(worker_id, event.hashes, event.tier)
+        elif kind is EventType.CLEARED:
+            self._drop(worker_id, self._by_worker.get(worker_id, ()), _BIT[event.tier])
+        elif kind is EventType.INVENTORY_BEGIN:
+            self.clear_worker(worker_id)
+        else:
+            assert kind is EventType.INVENTORY_END, f"unknown event type {kind!r}"
+        self._applied += 1
+
+    def add(self, worker_id: WorkerId, hashes: Iterable[BlockHash], tier: Tier) -> None:
+        """`worker_id` now holds `hashes` in `tier` (idempotent)."""
+        bit = _BIT[tier]
+        held = self._by_worker.setdefault(worker_id, set())
+        for h in hashes:
+            holders = self._blocks.get(h)
+            if holders is None:
+                holders = self._blocks[h] = {}
+                self._count_any(h, +1)
+            holders[worker_id] = holders.get(worker_id, 0) | bit
+            if h not in held:
+                held.add(h)
+                self._count_held(worker_id, h, +1)
+            computing = self._pending.get(h)
+            if computing is not None and computing.pop(worker_id, None) is not None and not computing:
+                del self._pending[h]    # confirmed: the prediction is now a stored block
+
+    def discard(self, worker_id: WorkerId, hashes: Iterable[BlockHash], tier: Tier) -> None:
+        """`worker_id` no longer holds `hashes` in `tier` (unknown ones are ignored)."""
+        self._drop(worker_id, hashes, _BIT[tier])
+
+    def clear_worker(self, worker_id: WorkerId) -> None:
+        """Forget every block of `worker_id`; it stays known (with no blocks)."""
+        self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
+        self._by_worker[worker_id] = set()
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Forget `worker_id` altogether (it left routing), with its pending blocks."""
+        self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
+        self._by_worker.pop(worker_id, None)
+        self._held_asks.pop(worker_id, None)
+        for rid in [r for r, p in self._requests.items() if p.worker_id == worker_id]:
+            self.drop_pending(rid)
+
+    # -- pending (in-flight) blocks --------------------------------------------------------
+    def add_pending(self, request_id: str, worker_id: WorkerId, hashes: Iterable[BlockHash],
+                    expires_at: float, count_asks: bool = True) -> None:
+        """`request_id` was sent to `worker_id`, which will compute and store `hashes`; the
+        blocks it already holds, or another request computes there, are not recorded (the
+        request waits on those: `computing`). Replaces an earlier record of the request, and
+        counts the request's asks for `hashes` (shared blocks) once: not again while a record of
+        it is kept; with `count_asks=False` (a retry after its record was dropped) only for the
+        blocks whose ask counts were forgotten since (held and computed nowhere)."""
+        retry = request_id in self._requests
+        self.drop_pending(request_id)
+        held = self._by_worker.setdefault(worker_id, set())
+        hashes = tuple(hashes)
+        todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
+        if not retry:
+            self._count_asks(hashes, forgotten_only=not count_asks)
+        self._requests[request_id] = _Pending(worker_id, todo, expires_at)
+        for h in todo:
+            self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
+        heapq.heappush(self._expiry, (expires_at, request_id))
+
+    def settle_pending(self, request_id: str, expires_at: float) -> None:
+        """The request's prefill is done (its blocks are stored on the worker): keep its
+        unconfirmed blocks pending until `expires_at` at the latest, for the events to arrive."""
+        p = self._requests.get(request_id)
+        if p is not None and expires_at < p.expires_at:
+            self._requests[request_id] = p._replace(expires_at=expires_at)
+            heapq.heappush(self._expiry, (expires_at, request_id))
+
+    def drop_pending(self, request_id: str) -> None:
+        """Forget what `request_id` predicted (it failed or was aborted before its prefill)."""
+        p = self._requests.pop(request_id, None)
+        if p is None:
+            return
+        for h in p.hashes:
+            computing = self._pending.get(h)
+            rids = computing.get(p.worker_id) if computing is not None else None
+            if rids is None:
+                continue
+            rids.discard(request_id)
+            if not rids:
+                del computing[p.worker_id]   # type: ignore[union-attr]
+                if not computing:
+                    del self._pending[h]
+                    self._forget_asks(h)
+
+    def expire_pending(self, now: float) -> int:
+        """Drop every prediction whose expiry is at or before `now`; returns how many."""
+        n = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, rid = heapq.heappop(self._expiry)
+            p = self._requests.get(rid)
+            if p is not None and p.expires_at <= now:
+                self.drop_pending(rid)
+                n += 1
+        return n
+
+    def computing(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> set[str]:
+        """The requests whose pending blocks on `worker_id` cover any of `block_hashes` that
+        it does not hold yet (those a request for this prefix would wait on there)."""
+        out: set[str] = set()
+        for h in block_hashes:
+            rids = self._pending.get(h, {}).get(WorkerId(worker_id))
+            if rids:
+                out |= rids
+        return out
+
+    def shared_blocks(self, worker_id: str) -> float:
+        """The shared blocks `worker_id` holds (any tier), expected: those two requests'
+        prompts held, plus those one did at the rate blocks of their depth were asked again."""
+        tally = self._held_asks.get(WorkerId(worker_id))
+        return tally.expected(self._first, self._again) if tally is not None else 0.0
+
+    def _count_asks(self, hashes: Sequence[BlockHash], forgotten_only: bool = False) -> None:
+        for depth, h in enumerate(hashes):
+            seen = self._asked.get(h)
+            if seen is not None and (seen[0] >= 2 or forgotten_only):
+                continue
+            holders = self._blocks.get(h, ())
+            for w in holders:
+                self._count_held(w, h, -1)
+            if holders:
+                self._count_any(h, -1)
+            if seen is None:
+                d = min(depth, _DEPTHS - 1)
+                self._asked[h] = (1, d)
+                self._first[d] += 1
+            else:
+                self._asked[h] = (2, seen[1])
+                self._again[seen[1]] += 1
+            for w in holders:
+                self._count_held(w, h, +1)
+            if holders:
+                self._count_any(h, +1)
+
+    def distinct_shared_blocks(self) -> float:
+        """`shared_blocks` over the distinct blocks held anywhere: the pool space the cluster's
+        shared prefixes take with one copy each."""
+        return self._any_asks.expected(self._first, self._again)
+
+    def _count_any(self, h: BlockHash, sign: int) -> None:
+        seen = self._asked.get(h)
+        if seen is not None:
+            self._any_asks.count(seen, sign)
+
+    def _count_held(self, worker_id: WorkerId, h: BlockHash, sign: int) -> None:
+        seen = self._asked.get(h)
+        if seen is not None:
+            self._held_asks.setdefault(worker_id, _Tally()).count(seen, sign)
+
+    def _forget_asks(self, h: BlockHash) -> None:
+        if h not in self._blocks and h not in self._pending:
+            self._asked.pop(h, None)
+
+    def pending_requests(self) -> list[str]:
+        return sorted(self._requests)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash],
+                     workers: Iterable[str] | None = None, *, pending: bool = True) -> dict[str, int]:
+        """For each of `workers` (default: every known worker), how many LEADING blocks of
+        `block_hashes` it holds in any tier — or computes (pending), unless `pending=False`:
+        the count stops at its first missing block. (Plain `str` ids: fits
+        `router.routing.types.BlockIndexView`; the router reads WorkerId keys.)"""
+        counts: dict[str, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
+        matching = set(counts)
+        num_matched = 0
+        no_pending: dict[WorkerId, set[str]] = {}
+        for h in block_hashes:
+            holders = self._blocks.get(h, {})
+            computing = self._pending.get(h, no_pending) if pending else no_pending
+            if not holders and not computing:
+                break
+            missing = [w for w in matching if w not in holders and w not in computing]
+            for w in missing:
+                counts[w] = num_matched
+                matching.discard(w)
+            if not matching:
+                break
+            num_matched += 1
+        for w in matching:
+            counts[w] = num_matched
+        return counts
+
+    def locate(self, block_hash: BlockHash) -> dict[WorkerId, frozenset[Tier]]:
+        """The workers holding `block_hash`, each with the tiers it holds it in."""
+        return {w: _tiers(mask) for w, mask in self._blocks.get(block_hash, {}).items()}
+
+    def holdings(self, worker_id: WorkerId) -> dict[BlockHash, frozenset[Tier]]:
+        """Everything the index believes `worker_id` holds (a copy)."""
+        return {h: _tiers(self._blocks[h][worker_id]) for h in self._by_worker.get(worker_id, ())}
+
+    def workers(self) -> list[WorkerId]:
+        """Known workers, sorted (including those with no blocks)."""
+        return sorted(self._by_worker)
+
+    def stats(self) -> IndexStats:
+        return IndexStats(len(self._blocks), sum(len(h) for h in self._by_worker.values()),
+                          len(self._by_worker), self._applied, sum(len(c) for c in self._pending.values()))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError describing the first broken invariant, if any."""
+        num_entries = 0
+        for h, holders in self._blocks.items():
+            assert holders, f"block {h:032x} has an empty holder map"
+            for w, mask in holders.items():
+                assert 0 < mask <= _ALL_TIERS, f"block {h:032x} on {w} has tier mask {mask}"
+                assert h in self._by_worker.get(w, ()), \
+                    f"block {h:032x} lists {w} but {w}'s set lacks it"
+                num_entries += 1
+        for w, held in self._by_worker.items():
+            for h in held:
+                assert w in self._blocks.get(h, {}), f"{w}'s set has {h:032x} but the map does not"
+        by_worker = sum(len(held) for held in self._by_worker.values())
+        assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
+        for w, held in self._by_worker.items():
+            self._held_asks.get(w, _Tally()).check([self._asked[h] for h in held if h in self._asked], w)
+        self._any_asks.check([self._asked[h] for h in self._blocks if h in self._asked], "the distinct blocks")
+        for h in self._asked:
+            assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
+        for h, computing in self._pending.items():
+            for w, rids in computing.items():
+                assert rids, f"pending block {h:032x} on {w} has no request"
+                assert w not in self._blocks.get(h, {}), f"block {h:032x} is both stored and pending on {w}"
+                for rid in rids:
+                    p = self._requests.get(rid)
+                    assert p is not None and p.worker_id == w and h in p.hashes, \
+                        f"pending block {h:032x} on {w} names {rid}, which does not predict it"
+
+    def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int) -> None:
+        held = self._by_worker.get(worker_id)
+        if held is None:
+            return
+        for h in list(hashes):  # `hashes` may be `held` itself
+            holders = self._blocks.get(h)
+            if holders is None or worker_id not in holders:
+                continue
+            mask = holders[worker_id] & ~bits
+            if mask:
+                holders[worker_id] = mask
+                continue
+            del holders[worker_id]
+            held.discard(h)
+            self._count_held(worker_id, h, -1)
+            if not holders:
+                del self._blocks[h]
+                self._count_any(h, -1)
+                self._forget_asks(h)

@@ -1,0 +1,199 @@
+"""`GET /v1/cluster`: the cluster at a glance as JSON, for people and for the
+dashboard (router/observe/dashboard.py). Per worker (one `GetLoad` per live worker at request time):
+device pool and host-tier usage, blocks by tier, running/waiting, prompt and cached tokens and
+hit rate, preemptions, peer fetches, and its TTFT p50/p99 over the last minute as the router's
+clients saw it. The router: requests by worker/policy/outcome, predicted vs served hit tokens,
+requests per tenant, the block index's event stream (with Redis), and the hottest prompt
+prefixes with the workers that hold them (block index) and the workers they were routed to.
+
+Owner: `RouterMetrics` (router/observe/metrics.py) builds one, feeds `TtftWindow` and `HotPrefixes`
+from the core's observer calls and registers the route. It changes nothing. torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from kvstore.events import Tier, WorkerId
+from kvstore.keys import BlockHash
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.security.auth import authenticator_for
+from router.routing.core import Router
+from router.workers.registry import WorkerEntry
+from router.routing.types import RouteRequest
+
+Json = dict[str, Any]
+_LOAD_TIMEOUT_S = 2.0
+WINDOW_S = 60.0            # TTFT percentiles over this many seconds
+PREFIX_BLOCKS = 2          # a "prefix" is a prompt's first (up to) this many full blocks (a system prompt)
+HOT_PREFIXES = 8           # how many /v1/cluster lists
+_MAX_TRACKED = 512         # prefixes remembered; beyond, the least requested half is dropped
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of `values`; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))          # ceil(n q / 100), at least 1
+    return ordered[int(rank) - 1]
+
+
+class TtftWindow:
+    """Time to first token per worker over the last `window_s` seconds (as the router saw it)."""
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self._clock = window_s, clock
+        self._samples: dict[str, deque[tuple[float, float]]] = {}
+
+    def add(self, worker_id: str, seconds: float) -> None:
+        self._samples.setdefault(worker_id, deque()).append((self._clock(), seconds))
+
+    def recent(self, worker_id: str) -> list[float]:
+        samples = self._samples.get(worker_id)
+        if samples is None:
+            return []
+        horizon = self._clock() - self.window_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+        return [s for _, s in samples]
+
+
+class HotPrefixes:
+    """Requests per prompt prefix (its first `PREFIX_BLOCKS` full blocks, named by the chained
+    hash of the last of them) and the workers each was routed to."""
+
+    def __init__(self) -> None:
+        self._count: dict[BlockHash, int] = {}
+        self._hashes: dict[BlockHash, tuple[BlockHash, ...]] = {}
+        self._tokens: dict[BlockHash, tuple[int, ...]] = {}
+        self._routed: dict[BlockHash, dict[str, int]] = {}
+
+    def add(self, route: RouteRequest, worker_id: str, block_size: int) -> None:
+        hashes = route.block_hashes[:PREFIX_BLOCKS]
+        if not hashes or block_size <= 0:
+            return
+        key = hashes[-1]
+        if key not in self._count and len(self._count) >= _MAX_TRACKED:
+            self._forget_coldest()
+        self._count[key] = self._count.get(key, 0) + 1
+        self._hashes[key] = tuple(hashes)
+        self._tokens[key] = tuple(route.token_ids[:len(hashes) * block_size])
+        routed = self._routed.setdefault(key, {})
+        routed[worker_id] = routed.get(worker_id, 0) + 1
+
+    def top(self, n: int = HOT_PREFIXES) -> list[tuple[BlockHash, int, tuple[BlockHash, ...], tuple[int, ...],
+                                                       dict[str, int]]]:
+        """The `n` most requested: (key, requests, block hashes, token ids, routed per worker)."""
+        keys = sorted(self._count, key=lambda k: (-self._count[k], k))[:n]
+        return [(k, self._count[k], self._hashes[k], self._tokens[k], dict(self._routed[k])) for k in keys]
+
+    def _forget_coldest(self) -> None:
+        for key in sorted(self._count, key=self._count.__getitem__)[:len(self._count) // 2]:
+            for table in (self._count, self._hashes, self._tokens, self._routed):
+                table.pop(key, None)
+
+
+class ClusterView:
+    """Builds the `/v1/cluster` document; `requests` maps (worker_id, policy, outcome) to a count."""
+
+    def __init__(self, router: Router, requests: Mapping[tuple[str, str, str], int]) -> None:
+        self._router = router
+        self._requests = requests
+        self.ttft = TtftWindow()
+        self.prefixes = HotPrefixes()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.document())
+
+    async def document(self) -> Json:
+        entries = [w for w in self._router.registry.live() if w.info is not None]
+        workers = await asyncio.gather(*(self._worker(w) for w in entries))
+        s = self._router.stats
+        limiter = authenticator_for(self._router).limiter
+        return {
+            "object": "kvmesh.cluster", "time": time.time(), "window_s": self.ttft.window_s,
+            "policy": self._router.cfg.routing_policy.value,
+            "workers": sorted(workers, key=lambda w: str(w["worker_id"])),
+            "router": {
+                "requests": [{"worker_id": w, "policy": p, "outcome": o, "count": n}
+                             for (w, p, o), n in sorted(self._requests.items())],
+                "predicted_hit_tokens": s.routed_hit_tokens, "served_hit_tokens": s.actual_hit_tokens,
+                "hit_mismatches": s.mismatches, "peer_hints": s.peer_hints,
+                "tenants": [{"tenant": t, "admitted": limiter.admitted.get(t, 0), "rejected": limiter.rejected.get(t, 0)}
+                            for t in sorted(set(limiter.admitted) | set(limiter.rejected))],
+                "kv_events": self._kv_events(),
+            },
+            "hot_prefixes": self._hot_prefixes([str(w["worker_id"]) for w in workers]),
+        }
+
+    def _kv_events(self) -> Json | None:
+        consumer = self._router.registry.consumer
+        if consumer is None:
+            return None
+        c = consumer.stats()
+        return {"degraded": c.degraded, "entries": c.entries, "gaps": c.gaps, "resyncs": c.resyncs_requested,
+                "redis_restarts": c.redis_restarts}
+
+    def _hot_prefixes(self, worker_ids: list[str]) -> list[Json]:
+        index, tok = self._router.registry.index, self._router.tokenizer
+        out = []
+        for key, count, hashes, tokens, routed in self.prefixes.top():
+            held = index.match_prefix(hashes, worker_ids) if index is not None else {}
+            out.append({"prefix": f"{key:032x}"[:16], "requests": count, "num_blocks": len(hashes),
+                        "text": tok.decode(tokens) if tok is not None else "",
+                        "held_blocks": {w: int(held.get(w, 0)) for w in worker_ids} if index is not None else None,
+                        "routed": routed})
+        return out
+
+    async def _worker(self, w: WorkerEntry) -> Json:
+        assert w.info is not None
+        worker_id = w.info.worker_id
+        recent = self.ttft.recent(worker_id)
+        out: Json = {"worker_id": worker_id, "address": w.address, "in_flight": w.in_flight,
+                     "ttft_p50_s": percentile(recent, 50), "ttft_p99_s": percentile(recent, 99),
+                     "ttft_samples": len(recent), "index_blocks": self._index_blocks(worker_id)}
+        try:
+            load = await w.stub.GetLoad(pb.LoadRequest(), timeout=_LOAD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:      # a worker that does not answer is shown, not fatal
+            return out | {"up": False, "error": f"{e.code().name}: {e.details()}"}
+        return out | _load_json(load)
+
+
+    def _index_blocks(self, worker_id: str) -> Json | None:
+        """What the router's block index believes the worker holds, per tier (None without an
+        index), to set beside the worker's own `blocks` (an exact index shows the same counts)."""
+        index = self._router.registry.index
+        if index is None:
+            return None
+        tiers = index.holdings(WorkerId(worker_id)).values()
+        return {"device": sum(Tier.DEVICE in t for t in tiers), "host": sum(Tier.HOST in t for t in tiers)}
+
+
+def _load_json(load: pb.Load) -> Json:
+    doc: Json = {
+        "up": True, "num_running": load.num_running, "num_waiting": load.num_waiting,
+        "num_blocks": load.num_blocks, "num_used_blocks": load.num_used_blocks,
+        "kv_cache_usage": load.num_used_blocks / load.num_blocks if load.num_blocks else 0.0,
+        "host_num_blocks": load.host_num_blocks, "num_host_blocks": load.num_host_blocks,
+        "host_tier_usage": load.num_host_blocks / load.host_num_blocks if load.host_num_blocks else 0.0,
+        "blocks": {"device_used": load.num_used_blocks, "device_cached": load.num_cached_blocks,
+                   "device_free": load.num_free_blocks, "host": load.num_host_blocks},
+        "prompt_tokens": load.prompt_tokens, "cached_prompt_tokens": load.cached_prompt_tokens,
+        "hit_rate": load.cached_prompt_tokens / load.prompt_tokens if load.prompt_tokens else 0.0,
+        "num_preemptions": load.num_preemptions, "num_onloaded_blocks": load.num_onloaded_blocks,
+        "num_offloaded_blocks": load.num_offloaded_blocks, "peer": None,
+    }
+    if load.HasField("peer"):
+        p = load.peer
+        doc["peer"] = {"fetch_decisions": p.fetch_decisions, "recompute_decisions": p.recompute_decisions,
+                       "blocks_fetched": p.blocks_fetched, "bytes_fetched": p.bytes_fetched,
+                       "blocks_bad": p.blocks_bad, "fetch_failures": p.fetch_failures,
+                       "fetch_seconds": p.fetch_seconds}
+    return doc

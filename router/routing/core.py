@@ -1,0 +1,388 @@
+"""The routing core: `Router` takes a validated request (contracts `GenerateInput`) through
+prepare (tokenize, range-check, chained block hashes) → pick (the policy over the live
+workers, the block index and the router's in-flight counts) → generate (stream from the
+chosen worker; a worker lost mid-stream: migrate, router/routing/migrate.py) → abort.
+
+No gRPC servicer and no HTTP here: the fronts (router/fronts/grpc_front.py, router/fronts/openai/app.py) call
+this and map its exceptions (router/routing/errors.py) to their status codes. The only gRPC in
+this module is the client call to a worker. torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import grpc
+
+from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
+from contracts.requests import BadRequest, GenerateInput, PeerHint
+from contracts.tokenizer import ModelTokenizer, TokenizerError
+from contracts.wire import from_sampling_params, to_peer_hint
+from kvstore.keys import block_hashes, cache_salt_root
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.security.auth import ANONYMOUS, ApiKey, TenantId
+from router.config import RouterConfig
+from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
+from router.index.blocks import BlockIndex
+from router.routing.inflight import InFlightPrefills
+from router.routing.migrate import MAX_WAIT_FOR_WORKER_S, Progress, WorkerLost, is_migratable, log_migration, read_until_lost
+from router.routing.policy import Policy, make_policy
+from router.workers.registry import WorkerEntry, WorkerRegistry
+from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.security.tenancy import TenantSalts, bound_max_tokens
+
+
+class Prepared(NamedTuple):
+    """A validated request, ready to forward: the worker-bound message, what routing sees and
+    the tenant that sent it (only that tenant may abort it)."""
+
+    request: pb.GenerateRequest
+    route: RouteRequest
+    tenant: TenantId = ANONYMOUS.tenant
+
+
+class Pick(NamedTuple):
+    """The chosen worker, the prompt tokens the index says it holds, the peer to hint and the
+    further prompt tokens that peer is predicted to send (the worker computes neither)."""
+
+    worker: WorkerEntry
+    predicted_tokens: int
+    hint: PeerHint | None
+    fetched_tokens: int = 0
+
+
+@dataclass
+class RoutingStats:
+    """Did the router's idea of each worker's cache (the block index) match what the worker
+    found? `mismatches` counts requests where the two differ (the hash-agreement metric)."""
+
+    requests: int = 0
+    routed_hit_tokens: int = 0
+    actual_hit_tokens: int = 0
+    mismatches: int = 0
+    peer_hints: int = 0         # requests forwarded with a hint to a peer holding more blocks
+
+    def record(self, predicted: int, actual: int) -> None:
+        self.requests += 1
+        self.routed_hit_tokens += predicted
+        self.actual_hit_tokens += actual
+        self.mismatches += predicted != actual
+
+
+class RouteObserver:
+    """What the core tells a metrics layer (router/observe/metrics.py) about each request; this base
+    is the null observer. Called on the router's loop; must not block."""
+
+    def decided(self, seconds: float) -> None:
+        """A pick took `seconds`."""
+
+    def picked(self, route: RouteRequest, worker_id: str) -> None:
+        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/observe/cluster_view.py)."""
+
+    def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
+        """The first response from `worker_id` came `seconds` after `generate` began."""
+
+    def finished(self, request_id: str, worker_id: str, final: pb.GenerateResponse, ttft_s: float,
+                 total_s: float) -> None:
+        """`worker_id` sent its first response `ttft_s` and the `final` one `total_s` after
+        `generate` began."""
+
+    def failed(self, request_id: str, worker_id: str) -> None:
+        """The call to `worker_id` failed."""
+
+    def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
+        """The request moves off `worker_id` after `tokens` streamed tokens (router/routing/migrate.py)."""
+
+
+class _Failed(Exception):
+    """One attempt's worker is gone (the message says how); the request may move on."""
+
+
+class Router:
+    """Routes requests over `registry` (its live workers and its block index) with the
+    policy `cfg.routing_policy`. Runs on one event loop; owns the in-flight table (request
+    id → worker) and the in-flight counts the policy reads."""
+
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: ModelTokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.policy: Policy = make_policy(cfg.routing_policy, cfg.load_factor)
+        self.stats = RoutingStats()
+        self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
+        self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
+        self.default_temperature = 1.0  # the model's generation_config.json (vLLM's default), set with it
+        self._inflight: dict[str, WorkerEntry | None] = {}
+        self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
+        self.salts = TenantSalts(cfg.api_keys)
+        self.draining = False
+        self.prefills = InFlightPrefills()   # pending blocks and prefill queues
+
+    @property
+    def model_info(self) -> pb.ModelInfo | None:
+        """What the ready workers serve (None until one was ready)."""
+        return self.registry.model_info
+
+    @property
+    def serving(self) -> bool:
+        """Ready: a worker is ready, the tokenizer is loaded, not draining."""
+        return self.registry.ready and self.tokenizer is not None and not self.draining
+
+    def live_workers(self) -> list[WorkerInfo]:
+        return [w.info for w in self.registry.live() if w.info is not None]
+
+    async def prepare(self, inp: GenerateInput, caller: ApiKey = ANONYMOUS) -> Prepared:
+        """Tokenize (in a thread: a 4 MiB prompt takes seconds) and validate; raises
+        BadRequest, or NoWorkerAvailable before any worker has told the router its model.
+        `caller` (the authenticated key) decides the default cache_salt (router/security/tenancy.py)."""
+        info, tok = self.model_info, self.tokenizer
+        if self.draining:
+            raise NoWorkerAvailable("the router is draining (shutting down)")
+        if info is None:
+            raise NoWorkerAvailable("no worker is ready")
+        if tok is None:
+            raise TokenizerNotLoaded()
+        try:
+            if inp.text is not None:
+                ids = await asyncio.to_thread(tok.encode, inp.text)
+            elif inp.chat is not None:
+                messages = [{"role": m.role, "content": m.content} for m in inp.chat]
+                ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+            else:
+                ids = list(inp.token_ids or ())
+                bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+                if bad is not None:
+                    raise BadRequest(f"token_ids: {bad} is outside the vocabulary [0, {info.vocab_size})")
+        except TokenizerError as e:
+            raise BadRequest(f"chat: {e}") from None
+        if inp.params.truncate_prompt_tokens is not None:
+            ids = ids[-inp.params.truncate_prompt_tokens:]  # vLLM: keep the last N
+        if not ids:
+            raise BadRequest("input: the prompt is empty after tokenization")
+        if len(ids) >= info.max_model_len:
+            raise BadRequest(f"input: the prompt has {len(ids)} tokens; this model takes at most "
+                             f"{info.max_model_len - 1} (max_model_len {info.max_model_len})")
+        params = bound_max_tokens(inp, len(ids), info.max_model_len, self.cfg.max_tokens_limit)
+        salt = self.salts.salt_for(caller, inp.cache_salt)
+        hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex), cache_salt_root(salt))
+        request = pb.GenerateRequest(request_id=inp.request_id or f"rtr-{uuid.uuid4().hex}",
+                                     token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(params),
+                                     priority=inp.priority, cache_salt=salt)
+        return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)), caller.tenant)
+
+    async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """Forward to the policy's worker and yield its responses. A worker that dies or
+        becomes unreachable is marked down and the request re-submitted to another, with the
+        tokens already streamed (router/routing/migrate.py), at most `cfg.migration_limit` times; the
+        client's stream goes on. Closing the iterator cancels the upstream call (the worker
+        aborts it). Raises BadRequest (request_id in flight), NoWorkerAvailable, UpstreamError."""
+        rid = prepared.request.request_id
+        REQUEST_ID.set(rid)      # on every log line of this request, and to the worker as metadata
+        if rid in self._inflight:
+            raise BadRequest(f"request_id {rid!r} is already running")
+        deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
+        self._inflight[rid] = None
+        self._owners[rid] = prepared.tenant
+        progress = Progress(prepared.request, self.cfg.migration_limit, started=time.perf_counter())
+        request, route = prepared.request, prepared.route
+        tried: set[WorkerId] = set()
+        # The model the request was prepared for; the registry may forget it while no worker is
+        # ready (a router whose tokenizer comes from the workers), e.g. while its only worker restarts.
+        prepared_for = self.model_info
+        try:
+            while True:
+                pick = await self._pick_next(route, tried, progress, deadline)
+                assert pick.worker.info is not None
+                worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
+                tried.add(worker_id)
+                self.observer.picked(route, worker_id)
+                try:
+                    async with contextlib.aclosing(self._attempt(rid, request, route, pick, deadline, progress)) as attempt:
+                        async for response in attempt:
+                            yield response
+                    return
+                except _Failed as f:
+                    if not progress.may_resubmit():
+                        raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
+                                            f"worker {pick.worker.address} {f}") from None
+                    if progress.generated:
+                        log_migration(rid, worker_id, str(f), progress)
+                        self.observer.migrated(rid, worker_id, len(progress.generated))
+                info = self.model_info or prepared_for
+                if info is None:
+                    raise NoWorkerAvailable("no worker is ready")
+                request, route = progress.resubmit(info.block_size, bytes.fromhex(info.hash_salt_hex))
+        finally:
+            self._inflight.pop(rid, None)
+            self._owners.pop(rid, None)
+
+    async def _pick_next(self, route: RouteRequest, tried: set[WorkerId], progress: Progress,
+                         deadline: float) -> Pick:
+        """The next worker. Mid-stream, with no other worker ready (e.g. the only one is
+        restarting), wait for one (any, the failed one included) up to `MAX_WAIT_FOR_WORKER_S`."""
+        decided = time.perf_counter()
+        try:
+            return self.pick(route, tried)
+        except NoWorkerAvailable:
+            if not progress.generated:
+                raise
+        finally:
+            self.observer.decided(time.perf_counter() - decided)
+        until = min(deadline, time.monotonic() + MAX_WAIT_FOR_WORKER_S)
+        while time.monotonic() < until:
+            await asyncio.sleep(0.2)
+            with contextlib.suppress(NoWorkerAvailable):
+                return self.pick(route, set())
+        raise NoWorkerAvailable("no worker is available (retry failed)")
+
+    async def _attempt(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
+                       deadline: float, progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream `request` from `pick.worker` until its finished response; raises _Failed
+        when the worker is gone (its call UNAVAILABLE, its stream cut, its probes failing)."""
+        worker = pick.worker
+        assert worker.info is not None
+        worker_id = worker.info.worker_id
+        self._inflight[rid] = worker
+        # pending blocks on the pick until its worker stores them (router/routing/inflight.py); a
+        # resubmitted request's prompt was counted as evidence of sharing by its first attempt
+        self.prefills.dispatched(self.registry.index, rid, worker_id, route,
+                                 pick.predicted_tokens + pick.fetched_tokens, count_asks=progress.resubmits == 0)
+        streamed = False
+        worker.in_flight += 1
+        call = responses = None
+        try:
+            await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
+            call = worker.stub.Generate(self._with_hint(request, pick.hint),
+                                        timeout=max(deadline - time.monotonic(), 0.001),
+                                        metadata=((REQUEST_ID_HEADER, rid),))
+            responses = read_until_lost(call, worker.lost)
+            async for response in responses:
+                if not streamed:
+                    streamed = True
+                    self.prefills.prefilled(self.registry.index, rid)
+                if progress.ttft_s is None:
+                    progress.ttft_s = time.perf_counter() - progress.started
+                    self.observer.first_response(rid, worker_id, progress.ttft_s)
+                progress.note(response)
+                if response.finished:
+                    if not progress.migrations:   # what came from a peer is no index mismatch
+                        self.stats.record(pick.predicted_tokens, response.cached_tokens - response.peer_cached_tokens)
+                    response.migrations = progress.migrations
+                    self.observer.finished(rid, worker_id, response, progress.ttft_s,
+                                           time.perf_counter() - progress.started)
+                    yield response
+                    return
+                yield response
+            # No silent truncation: a stream that ends without a finished response is a failure.
+            raise _Failed("closed the stream before it finished")
+        except grpc.aio.AioRpcError as e:
+            self.observer.failed(rid, worker_id)
+            if not is_migratable(e):
+                raise UpstreamError(e.code(), e.details() or "") from None
+            self.registry.mark_down(worker, e.details() or "")
+            raise _Failed(f"became unavailable: {e.details()}") from None
+        except WorkerLost as e:
+            self.observer.failed(rid, worker_id)
+            raise _Failed(f"became unreachable: {e}") from None
+        finally:
+            worker.in_flight -= 1
+            self.prefills.done(self.registry.index, rid, streamed)
+            if call is not None:
+                call.cancel()
+            if responses is not None:
+                await responses.aclose()
+
+    async def abort(self, request_id: str, tenant: TenantId | None = None) -> bool:
+        """Abort a request in flight on the worker serving it; False when none is, or when
+        `tenant` (None: any) is not the tenant that sent it (the same answer: nothing leaks)."""
+        worker = self._inflight.get(request_id)
+        if worker is None or (tenant is not None and self._owners.get(request_id) != tenant):
+            return False
+        try:
+            response = await worker.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise UpstreamError(e.code(), e.details() or "") from None
+        return bool(response.found)
+
+    def routing_state(self, route: RouteRequest) -> RoutingState:
+        """The policy's view now: in-flight and KV load per live worker, the leading prompt
+        blocks each holds according to the block index (empty without one) and those it could
+        fetch from a peer."""
+        return self._routing_view(route)[0]
+
+    def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int],
+                                                          dict[WorkerId, tuple[str, int, int]]]:
+        """The state, the leading blocks each worker has stored (not pending: a peer can send
+        only those) and the workers with a peer plane (id → address, rank, world size)."""
+        live = [w for w in self.registry.live() if w.info is not None]
+        index = self.registry.index
+        loads = {w.info.worker_id: (replace(w.load, shared_blocks=index.shared_blocks(w.info.worker_id))
+                                    if isinstance(index, BlockIndex) else w.load) for w in live}
+        self.prefills.expire(index)
+        cached = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads)).items()}
+                  if index is not None else {})
+        stored = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads),
+                                                                  pending=False).items()}
+                  if isinstance(index, BlockIndex) else cached)
+        peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in live if w.rank is not None}
+        fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers
+                                      and peers[o][2] == peers[wid][2]), default=0) - cached.get(wid, 0))
+                     for wid in peers}
+        info = self.model_info
+        capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
+        state = RoutingState(loads, cached, self.prefills.queued_tokens(index, loads, route),
+                             info.block_size if info is not None and info.block_size else 16,
+                             self.prefills.mean_in_flight(loads), fetchable,
+                             min(1.0, index.distinct_shared_blocks() / capacity)
+                             if isinstance(index, BlockIndex) and capacity else 0.0)
+        return state, stored, peers
+
+    def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
+        """The policy's worker (not in `tried`), the prompt tokens the index says it will find
+        cached, and the peer to hint when another live worker holds more of the prompt."""
+        state, stored, peers = self._routing_view(route)
+        chosen = self.policy.pick(self.live_workers(), route, state, exclude=tried)
+        if chosen is None:
+            raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
+        info = self.model_info
+        bs = info.block_size if info is not None else 0
+        # The worker recomputes at least the last prompt token, as the engine's lookup does.
+        max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
+        blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
+        hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
+        fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
+        return Pick(self.registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
+
+    def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
+        if hint is None:
+            return request
+        hinted = pb.GenerateRequest()
+        hinted.CopyFrom(request)
+        hinted.peer_hints.append(to_peer_hint(hint))
+        self.stats.peer_hints += 1
+        return hinted
+
+
+def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
+                   peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
+    """The worker other than `chosen` holding the most leading prompt blocks (at most
+    `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
+    worker id → (address, rank, world_size); pairs form on demand, so rank and world size
+    are legacy, 0, and only a mismatch of world size rules a peer out); ties go to the lowest id."""
+    me = peers.get(chosen)
+    if me is None:
+        return None
+    own = min(cached_blocks.get(chosen, 0), max_blocks)
+    best: PeerHint | None = None
+    for worker_id in sorted(cached_blocks):
+        peer = peers.get(worker_id)
+        if worker_id == chosen or peer is None or peer[2] != me[2]:
+            continue
+        n = min(cached_blocks[worker_id], max_blocks)
+        if n > own and (best is None or n > best.num_blocks):
+            best = PeerHint(worker_id, peer[0], peer[1], n)
+    return best

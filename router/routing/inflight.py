@@ -1,0 +1,172 @@
+"""Requests the router has sent and that have not started streaming yet: what
+the router knows of each worker's prefill queue, and the pending blocks it predicts in the
+block index.
+
+Owned by the router core (router/routing/core.py), which calls, per attempt on a worker:
+`dispatched` (before the call: records the prompt's blocks as pending on the worker and its
+uncached tokens as queued there), `wait_for_leaders` (holds a request whose prefix another
+request is still computing on that worker until that one's prefill is done, so the worker
+finds the prefix cached instead of computing it twice in one batch), `prefilled` (first
+response: the blocks are stored, the pending entry only waits for its `BlockStored` event)
+and `done` (the attempt ended: a request that never streamed drops its prediction; one that
+did keeps it `settle_s` more — while it ran its blocks were in use on the worker, so they
+could not be evicted, however late the events come when the machine is loaded). Between
+`dispatched` and `done` an attempt counts in its worker's *sustained load*: the in-flight
+attempts averaged over the last `load_window_s` (an exponentially weighted time average), the
+long-run imbalance that the instantaneous count hides. The policy reads `queued_tokens` and
+`mean_in_flight` through `RoutingState`. On the router's loop only; torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from router.index.blocks import BlockIndex
+from router.routing.types import RouteRequest, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightConfig:
+    pending_ttl_s: float = 60.0     # a prediction never confirmed nor settled goes after this
+    settle_s: float = 5.0           # after the request ends, how long its BlockStored events may take
+    max_wait_s: float = 30.0        # longest a request waits for another's prefill of its prefix
+    load_window_s: float = 30.0     # time constant of the sustained (time-averaged) in-flight load
+
+    def __post_init__(self) -> None:
+        for name in ("pending_ttl_s", "settle_s", "max_wait_s"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not self.load_window_s > 0.0:
+            raise ValueError(f"load_window_s={self.load_window_s!r} must be > 0")
+
+
+class _Queued(NamedTuple):
+    worker_id: WorkerId
+    tokens: int                     # prompt tokens the worker is predicted to compute
+    started: asyncio.Event          # set at the first response, or when the attempt ends
+
+
+class InFlightPrefills:
+    """See the module docstring. `index` arguments may be None or a view without pending
+    support (then only the queue is tracked)."""
+
+    def __init__(self, cfg: InFlightConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg if cfg is not None else InFlightConfig()
+        self._clock = clock
+        self._queued: dict[str, _Queued] = {}
+        self._leaders: dict[str, set[str]] = {}     # request id → the requests computing its prefix
+        self._attempts: dict[str, WorkerId] = {}    # request id → its worker, dispatched to done
+        self._running: dict[WorkerId, int] = {}     # attempts per worker
+        self._mean: dict[WorkerId, float] = {}      # time-averaged `_running`, as of `_mean_at`
+        self._mean_at = clock()
+        self.waits = 0                              # requests held for another's prefill
+        self.wait_s = 0.0
+
+    def dispatched(self, index: object, request_id: str, worker_id: WorkerId, route: RouteRequest,
+                   predicted_tokens: int, count_asks: bool = True) -> None:
+        """`request_id` is about to be sent to `worker_id`, which is predicted to find
+        `predicted_tokens` of its prompt cached (held or being computed, or fetched from a
+        peer): it queues the rest for prefill. `count_asks=False` for a retry or a migration
+        of a request whose prompt the index has counted (`BlockIndex.add_pending`)."""
+        self.done(index, request_id, streamed=False)
+        self._count(worker_id, +1)
+        self._attempts[request_id] = worker_id
+        leaders: set[str] = set()
+        if isinstance(index, BlockIndex):
+            leaders = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
+            index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
+                              count_asks)
+        self._leaders[request_id] = leaders
+        self._queued[request_id] = _Queued(worker_id, max(0, len(route.token_ids) - predicted_tokens),
+                                           asyncio.Event())
+
+    async def wait_for_leaders(self, request_id: str, timeout_s: float) -> None:
+        """Until every request computing this one's prefix on its worker has started
+        streaming (or ended), `max_wait_s` and `timeout_s` at most."""
+        events = [q.started for r in self._leaders.get(request_id, ()) if (q := self._queued.get(r)) is not None
+                  and not q.started.is_set()]
+        if not events:
+            return
+        self.waits += 1
+        t0 = self._clock()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)),
+                                   max(0.0, min(self.cfg.max_wait_s, timeout_s)))
+        except asyncio.TimeoutError:
+            pass   # the leader is slow: compute the prefix here rather than wait longer
+        self.wait_s += self._clock() - t0
+
+    def prefilled(self, index: object, request_id: str) -> None:
+        """The first response of `request_id` came: its prompt's blocks are on the worker (and
+        stay there, in use, until it ends)."""
+        q = self._queued.pop(request_id, None)
+        self._leaders.pop(request_id, None)
+        if q is not None:
+            q.started.set()
+
+    def done(self, index: object, request_id: str, streamed: bool) -> None:
+        """The attempt ended; one that never streamed (failed, aborted) drops its prediction,
+        one that streamed keeps it `settle_s` more for its `BlockStored` events to arrive."""
+        q = self._queued.pop(request_id, None)
+        self._leaders.pop(request_id, None)
+        if q is not None:
+            q.started.set()
+        worker_id = self._attempts.pop(request_id, None)
+        if worker_id is not None:
+            self._count(worker_id, -1)
+        if isinstance(index, BlockIndex):
+            if streamed:
+                index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
+            else:
+                index.drop_pending(request_id)
+
+    def expire(self, index: object) -> None:
+        if isinstance(index, BlockIndex):
+            index.expire_pending(self._clock())
+
+    def queued_tokens(self, index: object, workers: Iterable[WorkerId], route: RouteRequest) -> dict[WorkerId, int]:
+        """Per worker: the prompt tokens queued for prefill there, less those of requests
+        computing `route`'s own prefix there (waiting on them is the prefill it saves)."""
+        out = dict.fromkeys(workers, 0)
+        for q in self._queued.values():
+            if q.worker_id in out:
+                out[q.worker_id] += q.tokens
+        if isinstance(index, BlockIndex):
+            for w in out:
+                for r in index.computing(w, route.block_hashes):
+                    q = self._queued.get(r)
+                    if q is not None and q.worker_id == w:
+                        out[w] -= q.tokens
+        return out
+
+    def mean_in_flight(self, workers: Iterable[WorkerId]) -> dict[WorkerId, float]:
+        """Per worker: its attempts in flight averaged over time, each past moment weighted by
+        exp(−age / `load_window_s`) (0 for a worker never dispatched to)."""
+        self._advance()
+        return {w: self._mean.get(w, 0.0) for w in workers}
+
+    def _count(self, worker_id: WorkerId, delta: int) -> None:
+        self._advance()
+        n = self._running.get(worker_id, 0) + delta
+        assert n >= 0, f"{worker_id} would have {n} attempts in flight"
+        self._running[worker_id] = n
+        self._mean.setdefault(worker_id, 0.0)
+
+    def _advance(self) -> None:
+        """Bring every worker's average to now: the count held constant since the last change."""
+        now = self._clock()
+        dt = now - self._mean_at
+        if dt <= 0.0:
+            return
+        keep = math.exp(-dt / self.cfg.load_window_s)
+        for w, mean in list(self._mean.items()):
+            n = self._running.get(w, 0)
+            self._mean[w] = n + (mean - n) * keep
+            if n == 0 and self._mean[w] < 1e-9:     # a worker long idle or gone: forget it
+                del self._mean[w]
+                self._running.pop(w, None)
+        self._mean_at = now

@@ -1,0 +1,173 @@
+"""Every `kvmesh bench` runs with --quick and writes JSON with its documented keys.
+
+Benchmarks are not tests: these only check that each one runs end to end (through the CLI,
+on a tiny random-weight model so each takes seconds) and that its JSON is well formed.
+The accuracy bench reads the tiny model's inputs as UTF-8 bytes (it has no tokenizer).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.layout import KVLayout
+from kvmesh.cli import main
+from kvmesh.bench.engine import accuracy_text, capacity_per_dtype
+from kvmesh.bench.engine_speed import MachineSpeed, ModelCost, decode_roofline, workload_roofline
+
+DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> str:
+    # 2,048 positions: the prefix bench sends a 1,024-token prefix, memory up to 1,025 tokens
+    return str(tiny_model_dir("llama-gqa", max_position_embeddings=2048))
+
+
+def run_bench(name: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert main(["bench", name, "--quick", "--json", str(out), "--model", model]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert json.loads(printed) == result
+    assert {"cpu", "cores", "torch", "cuda"} <= set(result["machine"])
+    return result
+
+
+def finite(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("engine", tiny, tmp_path, capsys)
+    for batch in ("batch1", "batch16"):
+        row = r[batch]
+        assert {"kvmesh_tok_s", "hf_tok_s", "speedup", "kvmesh_s", "hf_s", "tokens"} <= set(row)
+        assert finite(row["kvmesh_tok_s"], row["hf_tok_s"], row["speedup"]) and row["tokens"] > 0
+    assert finite(r["roofline_tok_s"]) and r["roofline_tok_s"] > 0
+    assert r["config"]["batch1_new_tokens"] == 32
+    for batch in ("batch1", "batch16"):
+        row = r[batch]
+        assert finite(row["roofline_tok_s"], row["roofline_frac"], row["linear_gb_s"]) and row["linear_gb_s"] > 0
+        assert row["roofline_frac"] == pytest.approx(row["kvmesh_tok_s"] / row["roofline_tok_s"])
+    assert r["batch1"]["roofline_tok_s"] == r["roofline_tok_s"] == r["roofline"]["batch1_tok_s"]
+    roof = r["roofline"]
+    assert finite(roof["read_gb_s"], roof["copy_gb_s"], roof["matmul_gflop_s"]) and roof["weight_bytes"] > 0
+    pre = r["prefill"]
+    assert pre["tokens"] == 1024 and finite(pre["tok_s"], pre["peak_frac"]) and pre["tok_s"] > 0
+    assert pre["peak_frac"] == pytest.approx(pre["gflop_s"] / roof["matmul_gflop_s"])
+    assert r["config"]["native_linear"] and {"roofline_frac", "prefill", "metrics_cost"} <= set(r["notes"])
+    cost = r["metrics_cost"]         # decode with worker metrics on vs off, same run
+    assert finite(cost["off_tok_s"], cost["on_tok_s"]) and cost["off_tok_s"] > 0 and cost["runs"] == 3
+    assert cost["on_vs_off"] == pytest.approx(cost["on_tok_s"] / cost["off_tok_s"])
+    assert cost["within_3pct"] == (cost["on_vs_off"] >= 0.97)
+    assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
+
+
+def test_bench_profile(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both sides run in their own process: the native kernels loaded on one, off on the other."""
+    r = run_bench("profile", tiny, tmp_path, capsys)
+    assert r["native"]["native_kernels"] is True and r["torch"]["native_kernels"] is False
+    for side in ("native", "torch"):
+        row = r[side]
+        assert finite(row["step_ms"], row["linear_ms"], row["linear_gb_s"], row["rest_ms"]) and row["step_ms"] > 0
+        assert row["rest_ms"] == pytest.approx(row["step_ms"] - row["linear_ms"])
+        assert row["ops"] and all(ms >= 0 for ms in row["ops"].values())
+    assert "aten::mm" in r["torch"]["ops"]          # F.linear on the torch side
+    assert r["speedup"]["step"] == pytest.approx(r["torch"]["step_ms"] / r["native"]["step_ms"])
+    assert r["config"]["steps"] == 16
+
+
+def test_roofline_formulas() -> None:
+    """The workload roofline against the cases it reduces to: all memory-bound steps, and all
+    compute-bound (every step's flops at the peak)."""
+    cost = ModelCost(weight_bytes=1000, layer_params=100, head_params=20, attn_flops_per_pair=4)
+    assert cost.decode_flops(0) == 240 and cost.decode_flops(10) == 280
+    assert cost.prefill_flops(3) == 2 * 100 * 3 + 2 * 20 + 4 * 6
+    slow_memory = MachineSpeed(read_gb_s=1e-9, copy_gb_s=1e-9, matmul_gflop_s=1e9)   # 1 byte/s, 1e18 flop/s
+    assert decode_roofline(slow_memory, cost) == pytest.approx(1 / 1000)
+    # prefill costs one weight read, then one read per decode step: 1 + (max(out) - 1) reads
+    assert workload_roofline(slow_memory, cost, [5, 9], [4, 2]) == pytest.approx(6 / (4 * 1000))
+    slow_compute = MachineSpeed(read_gb_s=1e9, copy_gb_s=1e9, matmul_gflop_s=1e-9)   # 1 flop/s
+    assert decode_roofline(slow_compute, cost) == pytest.approx(1 / 240)
+    flops = cost.prefill_flops(5) + cost.prefill_flops(9)
+    flops += sum(cost.decode_flops(p + s) for p, n in ((5, 4), (9, 2)) for s in range(1, n))
+    assert workload_roofline(slow_compute, cost, [5, 9], [4, 2]) == pytest.approx(6 / flops)
+
+
+def test_bench_prefix(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("prefix", tiny, tmp_path, capsys)
+    assert finite(r["cold_ttft_s"], r["warm_ttft_s"], r["speedup"])
+    assert r["speedup"] == pytest.approx(r["cold_ttft_s"] / r["warm_ttft_s"])
+    assert r["config"]["prefix_tokens"] == 1024
+
+
+def test_bench_memory(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("memory", tiny, tmp_path, capsys)
+    assert 0 <= r["paged_waste_frac"] < r["contiguous_waste_frac"] < 1
+    assert r["paged_max_seqs"] >= r["contiguous_max_seqs"] > 0
+    per = r["per_dtype"]
+    assert set(per) == set(DTYPES)
+    for row in per.values():
+        assert {"bytes_per_token", "max_seqs"} <= set(row) and row["max_seqs"] > 0
+    # the pool itself is the fp32 one; its own row reproduces paged_max_seqs
+    assert r["config"]["kv_cache_dtype"] == "fp32"
+    assert abs(per["fp32"]["max_seqs"] - r["paged_max_seqs"]) <= 1
+    # capacity follows bytes per token (tiny: head_dim 16, so scales cost more than on real models)
+    for dtype in ("int8", "fp8", "int4"):
+        ratio = per["fp16"]["bytes_per_token"] / per[dtype]["bytes_per_token"]
+        assert per[dtype]["max_seqs"] == pytest.approx(ratio * per["fp16"]["max_seqs"], rel=0.01, abs=1)
+
+
+def test_capacity_per_dtype_on_smollm2_shape() -> None:
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, kv_cache_dtype="fp32")
+    per = capacity_per_dtype(layout, budget_bytes=1 << 30, mean_blocks=16.0)
+    assert per["int8"]["capacity_vs_fp16"] == pytest.approx(128 / 66, abs=0.01)  # 2x minus one fp16 scale
+    assert per["int4"]["capacity_vs_fp16"] == pytest.approx(128 / 40, abs=0.01)  # 4x minus a scale per 16
+    assert per["fp32"]["capacity_vs_fp16"] == pytest.approx(0.5, abs=0.01)
+    assert per["int8"]["num_blocks"] == (1 << 30) // (16 * 30 * 2 * 3 * 66)
+
+
+def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench("accuracy", tiny, tmp_path, capsys)
+    for dtype in [*DTYPES, "int4-uncalibrated"]:
+        row = r[dtype]
+        assert {"ppl", "ppl_delta_frac", "token_agreement", "bytes_per_token"} <= set(row)
+        assert finite(row["ppl"], row["ppl_delta_frac"], row["token_agreement"]) and row["ppl"] > 1
+        assert 0 <= row["token_agreement"] <= 1 and 0 <= row["free_running_agreement"] <= 1
+    assert r["fp32"]["ppl_delta_frac"] == 0 and r["fp32"]["token_agreement"] == 1
+    bpt = [r[d]["bytes_per_token"] for d in ("fp32", "fp16", "int8", "int4")]
+    assert bpt == sorted(bpt, reverse=True) and r["int8"]["bytes_per_token"] == r["fp8"]["bytes_per_token"]
+    assert r["int4-uncalibrated"]["bytes_per_token"] == r["int4"]["bytes_per_token"]
+    for name in ("streaming-50", "h2o-50", "streaming-25", "h2o-25", "h2o-50-nodecay"):
+        row = r[name]
+        assert finite(row["ppl"], row["text_agreement"]) and row["ppl"] > 1
+        assert row["kv_budget_tokens"] == 512 * int(name.split("-")[1]) // 100
+        assert 0 <= row["text_agreement"] <= 1
+    assert r["fp32"]["text_agreement"] == 1
+    assert {"baseline", "text", "ppl", "token_agreement", "eviction"} <= set(r["notes"])
+    assert r["config"]["window_tokens"] == 512
+
+
+def test_bench_accuracy_text_flag(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("too short to score")
+    assert main(["bench", "accuracy", "--quick", "--model", tiny, "--text", str(short)]) == 2
+    assert capsys.readouterr().err.startswith("kvmesh bench: --text:")
+    assert main(["bench", "accuracy", "--quick", "--model", tiny, "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "--text: cannot read" in capsys.readouterr().err
+    text, source = accuracy_text(short)
+    assert text == "too short to score" and source == str(short)
+
+
+def test_accuracy_text_is_the_interpreters_license() -> None:
+    text, source = accuracy_text()
+    assert Path(source).exists() and len(text) > 10_000
+    assert "Python" in text

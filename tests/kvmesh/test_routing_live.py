@@ -1,0 +1,80 @@
+"""`kvmesh bench routing-live`: flags, the per-policy figures from what the client saw, and
+(slow) a tiny run through real clusters."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contracts.cli import CLIError
+from kvmesh.bench.routing_live import LiveConfig, Workload, _Served, make_workload, summarize
+from kvmesh.cli import build_parser
+from kvmesh.bench.routing_live import config_from_args
+
+KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",
+        "min_cold_requests", "requests_per_worker_per_prefix", "mismatch_rate"}
+
+
+def _args(*argv: str) -> LiveConfig:
+    return config_from_args(build_parser().parse_args(["bench", "routing-live", *argv]))
+
+
+def test_flags_and_their_errors() -> None:
+    cfg = _args("--quick", "--prefixes", "3", "--num-blocks", "200", "--policies", "kv_aware,round_robin")
+    assert (cfg.prefixes, cfg.num_blocks, [p.value for p in cfg.policies]) == (3, 200, ["kv_aware", "round_robin"])
+    assert cfg.prefix_tokens == 256 and _args().prefix_tokens == 512    # --quick is smaller
+    with pytest.raises(CLIError, match="--concurrency"):
+        _args("--concurrency", "0")
+    with pytest.raises(CLIError, match="--policies"):
+        _args("--policies", "fastest")
+    with pytest.raises(CLIError, match="--scenarios"):
+        _args("--scenarios", "heavy")
+
+
+def test_same_workload_for_every_policy() -> None:
+    cfg = LiveConfig(prefixes=3, prefix_tokens=32, question_tokens=4, requests=10)
+    w: Workload = make_workload(cfg, 3)
+    assert w == make_workload(cfg, 3) and len(w.requests) == 10 and len(w.prefixes) == 3
+    assert all(len(p) == 32 for p in w.prefixes) and all(len(q) == 4 for _, q in w.requests)
+
+
+def test_summarize_counts_cold_requests_and_placement() -> None:
+    cfg = LiveConfig(prefixes=2, prefix_tokens=40, question_tokens=8, output_tokens=3)
+    full = 32   # 40 prefix tokens: 2 full blocks of 16
+    served = [_Served(0, "w0", 0.0, 2.0, 1.0, [0.1, 0.3], 48, 0, 3),        # cold: computed its prefix
+              _Served(0, "w0", 0.5, 2.5, 0.5, [0.1, 0.1], 48, full, 3),
+              _Served(1, "w1", 0.0, 1.0, 0.8, [0.2, 0.2], 48, 16, 3),       # half its prefix: cold
+              _Served(1, "w0", 1.0, 4.0, 0.2, [0.1, 0.1], 48, full, 3)]
+    out = summarize(cfg, 2, served, 4.0, {"requests": 4, "hit_mismatches": 1})
+    assert KEYS <= set(out)
+    assert out["cold_requests"] == 2 and out["min_cold_requests"] == 2
+    assert out["requests_per_worker_per_prefix"] == {"0": {"w0": 2}, "1": {"w0": 1, "w1": 1}}
+    assert out["cached_token_frac"] == pytest.approx((2 * full + 16) / (4 * 48))
+    assert out["req_s"] == 1.0 and out["output_tok_s"] == 3.0 and out["mismatch_rate"] == 0.25
+    assert out["ttft_p50_s"] == pytest.approx(0.65) and out["ttft_p99_s"] == 1.0 and out["itl_p50_s"] == 0.1
+    assert out["diagnostics"]["mean_in_flight_per_worker"] == {"w0": 1.75, "w1": 0.25}
+    # warm: the 2nd waited [0.5, 1.0] on w0 while the 1st did [0, 1.0]; the 4th [1.0, 1.2] alone
+    assert out["diagnostics"]["warm_prefill_overlap"] == 0.5
+
+
+@pytest.mark.slow
+def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
+    path = tmp_path / "live.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "routing-live", "--quick", "--scenarios", "no_pressure",
+         "--policies", "round_robin,kv_aware", "--prefixes", "2", "--prefix-tokens", "64", "--question-tokens", "8",
+         "--output-tokens", "4", "--requests", "8", "--concurrency", "4", "--json", str(path)],
+        capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"no_pressure"} and set(doc["no_pressure"]) == {"round_robin", "kv_aware"}
+    for entry in doc["no_pressure"].values():
+        assert KEYS <= set(entry)
+        assert sum(sum(v.values()) for v in entry["requests_per_worker_per_prefix"].values()) == 8
+        assert entry["cold_requests"] >= entry["min_cold_requests"] == 2
+    # the pending prefix draws the followers: kv_aware computes no prefix more often than round robin
+    kv, rr = doc["no_pressure"]["kv_aware"], doc["no_pressure"]["round_robin"]
+    assert kv["cold_requests"] <= rr["cold_requests"] and 0.0 <= kv["mismatch_rate"] <= 1.0

@@ -1,0 +1,115 @@
+"""The commands the engine thread accepts (`worker.engine.async_engine.AsyncEngine.run`): a closed
+set of frozen dataclasses, each with a typed result, instead of closures over engine
+internals. Applied between steps in the order sent, so no step runs while a command reads
+the KV store (`ReadBlocks` copies a consistent snapshot of blocks). Torch-free to import:
+the server builds them without loading the engine.
+
+| command             | result        | used by                                   |
+|---------------------|---------------|-------------------------------------------|
+| `AddRequest`        | (outputs)     | `generate` (stages fetched blocks first)  |
+| `AbortRequest`      | `bool` found  | the Abort RPC                             |
+| `Tokenize`          | token ids     | the server, before a peer fetch           |
+| `ApplyChatTemplate` | token ids     | the server, for chat input                |
+| `CountHeld`         | `int` blocks  | the peer plane's fetch plan               |
+| `ReadBlocks`        | `HeldBlocks`  | the peer plane's `SendBlocks` side        |
+| `StageBlocks`       | `int` written | (also inside `AddRequest`)                |
+| `Snapshot`          | `EngineStats` | GetLoad, tests                            |
+| `ListRequests`      | request ids   | the server's drain                        |
+| `ResetPrefixCache`  | `bool` done   | the ResetPrefixCache RPC                  |
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from contracts.sampling import SamplingParams
+from kvstore.keys import BlockHash
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.store import HeldBlocks
+    from worker.engine.config import EngineStats
+
+Prompt = str | Sequence[int]
+
+R = TypeVar("R")
+
+
+class Command(Generic[R]):
+    """Base of the engine commands; `R` is what `AsyncEngine.run` returns for it."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StageBlocks(Command[int]):
+    """Blocks fetched from a peer (`data` as `KVStore.read` returns it) into the host tier."""
+
+    block_hashes: tuple[BlockHash, ...]
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest(Command[None]):
+    """Queue a request; `staged` blocks are stored right before it, with no step between,
+    so its admission finds them. Sent by `AsyncEngine.generate`, which streams the outputs.
+    `cache_salt` and `fit_context` as in `Engine.add_request`."""
+
+    prompt: Prompt
+    params: SamplingParams
+    request_id: str
+    priority: int = 0
+    staged: StageBlocks | None = None
+    cache_salt: str = ""
+    fit_context: bool = False
+    resume_tokens: int = 0          # the last that many prompt ids are resumed output (migration)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest(Command[bool]):
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize(Command[list[int]]):
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyChatTemplate(Command[list[int]]):
+    messages: tuple[tuple[str, str], ...]     # (role, content)
+
+
+@dataclass(frozen=True, slots=True)
+class CountHeld(Command[int]):
+    """How many leading `block_hashes` admission would find here (device, then host)."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBlocks(Command["HeldBlocks"]):
+    """A copy on `device` of the leading run of `block_hashes` held here, for a peer."""
+
+    block_hashes: tuple[BlockHash, ...]
+    device: torch.device
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot(Command["EngineStats"]):
+    """Load, block usage and counters of the engine (GetLoad)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListRequests(Command[tuple[str, ...]]):
+    """The ids of every unfinished request."""
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache(Command[bool]):
+    """Drop every cached block hash of the device pool (`KVStore.reset_prefix_cache`); False,
+    nothing dropped, while a request holds blocks."""

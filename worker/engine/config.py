@@ -1,0 +1,86 @@
+"""What an `Engine` is built from (`EngineConfig`) and what it reports (`EngineStats`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from worker.engine.eviction import EvictionConfig, EvictionPolicy
+from worker.kernels.backend import parse_backend
+
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "auto"                   # auto: fp32 on CPU, bf16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_gib: float = 1.0      # KV pool size, unless num_blocks is given
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None      # default: the model's max_position_embeddings
+    max_queue_len: int = 4096
+    check_integrity: bool = False         # run the KV store's integrity check after every step
+    kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
+    kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
+    kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
+    attention_sinks: int = 4              # first tokens always kept under kv_eviction
+    h2o_decay: float = 0.98               # h2o: per-query decay of the attention each token received
+    kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
+    attention_backend: str = "auto"       # auto | torch | native | triton (worker.kernels.backend)
+    enforce_eager: bool = False           # CUDA: no decode CUDA graphs (vLLM's flag; worker.model.cuda_graph)
+    threads: int = 0                      # CPU threads for the engine's ops (torch.set_num_threads); 0 = torch's default
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"threads={self.threads!r} must be an integer >= 0 (0 = every core)")
+        if self.dtype not in ("auto", *DTYPE_NAMES):
+            raise ValueError(f"dtype={self.dtype!r}; accepted: auto, fp32, fp16, bf16")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device={self.device!r}; accepted: auto, cpu, cuda[:N]")
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks={self.num_blocks} must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be > 1")
+        if not self.kv_offload_gib >= 0:
+            raise ValueError(f"kv_offload_gib={self.kv_offload_gib} must be >= 0")
+        if self.kv_offload_gib > 0 and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib needs prefix caching: the host tier keys blocks by hash")
+        if self.kv_eviction not in ("none", "streaming", "h2o"):
+            raise ValueError(f"kv_eviction={self.kv_eviction!r}; accepted: none, streaming, h2o")
+        self.eviction_config()  # validates kv_budget / attention_sinks against the policy
+        parse_backend(self.attention_backend)  # the name; whether it runs on the device: Engine
+        if self.max_queue_len <= 0:
+            raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
+
+    def eviction_config(self) -> EvictionConfig:
+        return EvictionConfig(EvictionPolicy(self.kv_eviction), self.kv_budget, self.attention_sinks,
+                              self.block_size, self.h2o_decay)
+
+
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    num_host_blocks: int = 0          # host-tier blocks in use / in all
+    host_num_blocks: int = 0
+    num_onloaded_blocks: int = 0      # blocks admitted from the host tier
+    num_offloaded_blocks: int = 0     # blocks copied into the host tier from the device pool
+    num_lru_evicted_blocks: int = 0   # cached device blocks dropped (reused) by allocations
+    num_evicted_tokens: int = 0       # tokens dropped by token eviction (kv_eviction)
+    num_cached_blocks: int = 0        # device blocks holding a cached prefix (in use or free)
+    num_protected_blocks: int = 0     # free blocks caching a reused prefix (evicted last)
+    num_reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
+    num_prefix_waits: int = 0         # admissions put off for a block another request was computing

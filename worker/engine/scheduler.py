@@ -1,0 +1,285 @@
+"""Continuous batching over the block pool (the vLLM v1 unified token view).
+
+Every request has `num_tokens` (prompt + output) and `num_computed_tokens` (K/V in the
+cache). A step schedules, per request, the next `num_tokens - num_computed_tokens` tokens
+under a token budget: a whole or chunked prefill, or one decode token. Running requests go
+first; when blocks run out the most recently admitted running request is preempted (its
+blocks freed, recomputed later — its own full blocks usually still sit in the prefix cache).
+Waiting requests are admitted in (priority, arrival) order — lower priority value first,
+as the proto says — while budget, sequence slots and blocks allow, after one store lookup
+(device pool, then host tier) that sets `num_cached_tokens`. Priority orders admission only:
+the preemption victim is still the most recently admitted running request.
+
+In-flight prefix dedupe: a waiting request whose next uncached full block is one a running
+request is computing (two requests of one new prefix arriving together) is not admitted
+that step; later waiting requests may be. Once the block is cached it is admitted with the
+hit, so a shared prefix is computed once — the worker side of the router's pending blocks.
+
+All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.errors import OutOfBlocks
+from kvstore.keys import BlockHash
+from kvstore.store import KVStore
+from worker.engine.request import NO_BLOCK, FinishReason, Request, RequestStatus
+
+
+_WAITS_FOR_PREFIX = -1   # `Scheduler._admit`: put off, another request computes its next block
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    sliding_window: int | None = None   # the model's: blocks wholly outside it are released
+    enable_prefix_caching: bool = True  # False: nothing is cached, so no admission waits for a block
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+
+
+class ScheduledBatch(NamedTuple):
+    requests: list[Request]
+    num_new_tokens: list[int]
+    preempted: list[Request]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class WaitingQueue:
+    """Waiting requests in admission order: (priority, arrival_time, insertion), lowest first.
+    A preempted request keeps its arrival time, so it goes back ahead of later arrivals."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (item[3] for item in self._items)
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self._items, (req.priority, req.arrival_time, next(self._seq), req),
+                      key=lambda item: item[:3])
+
+    def peek(self) -> Request:
+        return self._items[0][3]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[3]
+
+    def remove(self, req: Request) -> None:
+        for i, item in enumerate(self._items):
+            if item[3] is req:
+                del self._items[i]
+                return
+        raise ValueError(f"request {req.request_id!r} is not waiting")
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, store: KVStore, salt: bytes) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.salt = salt
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_prefix_waits = 0   # admissions put off for a block another request computes
+
+    # -- queues ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.update_block_hashes(self.cfg.block_size, self.salt)
+        self.waiting.add(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Remove `req` from the queues and drop its block references (tail blocks first)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._release_blocks(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = time.monotonic()
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: list[Request] = []
+        counts: list[int] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow_or_preempt(req, n, preempted):
+                break  # req itself was preempted: every later running request was too
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+            i += 1
+
+        computing = self._computing_hashes() if self.waiting and not preempted else set()
+        for req in list(self.waiting):
+            if budget <= 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
+                break
+            n = self._admit(req, budget, computing)
+            if n == _WAITS_FOR_PREFIX:
+                self.num_prefix_waits += 1
+                continue
+            if n == 0:
+                break
+            self.waiting.remove(req)
+            self._note_computing(req, computing)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(scheduled, counts, preempted)
+
+    def update_computed(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: advance computed counts and publish newly full blocks."""
+        bs = self.cfg.block_size
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            before = req.num_computed_tokens // bs
+            req.num_computed_tokens += n
+            after = req.num_computed_tokens // bs
+            if after > before and not req.num_evicted_tokens:  # an evicted cache is no prefix
+                self.store.cache(req.block_ids[before:after], req.block_hashes[before:after],
+                                 parent_hash=req.block_hashes[before - 1] if before else None)
+            if self.cfg.sliding_window is not None:
+                self._release_outside_window(req, self.cfg.sliding_window)
+
+    # -- internals ------------------------------------------------------------------------
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        total = -(-(req.num_computed_tokens - req.num_evicted_tokens + n) // self.cfg.block_size)
+        return max(0, total - len(req.block_ids))
+
+    def _grow_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        need = self._blocks_needed(req, n)
+        while True:
+            try:
+                self._copy_shared_tail(req)
+                req.block_ids.extend(self.store.allocate(need))
+                return True
+            except OutOfBlocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    return False
+
+    def _copy_shared_tail(self, req: Request) -> None:
+        """Copy-on-write: the block the next token's K/V goes into, if another sequence of
+        the same fork still references it, becomes a private copy (the last writer keeps the
+        original). Only a fork's partial block can be shared and written."""
+        at = (req.num_computed_tokens - req.num_evicted_tokens) // self.cfg.block_size
+        if at < len(req.block_ids) and req.block_ids[at] != NO_BLOCK and self.store.is_shared(req.block_ids[at]):
+            req.block_ids[at] = self.store.copy_on_write(req.block_ids[at])
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Running sequences that continue `parent`'s computed prompt (n / best_of): each
+        holds one more reference to every block of it; none is copied until written."""
+        for child in children:
+            self.store.share(parent.held_block_ids)
+            child.block_ids = list(parent.block_ids)
+            child.block_hashes = list(parent.block_hashes)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_evicted_tokens = parent.num_evicted_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.forked = True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release_blocks(req)
+        req.num_computed_tokens = req.num_evicted_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req)
+        self.num_preemptions += 1
+
+    def _release_blocks(self, req: Request) -> None:
+        held = req.held_block_ids
+        if held:
+            self.store.free_sequence(held)
+        req.block_ids = []
+
+    def _release_outside_window(self, req: Request, window: int) -> None:
+        """Free the blocks no future token can attend to: the next token, at position
+        `num_computed_tokens`, sees positions > num_computed_tokens - window, so block j is
+        dead once (j + 1) * block_size <= num_computed_tokens - window + 1. A generation
+        then holds at most ceil(window / block_size) + 1 blocks. Freed blocks keep their
+        cached hash (other requests may still share them) until the pool evicts them."""
+        bs = self.cfg.block_size
+        dead = min(max(0, req.num_computed_tokens - window + 1) // bs, len(req.block_ids))
+        freed = [b for b in req.block_ids[:dead] if b != NO_BLOCK]
+        if freed:
+            self.store.free(freed)
+            req.block_ids[:dead] = [NO_BLOCK] * dead
+
+    def _computing_hashes(self) -> set[BlockHash]:
+        """The full blocks running requests are computing and will cache."""
+        computing: set[BlockHash] = set()
+        for req in self.running:
+            self._note_computing(req, computing)
+        return computing
+
+    def _note_computing(self, req: Request, computing: set[BlockHash]) -> None:
+        if req.num_evicted_tokens or not self.cfg.enable_prefix_caching:   # then it caches nothing
+            return
+        computing.update(req.block_hashes[req.num_computed_tokens // self.cfg.block_size:])
+
+    def _admit(self, req: Request, budget: int, computing: set[BlockHash] | None = None) -> int:
+        """Take blocks for a waiting request; returns tokens scheduled (0: it does not fit
+        now; `_WAITS_FOR_PREFIX`: the next block it would compute is one a running request is
+        computing (`computing`), so it waits for that block to be cached instead of computing
+        it again — the in-flight prefix dedupe the router's pending blocks count on)."""
+        bs = self.cfg.block_size
+        # Keep at least the last token uncached: its logits are needed to sample.
+        max_cached_blocks = (req.num_tokens - 1) // bs
+        # prompt logprobs need the logits of every prompt position: no cache hit for those
+        hashes = req.block_hashes[:max_cached_blocks] if not req.needs_prompt_logits else []
+        match = self.store.lookup(hashes)
+        if computing and match.num_blocks < len(hashes) and hashes[match.num_blocks] in computing:
+            return _WAITS_FOR_PREFIX
+        num_computed = match.num_blocks * bs
+        remaining = req.num_tokens - num_computed
+        n = min(remaining, budget)
+        if n < remaining and not self.cfg.enable_chunked_prefill:
+            return 0
+        try:
+            req.block_ids = self.store.take(hashes, match, -(-(num_computed + n) // bs))
+        except OutOfBlocks:
+            return 0
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
+        return n

@@ -1,0 +1,325 @@
+"""Prometheus metrics of one worker, under vLLM's names with the `kvmesh:` prefix.
+
+Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `CollectorRegistry`
+(no module globals, so tests build as many as they like) and feeds it from two places:
+- `observe_finished(out)`: every finished `RequestOutput` (counters of tokens, prefix-cache
+  queries/hits in tokens as vLLM counts them, success by finish reason, and the latency
+  histograms from its `RequestTimings`);
+- `token_gaps()`: one `TokenGaps` per request stream, fed every output: one inter-token
+  latency observation per generated token after the first, as vLLM observes them per step;
+- `observe_peer_fetch(s)`: the duration of each peer fetch (the peer plane's `fetch_observer`);
+- `update_stats(stats, peer)`: the latest engine `Snapshot` (`EngineStats`) and peer-plane
+  counters, read by a collector at scrape time (gauges, and counters the engine keeps cumulative).
+`MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread),
+and the worker's probes next to it: `GET /livez` and `GET /readyz` answer 200 "ok" or 503 with
+the reason (worker/server/health.py), for kubelets that cannot speak gRPC health over mutual TLS.
+Torch-free: the server imports it before the engine is loaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.engine.commands import Snapshot
+
+if TYPE_CHECKING:
+    from worker.engine.async_engine import AsyncEngine
+    from worker.engine.engine import Engine
+    from worker.engine.config import EngineStats
+    from worker.peer.plane import PeerCounters, PeerPlane
+    from worker.engine.request import RequestOutput
+    from worker.engine.sampling import SamplingParams
+
+LABELS = ("model_name", "worker_id")
+# vLLM's buckets for request-level latencies (seconds)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class PeerTotals(NamedTuple):
+    """The peer plane's cumulative counters, as the metrics need them."""
+
+    fetched: int          # fetch decisions whose blocks arrived
+    recomputed: int       # decisions to recompute instead of fetching
+    checksum_failed: int  # blocks that failed their checksum
+    peer_lost: int        # fetches that failed (peer unreachable / timed out)
+    bytes_fetched: int
+
+    @classmethod
+    def from_counters(cls, c: PeerCounters) -> PeerTotals:
+        return cls(max(c.fetch_decisions - c.fetch_failures, 0), c.recompute_decisions, c.blocks_bad,
+                   c.fetch_failures, c.bytes_fetched)
+
+
+class WorkerMetrics:
+    """Every worker metric that the engine can feed, in one registry.
+    `observe_finished` is called from the serving loop; `update_stats` from the same loop;
+    scrapes run on the HTTP thread, so the shared snapshot is swapped under a lock."""
+
+    def __init__(self, model_name: str, worker_id: str, kv_cache_dtype: str,
+                 registry: CollectorRegistry | None = None, *, block_size: int = 16,
+                 eviction_policy: str = "none") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.labels = (model_name, worker_id)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.block_size = block_size
+        self.eviction_policy = eviction_policy   # the engine's kv_eviction (token eviction)
+        self._lock = threading.Lock()
+        self._stats: EngineStats | None = None
+        self._peer: PeerTotals | None = None
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"kvmesh:{name}", doc, LABELS + extra, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvmesh:{name}", doc, LABELS, buckets=buckets, registry=r)
+
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests")
+        self.success = counter("request_success", "Finished requests by finish reason", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token", _REQUEST_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive output tokens, one observation per token gap",
+                             _TOKEN_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first admission", _REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First admission to first token",
+                                 _REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
+        self.peer_fetch = histogram("peer_fetch_seconds", "Duration of one peer fetch (plan to blocks staged)",
+                                    _REQUEST_BUCKETS)
+        self._itl_child = self.itl.labels(*self.labels)
+        r.register(_StatsCollector(self))
+
+    @classmethod
+    def for_engine(cls, engine: Engine, worker_id: str, registry: CollectorRegistry | None = None) -> WorkerMetrics:
+        """The metrics of `engine` (its model, KV dtype, block size and eviction policy)."""
+        return cls(engine.model_config.name, worker_id, engine.layout.kv_cache_dtype, registry,
+                   block_size=engine.cfg.block_size, eviction_policy=engine.cfg.kv_eviction)
+
+    def token_gaps(self) -> TokenGaps:
+        """The inter-token observer of one request stream (feed it every output)."""
+        return TokenGaps(self._itl_child)
+
+    def observe_peer_fetch(self, seconds: float) -> None:
+        self.peer_fetch.labels(*self.labels).observe(seconds)
+
+    def observe_finished(self, out: RequestOutput, completion_tokens: int | None = None) -> None:
+        """Count one finished request (call once, with its final output; `completion_tokens`:
+        over all its sequences, default the output's own)."""
+        assert out.finished, "observe_finished takes the final output of a request"
+        lv = self.labels
+        self.prefix_queries.labels(*lv).inc(out.prompt_tokens)
+        self.prefix_hits.labels(*lv).inc(max(out.num_cached_tokens, 0))
+        self.prompt_tokens.labels(*lv).inc(out.prompt_tokens)
+        self.generation_tokens.labels(*lv).inc(out.completion_tokens if completion_tokens is None
+                                               else completion_tokens)
+        self.success.labels(*lv, out.finish_reason or "unknown").inc()
+        t = out.timings
+        for hist, value in ((self.ttft, t.ttft_s), (self.e2e, t.e2e_s), (self.queue, t.queue_s),
+                            (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
+            if value is not None:
+                hist.labels(*lv).observe(value)
+
+    def update_stats(self, stats: EngineStats, peer: PeerTotals | None = None) -> None:
+        """The latest engine snapshot (and peer counters), read at the next scrape."""
+        with self._lock:
+            self._stats, self._peer = stats, peer
+
+    def snapshot(self) -> tuple[EngineStats | None, PeerTotals | None]:
+        with self._lock:
+            return self._stats, self._peer
+
+
+class TokenGaps:
+    """Inter-token latency of one request, per sequence (`out.index`, n / best_of): each
+    output's new tokens after the sequence's first are each one gap of (this output's token
+    time - the previous one's) / their number (one token per decode step, so one observation
+    per step, as vLLM observes it)."""
+
+    __slots__ = ("_hist", "_last")
+
+    def __init__(self, hist: Any) -> None:
+        self._hist = hist
+        self._last: dict[int, float] = {}
+
+    def output(self, out: RequestOutput) -> None:
+        n, now = len(out.new_token_ids), out.timings.last_token_time
+        if n == 0 or now is None:
+            return
+        last = self._last.get(out.index)
+        if last is None:             # the first token: TTFT's, not a gap; later ones in it are
+            n -= 1
+            last = out.timings.first_token_time
+        if n > 0 and last is not None:
+            gap = (now - last) / n
+            for _ in range(n):
+                self._hist.observe(gap)
+        self._last[out.index] = now
+
+
+class _StatsCollector(Collector):
+    """Gauges and engine-kept counters from the latest `update_stats` (nothing before the first)."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        lv = list(m.labels)
+        info = GaugeMetricFamily("kvmesh:kv_cache_dtype_info", "The KV cache dtype (value 1)",
+                                 labels=[*LABELS, "kv_cache_dtype"])
+        info.add_metric([*lv, m.kv_cache_dtype], 1.0)
+        yield info
+        stats, peer = m.snapshot()
+        if stats is None:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+            c.add_metric(lv, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting for admission", stats.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)",
+                    stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+        yield gauge("host_tier_usage_perc", "Fraction of host-tier KV blocks in use (0-1)",
+                    stats.num_host_blocks / stats.host_num_blocks if stats.host_num_blocks else 0.0)
+        yield gauge("kv_reused_blocks", "Device blocks caching a prefix a later request reused (in use or free)",
+                    stats.num_reused_blocks)
+        yield gauge("kv_protected_blocks", "Free device blocks caching a reused prefix (evicted after every "
+                    "other free block)", stats.num_protected_blocks)
+        yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later)",
+                      stats.num_preemptions)
+        yield counter("prefix_waits", "Admissions put off one step because another running request was "
+                      "computing the prompt's next block (it is then reused, not computed twice)",
+                      stats.num_prefix_waits)
+        yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",
+                      stats.num_onloaded_blocks)
+        yield counter("kv_blocks_offloaded", "Blocks copied from the device pool into the host tier",
+                      stats.num_offloaded_blocks)
+        evicted = CounterMetricFamily("kvmesh:kv_evicted_tokens", "Tokens of KV dropped, by eviction policy "
+                                      "(lru: cached device blocks reused; streaming/h2o: token eviction)",
+                                      labels=[*LABELS, "policy"])
+        evicted.add_metric([*lv, "lru"], stats.num_lru_evicted_blocks * m.block_size)
+        if m.eviction_policy != "none":
+            evicted.add_metric([*lv, m.eviction_policy], stats.num_evicted_tokens)
+        yield evicted
+        if peer is None:
+            return
+        outcomes = CounterMetricFamily("kvmesh:peer_fetch", "Peer-fetch decisions by outcome",
+                                       labels=[*LABELS, "outcome"])
+        for outcome, value in (("fetched", peer.fetched), ("recomputed", peer.recomputed),
+                               ("checksum_failed", peer.checksum_failed), ("peer_lost", peer.peer_lost)):
+            outcomes.add_metric([*lv, outcome], value)
+        yield outcomes
+        yield counter("peer_fetch_bytes", "Bytes fetched from peers", peer.bytes_fetched)
+
+
+class Probes(Protocol):
+    """What /livez and /readyz ask (worker.server.health.WorkerHealth): None = ok, else the reason."""
+
+    def live_reason(self) -> str | None: ...
+    def ready_reason(self) -> str | None: ...
+
+
+class MetricsHTTP:
+    """`/metrics` of one registry on host:port (0 = a free port) in a daemon thread, always in
+    the Prometheus text format: prometheus_client's OpenMetrics output (what a Prometheus server
+    asks for first) writes `kvmesh:x_total` as `kvmesh_x_total`, so the Accept header is ignored
+    and the names stay vLLM-style, as on the router. With `probes`, `/livez` and `/readyz`
+    answer 200 "ok" or 503 and the reason (text/plain); every other path is the metrics app's."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, probes: Probes | None = None) -> None:
+        app = make_wsgi_app(registry)
+        checks = {"/livez": probes.live_reason, "/readyz": probes.ready_reason} if probes is not None else {}
+
+        def text_only(environ: dict[str, Any], start_response: Any) -> Any:
+            check = checks.get(environ.get("PATH_INFO", ""))
+            if check is not None:
+                reason = check()
+                body = ("ok" if reason is None else reason).encode() + b"\n"
+                start_response("200 OK" if reason is None else "503 Service Unavailable",
+                               [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+                return [body]
+            return app({k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}, start_response)
+        self._server: WSGIServer = make_server(host, port, text_only, ThreadingWSGIServer, handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:   # no access line per scrape on stderr
+        pass
+
+
+async def refresh_forever(metrics: WorkerMetrics, ae: AsyncEngine, peer: PeerPlane | None,
+                          interval_s: float = 0.5) -> None:
+    """Feed `metrics.update_stats` from an engine `Snapshot` every `interval_s` until cancelled."""
+    while True:
+        stats = await ae.run(Snapshot())
+        metrics.update_stats(stats, PeerTotals.from_counters(peer.figures().counters) if peer else None)
+        await asyncio.sleep(interval_s)
+
+
+def generate_metered(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                     metrics: WorkerMetrics | None, refresh_s: float = 0.5) -> tuple[float, int]:
+    """Run `prompts` to completion as one batch, feeding `metrics` (None: no metrics) as the
+    server does: every output to its request's `TokenGaps`, every final one to
+    `observe_finished`, an engine snapshot every `refresh_s`. Returns (seconds, tokens made)."""
+    t0 = last = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    gaps = {rid: metrics.token_gaps() for rid in ids} if metrics is not None else {}
+    done = tokens = 0
+    while done < len(ids):
+        for out in engine.step():
+            if metrics is not None:
+                gaps[out.request_id].output(out)
+                if out.finished:
+                    metrics.observe_finished(out)
+            if out.finished:
+                done += 1
+                tokens += out.completion_tokens
+        if metrics is not None and time.perf_counter() - last >= refresh_s:
+            metrics.update_stats(engine.stats())
+            last = time.perf_counter()
+    return time.perf_counter() - t0, tokens
+
+
+def metrics_cost(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], runs: int) -> dict[str, Any]:
+    """Decode throughput of one workload with metrics off and on, interleaved, best of `runs`
+    each."""
+    metrics = WorkerMetrics.for_engine(engine, "bench")
+    best = {"off": 0.0, "on": 0.0}
+    for _ in range(runs):
+        for mode in ("off", "on"):
+            engine.store.reset_prefix_cache()
+            seconds, tokens = generate_metered(engine, prompts, params, metrics if mode == "on" else None)
+            best[mode] = max(best[mode], tokens / seconds)
+    ratio = best["on"] / best["off"]
+    return {"off_tok_s": best["off"], "on_tok_s": best["on"], "on_vs_off": ratio, "within_3pct": ratio >= 0.97,
+            "runs": runs}
