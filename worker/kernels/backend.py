@@ -18,8 +18,6 @@ triton backend is chosen.
 from __future__ import annotations
 
 import enum
-import importlib.util
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,6 +26,7 @@ import torch
 from kvstore.quant import KVCache
 from worker.kernels import native, reference
 from worker.kernels.reference import AttnMetadata
+from worker.kernels.triton_env import triton_available, triton_interpreted
 
 
 class AttentionBackend(enum.Enum):
@@ -69,15 +68,6 @@ def parse_backend(name: str | AttentionBackend) -> AttentionBackend:
         return AttentionBackend(name)
     except ValueError:
         raise ValueError(f"attention_backend={name!r}; accepted: {', '.join(ATTENTION_BACKENDS)}") from None
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels would run in the interpreter (CPU tensors), not compiled."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def resolve_backend(requested: str | AttentionBackend, device: torch.device) -> AttentionBackend:

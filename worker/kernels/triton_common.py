@@ -36,7 +36,7 @@ import triton.language as tl
 
 from kvstore.layout import KVQuant
 from kvstore.quant import INT4_LEVELS, KVCache, QuantizedKV
-from worker.kernels.backend import triton_interpreted
+from worker.kernels.triton_env import triton_interpreted
 
 
 class Quant(enum.IntEnum):
