@@ -14,7 +14,7 @@ setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model $(VENV)/.stamp-kernels .tools/bi
 	@command -v redis-server >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
 	  else echo "redis-server missing: install it (apt-get install redis-server)"; exit 1; fi; }
-	@# Partition tests (tests/podnet.py): iptables inside network namespaces (skipped without it).
+	@# Partition tests (tests/support/podnet.py): iptables inside network namespaces (skipped without it).
 	@command -v iptables >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq iptables >/dev/null; \
 	  else echo "iptables missing: the partition tests skip (apt-get install iptables)"; fi; }

@@ -1,4 +1,4 @@
-"""tests/podspec.py: Kubernetes' `$(VAR)` expansion and env resolution, applied to the rendered
+"""tests/support/podspec.py: Kubernetes' `$(VAR)` expansion and env resolution, applied to the rendered
 chart as the pod-network tests run it (no namespaces needed here)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helm.manifests import HELM
-from tests.podspec import expand, render_chart
+from tests.support.podspec import expand, render_chart
 
 
 @pytest.mark.parametrize(("text", "want"), [

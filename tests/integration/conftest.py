@@ -1,4 +1,4 @@
-"""A failed test that ran on a pod cluster (tests/podnet.py, fixture `cl`) prints its pods' log tails."""
+"""A failed test that ran on a pod cluster (tests/support/podnet.py, fixture `cl`) prints its pods' log tails."""
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -60,7 +60,7 @@ def _assert_equal_or_near_tie(outcomes: list[Outcome], baseline: dict[int, Outco
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.worker.oracle import assert_greedy_match, hf_logits_fn
+    from tests.support.oracle import assert_greedy_match, hf_logits_fn
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     for o in differing:

@@ -1,4 +1,4 @@
-"""The worker lifecycle on the rendered chart run as processes (tests/podnet.py: one network namespace per
+"""The worker lifecycle on the rendered chart run as processes (tests/support/podnet.py: one network namespace per
 pod, each process started with exactly the command line and env the manifests give it):
 
 - scaling 2 -> 3 -> 2 workers with traffic flowing through the router: no request fails, the
@@ -25,8 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.health import LIVENESS_SERVICE
 from kvmesh.bench.chaos_harness import wait_until
-from tests.podnet import PodCluster, skip_reason
-from tests.podnet_client import on_worker, prompt, running, via_router, workers_up
+from tests.support.podnet import PodCluster, skip_reason
+from tests.support.podnet_client import on_worker, prompt, running, via_router, workers_up
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,5 +1,5 @@
 """Partitions on the rendered chart run as processes, one network namespace
-per pod (tests/podnet.py): Redis, the router and two workers exactly as the manifests start them,
+per pod (tests/support/podnet.py): Redis, the router and two workers exactly as the manifests start them,
 traffic cut with iptables DROP inside one pod's namespace.
 
 - worker <-> Redis: the worker keeps serving at its speed; after the heal the router's block
@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.bench.chaos_harness import wait_until
-from tests.podnet import PodCluster, skip_reason
-from tests.podnet_client import (FULL, Reply, cluster_doc, index_matches_worker, load, on_worker, prompt,
+from tests.support.podnet import PodCluster, skip_reason
+from tests.support.podnet_client import (FULL, Reply, cluster_doc, index_matches_worker, load, on_worker, prompt,
                                  running, via_router, workers_up)
 
 pytestmark = pytest.mark.multiproc

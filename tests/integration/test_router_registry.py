@@ -25,7 +25,7 @@ import pytest
 from contracts.tokenizer import tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from kvmesh.serve.processes import Child, spawn, terminate
-from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
 

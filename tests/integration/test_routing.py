@@ -36,7 +36,7 @@ from router.routing.errors import UpstreamError
 from router.index.blocks import BlockIndex
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from router.server import RouterServer
-from tests.redis_server import REDIS_SERVER, RedisServer
+from tests.support.redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
 

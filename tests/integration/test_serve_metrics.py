@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.test_serve import ROOT, _launch_serve
-from tests.prometheus_server import Prometheus, needs_prometheus
+from tests.support.prometheus_server import Prometheus, needs_prometheus
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 PREFIX = ("You are a careful assistant. Answer every question about European geography in one short "

@@ -25,7 +25,7 @@ from kvstore.metadata.registry import (Heartbeater, MetadataError, MetadataUnava
 from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored
 from kvstore.metadata.streams import EventConsumer, EventPublisher
 from router.index.blocks import BlockIndex
-from tests.redis_server import RedisServer, redis_server, redis_server_factory  # noqa: F401
+from tests.support.redis_server import RedisServer, redis_server, redis_server_factory  # noqa: F401
 
 BS = 4
 SALT = HashSalt("test-model", "test-tok", "fp16", BS).digest()

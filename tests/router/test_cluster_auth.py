@@ -40,7 +40,7 @@ from router.security.attest import Admitter, Verdict
 from router.config import RouterConfig
 from kvmesh.serve.processes import start_redis, terminate
 from router.server import RouterServer
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 from tests.router.test_router import NUM_BLOCKS, LoopThread
 
 TOKEN = "test-cluster-token-0123456789abcdef"

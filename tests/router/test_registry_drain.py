@@ -2,7 +2,7 @@
 drain: a worker that reports NOT_SERVING, deregisters or expires leaves routing and
 its blocks leave the block index at once; one that serves again gets its blocks back through
 an inventory. Real redis-server, real BlockIndex / EventConsumer / EventPublisher; the workers
-are in-process fakes (tests/router/fake_worker.py) that write their records and events with
+are in-process fakes (tests/support/fake_worker.py) that write their records and events with
 the real kvstore classes.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.routing.types import RouteRequest
 from router.server import RouterServer
-from tests.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
-from tests.router.fake_worker import FakeWorker
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
+from tests.support.fake_worker import FakeWorker
 
 pytestmark = pytest.mark.redis
 

@@ -1,5 +1,5 @@
 """The router's tokenizer from a worker and its
-readiness / liveness split, against in-process fake workers (tests/router/fake_worker.py).
+readiness / liveness split, against in-process fake workers (tests/support/fake_worker.py).
 
 Oracles: the digest is `contracts.tokenizer.tokenizer_files_digest` (the worker's, pinned in
 tests/contracts/test_tokenizer_files.py); the prompt ids a worker receives equal
@@ -27,7 +27,7 @@ from router.routing.errors import RouterStartError
 from router.server import RouterServer, add_router_arguments
 from router.workers.tokenizer import (TokenizerMismatch, cache_dir, check_files, load_cached,
                                      resolve_tokenizer_source, store)
-from tests.router.fake_worker import FakeWorker, tiny_tokenizer_files
+from tests.support.fake_worker import FakeWorker, tiny_tokenizer_files
 
 ROUTER = "kvmesh.v1.Router"
 MESSAGES = [{"role": "user", "content": "the capital of france is"}]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.worker.oracle import assert_greedy_match, hf_greedy, hf_logits_fn
+from tests.support.oracle import assert_greedy_match, hf_greedy, hf_logits_fn
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sampling import SamplingParams
 

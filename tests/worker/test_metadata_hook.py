@@ -17,7 +17,7 @@ from kvstore.metadata.registry import RedisConfig
 from kvstore.pool import BlockPool
 from kvstore.metadata.streams import EventConsumer, EventPublisher
 from router.index.blocks import BlockIndex
-from tests.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from worker.server.metadata_hook import PublishThread, Shadow
 
 BS = 4

@@ -1,4 +1,4 @@
-"""The network half of tests/podnet.py: one "cluster" network namespace with a Linux bridge,
+"""The network half of tests/support/podnet.py: one "cluster" network namespace with a Linux bridge,
 one namespace per pod joined to it by a veth pair (own IP 10.77.S.N/24 and loopback), a veth
 from the root namespace for the test process (10.77.S.254), per-pod hosts files standing in for
 cluster DNS (/etc/netns/<ns>/hosts, which `ip netns exec` mounts over /etc/hosts), and iptables

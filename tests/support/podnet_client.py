@@ -1,4 +1,4 @@
-"""Client calls into a `tests.podnet.PodCluster` from the test process: a worker's Generate
+"""Client calls into a `tests.support.podnet.PodCluster` from the test process: a worker's Generate
 (with a peer hint) and GetLoad with the cluster token, a greedy request through the router,
 the router's /v1/cluster and /metrics, and a prompt of random token ids.
 """
@@ -16,7 +16,7 @@ import grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from kvmesh.bench.chaos_harness import wait_until
-from tests.podnet import PodCluster
+from tests.support.podnet import PodCluster
 
 BLOCK = 16
 PROMPT_TOKENS = 97           # 6 full blocks may come from a cache (the last token never does)

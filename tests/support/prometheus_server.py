@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 needs_prometheus = pytest.mark.skipif(not Path(PROMETHEUS).exists(),

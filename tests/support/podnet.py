@@ -1,7 +1,7 @@
 """A pod network for process tests: the rendered chart run as local processes, one network
 namespace per pod.
 
-Network (`PodNet`, tests/podnet_ns.py): a "cluster" namespace holding a Linux bridge; one namespace per pod, joined
+Network (`PodNet`, tests/support/podnet_ns.py): a "cluster" namespace holding a Linux bridge; one namespace per pod, joined
 to the bridge by a veth pair, with its own loopback and IP (10.77.S.N/24, S random per run);
 the test process (root namespace) reaches pods through one more veth into the bridge
 (10.77.S.254). Each pod namespace gets /etc/netns/<ns>/hosts, which `ip netns exec` mounts
@@ -10,7 +10,7 @@ over /etc/hosts: it stands in for cluster DNS, mapping every name the manifests 
 to their one pod) to pod IPs. A pod also gets its own UTS namespace with hostname = pod name,
 as a kubelet gives it (gloo resolves the hostname to pick its interface).
 
-Processes (`PodCluster`): `tests.podspec` gives each container's argv and env exactly as the
+Processes (`PodCluster`): `tests.support.podspec` gives each container's argv and env exactly as the
 manifests say; `kvmesh` runs as this repo's CLI (`.venv/bin/kvmesh`, else `python -m
 kvmesh.cli`, with PYTHONPATH = this checkout), `redis-server` as installed. What differs from
 a kubelet: no mount namespace (the chart's volumes are real directories: values point
@@ -37,8 +37,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helm.manifests import Doc
-from tests.podnet_ns import PodNet, remove_stale, skip_reason
-from tests.podspec import ContainerRun, PodSpecs, render_chart
+from tests.support.podnet_ns import PodNet, remove_stale, skip_reason
+from tests.support.podspec import ContainerRun, PodSpecs, render_chart
 
 __all__ = ["Pod", "PodCluster", "PodNet", "base_values", "remove_stale", "skip_reason"]
 
