@@ -9,6 +9,7 @@ from contracts.cluster_token import check_token
 from contracts.tls import PLAINTEXT, TlsConfig
 
 from router.security.auth import ApiKey
+from router.routing.scorers import DEFAULT_LOAD_FACTOR, check_load_factor
 from router.routing.types import RoutingPolicy
 
 
@@ -53,7 +54,7 @@ class RouterConfig:
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
     routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
-    load_factor: float = 1.25
+    load_factor: float = DEFAULT_LOAD_FACTOR
     api_keys: tuple[ApiKey, ...] = ()       # client keys (router/security/auth.py); () = no authentication
     http_read_timeout_s: float = 30.0       # reading one HTTP request body (router/fronts/openai/guard.py)
     http_idle_timeout_s: float = 75.0       # an idle HTTP keep-alive connection is closed after this
@@ -88,8 +89,7 @@ class RouterConfig:
             raise ValueError(f"migration_limit={self.migration_limit!r} must be an integer >= 0")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be >= 0")
-        if not self.load_factor >= 1.0:
-            raise ValueError(f"load_factor={self.load_factor!r} must be >= 1 (1.25 is the default)")
+        check_load_factor(self.load_factor)
         for a in self.worker_addresses:
             if not isinstance(a, str) or ":" not in a:
                 raise ValueError(f"worker_addresses: {a!r} is not HOST:PORT")

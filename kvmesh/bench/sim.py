@@ -31,6 +31,7 @@ from kvstore.pool import BlockId, BlockPool, BlockRemoved, BlockStored
 from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightConfig, InFlightPrefills
 from router.routing.policy import make_policy
+from router.routing.scorers import DEFAULT_LOAD_FACTOR
 from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
 _SALT = b"kvmesh-sim"
@@ -47,7 +48,7 @@ class SimConfig:
     num_requests: int = 4000
     mean_in_flight: float = 4.0      # offered load per worker (Little's law)
     block_size: int = 16
-    load_factor: float = 1.25
+    load_factor: float = DEFAULT_LOAD_FACTOR
     prefill_tokens_per_s: float = 4096.0   # a cold 38-block prompt: ~0.15 of the mean decode time
     seed: int = 0
 

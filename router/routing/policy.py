@@ -24,8 +24,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from router.routing.types import Filter, RouteRequest, RoutingPolicy, RoutingState, Scorer, WorkerId, WorkerInfo
-from router.routing.scorers import (BoundedLoadFilter, InverseLoadScorer, PrefillCostScorer, RingScorer,
-                            RotationScorer)
+from router.routing.scorers import (DEFAULT_LOAD_FACTOR, BoundedLoadFilter, InverseLoadScorer, PrefillCostScorer,
+                                    RingScorer, RotationScorer, check_load_factor)
 
 # Scores are rounded before comparing so float noise cannot beat the tie-break.
 _DIGITS = 9
@@ -96,9 +96,8 @@ POLICIES: dict[RoutingPolicy, Callable[[float], Policy]] = {
 }
 
 
-def make_policy(name: RoutingPolicy | str, load_factor: float = 1.25) -> Policy:
+def make_policy(name: RoutingPolicy | str, load_factor: float = DEFAULT_LOAD_FACTOR) -> Policy:
     """A fresh policy (its rotation and ring state are its own); raises ValueError for an
     unknown name or a load_factor below 1."""
-    if not load_factor >= 1.0:
-        raise ValueError(f"load_factor={load_factor!r} must be >= 1")
+    check_load_factor(load_factor)
     return POLICIES[RoutingPolicy.parse(name)](load_factor)

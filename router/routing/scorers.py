@@ -2,11 +2,7 @@
 per worker, and the bounded-load filter. Each reads only the `RoutingState` it is given;
 missing data scores 0 and never raises.
 
-- `PrefixCacheScorer`  cached leading prompt blocks (from the block index) / prompt blocks.
-- `LoadScorer`         1 − in_flight / bounded-load cap: headroom under the cap.
 - `InverseLoadScorer`  1 / (1 + in_flight): fewest in-flight requests scores highest.
-- `FreeKVScorer`       free KV blocks, saturating at `low_kv_frac` of the pool: only a pool
-                       running low loses score (small differences are noise from a stale GetLoad).
 - `RingScorer`         position on a consistent-hash ring keyed by the first K prompt blocks:
                        the first worker clockwise from the key scores 1, the last ~0.
 - `RotationScorer`     a rotating order over worker ids (round robin; spreads ties).
@@ -60,9 +56,13 @@ def fair_share(pool: Sequence[WorkerInfo], state: RoutingState) -> float:
     return (sum(max(0.0, state.mean_in_flight.get(w.worker_id, 0.0)) for w in pool) + 1.0) / max(1, len(pool))
 
 
-def _check_load_factor(load_factor: float) -> None:
+DEFAULT_LOAD_FACTOR = 1.25   # c of the bounded-load filter: `--load-factor`, RouterConfig, the simulator
+
+
+def check_load_factor(load_factor: float) -> None:
+    """ValueError naming `load_factor` unless it is >= 1 (below 1 no worker may be under the cap)."""
     if not load_factor >= 1.0:
-        raise ValueError(f"load_factor={load_factor!r} must be >= 1")
+        raise ValueError(f"load_factor={load_factor!r} must be >= 1 ({DEFAULT_LOAD_FACTOR} is the default)")
 
 
 class HashRing:
@@ -103,53 +103,11 @@ class HashRing:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefixCacheScorer:
-    """Leading prompt blocks the index says the worker holds / the prompt's full blocks."""
-
-    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
-        n_blocks = max(1, len(request.block_hashes))
-        return {w.worker_id: min(1.0, max(0, state.cached_blocks.get(w.worker_id, 0)) / n_blocks) for w in pool}
-
-
-@dataclass(frozen=True, slots=True)
-class LoadScorer:
-    """Headroom under the bounded-load cap of the pool: 1 idle, 0 at or over the cap."""
-
-    load_factor: float = 1.25
-
-    def __post_init__(self) -> None:
-        _check_load_factor(self.load_factor)
-
-    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
-        cap = _pool_cap(pool, state, self.load_factor)
-        return {w.worker_id: 1.0 - min(1.0, state.load(w.worker_id).in_flight / cap) for w in pool}
-
-
-@dataclass(frozen=True, slots=True)
 class InverseLoadScorer:
     """1 / (1 + in_flight): strictly decreasing in the router's in-flight count, no cap."""
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         return {w.worker_id: 1.0 / (1 + max(0, state.load(w.worker_id).in_flight)) for w in pool}
-
-
-@dataclass(frozen=True, slots=True)
-class FreeKVScorer:
-    """min(1, free fraction / low_kv_frac); a worker that has not reported its pool scores 0."""
-
-    low_kv_frac: float = 0.1
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.low_kv_frac <= 1.0:
-            raise ValueError(f"low_kv_frac={self.low_kv_frac!r} must be in (0, 1]")
-
-    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
-        out = {}
-        for w in pool:
-            ld = state.load(w.worker_id)
-            out[w.worker_id] = (min(1.0, max(0, ld.free_blocks) / (self.low_kv_frac * ld.num_blocks))
-                                if ld.num_blocks > 0 else 0.0)
-        return out
 
 
 @dataclass(slots=True)
@@ -306,11 +264,11 @@ class BoundedLoadFilter:
     another worker, which in a full cache evicts someone else's prefix. Placing a prefix on a
     worker (every other case) stays under the cap itself."""
 
-    load_factor: float = 1.25
+    load_factor: float = DEFAULT_LOAD_FACTOR
     holder_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_load_factor(self.load_factor)
+        check_load_factor(self.load_factor)
         if not self.holder_factor >= 1.0:
             raise ValueError(f"holder_factor={self.holder_factor!r} must be >= 1")
 

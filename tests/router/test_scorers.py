@@ -10,13 +10,11 @@ from hypothesis import given, settings, strategies as st
 from kvstore.keys import block_hashes
 from router.routing.policy import POLICIES, Policy, Weighted, make_policy
 from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
-from router.routing.scorers import (BoundedLoadFilter, FreeKVScorer, HashRing, InverseLoadScorer, LoadScorer,
-                            PrefillCostScorer, PrefixCacheScorer, RingScorer, RotationScorer, fair_share, load_cap,
-                            route_key)
+from router.routing.scorers import (DEFAULT_LOAD_FACTOR, BoundedLoadFilter, HashRing, InverseLoadScorer,
+                                    PrefillCostScorer, RingScorer, RotationScorer, fair_share, load_cap, route_key)
 
 SALT = b"scorer-salt"
-SCORERS = [PrefixCacheScorer(), LoadScorer(), InverseLoadScorer(), FreeKVScorer(), RingScorer(), RotationScorer(),
-           PrefillCostScorer()]
+SCORERS = [InverseLoadScorer(), RingScorer(), RotationScorer(), PrefillCostScorer()]
 
 
 def _workers(n: int) -> list[WorkerInfo]:
@@ -48,34 +46,12 @@ def test_every_scorer_scores_every_worker_in_0_1_and_never_raises_on_missing_dat
         assert all(0.0 <= s <= 1.0 for s in scores.values()), (scorer, scores)
 
 
-def test_missing_data_scores_zero():
-    workers, route = _workers(3), _route(1)
-    assert set(PrefixCacheScorer().score(workers, route, RoutingState()).values()) == {0.0}
-    assert set(FreeKVScorer().score(workers, route, RoutingState()).values()) == {0.0}
-
-
-def test_prefix_cache_scorer_is_the_cached_fraction():
-    workers, route = _workers(3), _route(2, blocks=5)
-    state = RoutingState(cached_blocks={"w0": 5, "w1": 2, "w2": 9})   # 9 > 5: stale index, capped
-    assert PrefixCacheScorer().score(workers, route, state) == {"w0": 1.0, "w1": 0.4, "w2": 1.0}
-
-
-def test_load_scorer_is_headroom_under_the_pool_cap():
-    workers = _workers(4)
-    loads = {"w0": WorkerLoad(0), "w1": WorkerLoad(1), "w2": WorkerLoad(2), "w3": WorkerLoad(5)}
-    cap = load_cap(8, 4, 1.25)          # ceil(1.25 × 9 / 4) = 3
-    assert cap == 3
-    scores = LoadScorer(1.25).score(workers, _route(0), RoutingState(loads))
-    assert scores == pytest.approx({"w0": 1.0, "w1": 2 / 3, "w2": 1 / 3, "w3": 0.0})
-
-
-def test_inverse_load_and_free_kv():
+def test_inverse_load_is_one_over_one_plus_in_flight():
     workers = _workers(3)
     loads = {"w0": WorkerLoad(0, 0, 100), "w1": WorkerLoad(3, 5, 100), "w2": WorkerLoad(1, 60, 100)}
     state = RoutingState(loads)
     assert InverseLoadScorer().score(workers, _route(0), state) == {"w0": 1.0, "w1": 0.25, "w2": 0.5}
-    # saturates at 10 % free: 5 % free is half, 60 % free is full, none free is 0
-    assert FreeKVScorer(0.1).score(workers, _route(0), state) == pytest.approx({"w0": 0.0, "w1": 0.5, "w2": 1.0})
+    assert InverseLoadScorer().score(workers, _route(0), RoutingState()) == {"w0": 1.0, "w1": 1.0, "w2": 1.0}
 
 
 def test_ring_scorer_follows_the_ring_clockwise_from_the_key():
@@ -113,8 +89,8 @@ def test_bounded_load_filter_keeps_exactly_the_workers_under_the_cap(n, c, loads
 
 
 def test_bad_parameters_are_value_errors():
-    for make in (lambda: LoadScorer(0.5), lambda: BoundedLoadFilter(0.9), lambda: FreeKVScorer(0.0),
-                 lambda: RingScorer(num_prefix_blocks=0), lambda: Weighted(PrefixCacheScorer(), -1.0),
+    for make in (lambda: BoundedLoadFilter(0.9),
+                 lambda: RingScorer(num_prefix_blocks=0), lambda: Weighted(InverseLoadScorer(), -1.0),
                  lambda: make_policy("fastest"), lambda: make_policy(RoutingPolicy.KV_AWARE, 0.5),
                  lambda: PrefillCostScorer(running_cost_tokens=-1.0), lambda: PrefillCostScorer(prefill_weight=0.5),
                  lambda: PrefillCostScorer(sustained_cost_tokens=-1.0), lambda: BoundedLoadFilter(1.25, holder_factor=0.5)):
@@ -131,7 +107,7 @@ def test_weighted_pick_matches_brute_force(data, seed, w, exclude):
     n, state = data
     workers, route = _workers(n), _route(seed)
     excluded = {WorkerId(f"w{i}") for i in exclude}
-    scorers = (PrefixCacheScorer(), LoadScorer(1.25), FreeKVScorer())
+    scorers = (PrefillCostScorer(), InverseLoadScorer(), RingScorer(num_prefix_blocks=1))
     policy = Policy(RoutingPolicy.KV_AWARE, tuple(Weighted(s, x) for s, x in zip(scorers, w)),
                     (BoundedLoadFilter(1.25),), tiebreak=RingScorer())
     chosen = policy.pick(workers, route, state, exclude=excluded)
