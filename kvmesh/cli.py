@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from contracts.cli import CLIError
 from kvmesh import client, plan
-from kvmesh.bench import chaos as bench_chaos, engine as bench, routing as router_bench, transfer as bench_transfer
+from kvmesh.bench import chaos as bench_chaos, docs as bench_docs, engine as bench, routing as router_bench, transfer as bench_transfer
 from kvmesh.serve import cli as serve_cli
 from router import server
 from worker import cli as wcli
@@ -38,6 +38,7 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     bench_transfer.register(bsub)
     router_bench.register(bsub)
     bench_chaos.register(bsub)
+    bench_docs.register(bsub)
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:

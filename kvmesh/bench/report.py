@@ -1,20 +1,100 @@
 """The one writer of benchmark results, torch-free so that `kvmesh bench router` (router)
-and the worker's benches (`kvmesh.bench.engine`) print and save their JSON the same way."""
+and the worker's benches (`kvmesh.bench.engine`) print and save their JSON the same way.
+
+Every result gets a `meta` block: the command that produced it, the UTC date and the machine.
+`kvmesh bench docs` renders `docs/benchmarks.md` from result files carrying it.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["emit"]
+__all__ = ["emit", "run_meta", "machine_summary"]
+
+_INTERNAL_FLAGS = ("--in-netns",)  # set by a bench re-running itself, not by the user
 
 
 def emit(result: dict[str, Any], path: Path | None) -> int:
-    """Print a benchmark's JSON and, with --json PATH, write it there; returns exit status 0."""
+    """Print a benchmark's JSON and, with --json PATH, write it there; returns exit status 0.
+
+    Adds `result["meta"]` (`run_meta()`) unless the bench set one itself.
+    """
+    result.setdefault("meta", run_meta())
     text = json.dumps(result, indent=2)
     print(text)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
     return 0
+
+
+def run_meta(argv: Sequence[str] | None = None, now: datetime.datetime | None = None) -> dict[str, Any]:
+    """`{"bench", "command", "argv", "date", "machine"}` of this process's run.
+
+    `command` is the `kvmesh ...` command line when the process is the kvmesh CLI (the console
+    script or `python -m kvmesh.cli`), else None (a bench called from a test); `bench` is the
+    subcommand after `bench` in it.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    prog = Path(argv[0]).name if argv else ""
+    is_cli = prog == "kvmesh" or (bool(argv) and argv[0].replace(os.sep, "/").endswith("kvmesh/cli.py"))
+    args = [a for a in argv[1:] if a not in _INTERNAL_FLAGS] if is_cli else []
+    bench = args[args.index("bench") + 1] if "bench" in args[:-1] else None
+    when = (now or datetime.datetime.now(datetime.timezone.utc)).astimezone(datetime.timezone.utc)
+    return {
+        "bench": bench,
+        "command": shlex.join(["kvmesh", *args]) if is_cli else None,
+        "argv": argv,
+        "date": when.isoformat(timespec="seconds"),
+        "machine": machine_summary(),
+    }
+
+
+def machine_summary() -> dict[str, Any]:
+    """What the machine is, without importing torch: CPU model, cores, memory, OS, Python, the
+    load average (1, 5, 15 min) when the result is written, and torch's version and device when
+    the bench has loaded torch."""
+    out: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        out["torch"] = torch.__version__
+        out["torch_threads"] = torch.get_num_threads()
+        out["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux
+        lines = []
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return None
+    for line in lines:
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)
+    return None
