@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+# Fixtures from the shared harnesses, available to every test without an import.
+pytest_plugins = ["tests.support.redis_server"]
+
 TINY_KINDS: tuple[str, ...] = (
     "llama-mha", "llama-gqa", "llama-mqa", "llama3-rope", "mistral-swa", "qwen2-bias",
 )

@@ -17,9 +17,28 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helm.manifests import (AUTOSCALING_EXAMPLE, CHART, GPU_EXAMPLE, HELM, NAMESPACE, RELEASE, ROOT, Doc,
-                                  check_references, check_service_monitor, container, env_value, kvmesh_parser, matches,
-                                  one, parse_cli, pod_labels, render, run_helm, snake, validate_all)
+from tests.helm.manifests import (
+    AUTOSCALING_EXAMPLE,
+    CHART,
+    GPU_EXAMPLE,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    Doc,
+    check_references,
+    check_service_monitor,
+    container,
+    env_value,
+    kvmesh_parser,
+    matches,
+    one,
+    parse_cli,
+    pod_labels,
+    render,
+    run_helm,
+    snake,
+    validate_all,
+)
 
 # Every engine/worker/router value set to something other than both the chart's and the CLI's
 # defaults, so a value that never reaches the command line cannot pass by coincidence.
@@ -59,13 +78,6 @@ VALUE_SETS: dict[str, Doc] = {
                                                 "metricsIngressFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}]}},
     "all-values": ALL_VALUES,
 }
-
-
-@pytest.fixture(scope="session")
-def helm() -> Path:
-    if not (HELM.is_file() and HELM.stat().st_mode & 0o111):
-        pytest.fail(f"{HELM} is missing: run scripts/install-helm.sh (make setup does)", pytrace=False)
-    return HELM
 
 
 # -- lint and render --------------------------------------------------------------------

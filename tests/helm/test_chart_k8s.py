@@ -13,10 +13,27 @@ import pytest
 import yaml
 
 from contracts.health import LIVENESS_SERVICE
-from tests.helm.manifests import (AUTOSCALING_EXAMPLE, CHART, GPU_EXAMPLE, KEDA, NAMESPACE, RELEASE, Doc,
-                                  check_references, container, kvmesh_parser, matches, one, parse_cli, subcommands,
-                                  pod_labels, probe_spec, render, run_helm, validate_all)
-from tests.helm.test_chart import helm  # noqa: F401  (the session fixture)
+from tests.helm.manifests import (
+    AUTOSCALING_EXAMPLE,
+    CHART,
+    GPU_EXAMPLE,
+    KEDA,
+    NAMESPACE,
+    RELEASE,
+    Doc,
+    check_references,
+    container,
+    kvmesh_parser,
+    matches,
+    one,
+    parse_cli,
+    pod_labels,
+    probe_spec,
+    render,
+    run_helm,
+    subcommands,
+    validate_all,
+)
 from tests.helm.test_monitoring import exported_names
 
 WORKER_STS = f"{RELEASE}-kvmesh-worker"

@@ -12,9 +12,21 @@ import pytest
 import yaml
 
 from router.security.auth import parse_keys_file
-from tests.helm.manifests import (CHART, NAMESPACE, RELEASE, Doc, check_references, container, env_value, one, parse_cli,
-                                  probe_spec, render, run_helm, validate_all)
-from tests.helm.test_chart import helm  # noqa: F401  (the session fixture)
+from tests.helm.manifests import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    Doc,
+    check_references,
+    container,
+    env_value,
+    one,
+    parse_cli,
+    probe_spec,
+    render,
+    run_helm,
+    validate_all,
+)
 
 TLS_SECRET: Doc = {"security": {"tls": {"enabled": True, "existingSecret": "kv-tls"},
                                  "apiKeys": {"existingSecret": "kv-keys"}}}

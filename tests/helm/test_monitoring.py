@@ -10,12 +10,10 @@ from pathlib import Path
 
 from kvstore.metadata.streams import ConsumerStats
 from router.config import RouterConfig
-from router.routing.core import Router
 from router.observe.metrics import RouterMetrics
+from router.routing.core import Router
 from router.workers.registry import WorkerRegistry
-from tests.helm.manifests import (CHART, NAMESPACE, container, matches, one, pod_labels, render, run_helm,
-                                  validate_all)
-from tests.helm.test_chart import helm  # noqa: F401 - the fixture
+from tests.helm.manifests import CHART, NAMESPACE, container, matches, one, pod_labels, render, run_helm, validate_all
 from worker.engine.config import EngineStats
 from worker.server.metrics import PeerTotals, WorkerMetrics
 

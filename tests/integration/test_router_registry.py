@@ -23,9 +23,10 @@ import openai
 import pytest
 
 from contracts.tokenizer import tokenizer_files_digest
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from kvmesh.serve.processes import Child, spawn, terminate
-from tests.support.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]
 

@@ -16,16 +16,34 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.events import (MAX_HASHES_PER_ENTRY, EventDecodeError, EventType, Tier, Verdict,
-                            WireEvent, WorkerCursor, WorkerId, decode_event, encode_event,
-                            from_pool_events, inventory_events)
+from kvstore.events import (
+    MAX_HASHES_PER_ENTRY,
+    EventDecodeError,
+    EventType,
+    Tier,
+    Verdict,
+    WireEvent,
+    WorkerCursor,
+    WorkerId,
+    decode_event,
+    encode_event,
+    from_pool_events,
+    inventory_events,
+)
 from kvstore.keys import BlockHash, HashSalt, block_hashes
-from kvstore.metadata.registry import (Heartbeater, MetadataError, MetadataUnavailable, RedisConfig,
-                              WorkerRecord, WorkerRegistry, parse_redis_url)
-from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored
+from kvstore.metadata.registry import (
+    Heartbeater,
+    MetadataError,
+    MetadataUnavailable,
+    RedisConfig,
+    WorkerRecord,
+    WorkerRegistry,
+    parse_redis_url,
+)
 from kvstore.metadata.streams import EventConsumer, EventPublisher
+from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored
 from router.index.blocks import BlockIndex
-from tests.support.redis_server import RedisServer, redis_server, redis_server_factory  # noqa: F401
+from tests.support.redis_server import RedisServer
 
 BS = 4
 SALT = HashSalt("test-model", "test-tok", "fp16", BS).digest()

@@ -34,14 +34,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts.cluster_token import TOKEN_METADATA, attestation_mac, masked, token_from, verify_attestation
 from contracts.tls import TlsConfig
-from kvstore.metadata.registry import RedisConfig
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.security.attest import Admitter, Verdict
-from router.config import RouterConfig
 from kvmesh.serve.processes import start_redis, terminate
+from kvstore.metadata.registry import RedisConfig
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.security.attest import Admitter, Verdict
 from router.server import RouterServer
+from tests.router.test_router import NUM_BLOCKS
+from tests.support.loop_thread import LoopThread
 from tests.support.redis_server import RedisServer
-from tests.router.test_router import NUM_BLOCKS, LoopThread
 
 TOKEN = "test-cluster-token-0123456789abcdef"
 REDIS_PASSWORD = "test-redis-password-0123456789"
@@ -370,8 +372,8 @@ def test_serve_passes_tls_flags_and_secrets_to_its_children(tmp_path: Path) -> N
     worker's command line (parsed back with the real `kvmesh` parser); the token and the Redis URL
     go by environment only."""
     from kvmesh.cli import build_parser
-    from kvmesh.serve.local import LocalCluster, _worker_argv
     from kvmesh.serve.cli import config_from_args
+    from kvmesh.serve.local import LocalCluster, _worker_argv
     certs = make_certs(tmp_path)
     args = build_parser().parse_args(["serve", "--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
                                       "--tls-ca", str(certs.ca)])
@@ -397,8 +399,8 @@ def test_local_workers_split_the_cores_unless_threads_is_set() -> None:
     import os
 
     from kvmesh.cli import build_parser
-    from kvmesh.serve.local import _worker_argv
     from kvmesh.serve.cli import config_from_args
+    from kvmesh.serve.local import _worker_argv
     cores = len(os.sched_getaffinity(0))
     for workers in (1, 2, 64):
         cfg = config_from_args(build_parser().parse_args(["serve", "--workers", str(workers)]))

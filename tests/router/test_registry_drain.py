@@ -20,8 +20,8 @@ from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.routing.types import RouteRequest
 from router.server import RouterServer
-from tests.support.redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from tests.support.fake_worker import FakeWorker
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

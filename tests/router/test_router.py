@@ -10,46 +10,30 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.keys import block_hashes
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.routing.errors import RouterStartError
 from router.routing.policy import make_policy
 from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo
 from router.server import RouterServer
+from tests.support.loop_thread import LoopThread
 
-T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 256
 LONG_PREFIX = ("You are a careful assistant. Answer every question about European geography in one short "
                "sentence, and never add anything else. Countries, capitals, rivers and mountains only. ") * 2
-
-
-class LoopThread:
-    """An asyncio loop in a daemon thread; `run(coro)` blocks for its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 @dataclass
@@ -363,8 +347,8 @@ def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel
 
 
 def test_mismatched_workers_refuse_to_start(cluster: Cluster, tiny_model_dir: Any) -> None:
-    from worker.server.service import WorkerServer, WorkerServerConfig
     from worker.engine.engine import EngineConfig
+    from worker.server.service import WorkerServer, WorkerServerConfig
     tiny = WorkerServer(EngineConfig(model=str(tiny_model_dir("llama-gqa")), num_blocks=16),
                         WorkerServerConfig(worker_id="tiny"))
     cluster.lt.run(tiny.start())

@@ -17,19 +17,21 @@ from typing import Any
 
 import grpc
 import openai
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts.grpc_options import grpc_server_options
 from contracts.requests import BadRequest, ChatMessage, GenerateInput
 from contracts.sampling import SamplingParams
 from kvstore.keys import block_hashes, cache_salt_root
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.security.auth import ANONYMOUS, ApiKey, TenantId, parse_keys_file
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
-from router.server import RouterServer
+from router.security.auth import ANONYMOUS, ApiKey, TenantId, parse_keys_file
 from router.security.tenancy import TenantSalts, bound_max_tokens
-from tests.router.test_router import NUM_BLOCKS, LoopThread
+from router.server import RouterServer
+from tests.router.test_router import NUM_BLOCKS
+from tests.support.loop_thread import LoopThread
 
 KEYS = {"a": "sk-tenant-a-0001", "b": "sk-tenant-b-0002", "c": "sk-tenant-c-0003", "d": "sk-tenant-d-0004"}
 SYSTEM = ("You are the private assistant of the Lighthouse Keepers' Guild. Never reveal the guild's "
@@ -192,8 +194,8 @@ def test_max_tokens_limit_flag() -> None:
     import argparse
 
     from kvmesh.serve.cli import add_serve_arguments, config_from_args
-    from router.server import add_router_arguments
     from router.security.tenancy import limit_argv
+    from router.server import add_router_arguments
     for add in (add_router_arguments, add_serve_arguments):
         p = argparse.ArgumentParser()
         add(p)

@@ -19,10 +19,11 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.server import RouterServer
-from tests.router.test_router import LoopThread
+from tests.support.loop_thread import LoopThread
 
 NOTHING = "§ §"          # deleted by the tokenizer's normalizer: zero tokens
 WORDS = ["<unk>", "a", "b", "c", "hello", "world"]

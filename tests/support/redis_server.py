@@ -1,7 +1,7 @@
 """A real `redis-server` for tests: a child process on a free 127.0.0.1 port, in a temp dir,
 without persistence, so a restart on the same port comes back empty (like a crashed Redis).
 
-Test modules import the fixtures they use (`from tests.support.redis_server import redis_server`).
+Its fixtures (`redis_server`, `redis_server_factory`) are registered for every test by tests/conftest.py.
 Tests that need it are skipped when no redis-server binary is installed.
 """
 from __future__ import annotations

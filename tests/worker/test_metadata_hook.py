@@ -14,10 +14,10 @@ import pytest
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, from_pool_events
 from kvstore.keys import BlockHash, HashSalt, block_hashes
 from kvstore.metadata.registry import RedisConfig
-from kvstore.pool import BlockPool
 from kvstore.metadata.streams import EventConsumer, EventPublisher
+from kvstore.pool import BlockPool
 from router.index.blocks import BlockIndex
-from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.support.redis_server import RedisServer
 from worker.server.metadata_hook import PublishThread, Shadow
 
 BS = 4

@@ -16,9 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from tests.worker.test_server import LoopThread, collect, request, serving, tiny_cfg
-from worker.server.service import WorkerServer, WorkerServerConfig
+from tests.support.loop_thread import LoopThread
+from tests.worker.test_server import collect, request, serving, tiny_cfg
 from worker.server.cli import metrics_port_for
+from worker.server.service import WorkerServer, WorkerServerConfig
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -19,9 +19,10 @@ from contracts.logs import JsonFormatter
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.support.json_logs import json_logs
+from tests.support.loop_thread import LoopThread
 from tests.support.prometheus_server import Prometheus, needs_prometheus
 from tests.worker.test_metrics import scrape
-from tests.worker.test_server import LoopThread, collect, request, serving, wait_idle
+from tests.worker.test_server import collect, request, serving, wait_idle
 from worker.engine.engine import Engine, EngineConfig
 from worker.server.service import WorkerServer
 

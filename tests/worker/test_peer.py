@@ -18,19 +18,28 @@ import grpc
 import pytest
 import torch
 
-from kvstore.keys import BlockHash, block_hashes
-from kvstore.transfer.blocks import MAX_TRANSFER_ID
-from kvstore.transfer.group import free_port
-from kvstore.transfer.cost import LinkEstimate
 from contracts.requests import PeerHint, SendBlocksInput
 from contracts.wire import to_send_blocks_request
+from kvstore.keys import BlockHash, block_hashes
+from kvstore.transfer.blocks import MAX_TRANSFER_ID
+from kvstore.transfer.cost import LinkEstimate
+from kvstore.transfer.group import free_port
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from tests.worker.test_server import LoopThread, collect, request
+from tests.support.loop_thread import LoopThread
+from tests.worker.test_server import collect, request
 from worker.engine.engine import Engine, EngineConfig
-from worker.peer.plane import (ASSUMED_LINK, Decision, FaultPlan, PeerConfig, PeerPlane, PlanView, good_leading_run,
-                         plan_fetch)
 from worker.engine.sampling import SamplingParams
+from worker.peer.plane import (
+    ASSUMED_LINK,
+    Decision,
+    FaultPlan,
+    PeerConfig,
+    PeerPlane,
+    PlanView,
+    good_leading_run,
+    plan_fetch,
+)
 from worker.server.service import WorkerServer, WorkerServerConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

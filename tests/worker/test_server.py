@@ -5,7 +5,6 @@ The servers run on an event loop in a background thread; tests use plain synchro
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import queue
 import re
@@ -14,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
@@ -26,42 +25,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from tests.support.loop_thread import LoopThread
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sampling import SamplingParams
 from worker.server.service import WORKER_SERVICE, WorkerServer, WorkerServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = dict(max_tokens=506, ignore_eos=True)   # to max_model_len 512 from a 6-token prompt (~8 s) unless stopped
-
-
-class LoopThread:
-    """One asyncio loop in a daemon thread; `run` waits for a coroutine, `submit` does not."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-        return self.submit(coro).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def tiny_cfg(tiny_model_dir: Any, **overrides: Any) -> EngineConfig:
@@ -171,7 +143,7 @@ def test_model_info(channel, tiny_engine):
     assert info.model == tiny_engine.model_config.name and info.vocab_size == 256
     assert (info.max_model_len, info.block_size, info.kv_cache_dtype) == (512, 4, tiny_engine.layout.kv_cache_dtype)
     assert list(info.eos_token_ids) == [2] and info.hash_salt_hex == tiny_engine.salt.hex()
-    assert info.attention_backend == tiny_engine.attention_backend.value  # native or torch on CPU
+    assert info.attention_backend == tiny_engine.runner.attention_backend.value  # native or torch on CPU
 
 
 def test_health_and_reflection(channel):

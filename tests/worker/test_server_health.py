@@ -23,9 +23,18 @@ from contracts.health import LIVENESS_SERVICE
 from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from tests.support.redis_server import RedisServer, free_port, redis_server  # noqa: F401 - the fixture
-from tests.worker.test_server import (LONG, NOT_SERVING, ROOT, SERVING, assert_serves,  # noqa: F401
-                                      health_status, loop, request, serving, tiny_cfg)
+from tests.support.redis_server import RedisServer, free_port
+from tests.worker.test_server import (
+    LONG,
+    NOT_SERVING,
+    ROOT,
+    SERVING,
+    assert_serves,
+    health_status,
+    request,
+    serving,
+    tiny_cfg,
+)
 from worker.engine.engine import Engine
 from worker.server.health import WORKER_SERVICE
 from worker.server.service import WorkerServer, WorkerServerConfig

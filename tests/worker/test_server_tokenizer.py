@@ -15,11 +15,15 @@ import pytest
 
 import worker.server.load
 from contracts.cluster_token import TOKEN_METADATA
-from contracts.tokenizer import (MAX_TOKENIZER_MESSAGE_BYTES, ModelTokenizer, read_tokenizer_files,
-                                 tokenizer_files_digest)
+from contracts.tokenizer import (
+    MAX_TOKENIZER_MESSAGE_BYTES,
+    ModelTokenizer,
+    read_tokenizer_files,
+    tokenizer_files_digest,
+)
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from tests.worker.test_server import loop, serving  # noqa: F401 - the fixture
+from tests.worker.test_server import serving
 from worker.engine.engine import Engine, EngineConfig
 
 TOKEN = "tokenizer-test-cluster-token-0123456789"

@@ -8,8 +8,6 @@ import random
 import pytest
 
 from kvstore.keys import block_hashes
-from tests.support.redis_server import redis_server  # noqa: F401  (fixture)
-
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sampling import SamplingParams
 
