@@ -11,7 +11,11 @@ from collections.abc import Callable, Sequence
 
 from contracts.cli import CLIError
 from kvmesh import client, plan
-from kvmesh.bench import chaos as bench_chaos, docs as bench_docs, engine as bench, routing as router_bench, transfer as bench_transfer
+from kvmesh.bench import chaos as bench_chaos
+from kvmesh.bench import docs as bench_docs
+from kvmesh.bench import engine as bench
+from kvmesh.bench import routing as router_bench
+from kvmesh.bench import transfer as bench_transfer
 from kvmesh.serve import cli as serve_cli
 from router import server
 from worker import cli as wcli

@@ -14,14 +14,14 @@ from typing import NamedTuple
 import grpc
 
 from contracts.cluster_token import new_token
-from kvstore.metadata.registry import parse_redis_url
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from kvmesh.cli import main as kvmesh
 from kvmesh.client import ClientError, GenerateResult, generate
 from kvmesh.serve.local import LocalCluster
-from router.observe.metrics import sample_sum, scrape
 from kvmesh.serve.processes import LaunchError
 from kvmesh.serve.supervise import ServeConfig
+from kvstore.metadata.registry import parse_redis_url
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.observe.metrics import sample_sum, scrape
 
 # Long enough to fill several 16-token blocks (the router routes on the first 4 blocks, so
 # requests sharing it land on the same worker, which then finds its blocks in its cache).
@@ -65,7 +65,7 @@ def ask_grpc(target: str, question: str) -> Answer:
 
 
 def ask_http(base_url: str, model: str, question: str) -> Answer:
-    from openai import OpenAI   # the test extra: only this step of the demo needs it
+    from openai import OpenAI  # the test extra: only this step of the demo needs it
     client = OpenAI(base_url=base_url, api_key="kvmesh-demo", max_retries=0, timeout=120.0)
     resp = client.chat.completions.create(model=model, messages=_messages(question),  # type: ignore[arg-type]
                                           max_tokens=MAX_TOKENS, temperature=0.0)

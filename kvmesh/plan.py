@@ -5,8 +5,17 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvstore.plan import (DEFAULT_LENGTHS, GIB, KV_CACHE_DTYPES, PRESETS, WEIGHTS_DTYPES, Plan, PlanError,
-                          load_model_shape, make_plan)
+from kvstore.plan import (
+    DEFAULT_LENGTHS,
+    GIB,
+    KV_CACHE_DTYPES,
+    PRESETS,
+    WEIGHTS_DTYPES,
+    Plan,
+    PlanError,
+    load_model_shape,
+    make_plan,
+)
 
 
 def _fmt_bytes(num: float) -> str:

@@ -32,10 +32,19 @@ from typing import Any
 import grpc
 import redis
 
-from kvmesh.bench.report import emit
 from contracts.cli import CLIError, flagify
+from kvmesh.bench.chaos_harness import (
+    Outcome,
+    Partition,
+    ServeProcess,
+    in_private_netns,
+    run_streams,
+    stream_once,
+    wait_until,
+    workers_up,
+)
+from kvmesh.bench.report import emit
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.bench.chaos_harness import Outcome, Partition, ServeProcess, in_private_netns, run_streams, stream_once, wait_until, workers_up
 
 FAULTS = ("kill9_worker", "kill9_redis", "partition_router_worker", "sigterm_worker")
 PROMPTS = ("The history of the lighthouse begins", "A recipe for bread needs", "The three laws of motion say",

@@ -22,15 +22,16 @@ from typing import Any
 
 import grpc
 
-from kvmesh.bench.report import emit
 from contracts.wire import to_generate_input
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from kvmesh.bench import routing_live as bench_live
-from router.config import RouterConfig
+from kvmesh.bench.report import emit
+from kvmesh.bench.sim import SimConfig, make_trace, oracle_hit_rate, simulate
 from kvmesh.serve.local import LocalCluster, ServeConfig
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from router.config import RouterConfig
 from router.routing.types import RoutingPolicy
 from router.server import RouterServer
-from kvmesh.bench.sim import SimConfig, make_trace, oracle_hit_rate, simulate
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 

@@ -20,9 +20,9 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,10 +31,11 @@ from typing import Any
 import aiohttp
 import grpc
 
-from kvmesh.bench.report import emit
 from contracts.cli import CLIError
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from kvmesh.bench.report import emit
 from kvmesh.serve.local import LocalCluster, ServeConfig
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from router.routing.types import RoutingPolicy
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
@@ -167,7 +168,7 @@ class _Served:
 
 
 async def _drive(cfg: LiveConfig, workload: Workload, cluster: LocalCluster) -> dict[str, Any]:
-    from openai import AsyncOpenAI   # imported here: only this bench needs it
+    from openai import AsyncOpenAI  # imported here: only this bench needs it
 
     await _warm_workers(cluster.worker_addresses)
     client = AsyncOpenAI(base_url=cluster.http_base_url, api_key="unused", max_retries=0, timeout=600)

@@ -8,15 +8,21 @@ from pathlib import Path
 
 from contracts.cli import CLIError, flagify
 from contracts.cluster_token import add_cluster_auth_arguments, new_token, token_from
-from contracts.tls import tls_from_args
 from contracts.logs import add_log_format_argument
-from router.security.auth import add_auth_arguments, auth_argv
+from contracts.tls import tls_from_args
 from kvmesh.serve.local import run_serve
-from kvmesh.serve.ray_launch import PLACEMENT_STRATEGIES, RayServeConfig, namespace_for, run_ray_serve, stop_named_cluster
+from kvmesh.serve.ray_launch import (
+    PLACEMENT_STRATEGIES,
+    RayServeConfig,
+    namespace_for,
+    run_ray_serve,
+    stop_named_cluster,
+)
 from kvmesh.serve.restarts import RestartPolicy
-from router.server import add_migration_argument
 from kvmesh.serve.supervise import ServeConfig
+from router.security.auth import add_auth_arguments, auth_argv
 from router.security.tenancy import add_limit_arguments, limit_argv
+from router.server import add_migration_argument
 from worker.cli import add_engine_arguments
 
 

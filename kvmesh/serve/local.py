@@ -16,9 +16,9 @@ import shlex
 from pathlib import Path
 
 from contracts.cluster_token import masked
-from kvstore.metadata.registry import parse_redis_url
 from kvmesh.serve.processes import Child, LaunchError, free_port, spawn, terminate
 from kvmesh.serve.supervise import Cluster, PartExited, ServeConfig, Supervisor
+from kvstore.metadata.registry import parse_redis_url
 
 __all__ = ["LaunchError", "LocalCluster", "LocalPlacement", "ServeConfig", "run_serve"]
 

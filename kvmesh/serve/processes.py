@@ -26,9 +26,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from urllib.parse import quote
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 

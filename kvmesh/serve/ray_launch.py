@@ -35,12 +35,12 @@ from typing import Any
 
 from contracts.cluster_token import TOKEN_ENV, token_from
 from contracts.tls import PLAINTEXT, TlsConfig
-from kvstore.metadata.registry import parse_redis_url
 from kvmesh.serve.processes import LaunchError
 from kvmesh.serve.supervise import Cluster, PartExited, ServeConfig, Supervisor
+from kvstore.metadata.registry import parse_redis_url
 from worker.cli import add_engine_arguments, engine_config_from_args
-from worker.server.service import WorkerServer, WorkerServerConfig
 from worker.server.cli import peer_flags_from_env
+from worker.server.service import WorkerServer, WorkerServerConfig
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _LOOPBACK = "127.0.0.1"
@@ -172,7 +172,7 @@ class RayPlacement:
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         """Connect, reserve one bundle per worker; Redis binds loopback if every bundle is here."""
-        import ray   # optional: only `kvmesh serve --ray` needs it
+        import ray  # optional: only `kvmesh serve --ray` needs it
         namespace = self.cfg.namespace
         self._init_ray()
         if any(a["namespace"] == namespace for a in ray.util.list_named_actors(all_namespaces=True)):

@@ -34,11 +34,11 @@ from typing import NamedTuple, Protocol
 
 from contracts.cli import CLIError
 from contracts.cluster_token import TOKEN_ENV, check_token
-from contracts.tls import PLAINTEXT, TlsConfig, tls_argv
-from kvstore.metadata.registry import parse_redis_url
 from contracts.logs import LogFormat
+from contracts.tls import PLAINTEXT, TlsConfig, tls_argv
 from kvmesh.serve.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
 from kvmesh.serve.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
+from kvstore.metadata.registry import parse_redis_url
 
 REDIS_URL_ENV = "KVMESH_REDIS_URL"     # read by `kvmesh router` and `kvmesh worker` when --redis-url is unset
 REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"   # the embedded Redis's password (default: random per start)

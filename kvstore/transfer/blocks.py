@@ -70,9 +70,28 @@ from typing import Any
 import torch
 
 from kvstore.transfer.group import PairGroup, TransferError
-from kvstore.transfer.wire import (BODY, FIRST_PIECE, MAGIC, MAX_TRANSFER_ID, PREAMBLE, READY, TAGS, BlockHashers,
-                                   BlockSpec, ChecksumKernel, ReceivedBlocks, RecvTimes, SendResult, block_checksums,
-                                   decode_body, encode_body, num_pieces, split_pieces, to_wire, wire_device)
+from kvstore.transfer.wire import (
+    BODY,
+    FIRST_PIECE,
+    MAGIC,
+    MAX_TRANSFER_ID,
+    PREAMBLE,
+    READY,
+    TAGS,
+    BlockHashers,
+    BlockSpec,
+    ChecksumKernel,
+    ReceivedBlocks,
+    RecvTimes,
+    SendResult,
+    block_checksums,
+    decode_body,
+    encode_body,
+    num_pieces,
+    split_pieces,
+    to_wire,
+    wire_device,
+)
 
 __all__ = ["MAX_TRANSFER_ID", "BlockSpec", "BlockTransfer", "ChecksumKernel", "ReceivedBlocks", "RecvTimes",
            "SendResult", "block_checksums"]

@@ -12,8 +12,15 @@ from typing import Any
 
 import pytest
 
-from kvstore.keys import (BlockHash, HashSalt, block_hash_from_hex, block_hash_hex,
-                          block_hashes, extend_block_hashes, hash_block)
+from kvstore.keys import (
+    BlockHash,
+    HashSalt,
+    block_hash_from_hex,
+    block_hash_hex,
+    block_hashes,
+    extend_block_hashes,
+    hash_block,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SALT = HashSalt("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2", "fp16", 16)

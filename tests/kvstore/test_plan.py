@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.layout import KVLayout
 from kvmesh.plan import add_arguments, main, render_table
+from kvstore.layout import KVLayout
 from kvstore.plan import PRESETS, ModelShape, PlanError, load_model_shape, make_plan, parse_lengths
 
 GIB = 1 << 30

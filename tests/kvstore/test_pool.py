@@ -10,8 +10,7 @@ import pytest
 
 from kvstore.errors import KVStoreError, OutOfBlocks
 from kvstore.keys import BlockHash, HashSalt, block_hashes
-from kvstore.pool import (AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored,
-                          PoolStats)
+from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored, PoolStats
 
 BS = 4
 SALT = HashSalt("test-model", "test-tok", "fp16", BS).digest()

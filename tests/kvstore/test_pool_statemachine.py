@@ -16,8 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstore.errors import OutOfBlocks
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.pool import (AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored,
-                          KVEvent, PoolStats)
+from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored, KVEvent, PoolStats
 
 NUM_BLOCKS = 8
 MAX_PROTECTED = 4    # BlockPool(NUM_BLOCKS, protected_frac=0.5)

@@ -20,9 +20,9 @@ import torch
 from kvstore.errors import KVStoreError
 from kvstore.tensors import KVTensors
 from kvstore.transfer.blocks import BlockSpec, BlockTransfer, block_checksums
+from kvstore.transfer.cost import CostModel, LinkEstimate, peer_vs_raw
 from kvstore.transfer.group import PairGroup, PeerId, RendezvousStore, TransferConfig, TransferError, connect_store
 from kvstore.transfer.wire import BlockHashers, ChecksumKernel, num_pieces
-from kvstore.transfer.cost import CostModel, LinkEstimate, peer_vs_raw
 from tests.kvstore.transfer_peer import CORRUPT_INDEX, HASHES, LAYOUTS, SEND_IDS, TRANSFER_IDS, make_pool
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,8 +17,7 @@ import openai
 import pytest
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from tests.router.test_router import (LONG_PREFIX, Cluster, greedy, run_generate,
-                                      summary, used_blocks, wait_until)
+from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary, used_blocks, wait_until
 
 PROMPT = "The best thing about living near the sea is"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où se trouve Zürich ? 🏔"}]

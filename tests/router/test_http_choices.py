@@ -165,8 +165,8 @@ def test_reset_prefix_cache_needs_admin_key(web: Cluster) -> None:
     import urllib.error
     import urllib.request
 
-    from router.security.auth import ApiKey, TenantId
     from router.config import RouterConfig
+    from router.security.auth import ApiKey, TenantId
     from router.server import RouterServer
     keys = (ApiKey("user-key"), ApiKey("ops-key", TenantId("ops"), admin=True))
     cfg = RouterConfig(worker_addresses=tuple(web.worker_addresses), model=str(web.model_dir),

@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary
 from tests.support.json_logs import json_logs
 from tests.support.prometheus_server import Prometheus, needs_prometheus
-from tests.router.test_router import LONG_PREFIX, Cluster, greedy, run_generate, summary
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

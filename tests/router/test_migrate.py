@@ -7,12 +7,12 @@ import asyncio
 import grpc
 import pytest
 
+from kvmesh.bench.chaos import ChaosConfig
+from kvmesh.serve.supervise import Cluster, ServeConfig
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from kvmesh.bench.chaos import ChaosConfig
 from router.config import RouterConfig
 from router.routing.migrate import Progress, WorkerLost, read_until_lost
-from kvmesh.serve.supervise import Cluster, ServeConfig
 
 SALT = bytes(16)
 

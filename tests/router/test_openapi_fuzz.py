@@ -24,7 +24,6 @@ from router.server import RouterServer
 from tests.router.test_router import start_cluster, stop_cluster
 
 
-
 def _schema(coverage: bool) -> schemathesis.BaseSchema:
     """Schema-conforming and schema-violating requests; the coverage phase (hundreds of
     boundary cases per operation) only in the long run."""

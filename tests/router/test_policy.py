@@ -4,12 +4,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.keys import block_hashes
 from router.routing.policy import make_policy
-from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 from router.routing.scorers import BoundedLoadFilter, load_cap
+from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
 SALT = b"test-salt"
 

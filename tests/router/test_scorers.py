@@ -5,13 +5,23 @@ import hashlib
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore.keys import block_hashes
 from router.routing.policy import POLICIES, Policy, Weighted, make_policy
+from router.routing.scorers import (
+    BoundedLoadFilter,
+    HashRing,
+    InverseLoadScorer,
+    PrefillCostScorer,
+    RingScorer,
+    RotationScorer,
+    fair_share,
+    load_cap,
+    route_key,
+)
 from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
-from router.routing.scorers import (DEFAULT_LOAD_FACTOR, BoundedLoadFilter, HashRing, InverseLoadScorer,
-                                    PrefillCostScorer, RingScorer, RotationScorer, fair_share, load_cap, route_key)
 
 SALT = b"scorer-salt"
 SCORERS = [InverseLoadScorer(), RingScorer(), RotationScorer(), PrefillCostScorer()]

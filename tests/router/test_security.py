@@ -26,9 +26,17 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.security.auth import ApiKey, Authenticator, add_auth_arguments, keys_from_args, parse_keys_file, warn_if_open
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
+from router.security.auth import (
+    ApiKey,
+    Authenticator,
+    add_auth_arguments,
+    keys_from_args,
+    parse_keys_file,
+    warn_if_open,
+)
 from router.server import RouterServer
 from tests.router.test_router import Cluster, greedy, start_cluster, stop_cluster
 

@@ -268,7 +268,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         try:
             if sock.recv(1 << 16) == b"":
                 return True
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
         except ConnectionResetError:
             return True

@@ -25,8 +25,14 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig, TokenizerSource
 from router.routing.errors import RouterStartError
 from router.server import RouterServer, add_router_arguments
-from router.workers.tokenizer import (TokenizerMismatch, cache_dir, check_files, load_cached,
-                                     resolve_tokenizer_source, store)
+from router.workers.tokenizer import (
+    TokenizerMismatch,
+    cache_dir,
+    check_files,
+    load_cached,
+    resolve_tokenizer_source,
+    store,
+)
 from tests.support.fake_worker import FakeWorker, tiny_tokenizer_files
 
 ROUTER = "kvmesh.v1.Router"

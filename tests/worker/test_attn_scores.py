@@ -6,7 +6,6 @@ eager attention weights summed over layers, heads and query rows.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from tests.worker import test_kernels as plain
 from tests.worker import test_quant_attention as quant
 from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention
-from worker.model.loader import load_weights
 from worker.model.llama import LlamaModel
+from worker.model.loader import load_weights
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

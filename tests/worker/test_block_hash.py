@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.transfer.wire import NATIVE_MIN_BLOCK_BYTES, BlockHashers, block_checksums
+from kvstore.transfer.wire import BlockHashers, block_checksums
 from worker.kernels import native
 
 

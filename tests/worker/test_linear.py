@@ -2,7 +2,6 @@
 the padded W · xᵀ GEMM, F.linear) gives F.linear's result, on every weight shape the model uses."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F

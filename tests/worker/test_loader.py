@@ -17,7 +17,12 @@ from tests.conftest import TINY_KINDS
 from worker.model import loader
 from worker.model.config import ModelConfig, RopeScaling
 from worker.model.loader import (
-    MODEL_ALIASES, GgufPackage, ModelLoadError, cache_root, load_tokenizer, load_weights,
+    MODEL_ALIASES,
+    GgufPackage,
+    ModelLoadError,
+    cache_root,
+    load_tokenizer,
+    load_weights,
     resolve_model_dir,
 )
 

@@ -2,7 +2,6 @@
 layer, csrc/paged_decode.cpp) against the steps it replaces, and the model's use of it."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -10,8 +9,8 @@ from tests.worker.test_kernels import dense_oracle, make_case
 from worker.kernels import native
 from worker.kernels.backend import AttentionBackend, attention_ops
 from worker.kernels.reference import AttnMetadata, paged_attention, write_kv
-from worker.model.loader import load_weights
 from worker.model.llama import LlamaModel, Rotary
+from worker.model.loader import load_weights
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

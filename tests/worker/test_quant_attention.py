@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from kvstore.layout import KVQuant
 from kvstore.quant import KVCodec, QuantizedKV
 from worker.engine.engine import Engine, EngineConfig
-from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention, write_kv
 from worker.engine.sampling import SamplingParams
+from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention, write_kv
 
 QUANT = {"fp8": KVQuant.FP8, "int8": KVQuant.INT8, "int4": KVQuant.INT4}
 ALL_DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
