@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from contracts.models import (
-    CONVERTED_MARKER, ModelLocateError, ModelNotPrepared, converted_dir, find_model_dir, locate_model,
+    CONVERTED_MARKER,
+    ModelLocateError,
+    ModelNotPrepared,
+    converted_dir,
+    find_model_dir,
+    locate_model,
 )
 
 

@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from contracts.tokenizer import (MAX_TOKENIZER_BYTES, TOKENIZER_FILES, ModelTokenizer, TokenizerError,
-                                 TokenizerFilesTooLarge, read_tokenizer_files, tokenizer_files_digest)
+from contracts.tokenizer import (
+    MAX_TOKENIZER_BYTES,
+    TOKENIZER_FILES,
+    ModelTokenizer,
+    TokenizerError,
+    TokenizerFilesTooLarge,
+    read_tokenizer_files,
+    tokenizer_files_digest,
+)
 
 TEXTS = ("The capital of France is", "  spaces\tand\nnewlines  ", "émoji 🚀 and 中文", "")
 CHATS = ([{"role": "user", "content": "Name three primary colors."}],

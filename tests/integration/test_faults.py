@@ -18,7 +18,8 @@ import grpc
 import pytest
 import redis
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from tests.integration.test_serve import REDIS_PASSWORD, TOKEN, Launched, _alive, _launch_serve
 
 pytestmark = pytest.mark.multiproc

@@ -24,8 +24,18 @@ import pytest
 
 from kvmesh.bench.chaos_harness import wait_until
 from tests.support.podnet import PodCluster, skip_reason
-from tests.support.podnet_client import (FULL, Reply, cluster_doc, index_matches_worker, load, on_worker, prompt,
-                                 running, via_router, workers_up)
+from tests.support.podnet_client import (
+    FULL,
+    Reply,
+    cluster_doc,
+    index_matches_worker,
+    load,
+    on_worker,
+    prompt,
+    running,
+    via_router,
+    workers_up,
+)
 
 pytestmark = pytest.mark.multiproc
 

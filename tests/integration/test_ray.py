@@ -7,7 +7,6 @@ Ray process on the host.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,9 +19,10 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from kvmesh.serve.supervise import ServeConfig
 from kvmesh.serve.ray_launch import RayCluster, RayServeConfig, namespace_for, stop_named_cluster
+from kvmesh.serve.supervise import ServeConfig
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
@@ -50,8 +50,8 @@ def test_ray_worker_actors_get_the_tls_files_with_tls_ca(tmp_path: Path) -> None
     # as `kvmesh serve`'s local workers: with --tls-ca every worker serves mutual TLS
     from contracts.tls import PLAINTEXT
     from kvmesh.cli import build_parser
-    from kvmesh.serve.ray_launch import worker_specs
     from kvmesh.serve.cli import ray_config_from_args
+    from kvmesh.serve.ray_launch import worker_specs
     for name in ("c.pem", "k.pem", "ca.pem"):
         (tmp_path / name).write_text("x")
     tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]

@@ -25,16 +25,16 @@ from typing import NamedTuple
 import grpc
 import pytest
 
-from contracts.wire import to_generate_input
 from contracts.tokenizer import ModelTokenizer
+from contracts.wire import to_generate_input
+from kvmesh.serve.local import LocalCluster, ServeConfig
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.metadata.registry import MetadataUnavailable, RedisConfig, WorkerRegistry
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
+from router.index.blocks import BlockIndex
 from router.routing.core import Prepared
 from router.routing.errors import UpstreamError
-from router.index.blocks import BlockIndex
-from kvmesh.serve.local import LocalCluster, ServeConfig
 from router.server import RouterServer
 from tests.support.redis_server import REDIS_SERVER, RedisServer
 

@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from kvmesh.serve.local import LocalCluster, ServeConfig
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.multiproc
 

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from pathlib import Path

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from kvstore.layout import KVLayout
-from kvmesh.cli import main
 from kvmesh.bench.engine import accuracy_text, capacity_per_dtype
 from kvmesh.bench.engine_speed import MachineSpeed, ModelCost, decode_roofline, workload_roofline
+from kvmesh.cli import main
+from kvstore.layout import KVLayout
 
 DTYPES = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 

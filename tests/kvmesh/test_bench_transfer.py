@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.layout import KVLayout
-from kvmesh.cli import build_parser, main
 from kvmesh.bench.transfer import bench_offload
+from kvmesh.cli import build_parser, main
+from kvstore.layout import KVLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,8 @@
 """The routing simulation behind `kvmesh bench router` runs the real policies; the oracle bounds them."""
 from __future__ import annotations
 
-from router.routing.types import RoutingPolicy
 from kvmesh.bench.sim import SimConfig, make_trace, oracle_hit_rate, simulate
+from router.routing.types import RoutingPolicy
 
 
 def test_simulation_runs_every_policy_under_the_oracle():
@@ -34,10 +34,10 @@ def test_pending_blocks_draw_followers_to_the_worker_computing_their_prefix():
 def test_worker_pool_is_the_live_pool_and_its_events_reach_the_index():
     """Pinned blocks survive pressure; a finished request's tail is evicted before its
     prefix; the index learns of stored and evicted blocks from the pool's events."""
+    from kvmesh.bench.sim import WorkerPool
     from kvstore.keys import block_hashes
     from router.index.blocks import BlockIndex
     from router.routing.types import WorkerId
-    from kvmesh.bench.sim import WorkerPool
 
     w = WorkerId("w0")
     index = BlockIndex()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helm.manifests import CHART, HELM, NAMESPACE, RELEASE, Doc, container, render
+from tests.helm.manifests import CHART, HELM, NAMESPACE, Doc, container, render
 
 __all__ = ["PodSpecs", "ContainerRun", "expand", "render_chart"]
 
