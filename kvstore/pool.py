@@ -21,6 +21,10 @@ The design of vLLM v1 (0.10) `BlockPool`, without tensors (this module imports n
   The protected queue holds at most `protected_frac` of the pool; past that its least
   recently freed block moves back to the probation queue's tail (so a stale prefix still
   ages out). `protected_frac=0` is vLLM's plain LRU.
+- Per-owner caps (`kvstore.quota`): `cache_full_blocks` records the owner (tenant) of each
+  newly cached block; while an owner holds more cached blocks than its cap (`set_owner_cap`,
+  else `max_cached_frac` of the pool), `allocate` takes empty free blocks, then that owner's
+  free cached blocks, before anything else. With no owner over its cap the order above holds.
 - With `enable_prefix_caching=False` the hash map is a null object that stores nothing:
   `cache_full_blocks` caches nothing and `find_longest_prefix` finds nothing.
 """
@@ -34,6 +38,7 @@ from typing import NamedTuple
 from kvstore.errors import OutOfBlocks
 from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue
 from kvstore.keys import BlockHash
+from kvstore.quota import CachedQuota, Owner, OwnerUsage
 
 
 
@@ -121,7 +126,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
                  on_evict: EvictCallback | None = None,
-                 enable_kv_cache_events: bool = True, protected_frac: float = 0.8) -> None:
+                 enable_kv_cache_events: bool = True, protected_frac: float = 0.8,
+                 max_cached_frac: float = 1.0) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
         if not 0.0 <= protected_frac <= 1.0:
@@ -131,6 +137,7 @@ class BlockPool:
         self._protected = _FreeQueue(())                # free blocks a later request reused
         self._max_protected = int(protected_frac * num_blocks)
         self._num_reused = 0
+        self._quota = CachedQuota(num_blocks, max_cached_frac)
         self._index: _HashIndex = _HashIndex() if enable_prefix_caching else _NullHashIndex()
         self._on_evict = on_evict
         self._record_events = enable_kv_cache_events
@@ -148,14 +155,14 @@ class BlockPool:
             raise ValueError(f"n={n} must be >= 0")
         if n > self.num_free_blocks:
             raise OutOfBlocks(n, self.num_free_blocks)
+        taken = self._victims(n)
         if self._on_evict is not None:
-            evicted = [b for b in self._victims(n) if b.block_hash is not None]
+            evicted = [b for b in taken if b.block_hash is not None]
             if evicted:
                 self._on_evict([b.block_id for b in evicted], [b.block_hash for b in evicted])  # type: ignore[misc]
-        from_probation = min(n, len(self._free))
-        taken = [self._free.popleft() for _ in range(from_probation)]
-        taken += [self._protected.popleft() for _ in range(n - from_probation)]
         for block in taken:
+            (self._protected if block.protected else self._free).remove(block)
+            self._quota.unfreed(block.block_id)
             block.protected = False
             if block.block_hash is not None:
                 self._drop_hash(block)
@@ -163,9 +170,19 @@ class BlockPool:
         return [block.block_id for block in taken]
 
     def _victims(self, n: int) -> list[_Block]:
-        """The `n` blocks `allocate(n)` would take, in order."""
-        first = self._free.walk(forward=True, limit=n)
-        return first + self._protected.walk(forward=True, limit=n - len(first))
+        """The `n` blocks `allocate(n)` would take, in order: the quota's choice (while an owner
+        is over its cap), then the free queues' heads."""
+        first = self._quota.victims(n)
+        if first is None:
+            head = self._free.walk(forward=True, limit=n)
+            return head + self._protected.walk(forward=True, limit=n - len(head))
+        chosen = [self._blocks[b] for b in first]
+        skip = set(first)
+        for queue in (self._free, self._protected):
+            for block in queue.walk(forward=True, limit=n - len(chosen) + len(skip)):
+                if len(chosen) < n and block.block_id not in skip:
+                    chosen.append(block)
+        return chosen
 
     def free(self, block_ids: Sequence[BlockId]) -> None:
         """Drop one reference per listed block; blocks reaching 0 join the free queue tail
@@ -189,12 +206,15 @@ class BlockPool:
         if block.reused and block.block_hash is not None and self._max_protected > 0:
             block.protected = True
             self._protected.append(block)
+            self._quota.freed(block.block_id, True, True)
             if len(self._protected) > self._max_protected:
                 oldest = self._protected.popleft()
                 oldest.protected = False
                 self._free.append(oldest)
+                self._quota.demoted(oldest.block_id)
         else:
             self._free.append(block)
+            self._quota.freed(block.block_id, block.block_hash is not None, False)
 
     def free_sequence(self, block_ids: Sequence[BlockId]) -> None:
         """Free a sequence's blocks given in sequence order: its tail is evicted first."""
@@ -213,6 +233,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 (self._protected if block.protected else self._free).remove(block)
+                self._quota.unfreed(block.block_id)
                 block.protected = False
             block.ref_cnt += 1
             if block.block_hash is not None and not block.reused:
@@ -220,8 +241,9 @@ class BlockPool:
                 self._num_reused += 1
 
     def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
-                          parent_hash: BlockHash | None = None) -> None:
-        """Register `block_hashes[i]` → `block_ids[i]` for FULL blocks the caller holds.
+                          parent_hash: BlockHash | None = None, owner: Owner | None = None) -> None:
+        """Register `block_hashes[i]` → `block_ids[i]` for FULL blocks the caller holds; newly
+        cached blocks belong to `owner` (a tenant; None or "": no owner, never capped).
 
         `block_ids` may be longer than `block_hashes` (a trailing partial block is simply
         not cached). A block already caching that hash is left alone; a hash already cached
@@ -241,6 +263,7 @@ class BlockPool:
         for block, block_hash in zip(blocks, block_hashes):
             if block.block_hash is None and self._index.add(block_hash, block.block_id):
                 block.block_hash = block_hash
+                self._quota.cached(block.block_id, owner)
                 self._record(BlockStored(block_hash, parent, block.block_id))
             parent = block_hash
 
@@ -282,6 +305,7 @@ class BlockPool:
             block.reused = False
         self._num_reused = 0
         self._index.map.clear()
+        self._quota.reset([b.block_id for b in self._free.walk(forward=True, limit=len(self._blocks))])
         self._record(AllBlocksCleared())
         return True
 
@@ -319,6 +343,19 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use (0.0 … 1.0)."""
         return self.num_used_blocks / len(self._blocks)
+
+    def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:
+        """At most `max_blocks` cached blocks for `owner` before its own are evicted first
+        (None: `max_cached_frac` of the pool). See `kvstore.quota`."""
+        self._quota.set_cap(owner, max_blocks)
+
+    def owner_usage(self) -> dict[Owner, OwnerUsage]:
+        """Cached blocks, free cached blocks and cap of every owner holding cached blocks."""
+        return self._quota.usage()
+
+    def owner_of(self, block_id: BlockId) -> Owner | None:
+        """The owner of the hash `block_id` caches (None: uncached or no owner)."""
+        return self._quota.owner_of(self._lookup([block_id])[0].block_id)
 
     def ref_cnt(self, block_id: BlockId) -> int:
         return self._lookup([block_id])[0].ref_cnt
@@ -385,6 +422,8 @@ class BlockPool:
         cached = sum(b.block_hash is not None for b in self._blocks)
         assert cached == len(self._index.map), \
             f"{cached} blocks carry a hash but the hash map has {len(self._index.map)}"
+        self._quota.check_integrity([b.block_hash is not None for b in self._blocks],
+                                    [(b.block_id, b.protected) for b in forward])
 
     def _lookup(self, block_ids: Sequence[BlockId]) -> list[_Block]:
         n = len(self._blocks)
@@ -398,6 +437,7 @@ class BlockPool:
         assert block_hash is not None
         del self._index.map[block_hash]
         block.block_hash = None
+        self._quota.uncached(block.block_id)
         if block.reused:
             block.reused = False
             self._num_reused -= 1
