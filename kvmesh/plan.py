@@ -7,22 +7,15 @@ from collections.abc import Sequence
 
 from kvstore.plan import (
     DEFAULT_LENGTHS,
-    GIB,
     KV_CACHE_DTYPES,
     PRESETS,
     WEIGHTS_DTYPES,
     Plan,
     PlanError,
+    format_bytes,
     load_model_shape,
     make_plan,
 )
-
-
-def _fmt_bytes(num: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(num) >= size:
-            return f"{num / size:.2f} {unit}"
-    return f"{num:.0f} B"
 
 
 def _fmt_opt(value: int | None) -> str:
@@ -45,45 +38,45 @@ def render_table(plan: Plan) -> str:
            f"  {plan.num_params / 1e9:.2f} B params, weights {c.weights_dtype}, "
            f"kv_cache_dtype {plan.kv_cache_dtype}, block_size {c.block_size}", ""]
     out += _table(("KV cache", ""), [
-        ("bytes per token", _fmt_bytes(plan.bytes_per_token)),
-        (f"bytes per block ({c.block_size} tokens)", _fmt_bytes(plan.bytes_per_block)),
+        ("bytes per token", format_bytes(plan.bytes_per_token)),
+        (f"bytes per block ({c.block_size} tokens)", format_bytes(plan.bytes_per_block)),
         (f"blocks per sequence ({c.context} tokens)", f"{plan.blocks_per_sequence:,}"),
-        ("bytes per sequence", _fmt_bytes(plan.bytes_per_sequence)),
-        (f"bytes total (batch {c.batch})", _fmt_bytes(plan.bytes_total)),
-        ("weights", _fmt_bytes(plan.weights_bytes))])
+        ("bytes per sequence", format_bytes(plan.bytes_per_sequence)),
+        (f"bytes total (batch {c.batch})", format_bytes(plan.bytes_total)),
+        ("weights", format_bytes(plan.weights_bytes))])
     out.append("")
     if plan.usable_bytes is None or plan.kv_budget_bytes is None:
         out.append("  no --gpu-memory given: max_sequences and fit not computed")
     else:
         out += _table((f"GPU {c.gpu_memory_gib:g} GiB x {c.gpu_memory_utilization:g}", ""), [
-            ("usable", _fmt_bytes(plan.usable_bytes)),
-            ("KV budget (usable - weights)", _fmt_bytes(plan.kv_budget_bytes)),
+            ("usable", format_bytes(plan.usable_bytes)),
+            ("KV budget (usable - weights)", format_bytes(plan.kv_budget_bytes)),
             ("blocks in budget", _fmt_opt(plan.num_blocks)),
             (f"max sequences of {c.context} tokens", _fmt_opt(plan.max_sequences))])
         if plan.fits:
-            out.append(f"  FITS: batch {c.batch} needs {_fmt_bytes(plan.bytes_total)} of KV, "
-                       f"{_fmt_bytes(plan.kv_budget_bytes)} available")
+            out.append(f"  FITS: batch {c.batch} needs {format_bytes(plan.bytes_total)} of KV, "
+                       f"{format_bytes(plan.kv_budget_bytes)} available")
         else:
-            out.append(f"  DOES NOT FIT: needs {_fmt_bytes(plan.bytes_total)} of KV, "
-                       f"{_fmt_bytes(plan.kv_budget_bytes)} available "
+            out.append(f"  DOES NOT FIT: needs {format_bytes(plan.bytes_total)} of KV, "
+                       f"{format_bytes(plan.kv_budget_bytes)} available "
                        f"(batch {c.batch}, at most {plan.max_sequences} sequences fit)")
     out.append("")
     out += _table(("attention", "kv heads", "per token", "per sequence", "max seqs"), [
         (v.name + (" (model)" if v.is_model else ""), str(v.num_key_value_heads),
-         _fmt_bytes(v.bytes_per_token), _fmt_bytes(v.bytes_per_sequence),
+         format_bytes(v.bytes_per_token), format_bytes(v.bytes_per_sequence),
          _fmt_opt(v.max_sequences)) for v in plan.attention_variants])
     out.append("")
     out += _table(("kv dtype", "per token", "per sequence", "max seqs"), [
-        (d.kv_cache_dtype, _fmt_bytes(d.bytes_per_token), _fmt_bytes(d.bytes_per_sequence),
+        (d.kv_cache_dtype, format_bytes(d.bytes_per_token), format_bytes(d.bytes_per_sequence),
          _fmt_opt(d.max_sequences)) for d in plan.per_dtype])
     if plan.sliding_window is not None:
         w = plan.sliding_window
         out.append("")
         out += _table((f"sliding window {w.window}", "per sequence", "max seqs"), [
-            ("uncapped", _fmt_bytes(w.bytes_per_sequence_uncapped),
+            ("uncapped", format_bytes(w.bytes_per_sequence_uncapped),
              _fmt_opt(w.max_sequences_uncapped)),
             (f"capped ({w.blocks_per_sequence_capped} blocks)",
-             _fmt_bytes(w.bytes_per_sequence_capped), _fmt_opt(w.max_sequences_capped))])
+             format_bytes(w.bytes_per_sequence_capped), _fmt_opt(w.max_sequences_capped))])
     ws = plan.waste
     out.append("")
     out.append(f"  lengths {ws.lengths}: {ws.num_lengths} sequences, mean {ws.mean_length:.1f},"

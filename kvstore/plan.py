@@ -1,4 +1,5 @@
-"""The capacity plan behind `kvmesh plan` (kvmesh/plan.py renders it): how much KV cache a model needs and how many sequences fit beside its weights.
+"""The capacity plan behind `kvmesh plan` (kvmesh/plan.py renders it): how much KV cache a model
+needs and how many sequences fit beside its weights.
 
 Torch-free. Every byte figure comes from `kvstore.layout.KVLayout`, the same object the
 allocator sizes its pool with, so the plan is what the pool will take.
@@ -29,7 +30,7 @@ from kvstore.layout import KV_CACHE_DTYPES, KVLayout, resolve_kv_cache_dtype
 from kvstore.presets import PRESETS, ModelShape, PlanError, load_model_shape
 
 __all__ = ["PlanError", "PlanConfig", "Plan", "ModelShape", "PRESETS", "load_model_shape",
-           "parse_lengths", "make_plan", "GIB", "KV_CACHE_DTYPES", "WEIGHTS_DTYPES", "DEFAULT_LENGTHS"]
+           "parse_lengths", "make_plan", "format_bytes", "GIB", "KV_CACHE_DTYPES", "WEIGHTS_DTYPES", "DEFAULT_LENGTHS"]
 
 GIB = 1 << 30
 WEIGHTS_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -38,6 +39,14 @@ DEFAULT_LENGTHS = "uniform:64"
 MAX_LENGTHS = 100_000
 _WEIGHT_HALF_BYTES = {"fp32": 8, "fp16": 4, "bf16": 4, "int8": 2, "int4": 1}
 _COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "fp16", "int4": "fp16"}
+
+
+def format_bytes(num: float) -> str:
+    """`num` bytes in the largest of GiB / MiB / KiB that fits, two decimals (`1.50 GiB`); bytes below 1 KiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(num) >= size:
+            return f"{num / size:.2f} {unit}"
+    return f"{num:.0f} B"
 _LENGTHS_ACCEPTED = ("accepted: comma-separated positive token counts <= --context, "
                      "'uniform:N' or 'zipf:N[:S]'")
 
@@ -230,8 +239,8 @@ def make_plan(shape: ModelShape, *, context: int = 4096, batch: int = 1,
         usable = round(cfg.gpu_memory_gib * GIB * cfg.gpu_memory_utilization)
         budget = max(0, usable - weights_bytes)
         if weights_bytes > usable:
-            warnings.append(f"weights ({_fmt_bytes(weights_bytes)}) exceed usable GPU memory "
-                            f"({_fmt_bytes(usable)}): no room for any KV cache")
+            warnings.append(f"weights ({format_bytes(weights_bytes)}) exceed usable GPU memory "
+                            f"({format_bytes(usable)}): no room for any KV cache")
     max_pos = shape.max_position_embeddings
     if max_pos is not None and cfg.context > max_pos:
         warnings.append(f"--context {cfg.context} exceeds the model's max_position_embeddings "
