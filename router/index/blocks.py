@@ -97,7 +97,10 @@ def _tiers(mask: int) -> frozenset[Tier]:
 class BlockIndex:
     """block hash → {worker_id: tiers}; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fed: bool = True) -> None:
+        """`fed=False`: no event stream feeds this index (a router without a metadata Redis): it
+        stays empty and `add_pending` records nothing, since no `BlockStored` would confirm it."""
+        self.fed = fed
         self._blocks: dict[BlockHash, dict[WorkerId, int]] = {}
         self._by_worker: dict[WorkerId, set[BlockHash]] = {}
         self._applied = 0
@@ -163,20 +166,23 @@ class BlockIndex:
 
     # -- pending (in-flight) blocks --------------------------------------------------------
     def add_pending(self, request_id: str, worker_id: WorkerId, hashes: Iterable[BlockHash],
-                    expires_at: float, count_asks: bool = True) -> None:
+                    expires_at: float, resubmitted: bool = False) -> None:
         """`request_id` was sent to `worker_id`, which will compute and store `hashes`; the
         blocks it already holds, or another request computes there, are not recorded (the
         request waits on those: `computing`). Replaces an earlier record of the request, and
         counts the request's asks for `hashes` (shared blocks) once: not again while a record of
-        it is kept; with `count_asks=False` (a retry after its record was dropped) only for the
-        blocks whose ask counts were forgotten since (held and computed nowhere)."""
+        it is kept; when `resubmitted` (a retry or migration whose first attempt counted them)
+        only for the blocks whose ask counts were forgotten since (held and computed nowhere).
+        Records nothing in an index that is not `fed`."""
+        if not self.fed:
+            return
         retry = request_id in self._requests
         self.drop_pending(request_id)
         held = self._by_worker.setdefault(worker_id, set())
         hashes = tuple(hashes)
         todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
         if not retry:
-            self._count_asks(hashes, forgotten_only=not count_asks)
+            self._count_asks(hashes, resubmitted)
         self._requests[request_id] = _Pending(worker_id, todo, expires_at)
         for h in todo:
             self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
@@ -218,26 +224,27 @@ class BlockIndex:
                 n += 1
         return n
 
-    def computing(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> set[str]:
+    def computing(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> set[str]:
         """The requests whose pending blocks on `worker_id` cover any of `block_hashes` that
         it does not hold yet (those a request for this prefix would wait on there)."""
         out: set[str] = set()
         for h in block_hashes:
-            rids = self._pending.get(h, {}).get(WorkerId(worker_id))
+            rids = self._pending.get(h, {}).get(worker_id)
             if rids:
                 out |= rids
         return out
 
-    def shared_blocks(self, worker_id: str) -> float:
+    def shared_blocks(self, worker_id: WorkerId) -> float:
         """The shared blocks `worker_id` holds (any tier), expected: those two requests'
         prompts held, plus those one did at the rate blocks of their depth were asked again."""
-        tally = self._held_asks.get(WorkerId(worker_id))
+        tally = self._held_asks.get(worker_id)
         return tally.expected(self._first, self._again) if tally is not None else 0.0
 
-    def _count_asks(self, hashes: Sequence[BlockHash], forgotten_only: bool = False) -> None:
+    def _count_asks(self, hashes: Sequence[BlockHash], resubmitted: bool) -> None:
+        """One more request asked for `hashes`; a `resubmitted` one counts only where no count is kept."""
         for depth, h in enumerate(hashes):
             seen = self._asked.get(h)
-            if seen is not None and (seen[0] >= 2 or forgotten_only):
+            if seen is not None and (seen[0] >= 2 or resubmitted):
                 continue
             holders = self._blocks.get(h, ())
             for w in holders:
@@ -279,12 +286,11 @@ class BlockIndex:
         return sorted(self._requests)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash],
-                     workers: Iterable[str] | None = None, *, pending: bool = True) -> dict[str, int]:
+                     workers: Iterable[WorkerId] | None = None, *, pending: bool = True) -> dict[WorkerId, int]:
         """For each of `workers` (default: every known worker), how many LEADING blocks of
         `block_hashes` it holds in any tier — or computes (pending), unless `pending=False`:
-        the count stops at its first missing block. (Plain `str` ids: fits
-        `router.routing.types.BlockIndexView`; the router reads WorkerId keys.)"""
-        counts: dict[str, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
+        the count stops at its first missing block."""
+        counts: dict[WorkerId, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
         matching = set(counts)
         num_matched = 0
         no_pending: dict[WorkerId, set[str]] = {}

@@ -145,10 +145,10 @@ class ClusterView:
         index, tok = self._router.registry.index, self._router.tokenizer
         out = []
         for key, count, hashes, tokens, routed in self.prefixes.top():
-            held = index.match_prefix(hashes, worker_ids) if index is not None else {}
+            held = index.match_prefix(hashes, [WorkerId(w) for w in worker_ids])
             out.append({"prefix": f"{key:032x}"[:16], "requests": count, "num_blocks": len(hashes),
                         "text": tok.decode(tokens) if tok is not None else "",
-                        "held_blocks": {w: int(held.get(w, 0)) for w in worker_ids} if index is not None else None,
+                        "held_blocks": {w: int(held.get(WorkerId(w), 0)) for w in worker_ids} if index.fed else None,
                         "routed": routed})
         return out
 
@@ -167,10 +167,11 @@ class ClusterView:
 
 
     def _index_blocks(self, worker_id: str) -> Json | None:
-        """What the router's block index believes the worker holds, per tier (None without an
-        index), to set beside the worker's own `blocks` (an exact index shows the same counts)."""
+        """What the router's block index believes the worker holds, per tier (None where no event
+        stream feeds the index), to set beside the worker's own `blocks` (an exact index shows the
+        same counts)."""
         index = self._router.registry.index
-        if index is None:
+        if not index.fed:
             return None
         tiers = index.holdings(WorkerId(worker_id)).values()
         return {"device": sum(Tier.DEVICE in t for t in tiers), "host": sum(Tier.HOST in t for t in tiers)}

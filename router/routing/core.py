@@ -28,7 +28,6 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.security.auth import ANONYMOUS, ApiKey, TenantId
 from router.config import RouterConfig
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
-from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightPrefills
 from router.routing.migrate import MAX_WAIT_FOR_WORKER_S, Progress, WorkerLost, is_migratable, log_migration, read_until_lost
 from router.routing.policy import Policy, make_policy
@@ -250,7 +249,7 @@ class Router:
         # pending blocks on the pick until its worker stores them (router/routing/inflight.py); a
         # resubmitted request's prompt was counted as evidence of sharing by its first attempt
         self.prefills.dispatched(self.registry.index, rid, worker_id, route,
-                                 pick.predicted_tokens + pick.fetched_tokens, count_asks=progress.resubmits == 0)
+                                 pick.predicted_tokens + pick.fetched_tokens, resubmitted=progress.resubmits > 0)
         streamed = False
         worker.in_flight += 1
         call = responses = None
@@ -310,8 +309,8 @@ class Router:
 
     def routing_state(self, route: RouteRequest) -> RoutingState:
         """The policy's view now: in-flight and KV load per live worker, the leading prompt
-        blocks each holds according to the block index (empty without one) and those it could
-        fetch from a peer."""
+        blocks each holds according to the block index (none where no event stream feeds it)
+        and those it could fetch from a peer."""
         return self._routing_view(route)[0]
 
     def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int],
@@ -320,14 +319,11 @@ class Router:
         only those) and the workers with a peer plane (id → address, rank, world size)."""
         live = [w for w in self.registry.live() if w.info is not None]
         index = self.registry.index
-        loads = {w.info.worker_id: (replace(w.load, shared_blocks=index.shared_blocks(w.info.worker_id))
-                                    if isinstance(index, BlockIndex) else w.load) for w in live}
+        loads = {w.info.worker_id: replace(w.load, shared_blocks=index.shared_blocks(w.info.worker_id))
+                 for w in live}
         self.prefills.expire(index)
-        cached = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads)).items()}
-                  if index is not None else {})
-        stored = ({WorkerId(k): v for k, v in index.match_prefix(route.block_hashes, list(loads),
-                                                                  pending=False).items()}
-                  if isinstance(index, BlockIndex) else cached)
+        cached = index.match_prefix(route.block_hashes, list(loads))
+        stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
         peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in live if w.rank is not None}
         fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers
                                       and peers[o][2] == peers[wid][2]), default=0) - cached.get(wid, 0))
@@ -337,8 +333,7 @@ class Router:
         state = RoutingState(loads, cached, self.prefills.queued_tokens(index, loads, route),
                              info.block_size if info is not None and info.block_size else 16,
                              self.prefills.mean_in_flight(loads), fetchable,
-                             min(1.0, index.distinct_shared_blocks() / capacity)
-                             if isinstance(index, BlockIndex) and capacity else 0.0)
+                             min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
         return state, stored, peers
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:

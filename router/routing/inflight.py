@@ -51,8 +51,8 @@ class _Queued(NamedTuple):
 
 
 class InFlightPrefills:
-    """See the module docstring. `index` arguments may be None or a view without pending
-    support (then only the queue is tracked)."""
+    """See the module docstring. The `index` of every call is the router's block index (one
+    that is not `fed` records no pending blocks: then only the queue is tracked)."""
 
     def __init__(self, cfg: InFlightConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg if cfg is not None else InFlightConfig()
@@ -66,21 +66,18 @@ class InFlightPrefills:
         self.waits = 0                              # requests held for another's prefill
         self.wait_s = 0.0
 
-    def dispatched(self, index: object, request_id: str, worker_id: WorkerId, route: RouteRequest,
-                   predicted_tokens: int, count_asks: bool = True) -> None:
+    def dispatched(self, index: BlockIndex, request_id: str, worker_id: WorkerId, route: RouteRequest,
+                   predicted_tokens: int, resubmitted: bool = False) -> None:
         """`request_id` is about to be sent to `worker_id`, which is predicted to find
         `predicted_tokens` of its prompt cached (held or being computed, or fetched from a
-        peer): it queues the rest for prefill. `count_asks=False` for a retry or a migration
-        of a request whose prompt the index has counted (`BlockIndex.add_pending`)."""
+        peer): it queues the rest for prefill. `resubmitted` for a retry or a migration of a
+        request whose prompt the index has counted (`BlockIndex.add_pending`)."""
         self.done(index, request_id, streamed=False)
         self._count(worker_id, +1)
         self._attempts[request_id] = worker_id
-        leaders: set[str] = set()
-        if isinstance(index, BlockIndex):
-            leaders = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
-            index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
-                              count_asks)
-        self._leaders[request_id] = leaders
+        self._leaders[request_id] = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
+        index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
+                          resubmitted)
         self._queued[request_id] = _Queued(worker_id, max(0, len(route.token_ids) - predicted_tokens),
                                            asyncio.Event())
 
@@ -100,7 +97,7 @@ class InFlightPrefills:
             pass   # the leader is slow: compute the prefix here rather than wait longer
         self.wait_s += self._clock() - t0
 
-    def prefilled(self, index: object, request_id: str) -> None:
+    def prefilled(self, index: BlockIndex, request_id: str) -> None:
         """The first response of `request_id` came: its prompt's blocks are on the worker (and
         stay there, in use, until it ends)."""
         q = self._queued.pop(request_id, None)
@@ -108,7 +105,7 @@ class InFlightPrefills:
         if q is not None:
             q.started.set()
 
-    def done(self, index: object, request_id: str, streamed: bool) -> None:
+    def done(self, index: BlockIndex, request_id: str, streamed: bool) -> None:
         """The attempt ended; one that never streamed (failed, aborted) drops its prediction,
         one that streamed keeps it `settle_s` more for its `BlockStored` events to arrive."""
         q = self._queued.pop(request_id, None)
@@ -118,29 +115,27 @@ class InFlightPrefills:
         worker_id = self._attempts.pop(request_id, None)
         if worker_id is not None:
             self._count(worker_id, -1)
-        if isinstance(index, BlockIndex):
-            if streamed:
-                index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
-            else:
-                index.drop_pending(request_id)
+        if streamed:
+            index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
+        else:
+            index.drop_pending(request_id)
 
-    def expire(self, index: object) -> None:
-        if isinstance(index, BlockIndex):
-            index.expire_pending(self._clock())
+    def expire(self, index: BlockIndex) -> None:
+        """Drop the index's predictions that are past their expiry now."""
+        index.expire_pending(self._clock())
 
-    def queued_tokens(self, index: object, workers: Iterable[WorkerId], route: RouteRequest) -> dict[WorkerId, int]:
+    def queued_tokens(self, index: BlockIndex, workers: Iterable[WorkerId], route: RouteRequest) -> dict[WorkerId, int]:
         """Per worker: the prompt tokens queued for prefill there, less those of requests
         computing `route`'s own prefix there (waiting on them is the prefill it saves)."""
         out = dict.fromkeys(workers, 0)
         for q in self._queued.values():
             if q.worker_id in out:
                 out[q.worker_id] += q.tokens
-        if isinstance(index, BlockIndex):
-            for w in out:
-                for r in index.computing(w, route.block_hashes):
-                    q = self._queued.get(r)
-                    if q is not None and q.worker_id == w:
-                        out[w] -= q.tokens
+        for w in out:
+            for r in index.computing(w, route.block_hashes):
+                q = self._queued.get(r)
+                if q is not None and q.worker_id == w:
+                    out[w] -= q.tokens
         return out
 
     def mean_in_flight(self, workers: Iterable[WorkerId]) -> dict[WorkerId, float]:

@@ -16,7 +16,7 @@ from kvstore.events import WorkerId
 from kvstore.keys import BlockHash
 
 __all__ = ["WorkerId", "WorkerInfo", "WorkerLoad", "RouteRequest", "RoutingState", "RoutingPolicy",
-           "BlockIndexView", "Scorer", "Filter"]
+           "Scorer", "Filter"]
 
 
 class RoutingPolicy(enum.Enum):
@@ -52,17 +52,18 @@ class WorkerLoad:
     free_blocks: int = 0          # from the worker's last GetLoad
     num_blocks: int = 0           # 0: the worker has not reported its pool yet
     reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
-    shared_blocks: int = 0        # blocks it holds that 2+ requests' prompts held (the router's index)
+    shared_blocks: float = 0.0    # blocks it holds that 2+ requests' prompts held, expected (the router's index)
 
     @property
     def committed(self) -> float:
         """The fraction of the pool holding shared prefixes (0 without a report): the chance
-        that a block placed there now displaces one of them, sooner or later. Shared: reused
-        there (the worker's count) or asked for by two requests anywhere (the router's, which
-        also counts a replica's blocks and a prefix whose second request went elsewhere)."""
+        that a block placed there now displaces one of them, sooner or later. Shared: the
+        router index's expected shared blocks, whose evidence fades with the traffic that
+        passes them by (router/index/asks.py); the worker's `reused_blocks` never fades (a
+        block reused once stays so until evicted), so a pool of cold blocks would look full."""
         if self.num_blocks <= 0:
             return 0.0
-        return min(1.0, max(0, self.reused_blocks, self.shared_blocks) / self.num_blocks)
+        return min(1.0, max(0.0, self.shared_blocks) / self.num_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +100,6 @@ class RoutingState:
 
 
 _NO_LOAD = WorkerLoad()
-
-
-class BlockIndexView(Protocol):
-    """What routing reads from the block index (router/index/blocks.py)."""
-
-    def match_prefix(self, block_hashes: Sequence[BlockHash], workers: Sequence[str]) -> Mapping[str, int]: ...
 
 
 class Scorer(Protocol):

@@ -31,7 +31,7 @@ from router.security.attest import Admitter, Verdict, worker_channel
 from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.index.gate import GatedIndex
-from router.routing.types import BlockIndexView, WorkerId, WorkerInfo, WorkerLoad
+from router.routing.types import WorkerId, WorkerInfo, WorkerLoad
 
 log = logging.getLogger("kvmesh.router")
 
@@ -75,7 +75,8 @@ class WorkerRegistry:
 
     def __init__(self, cfg: RouterConfig, on_ready: Callable[[bool], Awaitable[None]]) -> None:
         self.cfg = cfg
-        self.index: BlockIndexView | None = None    # set when a Redis-fed block index runs
+        # The block index; the Redis event streams feed it (with no metadata Redis it stays empty).
+        self.index = BlockIndex(fed=cfg.redis_url is not None)
         self.model_info: pb.ModelInfo | None = None  # what the ready workers serve
         self.consumer: EventConsumer | None = None
         self.gate: GatedIndex | None = None          # the consumer's sink over `index`
@@ -183,11 +184,9 @@ class WorkerRegistry:
 
     # -- Redis: the registry and the block index --------------------------------------------
     async def _start_metadata(self, redis_url: str) -> None:
-        index = BlockIndex()
-        self.gate = GatedIndex(index)
+        self.gate = GatedIndex(self.index)
         self.consumer = consumer = EventConsumer(RedisConfig(url=redis_url, cluster_name=self.cfg.cluster_name),
                                                  self.gate)
-        self.index = index
         await consumer.poll()    # the registry, before the first probe
         self._sync_registry(probe=False)
         self._consume_task = asyncio.create_task(self._consume(consumer), name="kv-events")
@@ -224,6 +223,12 @@ class WorkerRegistry:
     def _rejoin_index(self, worker_id: WorkerId) -> None:
         """`worker_id` serves again: let its events in and ask for its inventory."""
         if self.gate is not None and self.consumer is not None and self.gate.reopen(worker_id):
+            self._spawn(self._request_inventory(self.consumer, worker_id))
+
+    def request_inventory(self, worker_id: WorkerId) -> None:
+        """Ask `worker_id` for a full inventory of its blocks (the router found its index entries
+        stale, router/routing/predictions.py); nothing without a metadata Redis."""
+        if self.consumer is not None:
             self._spawn(self._request_inventory(self.consumer, worker_id))
 
     async def _request_inventory(self, consumer: EventConsumer, worker_id: WorkerId) -> None:

@@ -267,25 +267,48 @@ def test_a_request_fetching_its_prefix_from_a_peer_queues_only_what_it_computes(
 
 
 def test_a_retried_request_counts_its_prompt_once_as_evidence_of_sharing() -> None:
-    """A failed attempt drops its pending blocks; the retry (`count_asks=False`, which the
+    """A failed attempt drops its pending blocks; the retry (`resubmitted=True`, which the
     router passes for every attempt after the first) records them again without a second ask
     for blocks held somewhere (their counts were kept), so one request's prompt does not look
     shared (asked for twice); blocks held nowhere had their counts forgotten: asked once again."""
     route = _route(0, 0)
     n = len(route.block_hashes)
-    for count_asks, expected in ((False, n / 3), (True, n)):    # asked once: rate (0 + 1) / (1 + 2)
+    for resubmitted, expected in ((True, n / 3), (False, n)):    # asked once: rate (0 + 1) / (1 + 2)
         index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(), Clock())
         index.apply(W0, _stored(*route.block_hashes))            # W0 holds the prompt
         prefills.dispatched(index, "r", W1, route, 0)
         prefills.done(index, "r", streamed=False)                # W1 died before streaming
-        prefills.dispatched(index, "r", W1, route, 0, count_asks=count_asks)
+        prefills.dispatched(index, "r", W1, route, 0, resubmitted=resubmitted)
         assert index.shared_blocks(W0) == pytest.approx(expected)
         index.check_integrity()
     index, prefills = BlockIndex(), InFlightPrefills(InFlightConfig(), Clock())
     prefills.dispatched(index, "r", W0, route, 0)
     prefills.done(index, "r", streamed=False)                    # held nowhere: counts forgotten
-    prefills.dispatched(index, "r", W1, route, 0, count_asks=False)
+    prefills.dispatched(index, "r", W1, route, 0, resubmitted=True)
     index.apply(W1, _stored(*route.block_hashes))
     # asked once each; each depth's tally of first asks (kept for ever) counts both: 1 / (2 + 2)
     assert index.shared_blocks(W1) == pytest.approx(n / 4)
     index.check_integrity()
+
+
+def test_an_index_no_event_stream_feeds_predicts_nothing_and_only_the_queue_is_tracked() -> None:
+    """A router without a metadata Redis holds an index that is not fed: dispatching records
+    no pending blocks and counts no asks, so every worker matches 0 blocks and each queues
+    its whole prompt; the same dispatches into a fed index draw the second to the first."""
+    route = _route(0, 0)
+    for fed in (False, True):
+        index, prefills = BlockIndex(fed=fed), InFlightPrefills(InFlightConfig(), Clock())
+        prefills.dispatched(index, "a", W0, route, 0)
+        prefills.dispatched(index, "b", W1, route, 0)
+        index.check_integrity()
+        if fed:
+            assert index.match_prefix(route.block_hashes, [W0, W1]) == {W0: 10, W1: 10}
+            assert index.pending_requests() == ["a", "b"]
+            continue
+        assert index.match_prefix(route.block_hashes, [W0, W1]) == {W0: 0, W1: 0}
+        assert index.pending_requests() == [] and index.stats().num_pending == 0
+        assert index.shared_blocks(W0) == 0.0 and index.distinct_shared_blocks() == 0.0
+        assert prefills.queued_tokens(index, [W0, W1], route) == {W0: len(route.token_ids), W1: len(route.token_ids)}
+        prefills.done(index, "a", streamed=True)
+        prefills.done(index, "b", streamed=False)
+        assert index.stats().num_pending == 0

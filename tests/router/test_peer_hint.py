@@ -2,14 +2,14 @@
 another live worker of the same transfer group, the forwarded request names that peer.
 
 `best_peer_hint` is checked as a function; then a real RouterServer forwards to two fake
-workers (in-process gRPC servers that answer with the hints they received) over a fake
-block index, so what reaches the worker is what is checked.
+workers (in-process gRPC servers that answer with the hints they received) over a block
+index holding the prompt's leading blocks, so what reaches the worker is what is checked.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -17,8 +17,10 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts.requests import PeerHint
+from kvstore.events import Tier
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
+from router.index.blocks import BlockIndex
 from router.routing.core import Router, best_peer_hint
 from router.workers.registry import WORKER_SERVICE
 from router.routing.types import WorkerId
@@ -41,14 +43,6 @@ def test_best_peer_hint_names_the_peer_holding_the_most_blocks() -> None:
     # pairs form on demand: workers reporting the same (legacy 0) rank still get hints
     on_demand = {W0: ("h:1", 0, 0), W1: ("h:2", 0, 0)}
     assert best_peer_hint(W0, {W0: 1, W1: 5}, on_demand, 10) == PeerHint("w1", "h:2", 0, 5)
-
-
-class FakeIndex:
-    def __init__(self, counts: Mapping[str, int]) -> None:
-        self.counts = dict(counts)
-
-    def match_prefix(self, block_hashes: Sequence[Any], workers: Sequence[str]) -> Mapping[str, int]:
-        return {w: self.counts.get(w, 0) for w in workers}
 
 
 class FakeWorker:
@@ -109,9 +103,12 @@ async def _route(policy: str, ranks: tuple[int | None, int | None], counts: Mapp
         await server.wait_ready(10)
         while len(router.live_workers()) < 2:
             await asyncio.sleep(0.02)
-        server.registry.index = FakeIndex(counts)
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(100, 130))),
                                  sampling=pb.SamplingParams(max_tokens=1))
+        hashes = (await router.prepare(to_generate_input(req))).route.block_hashes
+        index = server.registry.index = BlockIndex()
+        for worker_id, num_blocks in counts.items():
+            index.add(WorkerId(worker_id), hashes[:num_blocks], Tier.DEVICE)
         for _ in range(n):
             prepared = await router.prepare(to_generate_input(req))
             async for resp in router.generate(prepared, 10):
@@ -144,9 +141,10 @@ def test_a_hinted_request_queues_only_the_tokens_it_computes(monkeypatch: pytest
     queued: dict[str, int] = {}
     dispatched = InFlightPrefills.dispatched
 
-    def record(self: InFlightPrefills, index: object, request_id: str, worker_id: str, *args: Any, **kw: Any) -> None:
-        dispatched(self, index, request_id, worker_id, *args, **kw)   # type: ignore[arg-type]
-        queued[worker_id] = self.queued_tokens(None, [worker_id], args[0])[worker_id]   # type: ignore[arg-type]
+    def record(self: InFlightPrefills, index: BlockIndex, request_id: str, worker_id: WorkerId, *args: Any,
+               **kw: Any) -> None:
+        dispatched(self, index, request_id, worker_id, *args, **kw)
+        queued[worker_id] = self.queued_tokens(BlockIndex(), [worker_id], args[0])[worker_id]
     monkeypatch.setattr(InFlightPrefills, "dispatched", record)
     results, _, _ = asyncio.run(_route("round_robin", (0, 1), {"w0": 1, "w1": 5}, 2))
     assert sorted(w for w, _ in results) == ["w0", "w1"]

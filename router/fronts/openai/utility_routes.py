@@ -5,9 +5,10 @@
 device blocks from the router's block index; with API keys configured only keys flagged
 `admin` in the keys file may call it (403 otherwise).
 
-Registered by HttpFrontend (router/fronts/openai/app.py) with `add_utility_routes`; tokenization runs in a
-thread with the router's own ModelTokenizer, the one the generate path uses, so the ids here
-are the ids a generation sees. Errors are BadRequest / NoWorkerAvailable, mapped to 400 / 503
+Registered by HttpFrontend (router/fronts/openai/app.py) with `add_utility_routes`; tokenization runs on
+the core's bounded pool (router/security/bounds.py: a prompt longer in characters than the context
+can hold is refused first) with the router's own ModelTokenizer, the one the generate path uses,
+so the ids here are the ids a generation sees. Errors are BadRequest / NoWorkerAvailable, mapped to 400 / 503
 by the HTTP front's error middleware.
 """
 from __future__ import annotations
@@ -29,7 +30,6 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.security.auth import ANONYMOUS, TENANT_KEY
 from router.routing.core import Router
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded
-from router.index.blocks import BlockIndex
 
 log = logging.getLogger("kvmesh.router.http")
 
@@ -80,7 +80,10 @@ class UtilityRoutes:
             text = body["prompt"]
         else:
             raise BadRequest("prompt: set a string prompt or messages")
-        ids = await asyncio.to_thread(tok.encode, text, add)
+        max_chars = max_model_len * await self.router.bounds.token_bytes(tok)
+        if len(text) > max_chars:     # refused before tokenizing (router/security/bounds.py)
+            raise BadRequest(f"prompt: {len(text)} characters; this model's context holds at most {max_chars}")
+        ids = await self.router.bounds.run(tok.encode, text, add)
         strs = None
         if _bool(body, "return_token_strs", default=False):
             strs = [tok.decode([t], skip_special_tokens=False) for t in ids]
@@ -123,7 +126,7 @@ class UtilityRoutes:
             log.warning("reset_prefix_cache: worker %s: %s %s", worker_id, e.code().name, e.details())
             return worker_id, False
         index = self.router.registry.index
-        if reply.reset and isinstance(index, BlockIndex):
+        if reply.reset:
             index.discard(worker_id, list(index.holdings(worker_id)), Tier.DEVICE)
         return worker_id, bool(reply.reset)
 
