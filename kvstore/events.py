@@ -5,7 +5,7 @@ entry is one `WireEvent` plus its `epoch` and `seq`, encoded as flat string fiel
 
     type    stored | removed | cleared | inventory_begin | inventory_end
     seq     1, 2, 3, ... per worker and epoch, one per entry, no holes
-    epoch   the worker's start counter (a restarted worker has a new epoch)
+    epoch   the worker's generation: its start counter (a restarted worker has a higher one)
     hashes  block hashes as 32-char hex, comma-joined (a batch; "" for none)
     parent  hex hash of the block before hashes[0] ("" for none or unknown)
     tier    device | host | disk (default device)
@@ -17,7 +17,11 @@ says it no longer holds them in `tier`; `cleared` drops every hash it holds in `
 before", the `stored` entries between them are everything the worker holds.
 
 A consumer checks `seq`/`epoch` with a `WorkerCursor`: any entry that is not the next one
-(a hole, a repeat, a new epoch) means its picture of that worker may be wrong.
+(a hole, a repeat, a new epoch) means its picture of that worker may be wrong. Generations are
+fenced: an entry of an epoch below the highest one known for the worker (from its stream or
+the registry) comes from an earlier incarnation (a process still winding down, a stream read
+again from its start) and is dropped (`Verdict.STALE`); the index fences the same way
+(`IndexSink.apply`'s `generation`).
 """
 from __future__ import annotations
 
@@ -182,6 +186,7 @@ class Verdict(enum.Enum):
     NEXT = "next"            # the expected entry: apply it
     GAP = "gap"              # entries were lost or repeated: the picture may be wrong
     NEW_EPOCH = "new_epoch"  # the worker restarted: everything known about it is stale
+    STALE = "stale"          # from an earlier generation of the worker: drop it
 
 
 @dataclass(slots=True)
@@ -199,7 +204,10 @@ class WorkerCursor:
     record_epoch: int | None = None
 
     def check(self, epoch: int, seq: int) -> Verdict:
-        """Judge the entry (epoch, seq) and move past it."""
+        """Judge the entry (epoch, seq) and move past it (a STALE one leaves the cursor as it was)."""
+        known = max((e for e in (self.epoch, self.record_epoch) if e is not None), default=None)
+        if known is not None and epoch < known:
+            return Verdict.STALE
         if self.epoch is None or self.next_seq is None:
             verdict = Verdict.NEXT if self.epoch in (None, epoch) else Verdict.NEW_EPOCH
         elif epoch != self.epoch:
@@ -213,7 +221,9 @@ class WorkerCursor:
 class IndexSink(Protocol):
     """What a consumer feeds: the router's block-location index (`router.index.blocks.BlockIndex`)."""
 
-    def apply(self, worker_id: WorkerId, event: WireEvent) -> None: ...
+    def apply(self, worker_id: WorkerId, event: WireEvent, generation: int | None = None) -> None:
+        """Apply `event` of `worker_id`, sent by its incarnation `generation` (the entry's
+        epoch; None: unknown): one below the highest seen for the worker is dropped."""
 
     def clear_worker(self, worker_id: WorkerId) -> None: ...
 

@@ -7,7 +7,14 @@ and the event log behind one typed API.
 - an optional `HostTier` behind the pool: with `offload_bytes > 0` the pool's evictions are
   copied into it (the store wires that; nobody else sees the callback), or a staging tier
   attached later (`ensure_host_tier`) that only receives blocks staged from a peer,
-- one event log: what the pool and the host tier record, tagged with their `Tier`, in the
+- an optional `DiskTier` (`kvstore.disk`) below the host tier: blocks the host tier's LRU
+  drops are copied out and written behind on the disk tier's thread (`_spill`); a waiting
+  admission whose prefix goes on on disk asks for it with `read_ahead` and waits; `poll_disk`
+  (the scheduler, each step) stages what was read into the host tier, where `lookup` finds it
+  and `take` onloads it: disk → host → device. The disk key includes the salt root of the
+  request that cached the block (`cache(..., salt_root)`), kept here per hash while the
+  block is on the device or in host memory,
+- one event log: what the pool and the tiers record, tagged with their `Tier`, in the
   order it happened (an eviction that offloads reads: host stored, then device removed).
 
 Who calls it: the scheduler (`lookup`, `take`, `allocate`, `free*`, `cache`), the engine
@@ -33,17 +40,21 @@ from kvstore.events import Tier, TieredEvent
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockPool
+from kvstore.quota import Owner
 from kvstore.tensors import KVTensors
+from kvstore.disk import DiskSpec, DiskTier, DiskTierStats
 from kvstore.tiers import BlockCopy, HostTier
 
 
 class Match(NamedTuple):
     """Where the leading blocks of a hash chain are: `device` are the pool's blocks caching
     the first `len(device)` hashes (not referenced by the lookup: `take` them before the
-    next allocation, which may evict them), then `num_host` more are in the host tier."""
+    next allocation, which may evict them), then `num_host` more are in the host tier, then
+    `num_disk` more on disk (not usable by `take` until `read_ahead` brought them to the host)."""
 
     device: tuple[BlockId, ...]
     num_host: int
+    num_disk: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +84,7 @@ class StoreUsage(NamedTuple):
     num_onloaded_blocks: int
     num_protected_blocks: int = 0    # free, caching a reused prefix: evicted last
     num_reused_blocks: int = 0       # cached and reused by a later request (in use or free)
+    num_disk_staged_blocks: int = 0  # blocks read back from the disk tier into the host tier
 
 
 class NoHostTier(KVStoreError):
@@ -84,21 +96,33 @@ class KVStore:
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu", *,
                  enable_prefix_caching: bool = True, offload_bytes: int = 0,
-                 copy_blocks: BlockCopy | None = None) -> None:
+                 copy_blocks: BlockCopy | None = None, disk: DiskSpec | None = None,
+                 max_cached_frac: float = 1.0) -> None:
         if offload_bytes < 0:
             raise ValueError(f"offload_bytes={offload_bytes} must be >= 0")
         if offload_bytes and not enable_prefix_caching:
             raise ValueError("offload_bytes needs prefix caching: the host tier keys blocks by hash")
+        if disk is not None and not offload_bytes:
+            raise ValueError("a disk tier needs a host tier (offload_bytes > 0): it writes what the host tier evicts")
         self.layout = layout
         self.kv = KVTensors(layout, num_blocks, device)
         self.device = self.kv.device
+        self.disk: DiskTier | None = None
+        self._roots: dict[BlockHash, BlockHash] = {}      # salted hashes on device / host -> salt root
+        self._staged: dict[BlockHash, int] = {}           # hash -> times staged from disk, not yet taken
+        self._pinned: list[BlockHash] = []                # staged by the last poll_disk, pinned in host
+        self._disk_staged = 0
         self.host: HostTier | None = None
         if offload_bytes:
             self.host = HostTier.for_budget(layout, offload_bytes, pin_memory=self.device.type == "cuda",
-                                            copy_blocks=copy_blocks)
+                                            copy_blocks=copy_blocks,
+                                            on_evict=self._spill if disk is not None else None)
+            if disk is not None:
+                self.disk = DiskTier.open(disk.path, disk.num_bytes, layout, self.host.data.dtype,
+                                          self.host.data.shape[1:], disk.fingerprint)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching,
                               on_evict=self._offload if self.host is not None else None,
-                              enable_kv_cache_events=False)
+                              enable_kv_cache_events=False, max_cached_frac=max_cached_frac)
         self._events: list[TieredEvent] = []
         self._recording = False
         self._queries = self._query_blocks = self._hit_blocks = self._onloaded = 0
@@ -116,9 +140,10 @@ class KVStore:
     def host_num_blocks(self) -> int:
         return self.host.num_blocks if self.host is not None else 0
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> Match:
-        """The leading `block_hashes` held here: the device pool's run, then the host tier's.
-        A query: no ref count, LRU order or counter changes."""
+    def lookup(self, block_hashes: Sequence[BlockHash], salt_root: BlockHash | None = None) -> Match:
+        """The leading `block_hashes` held here: the device pool's run, then the host tier's,
+        then the disk tier's under `salt_root` (the chain's `cache_salt_root`). A query: no
+        ref count, LRU order or counter changes."""
         device: list[BlockId] = []
         for h in block_hashes:
             block_id = self.pool.get_cached_block(h)
@@ -126,24 +151,32 @@ class KVStore:
                 break
             device.append(block_id)
         rest = block_hashes[len(device):]
-        return Match(tuple(device), self.host.match_prefix(rest) if self.host is not None else 0)
+        num_host = self.host.match_prefix(rest) if self.host is not None else 0
+        num_disk = self.disk.match_prefix(salt_root, rest[num_host:]) if self.disk is not None else 0
+        return Match(tuple(device), num_host, num_disk)
 
     def usage(self) -> StoreUsage:
         p, h = self.pool, self.host
         return StoreUsage(p.num_blocks, p.num_free_blocks, p.num_used_blocks, p.num_cached_blocks,
                           h.num_blocks if h else 0, h.num_used_blocks if h else 0, self._queries,
                           self._query_blocks, self._hit_blocks, self._onloaded, p.num_protected_blocks,
-                          p.num_reused_blocks)
+                          p.num_reused_blocks, self._disk_staged)
+
+    def disk_stats(self) -> DiskTierStats | None:
+        return self.disk.stats() if self.disk is not None else None
 
     def inventory(self) -> dict[Tier, list[BlockHash]]:
         """Every hash the store can serve now, per tier (a full snapshot for the block index)."""
         out = {Tier.DEVICE: self.pool.cached_hashes()}
         if self.host is not None:
             out[Tier.HOST] = self.host.cached_hashes()
+        if self.disk is not None:
+            out[Tier.DISK] = self.disk.cached_hashes()
         return out
 
     # -- blocks for sequences -------------------------------------------------------------
-    def take(self, block_hashes: Sequence[BlockHash], match: Match, num_blocks: int) -> list[BlockId]:
+    def take(self, block_hashes: Sequence[BlockHash], match: Match, num_blocks: int,
+             owner: Owner | None = None) -> list[BlockId]:
         """The first `num_blocks` blocks of a sequence whose hash chain is `block_hashes`, given
         `match = lookup(...)` made with no store change in between: the matched device blocks
         are referenced, the host run is copied into new device blocks (which then cache their
@@ -159,9 +192,12 @@ class KVStore:
         self.pool.touch(cached)
         loaded_hashes = list(block_hashes[len(cached):match.num_blocks])
         loaded = self._onload(loaded_hashes)
+        for h in loaded_hashes:
+            self._staged.pop(h, None)
         if loaded:
             self.pool.cache_full_blocks(loaded, loaded_hashes,
-                                        parent_hash=block_hashes[len(cached) - 1] if cached else None)
+                                        parent_hash=block_hashes[len(cached) - 1] if cached else None,
+                                        owner=owner)
         self._queries += 1
         self._query_blocks += len(block_hashes)
         self._hit_blocks += len(cached)
@@ -186,10 +222,19 @@ class KVStore:
         self.pool.free_sequence(block_ids)
 
     def cache(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
-              parent_hash: BlockHash | None = None) -> None:
-        """Publish full blocks the caller holds under their hashes (`cache_full_blocks`)."""
-        self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash)
+              parent_hash: BlockHash | None = None, salt_root: BlockHash | None = None,
+              owner: Owner | None = None) -> None:
+        """Publish full blocks the caller holds under their hashes (`cache_full_blocks`);
+        `salt_root`: their chain's `cache_salt_root` (kept for the disk tier's key); newly
+        cached blocks belong to `owner` (a tenant; its cap: `set_owner_cap`, kvstore.quota)."""
+        self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash, owner)
+        if salt_root is not None and self.disk is not None:
+            self._roots.update(dict.fromkeys(block_hashes, salt_root))
         self._drain()
+
+    def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:
+        """`owner`'s cap on cached device blocks (None: the store's `max_cached_frac`)."""
+        self.pool.set_owner_cap(owner, max_blocks)
 
     def share(self, block_ids: Sequence[BlockId]) -> None:
         """One more reference per block: a forked sequence (n > 1) shares its parent's blocks."""
@@ -218,6 +263,57 @@ class KVStore:
         blocks it may rewrite (a no-op on CPU and without a host tier)."""
         if self.host is not None:
             self.host.wait_on_device()
+
+    # -- the disk tier ----------------------------------------------------------------------
+    def read_ahead(self, block_hashes: Sequence[BlockHash], salt_root: BlockHash | None = None) -> bool:
+        """Have the disk tier read the run `block_hashes` (a `Match`'s disk run) back; True
+        when the caller should wait for it (`poll_disk` stages it into the host tier). A run is
+        cut to the host tier's size, and a block already staged twice without being taken (the
+        host tier dropped it again) is not read a third time: False, compute it instead."""
+        if self.disk is None or self.host is None or not block_hashes:
+            return False
+        if self._staged.get(block_hashes[0], 0) >= 2:
+            return False
+        return self.disk.read_ahead([(salt_root, h) for h in block_hashes[:self.host.num_blocks]])
+
+    def poll_disk(self) -> int:
+        """Stage the disk tier's finished reads into the host tier (engine thread), as many
+        leading blocks of each as there is room for; returns how many were staged. Staged
+        blocks stay pinned in the host tier until the next call, so that the admissions of
+        the scheduling pass that follows find them (their allocations offload into it)."""
+        if self.disk is None or self.host is None:
+            return 0
+        self.host.unpin(self._pinned)
+        self._pinned = []
+        staged = 0
+        for done in self.disk.take_reads():
+            if done.blocks is None:
+                continue
+            room = self.host.num_blocks - self.host.num_pinned_blocks
+            keys = [k for k in done.keys[:room]]
+            hashes = [h for _, h in keys]
+            for root, h in keys:
+                if root is not None:
+                    self._roots[h] = root
+                self._staged[h] = self._staged.get(h, 0) + 1
+            staged += self.host.store(hashes, done.blocks[:, :, :len(keys)])
+            self.host.pin(hashes)
+            self._pinned.extend(hashes)
+        if len(self._staged) > 4 * self.host.num_blocks:
+            self._staged.clear()
+        self._disk_staged += staged
+        self._drain()
+        return staged
+
+    def wait_for_disk(self, timeout_s: float) -> bool:
+        """Block until a read-ahead finishes or `timeout_s` passes (an idle engine whose
+        waiting requests wait for the disk); False at once when none is in flight."""
+        return self.disk is not None and self.disk.wait_reads(timeout_s)
+
+    def close(self) -> None:
+        """Stop the disk tier's threads (queued writes are dropped)."""
+        if self.disk is not None:
+            self.disk.close()
 
     # -- blocks for peers -----------------------------------------------------------------
     def read(self, block_hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks:
@@ -299,6 +395,8 @@ class KVStore:
         self.pool.set_event_recording(enabled)
         if self.host is not None:
             self.host.set_event_recording(enabled)
+        if self.disk is not None:
+            self.disk.set_event_recording(enabled)
         self._events = []
 
     def take_events(self) -> list[TieredEvent]:
@@ -314,6 +412,8 @@ class KVStore:
         self.pool.check_integrity()
         if self.host is not None:
             self.host.check_integrity()
+        if self.disk is not None:
+            self.disk.check_integrity()
         if holders is None:
             return
         held = Counter(b for blocks in holders for b in blocks)
@@ -342,7 +442,32 @@ class KVStore:
         assert self.host is not None
         self._drain()                      # what the pool recorded before comes first
         self.host.offload(self.kv, block_ids, block_hashes)
+        dropped = [i for i, h in enumerate(block_hashes) if h not in self.host]
+        if dropped and self.disk is not None:   # no room in host memory: straight to the disk tier
+            keys = [(self._roots.get(block_hashes[i]), block_hashes[i]) for i in dropped]
+            want = [k for k, key in enumerate(keys) if self.disk.wants(key)]
+            if want:
+                data = self.kv.gather_blocks([int(block_ids[dropped[k]]) for k in want]).movedim(2, 0)
+                data = data.to("cpu").contiguous()                              # [n, L, 2, bs, H, D]
+                for row, k in enumerate(want):
+                    self.disk.write_behind(keys[k], data[row])
+        for i in dropped:
+            self._roots.pop(block_hashes[i], None)
         self._drain()
+
+    def _spill(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
+        """The host tier's eviction callback: copy the dropped blocks the disk tier wants and
+        queue them for its writer (a full queue drops them there)."""
+        assert self.host is not None and self.disk is not None
+        keys = [(self._roots.get(h), h) for h in block_hashes]
+        want = [i for i, key in enumerate(keys) if self.disk.wants(key)]
+        if want:
+            data = self.host.data[torch.tensor([slots[i] for i in want], dtype=torch.long)]  # [n, L, 2, bs, H, D]
+            for row, i in enumerate(want):
+                self.disk.write_behind(keys[i], data[row])
+        for h in block_hashes:
+            if self.pool.get_cached_block(h) is None:
+                self._roots.pop(h, None)
 
     def _drain(self) -> None:
         if not self._recording:
@@ -350,3 +475,5 @@ class KVStore:
         self._events.extend(TieredEvent(Tier.DEVICE, e) for e in self.pool.take_events())
         if self.host is not None:
             self._events.extend(TieredEvent(Tier.HOST, e) for e in self.host.take_events())
+        if self.disk is not None:
+            self._events.extend(TieredEvent(Tier.DISK, e) for e in self.disk.take_events())

@@ -26,13 +26,16 @@ pool's prefix cache like computed ones.
   evicted device blocks are written again (`fence`), so the decode loop never blocks on it.
 - Every change is recorded as a pool-style event (`BlockStored` / `BlockRemoved` with the host
   slot as `block_id`), for the worker to publish with `Tier.HOST`.
+- `on_evict(hashes, slots)` (the store's, when it has a disk tier) runs when the LRU drops
+  blocks, before their slots are reused: it may read `data[slots]` then (the disk tier's
+  write-behind copies them out).
 
 Not thread-safe: the store owns it, on the engine thread (blocks from peers are staged there).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -51,6 +54,9 @@ class BlockCopy(Protocol):
                  to_host: bool) -> None: ...
 
 
+HostEvictCallback = Callable[[list[BlockHash], list[int]], None]
+
+
 class HostTierStats(NamedTuple):
     """Counters since the tier was built (blocks, not calls)."""
 
@@ -65,7 +71,7 @@ class HostTier:
     """`num_blocks` host blocks of `layout`, keyed by block hash, with an LRU (see module doc)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, pin_memory: bool = False,
-                 copy_blocks: BlockCopy | None = None) -> None:
+                 copy_blocks: BlockCopy | None = None, on_evict: HostEvictCallback | None = None) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
         self.layout = layout
@@ -83,14 +89,15 @@ class HostTier:
         self._stream: torch.cuda.Stream | None = None
         self._offloaded = self._refreshed = self._onloaded = self._evicted = self._stored = 0
         self._copy_blocks = copy_blocks
+        self._on_evict = on_evict
 
     @classmethod
     def for_budget(cls, layout: KVLayout, num_bytes: int, pin_memory: bool = False,
-                   copy_blocks: BlockCopy | None = None) -> HostTier:
+                   copy_blocks: BlockCopy | None = None, on_evict: HostEvictCallback | None = None) -> HostTier:
         num_blocks = layout.num_blocks_in(num_bytes)
         if num_blocks < 1:
             raise ValueError(f"{num_bytes} bytes do not hold one block ({layout.bytes_per_block} bytes)")
-        return cls(layout, num_blocks, pin_memory, copy_blocks)
+        return cls(layout, num_blocks, pin_memory, copy_blocks, on_evict)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -100,6 +107,10 @@ class HostTier:
     @property
     def num_used_blocks(self) -> int:
         return len(self._lru)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pinned)
 
     @property
     def nbytes(self) -> int:
@@ -254,6 +265,8 @@ class HostTier:
             self.fence()  # a slot about to be reused may still have a copy in flight
             victims = [h for h in self._lru if h not in self._pinned][:n - len(self._free)]
             assert len(self._free) + len(victims) >= n, "the host tier's blocks are all pinned"
+            if self._on_evict is not None and victims:
+                self._on_evict(victims, [self._lru[h] for h in victims])
             for h in victims:
                 slot = self._lru.pop(h)
                 self._free.append(slot)

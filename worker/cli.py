@@ -29,9 +29,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--fair-share", default="on", choices=["on", "off"],
+                   help="share prefill between tenants by weight while they contend (keys file weight=)")
+    g.add_argument("--fair-step-tokens", type=int, default=256,
+                   help="prefill tokens per step while tenants contend (shorter steps: a light tenant waits less)")
+    g.add_argument("--tenant-max-cached-frac", type=float, default=0.5,
+                   help="a tenant's cached device blocks, as a fraction of the pool, past which an allocation "
+                        "evicts its own first (keys file max_cached_blocks= overrides)")
     g.add_argument("--kv-offload-gib", type=float, default=0.0,
                    help="host-memory KV tier behind the pool (GiB); evicted prefix blocks go there "
                         "instead of being dropped (vLLM: --kv-offloading-size). 0 = off")
+    g.add_argument("--kv-disk-path", default=None,
+                   help="directory of a disk KV tier below the host tier: blocks the host tier evicts are "
+                        "written there behind the engine and read back for a later prefix; reopened after a "
+                        "restart (needs --kv-offload-gib and --kv-disk-gib)")
+    g.add_argument("--kv-disk-gib", type=float, default=0.0, help="size bound of the disk KV tier (GiB)")
     g.add_argument("--kv-eviction", default="none", choices=["none", "streaming", "h2o"],
                    help="token eviction inside each sequence's KV (StreamingLLM / H2O); needs --kv-budget")
     g.add_argument("--kv-budget", type=int, default=None, help="tokens of KV each sequence keeps under --kv-eviction")
@@ -57,7 +69,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
                             num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len, kv_offload_gib=args.kv_offload_gib,
+                            max_model_len=args.max_model_len, fair_share=args.fair_share == "on",
+                            fair_step_tokens=args.fair_step_tokens, tenant_max_cached_frac=args.tenant_max_cached_frac, kv_offload_gib=args.kv_offload_gib,
+                            kv_disk_path=args.kv_disk_path, kv_disk_gib=args.kv_disk_gib,
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
                             attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay,
                             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

@@ -9,7 +9,9 @@ known one (degraded) and retries with backoff.
 How the consumer keeps its index right (each case: clear that worker's entries, then ask
 it for a full inventory through `Keys.resync`, unless the entry at hand already begins one):
 - a hole or a repeat in `seq` (entries trimmed, lost in a Redis crash, or a bad entry);
-- an epoch it has not seen (a worker restart), in the stream or in the registry;
+- an epoch it has not seen (a worker restart), in the stream or in the registry; an entry of
+  an epoch BELOW the highest known for its worker is from an earlier incarnation and is
+  dropped, not applied (generation fencing: `Verdict.STALE`);
 - a worker seen for the first time (it reads that stream from its current end);
 - a Redis restart (a new `run_id`): every stream is read again from its start, and every
   known worker is asked for an inventory. Workers missing from the registry are kept for
@@ -194,6 +196,7 @@ class ConsumerStats(NamedTuple):
     resyncs_requested: int
     redis_restarts: int
     failures: int
+    stale: int = 0          # entries of an earlier generation of their worker, dropped
 
 
 class EventConsumer:
@@ -220,7 +223,7 @@ class EventConsumer:
         self._next_refresh = self._grace_until = 0.0
         self._retry_at, self._backoff_s = 0.0, 0.0
         self._entries = self._gaps = self._new_epochs = self._bad = 0
-        self._resyncs = self._restarts = self._failures = 0
+        self._resyncs = self._restarts = self._failures = self._stale = 0
 
     @property
     def workers(self) -> dict[WorkerId, WorkerRecord]:
@@ -283,7 +286,7 @@ class EventConsumer:
     def stats(self) -> ConsumerStats:
         return ConsumerStats(self._degraded, len(self._workers), self._entries, self._gaps,
                              self._new_epochs, self._bad, self._resyncs, self._restarts,
-                             self._failures)
+                             self._failures, self._stale)
 
     async def aclose(self) -> None:
         await self._r.aclose()
@@ -362,6 +365,9 @@ class EventConsumer:
                     resync.add(w)
                     continue
                 verdict = cursor.check(entry.epoch, entry.seq)
+                if verdict is Verdict.STALE:     # an earlier incarnation of the worker: fenced off
+                    self._stale += 1
+                    continue
                 if verdict is not Verdict.NEXT:
                     self._gaps += verdict is Verdict.GAP
                     self._new_epochs += verdict is Verdict.NEW_EPOCH
@@ -369,7 +375,7 @@ class EventConsumer:
                     resync.add(w)
                 if entry.event.type is EventType.INVENTORY_BEGIN:
                     resync.discard(w)  # the inventory that begins here restores the worker
-                self.index.apply(w, entry.event)
+                self.index.apply(w, entry.event, entry.epoch)
                 applied += 1
         self._entries += applied
         await self.request_resync(*sorted(resync))

@@ -26,6 +26,11 @@ a question's: never), and `shared_blocks(worker)` is the blocks the worker holds
 shared plus those asked once, each at its depth's rate ((again + 1) / (once + 2)) — the part
 of its pool a new placement would displace. Kept per worker and depth as blocks come and
 go; a block's count is forgotten once no worker holds or computes it.
+
+Evidence fades (router/index/asks.py): each block's part in `shared_blocks` halves with every
+`ask_half_life` pool-fulls of prompt blocks routed since its last ask (the traffic clock,
+which runs once `set_capacity` has told the index the pools' size), so a prefix no one asks
+for any more counts as room, whatever it was worth once.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from typing import NamedTuple
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
+from router.index.asks import ASK_HALF_LIFE, Ask, Decay, Tally
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
 _ALL_TIERS = (1 << len(Tier)) - 1
@@ -49,37 +55,6 @@ class IndexStats(NamedTuple):
     num_workers: int
     events_applied: int
     num_pending: int = 0      # (hash, worker) pairs predicted and not yet confirmed
-
-
-class _Tally:
-    """Blocks held in one scope (a worker, or the distinct blocks held anywhere) by how many
-    requests asked for them: `shared` two or more, `once[depth]` one."""
-
-    __slots__ = ("shared", "once")
-
-    def __init__(self) -> None:
-        self.shared = 0
-        self.once: dict[int, int] = {}
-
-    def count(self, seen: tuple[int, int], sign: int) -> None:
-        """Add (+1) or take away (−1) one held block whose ask count is `seen`."""
-        if seen[0] >= 2:
-            self.shared += sign
-        else:
-            self.once[seen[1]] = self.once.get(seen[1], 0) + sign
-
-    def expected(self, first: Sequence[int], again: Sequence[int]) -> float:
-        """The shared blocks, expected: those asked for twice, plus those asked for once at
-        the rate blocks of their depth were asked for again (`again` of `first`, smoothed)."""
-        return self.shared + sum(n * (again[d] + 1) / (first[d] + 2) for d, n in self.once.items())
-
-    def check(self, asked: Sequence[tuple[int, int]], what: str) -> None:
-        """AssertionError unless the tally equals the count over `asked` (held blocks' asks)."""
-        shared = sum(1 for n, _ in asked if n >= 2)
-        assert self.shared == shared, f"{what} counts {self.shared} shared blocks, holds {shared}"
-        once = {d: sum(1 for n, e in asked if n == 1 and e == d) for d in {e for n, e in asked if n == 1}}
-        kept = {d: n for d, n in self.once.items() if n}
-        assert kept == once, f"{what} counts blocks asked once by depth as {kept}, holds {once}"
 
 
 class _Pending(NamedTuple):
@@ -97,25 +72,41 @@ def _tiers(mask: int) -> frozenset[Tier]:
 class BlockIndex:
     """block hash → {worker_id: tiers}; see the module docstring."""
 
-    def __init__(self, *, fed: bool = True) -> None:
+    def __init__(self, *, fed: bool = True, ask_half_life: float = ASK_HALF_LIFE) -> None:
         """`fed=False`: no event stream feeds this index (a router without a metadata Redis): it
-        stays empty and `add_pending` records nothing, since no `BlockStored` would confirm it."""
+        stays empty and `add_pending` records nothing, since no `BlockStored` would confirm it.
+        `ask_half_life`: pool-fulls of routed prompt blocks over which a block's evidence of
+        being shared halves (router/index/asks.py)."""
         self.fed = fed
         self._blocks: dict[BlockHash, dict[WorkerId, int]] = {}
         self._by_worker: dict[WorkerId, set[BlockHash]] = {}
+        self._generations: dict[WorkerId, int] = {}   # the highest generation (epoch) seen per worker
+        self.num_stale_events = 0
         self._applied = 0
         self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
         self._requests: dict[str, _Pending] = {}
         self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
-        self._asked: dict[BlockHash, tuple[int, int]] = {}   # (requests that asked, up to 2; depth bucket)
-        self._held_asks: dict[WorkerId, _Tally] = {}   # each worker's blocks by their asks
-        self._any_asks = _Tally()                    # the same over the distinct blocks held anywhere
+        self._asked: dict[BlockHash, Ask] = {}
+        self._held_asks: dict[WorkerId, Tally] = {}   # each worker's blocks by their asks
+        self._any_asks = Tally()                     # the same over the distinct blocks held anywhere
         self._first = [0] * _DEPTHS                  # blocks first asked for, per depth (ever)
         self._again = [0] * _DEPTHS                  # of those, asked for a second time
+        self._decay = Decay(ask_half_life)
+        self._capacity = 0                           # the pools' blocks; 0: the traffic clock stands
 
-    def apply(self, worker_id: WorkerId, event: WireEvent) -> None:
+    def apply(self, worker_id: WorkerId, event: WireEvent, generation: int | None = None) -> None:
         """Apply one wire event of `worker_id` (its meaning: `kvstore.events`); the worker
-        becomes known if it was not."""
+        becomes known if it was not. Fenced by `generation` (the worker's epoch; None: not
+        checked): an event of a generation below the highest seen for the worker is dropped
+        (counted in `num_stale_events`), and a higher one first forgets the worker's blocks."""
+        if generation is not None:
+            known = self._generations.get(worker_id)
+            if known is not None and generation < known:
+                self.num_stale_events += 1
+                return
+            if known is not None and generation > known:
+                self.clear_worker(worker_id)
+            self._generations[worker_id] = generation
         self._by_worker.setdefault(worker_id, set())
         kind = event.type
         if kind is EventType.STORED:
@@ -150,6 +141,12 @@ class BlockIndex:
     def discard(self, worker_id: WorkerId, hashes: Iterable[BlockHash], tier: Tier) -> None:
         """`worker_id` no longer holds `hashes` in `tier` (unknown ones are ignored)."""
         self._drop(worker_id, hashes, _BIT[tier])
+
+    def forget(self, worker_id: WorkerId, hashes: Iterable[BlockHash]) -> None:
+        """`worker_id` evidently no longer holds `hashes` in any tier (it served less than they
+        promised, router/routing/predictions.py): drop those entries; its events or an
+        inventory bring back what it does hold."""
+        self._drop(worker_id, hashes, _ALL_TIERS)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Forget every block of `worker_id`; it stays known (with no blocks)."""
@@ -238,13 +235,29 @@ class BlockIndex:
         """The shared blocks `worker_id` holds (any tier), expected: those two requests'
         prompts held, plus those one did at the rate blocks of their depth were asked again."""
         tally = self._held_asks.get(worker_id)
-        return tally.expected(self._first, self._again) if tally is not None else 0.0
+        return tally.expected(self._first, self._again, self._decay.scale()) if tally is not None else 0.0
+
+    def set_capacity(self, num_blocks: int) -> None:
+        """The pools' size, in blocks, that the traffic clock measures routed prompts against
+        (the router passes its live workers' total; 0 stops the clock)."""
+        self._capacity = max(0, num_blocks)
+
+    @property
+    def traffic_clock(self) -> float:
+        """Pool-fulls of prompt blocks routed so far (asks counted while a capacity was set)."""
+        return self._decay.now
 
     def _count_asks(self, hashes: Sequence[BlockHash], resubmitted: bool) -> None:
-        """One more request asked for `hashes`; a `resubmitted` one counts only where no count is kept."""
+        """One more request asked for `hashes` (its asks renew their evidence and the traffic
+        clock moves on); a `resubmitted` one counts only where no count is kept."""
+        if not resubmitted and self._capacity > 0:
+            self._decay.now += len(hashes) / self._capacity
+            if self._decay.needs_rebase():
+                self._rebase()
+        now = self._decay.now
         for depth, h in enumerate(hashes):
             seen = self._asked.get(h)
-            if seen is not None and (seen[0] >= 2 or resubmitted):
+            if seen is not None and resubmitted:
                 continue
             holders = self._blocks.get(h, ())
             for w in holders:
@@ -253,11 +266,12 @@ class BlockIndex:
                 self._count_any(h, -1)
             if seen is None:
                 d = min(depth, _DEPTHS - 1)
-                self._asked[h] = (1, d)
+                self._asked[h] = Ask(1, d, now)
                 self._first[d] += 1
             else:
-                self._asked[h] = (2, seen[1])
-                self._again[seen[1]] += 1
+                if seen.count < 2:
+                    self._again[seen.depth] += 1
+                self._asked[h] = Ask(2, seen.depth, now)
             for w in holders:
                 self._count_held(w, h, +1)
             if holders:
@@ -266,17 +280,36 @@ class BlockIndex:
     def distinct_shared_blocks(self) -> float:
         """`shared_blocks` over the distinct blocks held anywhere: the pool space the cluster's
         shared prefixes take with one copy each."""
-        return self._any_asks.expected(self._first, self._again)
+        return self._any_asks.expected(self._first, self._again, self._decay.scale())
 
     def _count_any(self, h: BlockHash, sign: int) -> None:
         seen = self._asked.get(h)
         if seen is not None:
-            self._any_asks.count(seen, sign)
+            self._any_asks.count(seen, self._decay.weight(seen), sign)
 
     def _count_held(self, worker_id: WorkerId, h: BlockHash, sign: int) -> None:
         seen = self._asked.get(h)
         if seen is not None:
-            self._held_asks.setdefault(worker_id, _Tally()).count(seen, sign)
+            self._held_asks.setdefault(worker_id, Tally()).count(seen, self._decay.weight(seen), sign)
+
+    def _recount(self) -> tuple[dict[WorkerId, Tally], Tally]:
+        """The tallies counted afresh from the blocks held and their asks."""
+        held: dict[WorkerId, Tally] = {}
+        for w, hashes in self._by_worker.items():
+            tally = held[w] = Tally()
+            for h in hashes:
+                if (seen := self._asked.get(h)) is not None:
+                    tally.count(seen, self._decay.weight(seen), +1)
+        anywhere = Tally()
+        for h in self._blocks:
+            if (seen := self._asked.get(h)) is not None:
+                anywhere.count(seen, self._decay.weight(seen), +1)
+        return held, anywhere
+
+    def _rebase(self) -> None:
+        """Move the weights' base to now (they would soon outgrow floating point)."""
+        self._decay.base = self._decay.now
+        self._held_asks, self._any_asks = self._recount()
 
     def _forget_asks(self, h: BlockHash) -> None:
         if h not in self._blocks and h not in self._pending:
@@ -341,9 +374,10 @@ class BlockIndex:
                 assert w in self._blocks.get(h, {}), f"{w}'s set has {h:032x} but the map does not"
         by_worker = sum(len(held) for held in self._by_worker.values())
         assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
-        for w, held in self._by_worker.items():
-            self._held_asks.get(w, _Tally()).check([self._asked[h] for h in held if h in self._asked], w)
-        self._any_asks.check([self._asked[h] for h in self._blocks if h in self._asked], "the distinct blocks")
+        held_asks, any_asks = self._recount()
+        for w, tally in held_asks.items():
+            self._held_asks.get(w, Tally()).check(tally, w)
+        self._any_asks.check(any_asks, "the distinct blocks")
         for h in self._asked:
             assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
         for h, computing in self._pending.items():

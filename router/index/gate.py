@@ -21,9 +21,9 @@ class GatedIndex:
         self.index = index
         self._closed: set[WorkerId] = set()
 
-    def apply(self, worker_id: WorkerId, event: WireEvent) -> None:
+    def apply(self, worker_id: WorkerId, event: WireEvent, generation: int | None = None) -> None:
         if worker_id not in self._closed:
-            self.index.apply(worker_id, event)
+            self.index.apply(worker_id, event, generation)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
         self.index.clear_worker(worker_id)

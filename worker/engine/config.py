@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvstore.disk import DiskTierStats
 from worker.engine.eviction import EvictionConfig, EvictionPolicy
 from worker.kernels.backend import parse_backend
 
@@ -25,8 +26,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_queue_len: int = 4096
+    fair_share: bool = True               # tenants share prefill by weight (worker.engine.fairness)
+    fair_step_tokens: int = 256           # prefill tokens per step while tenants contend
+    tenant_max_cached_frac: float = 0.5   # a tenant's cap on cached device blocks (kvstore.quota)
     check_integrity: bool = False         # run the KV store's integrity check after every step
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
+    kv_disk_path: str | None = None       # directory of the disk tier below the host tier (None: none)
+    kv_disk_gib: float = 0.0              # the disk tier's size bound (GiB of records)
     kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
     kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
     attention_sinks: int = 4              # first tokens always kept under kv_eviction
@@ -53,6 +59,13 @@ class EngineConfig:
             raise ValueError(f"kv_offload_gib={self.kv_offload_gib} must be >= 0")
         if self.kv_offload_gib > 0 and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib needs prefix caching: the host tier keys blocks by hash")
+        if not self.kv_disk_gib >= 0:
+            raise ValueError(f"kv_disk_gib={self.kv_disk_gib} must be >= 0")
+        if (self.kv_disk_gib > 0) != bool(self.kv_disk_path):
+            raise ValueError(f"kv_disk_path={self.kv_disk_path!r} and kv_disk_gib={self.kv_disk_gib} go together: "
+                             "a directory and a size > 0 turn the disk tier on")
+        if self.kv_disk_gib > 0 and not self.kv_offload_gib > 0:
+            raise ValueError("kv_disk_gib needs kv_offload_gib > 0: the disk tier writes what the host tier evicts")
         if self.kv_eviction not in ("none", "streaming", "h2o"):
             raise ValueError(f"kv_eviction={self.kv_eviction!r}; accepted: none, streaming, h2o")
         self.eviction_config()  # validates kv_budget / attention_sinks against the policy
@@ -84,3 +97,4 @@ class EngineStats(NamedTuple):
     num_protected_blocks: int = 0     # free blocks caching a reused prefix (evicted last)
     num_reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
     num_prefix_waits: int = 0         # admissions put off for a block another request was computing
+    disk: DiskTierStats | None = None # the disk tier's figures (None: no disk tier)

@@ -15,6 +15,11 @@ request is computing (two requests of one new prefix arriving together) is not a
 that step; later waiting requests may be. Once the block is cached it is admitted with the
 hit, so a shared prefix is computed once — the worker side of the router's pending blocks.
 
+Tenants (`Request.tenant`, from the router): while two or more share the worker, a step's
+prefill goes to the tenant with the lowest virtual token counter first and is capped at
+`fair_step_tokens` (worker.engine.fairness); decode tokens and the order within a tenant are
+as above. Blocks a tenant caches count against its cap (kvstore.quota).
+
 All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
 """
 from __future__ import annotations
@@ -29,10 +34,12 @@ from typing import NamedTuple
 from kvstore.errors import OutOfBlocks
 from kvstore.keys import BlockHash
 from kvstore.store import KVStore
+from worker.engine.fairness import FairShare
 from worker.engine.request import NO_BLOCK, FinishReason, Request, RequestStatus
 
 
 _WAITS_FOR_PREFIX = -1   # `Scheduler._admit`: put off, another request computes its next block
+_WAITS_FOR_DISK = -2     # `Scheduler._admit`: put off, its prefix is being read back from disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +50,18 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     sliding_window: int | None = None   # the model's: blocks wholly outside it are released
     enable_prefix_caching: bool = True  # False: nothing is cached, so no admission waits for a block
+    fair_share: bool = True             # tenants share prefill by weight (worker.engine.fairness)
+    fair_step_tokens: int = 256         # prefill tokens per step while tenants contend
+    tenant_max_cached_frac: float = 0.5  # a tenant's cap on cached blocks without max_cached_blocks
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "fair_step_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+        if not 0 < self.tenant_max_cached_frac <= 1:
+            raise ValueError(f"tenant_max_cached_frac={self.tenant_max_cached_frac} must be in (0, 1]")
 
 
 class ScheduledBatch(NamedTuple):
@@ -103,10 +115,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefix_waits = 0   # admissions put off for a block another request computes
+        self.fair = FairShare() if cfg.fair_share else None
 
     # -- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.update_block_hashes(self.cfg.block_size, self.salt)
+        if req.tenant.name:
+            default = max(1, int(self.cfg.tenant_max_cached_frac * self.store.num_blocks))
+            cap = req.tenant.max_cached_blocks
+            self.store.set_owner_cap(req.tenant.name, default if cap is None else cap)
+        if self.fair is not None:
+            self.fair.arrive(req.tenant.name, req.tenant.weight)
         self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
@@ -114,6 +133,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Remove `req` from the queues and drop its block references (tail blocks first)."""
+        if self.fair is not None and req.status is not RequestStatus.FINISHED:
+            self.fair.leave(req.tenant.name)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
@@ -125,21 +146,31 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.store.poll_disk()   # prefixes read back from disk join the host tier before lookups
+        fair = self.fair if self.fair is not None and self.fair.contended() else None
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
+        deferred: list[Request] = []   # contended: running prefill chunks, handed out by `_schedule_fair`
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow_or_preempt(req, n, preempted):
+            if fair is not None and req.num_tokens - req.num_computed_tokens > 1:
+                deferred.append(req)
+            elif not self._grow_or_preempt(req, n, preempted, scheduled):
                 break  # req itself was preempted: every later running request was too
-            scheduled.append(req)
-            counts.append(n)
-            budget -= n
+            else:
+                scheduled.append(req)
+                counts.append(n)
+                budget -= n
             i += 1
+        if fair is not None:
+            self._schedule_fair(fair, min(budget, self.cfg.fair_step_tokens), deferred, scheduled, counts,
+                                preempted)
+            return ScheduledBatch(scheduled, counts, preempted)
 
         computing = self._computing_hashes() if self.waiting and not preempted else set()
         for req in list(self.waiting):
@@ -149,18 +180,63 @@ class Scheduler:
             if n == _WAITS_FOR_PREFIX:
                 self.num_prefix_waits += 1
                 continue
+            if n == _WAITS_FOR_DISK:
+                continue
             if n == 0:
                 break
-            self.waiting.remove(req)
-            self._note_computing(req, computing)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
+            self._start(req, computing)
             scheduled.append(req)
             counts.append(n)
             budget -= n
+        if self.fair is not None:
+            for req, n in zip(scheduled, counts):
+                self.fair.charge(req.tenant.name, n)
         return ScheduledBatch(scheduled, counts, preempted)
+
+    def _schedule_fair(self, fair: FairShare, budget: int, deferred: list[Request], scheduled: list[Request],
+                       counts: list[int], preempted: list[Request]) -> None:
+        """The contended step (worker.engine.fairness): decode tokens are in `scheduled`
+        already; `budget` prefill tokens go, a chunk at a time, to the tenant with the lowest
+        virtual counter — its running prefills (`deferred`) first, then its waiting requests in
+        (priority, arrival) order. A tenant whose next request does not fit waits for the next step."""
+        for req, n in zip(scheduled, counts):
+            fair.charge(req.tenant.name, n)
+        queues: dict[str, list[Request]] = {}
+        for req in [*deferred, *self.waiting]:
+            queues.setdefault(req.tenant.name, []).append(req)
+        computing = self._computing_hashes() if self.waiting and not preempted else set()
+        while budget > 0 and queues:
+            tenant = min(queues, key=lambda t: (fair.counter(t), t))
+            req = queues[tenant].pop(0)
+            if not queues[tenant]:
+                del queues[tenant]
+            if req.status is RequestStatus.RUNNING:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self._grow_or_preempt(req, n, preempted, scheduled):
+                    continue
+            else:
+                if preempted or len(self.running) >= self.cfg.max_num_seqs:
+                    continue
+                n = self._admit(req, budget, computing)
+                self.num_prefix_waits += n == _WAITS_FOR_PREFIX
+                if n == 0:
+                    queues.pop(tenant, None)
+                if n <= 0:
+                    continue
+                self._start(req, computing)
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+            fair.charge(tenant, n)
+
+    def _start(self, req: Request, computing: set[BlockHash]) -> None:
+        """A waiting request that `_admit` gave blocks joins the running ones."""
+        self.waiting.remove(req)
+        self._note_computing(req, computing)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
 
     def update_computed(self, batch: ScheduledBatch) -> None:
         """After the forward pass: advance computed counts and publish newly full blocks."""
@@ -171,7 +247,8 @@ class Scheduler:
             after = req.num_computed_tokens // bs
             if after > before and not req.num_evicted_tokens:  # an evicted cache is no prefix
                 self.store.cache(req.block_ids[before:after], req.block_hashes[before:after],
-                                 parent_hash=req.block_hashes[before - 1] if before else None)
+                                 parent_hash=req.block_hashes[before - 1] if before else None,
+                                 salt_root=req.hash_root, owner=req.tenant.name or None)
             if self.cfg.sliding_window is not None:
                 self._release_outside_window(req, self.cfg.sliding_window)
 
@@ -180,7 +257,9 @@ class Scheduler:
         total = -(-(req.num_computed_tokens - req.num_evicted_tokens + n) // self.cfg.block_size)
         return max(0, total - len(req.block_ids))
 
-    def _grow_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
+    def _grow_or_preempt(self, req: Request, n: int, preempted: list[Request], scheduled: list[Request]) -> bool:
+        """Blocks for `n` more tokens of running `req`, preempting the most recently admitted
+        running request not in `scheduled` until they fit; False if `req` itself was preempted."""
         need = self._blocks_needed(req, n)
         while True:
             try:
@@ -188,7 +267,7 @@ class Scheduler:
                 req.block_ids.extend(self.store.allocate(need))
                 return True
             except OutOfBlocks:
-                victim = self.running[-1]
+                victim = next((r for r in reversed(self.running) if r is req or r not in scheduled), req)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -214,6 +293,9 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_scheduled_time = parent.first_scheduled_time
             child.status = RequestStatus.RUNNING
+            child.tenant = parent.tenant
+            if self.fair is not None:
+                self.fair.arrive(child.tenant.name, child.tenant.weight)
             self.running.append(child)
         parent.forked = True
 
@@ -267,7 +349,10 @@ class Scheduler:
         max_cached_blocks = (req.num_tokens - 1) // bs
         # prompt logprobs need the logits of every prompt position: no cache hit for those
         hashes = req.block_hashes[:max_cached_blocks] if not req.needs_prompt_logits else []
-        match = self.store.lookup(hashes)
+        match = self.store.lookup(hashes, req.hash_root)
+        if match.num_disk and self.store.read_ahead(
+                hashes[match.num_blocks:match.num_blocks + match.num_disk], req.hash_root):
+            return _WAITS_FOR_DISK
         if computing and match.num_blocks < len(hashes) and hashes[match.num_blocks] in computing:
             return _WAITS_FOR_PREFIX
         num_computed = match.num_blocks * bs
@@ -276,7 +361,7 @@ class Scheduler:
         if n < remaining and not self.cfg.enable_chunked_prefill:
             return 0
         try:
-            req.block_ids = self.store.take(hashes, match, -(-(num_computed + n) // bs))
+            req.block_ids = self.store.take(hashes, match, -(-(num_computed + n) // bs), req.tenant.name or None)
         except OutOfBlocks:
             return 0
         req.num_computed_tokens = num_computed

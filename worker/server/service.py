@@ -15,36 +15,37 @@ UNAVAILABLE; the kubelet restarts the pod.
 `GetTokenizer` sends the model's tokenizer files (contracts.tokenizer.TOKENIZER_FILES, read once
 at load, at most MAX_TOKENIZER_BYTES) so that a router needs no model storage.
 
-This is the only worker module that maps exceptions to gRPC status codes. The module imports
+Handlers map exceptions to gRPC status codes through worker/server/status.py only. The module imports
 no torch: the engine is imported when it is loaded, so `kvmesh --help` stays fast.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contracts.grpc_options import grpc_server_options
-from contracts.requests import BadRequest
-from contracts.sampling import SamplingParamsError
-from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES, TokenizerError, TokenizerFilesTooLarge
+from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES, TokenizerError
 from contracts.wire import ParsedRequest, parse_generate_request, parse_send_blocks_request, to_send_blocks_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from worker.server import cluster_auth
 from worker.engine.commands import ListRequests, ResetPrefixCache
+from worker.peer.errors import PeerTransferOff
+from worker.server import cluster_auth
+from worker.server.config import WorkerServerConfig
 from worker.server.generate_stream import GenerateStreams
 from worker.server.health import WORKER_SERVICE, WorkerHealth
 from worker.server.liveness import Liveness, watch
+from worker.server.load import model_info, read_tokenizer, start_peer
 from worker.server.metadata_hook import WorkerMetadata as _Metadata
 from worker.server.responses import load_response
-from worker.server.config import WorkerServerConfig
-from worker.server.load import model_info, read_tokenizer, start_peer
+from worker.server.status import parse_or_none, status_for
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -68,6 +69,8 @@ class WorkerServer:
     After `stop()` the Engine is idle and may be reused; the server cannot be restarted."""
 
     def __init__(self, engine_cfg: EngineConfig, cfg: WorkerServerConfig, engine: Engine | None = None) -> None:
+        if engine_cfg.kv_disk_path:   # a directory per worker id: a restarted worker reopens its own records
+            engine_cfg = replace(engine_cfg, kv_disk_path=os.path.join(engine_cfg.kv_disk_path, cfg.worker_id))
         self.engine_cfg = engine_cfg
         self.cfg = cfg
         self._engine = engine
@@ -193,6 +196,7 @@ class WorkerServer:
 
     async def _start_metrics_http(self, port: int) -> None:
         from prometheus_client import CollectorRegistry
+
         from worker.server.metrics import MetricsHTTP
         self._metrics_registry = CollectorRegistry()
         self._metrics_http = await asyncio.to_thread(MetricsHTTP, self._metrics_registry, self.cfg.host, port,
@@ -263,7 +267,7 @@ class WorkerServer:
                 if request is None:   # bytes that are not a `req`: INVALID_ARGUMENT, no traceback
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {req.DESCRIPTOR.name}")
                 return await fn(request, context)
-            return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=_parse_or_none(req),
+            return grpc.unary_unary_rpc_method_handler(checked, request_deserializer=parse_or_none(req),
                                                        response_serializer=resp.SerializeToString)
         return grpc.method_handlers_generic_handler(WORKER_SERVICE, {
             "Generate": grpc.unary_stream_rpc_method_handler(
@@ -326,7 +330,6 @@ class WorkerServer:
 
     async def _send_now(self, ae: AsyncEngine, request: pb.SendBlocksRequest,
                         context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
-        from worker.peer.plane import PeerTransferOff
         inp = to_send_blocks_input(request)
         if self._peer is None:
             raise PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off")
@@ -388,36 +391,9 @@ class WorkerServer:
     async def _fail(self, context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
         if isinstance(error, grpc.aio.AbortError):
             raise error
-        code, details = _status_for(error)
+        code, details = status_for(error)
         if code is grpc.StatusCode.INTERNAL:
             log.error("worker %s: unexpected error in a handler", self.cfg.worker_id, exc_info=error)
         await context.abort(code, details)
         raise AssertionError("context.abort returned")   # it always raises
 
-
-def _status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The one place worker exceptions become gRPC status codes."""
-    from worker.peer.plane import InvalidPeerRequest, PeerTransferOff
-    from worker.engine.request import InvalidRequest, QueueFull   # already loaded with the engine
-    if isinstance(error, (BadRequest, InvalidRequest, SamplingParamsError, InvalidPeerRequest)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, TokenizerFilesTooLarge):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, TokenizerError):     # GetTokenizer of a model without one
-        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
-    if isinstance(error, PeerTransferOff):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(error)
-    if isinstance(error, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {error}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
-
-
-def _parse_or_none(cls: Any) -> Callable[[bytes], Any]:
-    """A request deserializer that yields None for bytes that are not a `cls` instead of
-    raising inside grpc (UNKNOWN and a logged traceback)."""
-    def parse(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except DecodeError:
-            return None
-    return parse

@@ -1,0 +1,629 @@
+"""The disk tier: KV blocks the host tier evicts, kept as checksummed files in a local directory.
+
+Below the host tier (`kvstore.tiers.HostTier`): when the host tier drops a block from its LRU,
+the store (`kvstore.store.KVStore`) hands a copy of its bytes to `write_behind`, which queues it
+for this tier's writer thread (a bounded queue: when it is full the write is dropped and
+counted, the engine thread never waits). A later admission whose prefix goes on past the
+device pool and the host tier finds the rest with `match_prefix`; `read_ahead` has the reader
+thread read it back, the engine thread picks the blocks up with `take_reads` and stages them
+into the host tier, and the admission onloads them from there like any host hit.
+
+Layout on disk, one file per block:
+
+    DIR/v1-<fingerprint: 32 hex>/<first 2 hex of the hash>/<hash: 32 hex>-<salt root: 32 hex | 0>.kvb
+    DIR/v1-<fingerprint>/lock        flock'ed by the process using the tier
+
+One file per block rather than an append log with an index: a file is written under a
+temporary name and renamed into place, so a process killed mid-write leaves at most a `.tmp`
+file, which the next open deletes; the LRU evicts one block by unlinking one file (a log would
+need segments and compaction to give space back in LRU order); a hit refreshes the file's
+mtime, which is the LRU order a reopen rebuilds. The price is a few syscalls per block
+(open, write, rename, close), small beside a block's bytes (~0.7 MB for SmolLM2 in fp32).
+
+Each record is a 72-byte header and the block's bytes as the host tier holds them:
+
+    magic b"KVMB" | format version u16 | flags u16 (bit 0: salted) | fingerprint 16 B
+    | block hash 16 B | salt root 16 B | payload length u64 | checksum u64
+
+The checksum is xxh3-64 over the header's first 64 bytes and the payload. The fingerprint is
+the caller's digest of the model, the KV layout and the KV dtype (`fingerprint_of`): records
+of another fingerprint live in another directory and are never read (said once at open). The
+salt root (`kvstore.keys.cache_salt_root` of the request's cache_salt) is part of the key:
+`match_prefix` and `read_ahead` find a block only under the root the asking request has, and
+a read checks the header's root, hash and fingerprint as well as the checksum. A record that
+fails any check (a torn write, flipped bytes, a truncated file) is never served: it is deleted
+and counted (`dropped_checksum`).
+
+Reopen: a tier opened on a directory that holds records of its fingerprint reads every
+record's header (not its payload): name, size, magic, version, fingerprint and key are
+checked, a bad record is deleted. Measured on this machine (2 shared cores, ext4 / overlay):
+about 2.4 s per 10^5 blocks, see `tests/kvstore/test_disk_tier.py::test_reopen_cost`.
+
+Errors: any OSError while writing or reading (disk full, read-only, the directory gone) logs
+one line naming the path and the error and turns the tier off (`enabled` False, every hash
+dropped with `AllBlocksCleared`); serving goes on without it. A directory another live process
+holds (the lock) or cannot create leaves the tier off from the start, with one line.
+
+Threads: `write_behind`, `match_prefix`, `read_ahead`, `take_reads`, `take_events` and the
+queries may be called from any thread (the store calls them on the engine thread); the index
+is guarded by one lock, file I/O happens outside it on the tier's two daemon threads.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import xxhash
+
+from kvstore.keys import BlockHash
+from kvstore.layout import KVLayout
+from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger("kvmesh.disk")
+
+FORMAT_VERSION = 1
+_MAGIC = b"KVMB"
+_HEAD = struct.Struct("<4sHH16s16s16sQ")      # everything the checksum covers before the payload
+_SUM = struct.Struct("<Q")
+HEADER_BYTES = _HEAD.size + _SUM.size          # 72
+_SALTED = 1
+# seconds; read/write of one block (or one read-ahead run)
+TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+DiskKey = tuple[BlockHash | None, BlockHash]   # (salt root, block hash)
+
+
+def fingerprint_of(salt: bytes, layout: KVLayout) -> bytes:
+    """16 bytes naming what makes two workers' blocks interchangeable: the hash salt (model,
+    tokenizer, KV dtype, block size, codec) and the KV layout (layers, heads, head dim, dtype)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"kvmesh-disk-v1")
+    h.update(salt)
+    h.update(repr((layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
+                   layout.kv_cache_dtype, layout.bytes_per_block)).encode())
+    return h.digest()
+
+
+class DiskSpec(NamedTuple):
+    """What a `KVStore` opens its disk tier from: a directory, a size bound (bytes of
+    records) and the fingerprint of the blocks it may hold (`fingerprint_of`)."""
+
+    path: str
+    num_bytes: int
+    fingerprint: bytes
+
+
+class TimeHistogram(NamedTuple):
+    """Cumulative counts per `TIME_BUCKETS` upper bound (then +Inf), with the sum and count."""
+
+    buckets: tuple[int, ...]
+    sum_s: float
+    count: int
+
+
+class DiskTierStats(NamedTuple):
+    """Counters since the tier was opened (blocks) and its size now."""
+
+    enabled: bool
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    written: int
+    read: int
+    dropped_checksum: int      # records that failed a check (torn, flipped, truncated, wrong key)
+    dropped_queue_full: int    # writes dropped because the write-behind queue was full
+    dropped_fingerprint: int   # records of another fingerprint found in this tier's directory
+    evicted: int               # records deleted by the tier's LRU
+    reopened: int              # records found valid at open
+    write_seconds: TimeHistogram
+    read_seconds: TimeHistogram
+
+
+class DiskRead(NamedTuple):
+    """A finished `read_ahead`: the leading `keys` that were read, their blocks
+    `[L, 2, n, bs, H, D | bytes]` (None when none was), and the keys asked for."""
+
+    asked: tuple[DiskKey, ...]
+    keys: tuple[DiskKey, ...]
+    blocks: torch.Tensor | None
+
+
+class _Entry(NamedTuple):
+    path: Path
+    nbytes: int
+
+
+class _Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * (len(TIME_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.sum += seconds
+        for i, bound in enumerate(TIME_BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def snapshot(self) -> TimeHistogram:
+        out, total = [], 0
+        for c in self.counts:
+            total += c
+            out.append(total)
+        return TimeHistogram(tuple(out), self.sum, total)
+
+
+class RecordError(Exception):
+    """A record failed a check (said how); never escapes the tier."""
+
+
+def encode_header(fingerprint: bytes, key: DiskKey, payload: memoryview) -> bytes:
+    root, block_hash = key
+    head = _HEAD.pack(_MAGIC, FORMAT_VERSION, _SALTED if root is not None else 0, fingerprint,
+                      block_hash.to_bytes(16, "big"), (root or 0).to_bytes(16, "big"), len(payload))
+    h = xxhash.xxh3_64(head)
+    h.update(payload)
+    return head + _SUM.pack(h.intdigest())
+
+
+def check_header(raw: bytes, fingerprint: bytes, key: DiskKey, payload_bytes: int) -> int:
+    """The record's checksum, after checking every header field against what it must be."""
+    if len(raw) < HEADER_BYTES:
+        raise RecordError(f"header of {len(raw)} bytes")
+    magic, version, flags, fp, block_hash, root, length = _HEAD.unpack_from(raw)
+    if magic != _MAGIC or version != FORMAT_VERSION:
+        raise RecordError(f"magic {magic!r} version {version}")
+    if fp != fingerprint:
+        raise RecordError("fingerprint")
+    want_root, want_hash = key
+    if int.from_bytes(block_hash, "big") != want_hash or bool(flags & _SALTED) != (want_root is not None) \
+            or int.from_bytes(root, "big") != (want_root or 0):
+        raise RecordError("block hash or salt root differs from the record's name")
+    if length != payload_bytes:
+        raise RecordError(f"payload of {length} bytes, want {payload_bytes}")
+    return int(_SUM.unpack_from(raw, _HEAD.size)[0])
+
+
+class FileIO:
+    """The tier's edge to the file system (tests swap in one that fails like a full disk)."""
+
+    def write(self, path: Path, parts: Sequence[bytes | memoryview]) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def read_into(self, path: Path, header: bytearray, payload: memoryview) -> int:
+        """Fill `header` then `payload` from the file; returns the bytes read (short: truncated)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            n = os.readv(fd, [header, payload])
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        return n if size == n else -1
+
+    def unlink(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+
+class DiskTier:
+    """Blocks of `layout` on disk under `path`, at most `capacity_bytes` of records (see the
+    module docstring). Build it with `open`; `enabled` says whether it serves."""
+
+    def __init__(self, path: Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
+                 block_shape: tuple[int, ...], fingerprint: bytes, max_queue: int, io: FileIO) -> None:
+        self.root_dir = Path(path)
+        self.dir = self.root_dir / f"v{FORMAT_VERSION}-{fingerprint.hex()}"
+        self.capacity_bytes = capacity_bytes
+        self.layout, self.dtype, self.block_shape = layout, dtype, block_shape
+        self.payload_bytes = int(torch.Size(block_shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        self.record_bytes = HEADER_BYTES + self.payload_bytes
+        self.fingerprint = fingerprint
+        self.io = io
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._index: OrderedDict[DiskKey, _Entry] = OrderedDict()   # oldest first
+        self._used = 0
+        self._queued: set[DiskKey] = set()
+        self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
+        self._reads: queue.Queue[tuple[DiskKey, ...] | None] = queue.Queue()
+        self._reading: set[DiskKey] = set()
+        self._done: list[DiskRead] = []
+        self._done_cv = threading.Condition(self._lock)
+        self._events: list[KVEvent] = []
+        self._record = False
+        self._counts = dict.fromkeys(("written", "read", "checksum", "queue_full", "fingerprint",
+                                      "evicted", "reopened"), 0)
+        self._write_s, self._read_s = _Histogram(), _Histogram()
+        self._lock_fd: int | None = None
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def open(cls, path: str | Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
+             block_shape: Sequence[int], fingerprint: bytes, *, max_queue: int | None = None,
+             io: FileIO | None = None) -> DiskTier:
+        """The tier on `path`, its records of `fingerprint` reopened (headers only). Never
+        raises for the directory: a failure leaves it off with one log line."""
+        shape = tuple(int(s) for s in block_shape)
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0")
+        if len(fingerprint) != 16:
+            raise ValueError("fingerprint must be 16 bytes")
+        block_bytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        if max_queue is None:   # the write-behind queue holds up to 256 MiB of blocks
+            max_queue = max(4, min(1024, (256 << 20) // block_bytes))
+        tier = cls(Path(path), capacity_bytes, layout, dtype, shape, fingerprint, max_queue, io or FileIO())
+        try:
+            tier._open()
+        except OSError as e:
+            log.error("KV disk tier off: cannot use %s: %s", tier.dir, e)
+            return tier
+        tier.enabled = True
+        for target, name in ((tier._write_loop, "kv-disk-write"), (tier._read_loop, "kv-disk-read")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            tier._threads.append(t)
+        return tier
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def match_prefix(self, root: BlockHash | None, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading `block_hashes` the tier holds under salt root `root` (a query)."""
+        n = 0
+        with self._lock:
+            for h in block_hashes:
+                if (root, h) not in self._index:
+                    break
+                n += 1
+        return n
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def cached_hashes(self) -> list[BlockHash]:
+        with self._lock:
+            return [h for _, h in self._index]
+
+    def busy(self) -> bool:
+        """Whether a read-ahead is in flight or done and not taken yet."""
+        with self._lock:
+            return bool(self._reading or self._done)
+
+    def stats(self) -> DiskTierStats:
+        c = self._counts
+        with self._lock:
+            return DiskTierStats(self.enabled, self.capacity_bytes, self._used, len(self._index), c["written"],
+                                 c["read"], c["checksum"], c["queue_full"], c["fingerprint"], c["evicted"],
+                                 c["reopened"], self._write_s.snapshot(), self._read_s.snapshot())
+
+    # -- moves ----------------------------------------------------------------------------
+    def wants(self, key: DiskKey) -> bool:
+        """Whether `write_behind(key, ...)` would queue a write: the tier is on and neither
+        holds nor queued the block (a held one becomes the LRU's youngest: a query that
+        refreshes)."""
+        with self._lock:
+            if not self.enabled or key in self._queued:
+                return False
+            if key in self._index:
+                self._index.move_to_end(key)
+                return False
+            return True
+
+    def write_behind(self, key: DiskKey, block: torch.Tensor) -> bool:
+        """Queue `block` (`block_shape`, contiguous, owned by the tier from now on) to be
+        written; False when the tier is off, holds it, or the queue is full (counted)."""
+        assert tuple(block.shape) == self.block_shape and block.is_contiguous(), block.shape
+        with self._lock:
+            if not self.enabled or key in self._queued or key in self._index:
+                return False
+            try:
+                self._writes.put_nowait((key, block))
+            except queue.Full:
+                self._counts["queue_full"] += 1
+                return False
+            self._queued.add(key)
+            return True
+
+    def read_ahead(self, keys: Sequence[DiskKey]) -> bool:
+        """Have the reader thread read `keys` (a prefix run) back; True when they are being
+        read (now or already): the caller picks them up with `take_reads`."""
+        with self._lock:
+            if not self.enabled or not keys:
+                return False
+            if keys[0] in self._reading:
+                return True
+            todo = tuple(k for k in keys if k not in self._reading)
+            self._reading.update(todo)
+        self._reads.put(todo)
+        return True
+
+    def take_reads(self) -> list[DiskRead]:
+        """Finished read-aheads, oldest first (their keys are no longer in flight)."""
+        with self._lock:
+            done, self._done = self._done, []
+            for d in done:
+                self._reading.difference_update(d.asked)
+        return done
+
+    def wait_reads(self, timeout_s: float) -> bool:
+        """Block until a read-ahead finishes or `timeout_s` passes; False if none is in flight."""
+        with self._done_cv:
+            if not self._reading:
+                return False
+            if not self._done:
+                self._done_cv.wait(timeout_s)
+            return True
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued write is on disk (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Stop the threads (queued writes are dropped) and release the directory's lock."""
+        for q in (self._writes, self._reads):
+            while True:
+                try:
+                    q.get_nowait()
+                    q.task_done()
+                except queue.Empty:
+                    break
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads = []
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self.enabled = False
+
+    # -- events ---------------------------------------------------------------------------
+    def set_event_recording(self, enabled: bool) -> None:
+        with self._lock:
+            self._record = enabled
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            used = sum(e.nbytes for e in self._index.values())
+            assert used == self._used, f"disk tier counts {self._used} bytes, its records {used}"
+            assert self._used <= self.capacity_bytes or not self.enabled, "disk tier over its capacity"
+            assert all(e.path.parent.parent == self.dir for e in self._index.values()), "record outside the dir"
+
+    # -- internals: open ------------------------------------------------------------------
+    def _path(self, key: DiskKey) -> Path:
+        root, h = key
+        name = f"{h:032x}-{'0' if root is None else f'{root:032x}'}.kvb"
+        return self.dir / name[:2] / name
+
+    def _open(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            raise OSError(errno.EBUSY, f"another process uses this directory ({e.strerror})") from None
+        self._lock_fd = fd
+        others = [p.name for p in self.root_dir.iterdir() if p.is_dir() and p.name.startswith("v")
+                  and p != self.dir]
+        if others:
+            log.warning("KV disk tier %s: ignoring the records of %d other model/KV layout fingerprint(s) "
+                        "or format version(s) beside it (%s)", self.root_dir, len(others), ", ".join(sorted(others)))
+        found: list[tuple[float, DiskKey, _Entry]] = []
+        mismatched = 0
+        header = bytearray(HEADER_BYTES)
+        for sub in sorted(p for p in self.dir.iterdir() if p.is_dir()):
+            for entry in os.scandir(sub):
+                path = Path(entry.path)
+                if entry.name.endswith(".tmp"):          # a write cut short (the process died)
+                    self.io.unlink(path)
+                    continue
+                key = _key_of(entry.name)
+                if key is None:
+                    continue
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        n = os.readv(fd, [header])
+                        st = os.fstat(fd)
+                    finally:
+                        os.close(fd)
+                    if n != HEADER_BYTES or st.st_size != self.record_bytes:
+                        raise RecordError(f"{st.st_size} bytes, want {self.record_bytes}")
+                    check_header(bytes(header), self.fingerprint, key, self.payload_bytes)
+                except RecordError as e:
+                    mismatched += str(e) == "fingerprint"
+                    self._counts["fingerprint" if str(e) == "fingerprint" else "checksum"] += 1
+                    log.debug("dropping disk record %s: %s", path, e)
+                    if str(e) != "fingerprint":
+                        self.io.unlink(path)
+                    continue
+                found.append((st.st_mtime, key, _Entry(path, self.record_bytes)))
+        if mismatched:
+            log.warning("KV disk tier %s: %d record(s) of another model/KV layout fingerprint ignored",
+                        self.dir, mismatched)
+        found.sort(key=lambda f: f[0])
+        for _, key, e in found:
+            self._index[key] = e
+            self._used += e.nbytes
+        self._counts["reopened"] = len(found)
+        self._evict_to(0)
+        if found:
+            log.info("KV disk tier %s: reopened %d blocks (%.1f MiB)", self.dir, len(self._index), self._used / 2**20)
+
+    # -- internals: the threads -----------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                key, block = item
+                if self.enabled:
+                    self._write(key, block)
+                with self._lock:
+                    self._queued.discard(key)
+            finally:
+                self._writes.task_done()
+
+    def _write(self, key: DiskKey, block: torch.Tensor) -> None:
+        payload = memoryview(block.view(torch.uint8).numpy()).cast("B")
+        path = self._path(key)
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                self._evict_to(self.record_bytes)
+            header = encode_header(self.fingerprint, key, payload)
+            path.parent.mkdir(exist_ok=True)
+            self.io.write(path, (header, payload))
+        except OSError as e:
+            self._turn_off(f"writing {path}", e)
+            return
+        with self._lock:
+            self._write_s.observe(time.perf_counter() - t0)
+            if not self.enabled:
+                return
+            if key in self._index:
+                self._used -= self._index.pop(key).nbytes
+            self._index[key] = _Entry(path, self.record_bytes)
+            self._used += self.record_bytes
+            self._counts["written"] += 1
+            self._emit(BlockStored(key[1], None, BlockId(0)))
+
+    def _read_loop(self) -> None:
+        while True:
+            keys = self._reads.get()
+            if keys is None:
+                return
+            t0 = time.perf_counter()
+            got, blocks = self._read(keys)
+            with self._done_cv:
+                if got:
+                    self._read_s.observe(time.perf_counter() - t0)
+                self._done.append(DiskRead(keys, got, blocks))
+                self._done_cv.notify_all()
+
+    def _read(self, keys: tuple[DiskKey, ...]) -> tuple[tuple[DiskKey, ...], torch.Tensor | None]:
+        out = torch.empty(len(keys), self.payload_bytes, dtype=torch.uint8)   # [n, bytes]
+        header = bytearray(HEADER_BYTES)
+        n = 0
+        for key in keys:
+            with self._lock:
+                entry = self._index.get(key) if self.enabled else None
+            if entry is None:
+                break
+            row = memoryview(out[n].numpy()).cast("B")
+            try:
+                size = self.io.read_into(entry.path, header, row)
+                if size != self.record_bytes:
+                    raise RecordError(f"record of {size} bytes, want {self.record_bytes}")
+                want = check_header(bytes(header), self.fingerprint, key, self.payload_bytes)
+                h = xxhash.xxh3_64(memoryview(header)[:_HEAD.size])
+                h.update(row)
+                if h.intdigest() != want:
+                    raise RecordError("checksum mismatch")
+                os.utime(entry.path)   # the LRU order a reopen rebuilds
+            except FileNotFoundError:
+                with self._lock:
+                    self._drop(key, None)
+                break
+            except RecordError as e:
+                log.warning("KV disk tier: dropping %s: %s", entry.path, e)
+                with self._lock:
+                    self._counts["checksum"] += 1
+                    self._drop(key, entry.path)
+                break
+            except OSError as e:
+                self._turn_off(f"reading {entry.path}", e)
+                break
+            with self._lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                self._counts["read"] += 1
+            n += 1
+        if n == 0:
+            return (), None
+        shape = self.block_shape                                # [L, 2, bs, H, D | bytes]
+        blocks = out[:n].view(self.dtype).view(n, *shape).movedim(0, 2)  # [L, 2, n, bs, H, D]
+        return keys[:n], blocks
+
+    # -- internals: bookkeeping (under the lock) ------------------------------------------
+    def _evict_to(self, room: int) -> None:
+        while self._index and self._used + room > self.capacity_bytes:
+            key, entry = self._index.popitem(last=False)
+            self._used -= entry.nbytes
+            self._counts["evicted"] += 1
+            self.io.unlink(entry.path)
+            self._emit(BlockRemoved(key[1], BlockId(0)))
+
+    def _drop(self, key: DiskKey, path: Path | None) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used -= entry.nbytes
+            self._emit(BlockRemoved(key[1], BlockId(0)))
+        if path is not None:
+            try:
+                self.io.unlink(path)
+            except OSError:
+                pass   # the read already failed its check: it is out of the index either way
+
+    def _turn_off(self, what: str, error: OSError) -> None:
+        with self._lock:
+            if not self.enabled:
+                return
+            self.enabled = False
+            self._index.clear()
+            self._used = 0
+            self._emit(AllBlocksCleared())
+        log.error("KV disk tier off (serving goes on without it): %s: %s", what, error)
+
+    def _emit(self, event: KVEvent) -> None:
+        if self._record:
+            self._events.append(event)
+
+
+def _key_of(name: str) -> DiskKey | None:
+    """The key a record's file name gives (None: not a record name)."""
+    stem, dot, ext = name.partition(".")
+    h, dash, root = stem.partition("-")
+    if ext != "kvb" or not dash or len(h) != 32 or not (len(root) == 32 or root == "0"):
+        return None
+    try:
+        return (None if root == "0" else BlockHash(int(root, 16))), BlockHash(int(h, 16))
+    except ValueError:
+        return None
