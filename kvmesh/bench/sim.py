@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.pool import BlockId, BlockPool, BlockRemoved, BlockStored
+from router.index.asks import ASK_HALF_LIFE
 from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightConfig, InFlightPrefills
 from router.routing.policy import make_policy
@@ -51,6 +52,7 @@ class SimConfig:
     load_factor: float = DEFAULT_LOAD_FACTOR
     prefill_tokens_per_s: float = 4096.0   # a cold 38-block prompt: ~0.15 of the mean decode time
     seed: int = 0
+    ask_half_life: float = ASK_HALF_LIFE   # the router index's (router/index/asks.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,8 @@ class _Sim:
         self.rng = random.Random(cfg.seed + 1)
         self.workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
         self.policy = make_policy(policy_name, cfg.load_factor)
-        self.index = BlockIndex()
+        self.index = BlockIndex(ask_half_life=cfg.ask_half_life)
+        self.index.set_capacity(cfg.cache_blocks * cfg.num_workers)
         self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index) for w in self.workers}
         self.blocks: dict[str, list[BlockId]] = {}    # request id → the blocks it holds
         self.now = 0.0

@@ -9,7 +9,7 @@ missing data scores 0 and never raises.
 - `PrefillCostScorer`  holder-first placement: 1 − cost / max cost, cost the prompt tokens a
                        request must prefill (or fetch from a peer, at a fraction) on the worker
                        plus the prefill queued there plus κ per running request plus κ̄ per
-                       request of sustained load plus the reused prefixes it would displace
+                       request of sustained load plus the shared prefixes it would displace
                        (see the class).
 - `BoundedLoadFilter`  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
                        2018): keeps workers under ceil(c × (m + 1) / n) in-flight requests
@@ -175,8 +175,9 @@ class PrefillCostScorer:
     at φ = `fetch_cost_ratio` of their prefill; u(w) the recompute each new block placed there
     (computed or fetched) causes by displacing shared prefix blocks: with p the chance that it
     displaces one — 0 while shared prefixes fill at most `room_frac` of w's pool
-    (`WorkerLoad.committed`: the blocks reused there by its GetLoad, or the router index's
-    expected shared blocks on it, router/index/blocks.py, the larger), rising linearly to 1 when they
+    (`WorkerLoad.committed`: the router index's expected shared blocks on it, whose evidence
+    fades with the traffic that passes them by, router/index/asks.py, so cold prefixes count as
+    room), rising linearly to 1 when they
     fill all of it (so a roomy pool's small differences never outweigh prefix affinity), capped
     at 0.9 — a later request recomputes the displaced block, which displaces another with the
     same chance: u = p + p² + … = p / (1 − p); copies(w) the blocks beyond cached(w) that
@@ -202,7 +203,7 @@ class PrefillCostScorer:
     × the prefill saved — that is when a prefix is replicated (load-demanded), by a peer fetch
     where a peer has it stored, while a momentary burst (κ, queued) rarely outweighs the saving.
     Through u, under cache pressure a new prefix goes where its blocks displace the fewest
-    reused ones, and a replica costs the recompute of what it displaces, while in a roomy cluster
+    shared ones, and a replica costs the recompute of what it displaces, while in a roomy cluster
     a replica costs little more than its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding
     the prefix wins unless its queue and load exceed β × the prefill it saves; equal costs tie."""
 

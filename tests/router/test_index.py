@@ -97,6 +97,53 @@ def test_shared_blocks_count_what_two_requests_asked_for_and_learn_the_rest_by_d
     index.check_integrity()
 
 
+def test_shared_evidence_halves_with_each_half_life_of_traffic_that_passes_it_by() -> None:
+    """The traffic clock reads prompt blocks routed over the pools' capacity; a block's part in
+    `shared_blocks` halves per `ask_half_life` of it since its last ask, an ask renews it, and
+    with no capacity set the clock stands (nothing fades)."""
+    index = BlockIndex(ask_half_life=1.0)
+    index.set_capacity(10)
+    prefix = H[:2]
+    index.add_pending("r1", B, (*prefix, H[2]), expires_at=100.0)      # clock 0.3
+    index.add_pending("r2", B, (*prefix, H[3]), expires_at=100.0)      # clock 0.6
+    index.apply(A, stored(*prefix))            # A holds the prefix, asked for twice at 0.6
+    assert index.traffic_clock == pytest.approx(0.6)
+    assert index.shared_blocks(A) == pytest.approx(2.0)
+    for i in range(10):                        # one pool-full of other traffic: one half-life
+        index.add_pending(f"other{i}", B, (BlockHash(0x9000 + i),), expires_at=100.0)
+    assert index.traffic_clock == pytest.approx(1.6)
+    assert index.shared_blocks(A) == pytest.approx(1.0)
+    assert index.distinct_shared_blocks() == pytest.approx(1.0)
+    for i in range(20):
+        index.add_pending(f"more{i}", B, (BlockHash(0xA000 + i),), expires_at=100.0)
+    assert index.shared_blocks(A) == pytest.approx(0.25)           # cold: room
+    index.add_pending("r3", B, (*prefix, H[4]), expires_at=100.0)      # asked again: renewed
+    assert index.shared_blocks(A) == pytest.approx(2.0)
+    index.set_capacity(0)                      # no capacity known: the clock stands
+    for i in range(20):
+        index.add_pending(f"still{i}", B, (BlockHash(0xB000 + i),), expires_at=100.0)
+    assert index.shared_blocks(A) == pytest.approx(2.0)
+    index.check_integrity()
+
+
+def test_evidence_weights_are_rebased_long_before_they_overflow() -> None:
+    """Thousands of half-lives of traffic: the weights' base moves (the tallies are recounted)
+    and the values stay exact."""
+    index = BlockIndex(ask_half_life=0.1)
+    index.set_capacity(1)
+    for i in range(300):                       # 5 blocks per request: 50 half-lives each
+        hashes = (H[0], H[1], BlockHash(0xC000 + i), BlockHash(0xD000 + i), BlockHash(0xE000 + i))
+        index.add_pending(f"r{i}", A, hashes, expires_at=float(i))
+        index.apply(A, stored(*hashes))
+        index.expire_pending(float(i))
+        if i % 2 == 0:
+            index.apply(A, removed(*hashes[2:]))
+    # the prefix, renewed by every request; the last request's three blocks, asked once at
+    # depths where 300 first asks had no second: (0 + 1) / (300 + 2); the older ones faded
+    assert index.shared_blocks(A) == pytest.approx(2.0 + 3 / 302, rel=1e-6)
+    index.check_integrity()
+
+
 def test_router_index_imports_no_torch() -> None:
     code = "import sys, router.index.blocks, kvstore.metadata.streams; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -112,7 +159,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = BlockIndex()
+        self.index = BlockIndex(ask_half_life=0.01)   # with a capacity of 1, asks move the weights' base
         self.model: dict[WorkerId, dict[BlockHash, set[Tier]]] = {}
 
     def _held(self, w: WorkerId) -> dict[BlockHash, set[Tier]]:
@@ -169,6 +216,16 @@ class IndexMachine(RuleBasedStateMachine):
         holdings, so the model is untouched); shared counts are checked by check_integrity."""
         self.index.add_pending(f"r{rid}", w, hashes, expires_at=float(rid))
         self._held(w)
+
+    @rule(capacity=st.sampled_from([0, 1, 64]))
+    def set_capacity(self, capacity: int) -> None:
+        self.index.set_capacity(capacity)
+
+    @rule(w=workers, hashes=hash_lists)
+    def forget(self, w: WorkerId, hashes: list[BlockHash]) -> None:
+        self.index.forget(w, hashes)         # an unknown worker stays unknown
+        for h in hashes:
+            self.model.get(w, {}).pop(h, None)
 
     @rule(rid=st.integers(0, 5))
     def drop_request(self, rid: int) -> None:

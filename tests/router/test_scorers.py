@@ -179,20 +179,22 @@ def test_prefill_cost_adds_its_terms():
     assert scorer.cost(w, route, RoutingState(fetchable_blocks={w: 4})) == pytest.approx(2.0 * (L - 64 + 6.4))
     assert scorer.cost(w, route, RoutingState(cached_blocks={w: 3}, fetchable_blocks={w: 9})) \
         == pytest.approx(2.0 * 0.1 * (L - 48))
-    # reused prefixes fill 3/4 of the pool: each new token displaces one with u = (0.75 − 0.4) / 0.6,
+    # shared prefixes fill 3/4 of the pool: each new token displaces one with u = (0.75 − 0.4) / 0.6,
     # which a later request recomputes, displacing again: u + u² + … = u / (1 − u) = 1.4 per token
-    committed = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=30)}, {w: 3})
+    committed = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, shared_blocks=30)}, {w: 3})
     assert scorer.cost(w, route, committed) == pytest.approx(2.0 * (L - 48) * 2.4)
-    roomy = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, reused_blocks=16)}, {w: 3})
+    roomy = RoutingState({w: WorkerLoad(0, free_blocks=10, num_blocks=40, shared_blocks=16)}, {w: 3})
     assert scorer.cost(w, route, roomy) == 2.0 * (L - 48)                # at most room_frac: no displacement
-    full = RoutingState({w: WorkerLoad(0, free_blocks=0, num_blocks=40, reused_blocks=40)}, {w: 3})
+    full = RoutingState({w: WorkerLoad(0, free_blocks=0, num_blocks=40, shared_blocks=40)}, {w: 3})
     assert scorer.cost(w, route, full) == pytest.approx(2.0 * (L - 48) * 10)   # u capped at 0.9: 9 per token
     # the default room is 20%: the same 3/4 displaces with u = (0.75 − 0.2) / 0.8, 2.2 per token
     assert PrefillCostScorer().room_frac == 0.2
     assert PrefillCostScorer().cost(w, route, committed) == pytest.approx(2.0 * (L - 48) * (1 + 0.6875 / 0.3125))
-    assert WorkerLoad(0, num_blocks=0, reused_blocks=5).committed == 0.0     # no report: no data
-    # the router's expected shared blocks count when they exceed the worker's reused ones
+    assert WorkerLoad(0, num_blocks=0, shared_blocks=5).committed == 0.0     # no report: no data
+    # the router's expected (fading) shared blocks count; the worker's reused count, which never
+    # fades, does not: a pool of blocks reused long ago is room
     assert WorkerLoad(0, num_blocks=40, reused_blocks=8, shared_blocks=30.0).committed == 0.75
+    assert WorkerLoad(0, num_blocks=40, reused_blocks=38, shared_blocks=4.0).committed == 0.1
 
 
 def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
@@ -224,17 +226,17 @@ def test_prefix_replicates_by_fetch_only_where_the_pool_has_room():
     other reused prefixes, the request waits on the holder instead."""
     workers, route = _workers(2), _route(4, blocks=16)     # 16 shared blocks + 3 own tokens
     policy = make_policy("kv_aware")
-    state = lambda reused: RoutingState(  # noqa: E731
-        {"w0": WorkerLoad(1, 100, 1000, 16), "w1": WorkerLoad(0, 100, 1000, reused)},
+    state = lambda shared: RoutingState(  # noqa: E731
+        {"w0": WorkerLoad(1, 100, 1000, shared_blocks=16), "w1": WorkerLoad(0, 100, 1000, shared_blocks=shared)},
         cached_blocks={"w0": 16}, queued_tokens={"w0": 64}, fetchable_blocks={"w1": 16})
     assert policy.pick(workers, route, state(0)).worker_id == "w1"
     assert policy.pick(workers, route, state(800)).worker_id == "w0"
 
 
-def test_a_new_prefix_goes_where_it_displaces_the_fewest_reused_blocks():
+def test_a_new_prefix_goes_where_it_displaces_the_fewest_shared_blocks():
     workers, route = _workers(2), _route(5, blocks=16)
     policy = make_policy("kv_aware")
-    loads = {"w0": WorkerLoad(1, 10, 112, 96), "w1": WorkerLoad(1, 30, 112, 64)}
+    loads = {"w0": WorkerLoad(1, 10, 112, shared_blocks=96), "w1": WorkerLoad(1, 30, 112, shared_blocks=64)}
     assert policy.pick(workers, route, RoutingState(loads)).worker_id == "w1"
     swapped = {"w0": loads["w1"], "w1": loads["w0"]}
     assert policy.pick(workers, route, RoutingState(swapped)).worker_id == "w0"

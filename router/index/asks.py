@@ -1,0 +1,93 @@
+"""Evidence that a block is shared, fading with the traffic that passes it by.
+
+`router/index/blocks.py` counts, per block, the requests whose prompts asked for it (up to
+two) and when the last one did, on a *traffic clock*: the prompt blocks routed so far over
+the cluster's pool capacity (`BlockIndex.set_capacity`), so the clock reads in pool-fulls of
+traffic. A block's evidence is its shared-ness (1 when two prompts asked for it, else its
+depth's reuse rate) times 2^(−age / half-life), age the traffic since its last ask: a prefix
+nobody asks for any more fades into room while the new traffic fills the pools.
+
+The decay is applied lazily, on read: each tally keeps its blocks' weights relative to a
+base time (`Decay.weight`: 2^((at − base) / half-life)), and a read scales the sum by
+2^(−(now − base) / half-life) once. No timer walks the index; the base moves (every tally
+rebuilt, O(entries)) only once the weights would grow past 2^`_REBASE_HALF_LIVES`.
+
+`ASK_HALF_LIFE`, the default, is measured: the routing simulation's shift scenario
+(`kvmesh bench router` sizes it on routing-live --quick) swept over half-lives; see
+`kvmesh.bench.routing.sweep_ask_half_life` for the command and the figures.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+ASK_HALF_LIFE = 4.0        # pool-fulls of routed prompt blocks; chosen by the sweep (module docstring)
+_REBASE_HALF_LIVES = 256.0
+
+
+class Ask(NamedTuple):
+    """One block's asks: how many requests (up to 2), its depth bucket, the clock at the last."""
+
+    count: int
+    depth: int
+    at: float
+
+
+class Decay:
+    """The traffic clock and the half-life its weights decay with (`half_life` = inf: never)."""
+
+    __slots__ = ("half_life", "now", "base")
+
+    def __init__(self, half_life: float) -> None:
+        if not half_life > 0.0:
+            raise ValueError(f"ask_half_life={half_life!r} must be > 0")
+        self.half_life = half_life
+        self.now = 0.0
+        self.base = 0.0
+
+    def weight(self, ask: Ask) -> float:
+        """`ask`'s weight relative to the base (its evidence now times `scale()`'s inverse)."""
+        return 2.0 ** ((ask.at - self.base) / self.half_life)
+
+    def scale(self) -> float:
+        """What a base-relative weight is worth now."""
+        return 2.0 ** (-(self.now - self.base) / self.half_life)
+
+    def needs_rebase(self) -> bool:
+        return (self.now - self.base) / self.half_life > _REBASE_HALF_LIVES and math.isfinite(self.half_life)
+
+
+class Tally:
+    """Blocks held in one scope (a worker, or the distinct blocks held anywhere) by their asks,
+    as base-relative weights: `shared` those two or more requests asked for, `once[depth]` one."""
+
+    __slots__ = ("shared", "once")
+
+    def __init__(self) -> None:
+        self.shared = 0.0
+        self.once: dict[int, float] = {}
+
+    def count(self, ask: Ask, weight: float, sign: int) -> None:
+        """Add (+1) or take away (−1) one held block whose asks are `ask` (weight `weight`)."""
+        if ask.count >= 2:
+            self.shared += sign * weight
+        else:
+            self.once[ask.depth] = self.once.get(ask.depth, 0.0) + sign * weight
+
+    def expected(self, first: Sequence[int], again: Sequence[int], scale: float) -> float:
+        """The shared blocks, expected and decayed: those asked for twice, plus those asked for
+        once at the rate blocks of their depth were asked for again (`again` of `first`,
+        smoothed), each at its weight now."""
+        rates = sum(n * (again[d] + 1) / (first[d] + 2) for d, n in self.once.items())
+        return max(0.0, scale * (self.shared + rates))
+
+    def check(self, other: Tally, what: str) -> None:
+        """AssertionError unless this tally equals `other` (recounted from the blocks), up to
+        the rounding of the running sums."""
+        def close(a: float, b: float) -> bool:
+            return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
+        assert close(self.shared, other.shared), f"{what} counts {self.shared} shared, holds {other.shared}"
+        for d in set(self.once) | set(other.once):
+            mine, held = self.once.get(d, 0.0), other.once.get(d, 0.0)
+            assert close(mine, held), f"{what} counts {mine} blocks asked once at depth {d}, holds {held}"
