@@ -2,7 +2,7 @@
 
 One module-scoped `LocalCluster` (redis-server, 2 `kvmesh worker` subprocesses on SmolLM2, a
 router subprocess) serves most tests; each test runs its own in-process `RouterServer` on the
-cluster's Redis so it can look at `router.workers.registry.index` and `router.routing.core.stats`. Extra workers (to kill)
+cluster's Redis so it can look at `router.registry.index` and `router.core.stats`. Extra workers (to kill)
 are subprocesses started by the test itself. The oracles: block hashes computed here with
 `kvstore.keys` (the router process) against blocks the worker processes report; the
 `cached_tokens` each worker reports against what the router predicted from its index.
@@ -119,14 +119,14 @@ def _chat(system: str, user: str, max_tokens: int = 6, ignore_eos: bool = False)
 
 
 async def _prepare(router: RouterServer, req: pb.GenerateRequest) -> Prepared:
-    return await router.routing.core.prepare(to_generate_input(req))
+    return await router.core.prepare(to_generate_input(req))
 
 
 async def _run(router: RouterServer, prepared: Prepared, timeout: float = 60.0) -> tuple[list[int], pb.GenerateResponse]:
     """Run one request to its end; returns every streamed token id and the final response."""
     ids: list[int] = []
     last = None
-    async with contextlib.aclosing(router.routing.core.generate(prepared, timeout)) as stream:
+    async with contextlib.aclosing(router.core.generate(prepared, timeout)) as stream:
         async for r in stream:
             ids.extend(r.token_ids)
             last = r
@@ -140,7 +140,7 @@ async def _generate(router: RouterServer, prepared: Prepared, timeout: float = 6
 
 def _picks(router: RouterServer, prepared: Prepared) -> str | None:
     """The worker id the router's policy picks for `prepared` now (the policy is a pure function)."""
-    chosen = router.routing.core.policy.pick(router.routing.core.live_workers(), prepared.route, router.routing.core.routing_state(prepared.route))
+    chosen = router.core.policy.pick(router.core.live_workers(), prepared.route, router.core.routing_state(prepared.route))
     return None if chosen is None else chosen.worker_id
 
 
@@ -168,7 +168,7 @@ async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
 def _cached(router: RouterServer, hashes: Sequence[BlockHash], worker_id: str) -> int:
     """Leading blocks the index has from `worker_id`'s own events (not the router's pending
     prediction)."""
-    index = router.workers.registry.index
+    index = router.registry.index
     assert isinstance(index, BlockIndex), "the router runs no block index"
     return index.match_prefix(hashes, [worker_id], pending=False)[worker_id]
 
@@ -181,7 +181,7 @@ def _registered(registry: WorkerRegistry) -> set[str]:
 
 
 def _live(router: RouterServer) -> set[str]:
-    return {w.worker_id for w in router.routing.core.live_workers()}
+    return {w.worker_id for w in router.core.live_workers()}
 
 
 def _common_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
@@ -203,14 +203,14 @@ def test_index_follows_events_and_hashes_agree(cluster: LocalCluster, tokenizer:
         router = await _start_router(tokenizer, redis_url=cluster.redis_url, cluster_name=cluster.cfg.cluster_name)
         try:
             await _until(lambda: _live(router) == {"worker-0", "worker-1"}, 30, "both workers ready")
-            info = router.routing.core.model_info
+            info = router.core.model_info
             assert info is not None
             bs, salt = info.block_size, bytes.fromhex(info.hash_salt_hex)
             first = await _prepare(router, _chat(SYSTEM, "What is the capital of Portugal?"))
             ids, hashes = list(first.route.token_ids), list(first.route.block_hashes)
             assert hashes == block_hashes(ids, bs, salt) and len(hashes) == len(ids) // bs >= 8
 
-            stats0 = (router.routing.core.stats.requests, router.routing.core.stats.mismatches)
+            stats0 = (router.core.stats.requests, router.core.stats.mismatches)
             done = await _generate(router, first)
             wid = done.worker_id
             other = ({"worker-0", "worker-1"} - {wid}).pop()
@@ -219,19 +219,19 @@ def test_index_follows_events_and_hashes_agree(cluster: LocalCluster, tokenizer:
             lag = await _until(lambda: _cached(router, hashes, wid) == len(hashes), INDEX_LAG_S,
                                f"index shows {wid} holding the {len(hashes)} prompt blocks")
             assert _cached(router, hashes, other) == 0
-            assert (router.routing.core.stats.requests, router.routing.core.stats.mismatches) == (stats0[0] + 1, stats0[1])
+            assert (router.core.stats.requests, router.core.stats.mismatches) == (stats0[0] + 1, stats0[1])
 
             second = await _prepare(router, _chat(SYSTEM, "Which river flows through Vienna?"))
             shared = _common_prefix(hashes, second.route.block_hashes)
             assert shared >= len(hashes) - 2   # only the user turn differs
             expected = _expected_hit(shared, len(second.route.token_ids), bs)
             assert _picks(router, second) == wid
-            routed0, mismatches0 = router.routing.core.stats.routed_hit_tokens, router.routing.core.stats.mismatches
+            routed0, mismatches0 = router.core.stats.routed_hit_tokens, router.core.stats.mismatches
             done2 = await _generate(router, second)
             assert done2.worker_id == wid
             assert done2.cached_tokens == expected > 0
-            assert router.routing.core.stats.routed_hit_tokens - routed0 == expected
-            assert router.routing.core.stats.mismatches == mismatches0 == 0
+            assert router.core.stats.routed_hit_tokens - routed0 == expected
+            assert router.core.stats.mismatches == mismatches0 == 0
             print(f"index lag {lag * 1000:.0f} ms; {shared} shared blocks, {expected} tokens cached on {wid}")
         finally:
             await router.stop(0)
@@ -269,7 +269,7 @@ def test_killed_worker_leaves_routing(cluster: LocalCluster, tokenizer: ModelTok
                 # Watch the registry and the router (workers and index) while the requests run.
                 watches = [asyncio.create_task(left(lambda: "w-extra" not in _registered(registry))),
                            asyncio.create_task(left(lambda: "w-extra" not in _live(router)
-                                                    and "w-extra" not in router.workers.registry.index.workers()))]  # type: ignore[union-attr]
+                                                    and "w-extra" not in router.registry.index.workers()))]  # type: ignore[union-attr]
                 finals = await asyncio.gather(*(_generate(router, p) for p in [doomed, *others]))
                 assert {f.worker_id for f in finals} <= {"worker-0", "worker-1"}
                 _, pending = await asyncio.wait(watches, timeout=max(0.0, router_limit - (time.monotonic() - t_kill)))
@@ -357,10 +357,10 @@ def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) 
 
         async def main() -> None:
             router = await _start_router(tokenizer, redis_url=server.url, cluster_name=name)
-            consumer = router.workers.registry.consumer   # the EventConsumer: its `degraded` / stats say what it saw
+            consumer = router.registry.consumer   # the EventConsumer: its `degraded` / stats say what it saw
             try:
                 await router.wait_ready(15)
-                info = router.routing.core.model_info
+                info = router.core.model_info
                 assert info is not None and _live(router) == {"w-solo"}
                 bs = info.block_size
                 a1 = await _prepare(router, _chat(SYSTEM, "Name a lake in Italy."))
@@ -374,18 +374,18 @@ def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) 
                 # Routing goes on from the last known index.
                 a2 = await _prepare(router, _chat(SYSTEM, "Name a volcano in Iceland."))
                 shared = _common_prefix(a_hashes, a2.route.block_hashes)
-                assert router.routing.core.routing_state(a2.route).cached_blocks["w-solo"] == shared >= len(a_hashes) - 2
-                routed0, mismatches0 = router.routing.core.stats.routed_hit_tokens, router.routing.core.stats.mismatches
+                assert router.core.routing_state(a2.route).cached_blocks["w-solo"] == shared >= len(a_hashes) - 2
+                routed0, mismatches0 = router.core.stats.routed_hit_tokens, router.core.stats.mismatches
                 done = await _generate(router, a2)
                 expected = _expected_hit(shared, len(a2.route.token_ids), bs)
                 assert done.worker_id == "w-solo" and done.cached_tokens == expected > 0
                 # Both prompts held the shared blocks: the index counts them shared on w-solo,
                 # and in the cluster's one-copy fill of the pool.
-                seen = router.routing.core.routing_state(a2.route)
+                seen = router.core.routing_state(a2.route)
                 assert seen.loads["w-solo"].shared_blocks >= shared
                 assert 0 < seen.cluster_committed == pytest.approx(
-                    router.workers.registry.index.distinct_shared_blocks() / seen.loads["w-solo"].num_blocks)
-                assert (router.routing.core.stats.routed_hit_tokens - routed0, router.routing.core.stats.mismatches) == (expected, mismatches0)
+                    router.registry.index.distinct_shared_blocks() / seen.loads["w-solo"].num_blocks)
+                assert (router.core.stats.routed_hit_tokens - routed0, router.core.stats.mismatches) == (expected, mismatches0)
                 # Blocks stored while Redis is down cannot reach the index yet.
                 b = await _prepare(router, _chat(SYSTEM_B, "Which wind blows in the Bay of Biscay?"))
                 await _generate(router, b)
@@ -405,7 +405,7 @@ def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) 
                 assert not consumer.degraded and consumer.stats().redis_restarts == 1  # type: ignore[attr-defined]
                 assert _live(router) == {"w-solo"}
                 done = await _generate(router, await _prepare(router, _chat(SYSTEM_B, "Name a cape in Africa.")))
-                assert done.cached_tokens > 0 and router.routing.core.stats.mismatches == mismatches0
+                assert done.cached_tokens > 0 and router.core.stats.mismatches == mismatches0
                 print(f"after the restart: re-registered in {registered:.2f} s, index rebuilt in {rebuilt:.2f} s")
             finally:
                 await router.stop(0)

@@ -53,18 +53,18 @@ def test_registry_only_router_follows_joins_drains_and_departures(
             (files_dir / name).write_bytes(data)
         router = RouterServer(cfg, tokenizer=ModelTokenizer.from_model_dir(files_dir))
         await router.start()
-        index = router.workers.registry.index
+        index = router.registry.index
         assert isinstance(index, BlockIndex)
 
         def live() -> list[str]:
-            return sorted(w.info.worker_id for w in router.workers.registry.live() if w.info is not None)
+            return sorted(w.info.worker_id for w in router.registry.live() if w.info is not None)
 
         def held(blocks: list[BlockHash]) -> dict[str, int]:
             return {w: n for w, n in index.match_prefix(blocks).items() if n}
         try:
             # no worker registered: the router runs and is not ready
             await asyncio.sleep(0.3)
-            assert not router.routing.core.serving and live() == []
+            assert not router.core.serving and live() == []
             # workers register: they join, their inventories fill the index
             for w in (a, b):
                 if w.server is None:
@@ -76,7 +76,7 @@ def test_registry_only_router_follows_joins_drains_and_departures(
             await _until(lambda: held(A_BLOCKS) == {"worker-a": 4} and held(B_BLOCKS) == {"worker-b": 4}, 5,
                          "both inventories in the index")
             route = RouteRequest(tuple(range(4 * 4 + 1)), tuple(A_BLOCKS))
-            assert router.routing.core.pick(route, set()).worker.address == a.address     # drawn by its prefix
+            assert router.core.pick(route, set()).worker.address == a.address     # drawn by its prefix
 
             # A drains (NOT_SERVING, still registered): out of routing and of the index at once,
             # and blocks it stores while draining stay out
@@ -85,7 +85,7 @@ def test_registry_only_router_follows_joins_drains_and_departures(
             await a.store([BlockHash(0xA9)])
             await asyncio.sleep(0.5)
             assert held(A_BLOCKS) == {} and held([BlockHash(0xA9)]) == {}
-            assert router.routing.core.pick(route, set()).worker.address == b.address
+            assert router.core.pick(route, set()).worker.address == b.address
             index.check_integrity()
             # A serves again: back in routing, its inventory (with the block stored meanwhile) restores it
             await a.set_serving(True)
@@ -97,14 +97,14 @@ def test_registry_only_router_follows_joins_drains_and_departures(
             assert b.registry is not None
             await asyncio.to_thread(b.registry.deregister, b.worker_id)
             await _until(lambda: "worker-b" not in live() and held(B_BLOCKS) == {}, LEAVE_S, "B deregistered")
-            await _until(lambda: b.address not in [w.address for w in router.workers.registry._workers.values()], LEAVE_S,
+            await _until(lambda: b.address not in [w.address for w in router.registry._workers.values()], LEAVE_S,
                          "B's entry goes")
             # A's record expires (its liveness key gone, as after a missed TTL)
             keys = RedisConfig(url=redis_server.url).keys
             with redis_server.client() as r:
                 r.delete(keys.alive(a.worker_id))
             await _until(lambda: live() == [] and held(A_BLOCKS) == {}, LEAVE_S, "A expired")
-            await _until(lambda: not router.routing.core.serving, 1, "not ready with no worker")
+            await _until(lambda: not router.core.serving, 1, "not ready with no worker")
             index.check_integrity()
             assert took < LEAVE_S
         finally:

@@ -178,7 +178,7 @@ def test_not_ready_until_a_worker_sent_its_tokenizer_then_serves(cache_in_tmp: P
                 # the worker is ready, its GetTokenizer is held: still not ready, a clear 503
                 await worker.set_serving(True)
                 await _until(lambda: worker.calls.get("GetTokenizer", 0) == 1)
-                assert router.workers.registry.ready and router.routing.core.tokenizer is None
+                assert router.registry.ready and router.core.tokenizer is None
                 assert await get("/readyz") == 503 and await _health(grpc_port, ROUTER) == not_serving
                 status, body = await post_chat()
                 assert (status, body["error"]["code"], body["error"]["type"]) == \
@@ -210,7 +210,7 @@ def test_cached_files_are_reused_after_their_digest_is_checked(cache_in_tmp: Pat
         await router.start()
         try:
             await router.wait_ready(10)
-            assert router.routing.core.tokenizer is not None and router.routing.core.tokenizer.encode("hello") == [2]
+            assert router.core.tokenizer is not None and router.core.tokenizer.encode("hello") == [2]
         finally:
             await router.stop(0)
 
@@ -243,11 +243,11 @@ def test_workers_with_bad_files_or_another_tokenizer_are_refused(caplog: pytest.
             await router.start()
             await router.wait_ready(10)
             router.set_workers([liar.address, honest.address, other.address])
-            await _until(lambda: router.workers.registry.entry(other.address).refused is not None)
-            assert [w.info.worker_id for w in router.workers.registry.live() if w.info] == ["honest"]
+            await _until(lambda: router.registry.entry(other.address).refused is not None)
+            assert [w.info.worker_id for w in router.registry.live() if w.info] == ["honest"]
             assert liar.calls["GetTokenizer"] == 1 and "Generate" not in liar.calls
             assert "GetTokenizer" not in other.calls        # refused on its ModelInfo already
-            refused = {w.address: w.refused for w in (router.workers.registry.entry(a.address) for a in (liar, other))}
+            refused = {w.address: w.refused for w in (router.registry.entry(a.address) for a in (liar, other))}
             assert "is not the sha256" in (refused[liar.address] or "")
             assert "tokenizer_sha256" in (refused[other.address] or "")
             assert honest.calls["GetTokenizer"] == 1
@@ -283,7 +283,7 @@ def test_an_unwritable_cache_keeps_the_router_not_ready_and_says_why(
         try:
             await router.start()
             await _until(lambda: worker.calls.get("GetTokenizer", 0) >= 2)    # retried
-            assert not router.routing.core.serving and router.workers.registry.ready
+            assert not router.core.serving and router.registry.ready
             assert any("cannot cache the tokenizer" in m for m in caplog.messages)
             cache_in_tmp.unlink()                                         # fixed: it loads on the next try
             await router.wait_ready(10)
@@ -331,19 +331,19 @@ def test_a_roll_to_another_model_completes_once_no_old_worker_is_ready(cache_in_
         try:
             await router.start()
             await router.wait_ready(10)
-            old_tokenizer = router.routing.core.tokenizer
+            old_tokenizer = router.core.tokenizer
             router.set_workers([old.address, new.address])
-            await _until(lambda: router.workers.registry.entry(new.address).refused is not None)   # mid-roll
+            await _until(lambda: router.registry.entry(new.address).refused is not None)   # mid-roll
             await old.set_serving(False)                                # the last old worker drains
-            await _until(lambda: [w.info.worker_id for w in router.workers.registry.live() if w.info] == ["new"])
+            await _until(lambda: [w.info.worker_id for w in router.registry.live() if w.info] == ["new"])
             await router.wait_ready(10)
-            info = router.routing.core.model_info
+            info = router.core.model_info
             assert info is not None and (info.hash_salt_hex, info.tokenizer_sha256) == ("cd", new.digest)
-            assert router.routing.core.tokenizer is not None and router.routing.core.tokenizer is not old_tokenizer
-            assert router.routing.core.default_temperature == 0.5 and new.calls["GetTokenizer"] == 1
+            assert router.core.tokenizer is not None and router.core.tokenizer is not old_tokenizer
+            assert router.core.default_temperature == 0.5 and new.calls["GetTokenizer"] == 1
             await old.set_serving(True)                                 # an old worker back: refused now
-            await _until(lambda: router.workers.registry.entry(old.address).refused is not None)
-            assert "hash_salt_hex" in (router.workers.registry.entry(old.address).refused or "")
+            await _until(lambda: router.registry.entry(old.address).refused is not None)
+            assert "hash_salt_hex" in (router.registry.entry(old.address).refused or "")
         finally:
             await router.stop(0)
             for w in (old, new):
@@ -364,8 +364,8 @@ def test_a_stream_cut_on_the_only_worker_resumes_after_the_model_was_forgotten()
             from contracts.wire import to_generate_input
             req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4, temperature=0.0))
             req.chat.messages.add(role="user", content="the capital of france is")
-            prepared = await router.routing.core.prepare(to_generate_input(req))
-            out = [r async for r in router.routing.core.generate(prepared, 20)]
+            prepared = await router.core.prepare(to_generate_input(req))
+            out = [r async for r in router.core.generate(prepared, 20)]
             assert out[-1].finished and out[-1].migrations == 1 and worker.calls["Generate"] == 2
         finally:
             await router.stop(0)
