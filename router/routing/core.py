@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -239,7 +239,7 @@ class Router:
         raise NoWorkerAvailable("no worker is available (retry failed)")
 
     async def _attempt(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
-                       deadline: float, progress: Progress) -> AsyncIterator[pb.GenerateResponse]:
+                       deadline: float, progress: Progress) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Stream `request` from `pick.worker` until its finished response; raises _Failed
         when the worker is gone (its call UNAVAILABLE, its stream cut, its probes failing)."""
         worker = pick.worker
@@ -317,14 +317,13 @@ class Router:
                                                           dict[WorkerId, tuple[str, int, int]]]:
         """The state, the leading blocks each worker has stored (not pending: a peer can send
         only those) and the workers with a peer plane (id → address, rank, world size)."""
-        live = [w for w in self.registry.live() if w.info is not None]
+        live = [(w.info.worker_id, w) for w in self.registry.live() if w.info is not None]
         index = self.registry.index
-        loads = {w.info.worker_id: replace(w.load, shared_blocks=index.shared_blocks(w.info.worker_id))
-                 for w in live}
+        loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
         self.prefills.expire(index)
         cached = index.match_prefix(route.block_hashes, list(loads))
         stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
-        peers = {w.info.worker_id: (w.address, w.rank, w.world_size) for w in live if w.rank is not None}
+        peers = {wid: (w.address, w.rank, w.world_size) for wid, w in live if w.rank is not None}
         fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers
                                       and peers[o][2] == peers[wid][2]), default=0) - cached.get(wid, 0))
                      for wid in peers}

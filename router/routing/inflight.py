@@ -133,9 +133,9 @@ class InFlightPrefills:
                 out[q.worker_id] += q.tokens
         for w in out:
             for r in index.computing(w, route.block_hashes):
-                q = self._queued.get(r)
-                if q is not None and q.worker_id == w:
-                    out[w] -= q.tokens
+                leader = self._queued.get(r)
+                if leader is not None and leader.worker_id == w:
+                    out[w] -= leader.tokens
         return out
 
     def mean_in_flight(self, workers: Iterable[WorkerId]) -> dict[WorkerId, float]:

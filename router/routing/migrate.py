@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -86,7 +86,8 @@ def is_migratable(e: grpc.aio.AioRpcError) -> bool:
     return e.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def read_until_lost(call: grpc.aio.UnaryStreamCall, lost: asyncio.Event) -> AsyncIterator[pb.GenerateResponse]:
+async def read_until_lost(call: grpc.aio.UnaryStreamCall,
+                          lost: asyncio.Event) -> AsyncGenerator[pb.GenerateResponse, None]:
     """The call's responses until it ends; raises WorkerLost as soon as `lost` is set (the
     caller cancels the call), and the call's own AioRpcError."""
     lost_wait = asyncio.ensure_future(lost.wait())
