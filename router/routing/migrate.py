@@ -16,9 +16,9 @@ Which failures move a request (`is_migratable`): gRPC UNAVAILABLE (connection re
 reset: the worker died), a stream that ends without a finished response, and `WorkerLost`
 (the registry's probes found the worker unreachable while the stream was open: a partition
 or a hung process, where the call itself would hang). Any other status (a bad request, the
-client's deadline) goes to the client as before. `RouterConfig.migration_limit` bounds the
+client's deadline) goes to the client. `RouterConfig.migration_limit` bounds the
 re-submissions per request (0: never migrate; a failure before anything streamed is still
-retried once on another worker, as before migration existed). torch-free.
+retried once on another worker). torch-free.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Proofs, whichever are configured (RouterConfig):
   a MAC over the real worker's address, not the fake one's. Only once admitted do calls to the
   worker carry the token (`x-kvmesh-cluster-token`), so a fake worker never sees it.
 A worker that fails is logged as REJECTED and never served. Without a token and without
-`--tls-ca` every worker is admitted as before (loopback dev); the router warns once.
+`--tls-ca` every worker is admitted unchecked (loopback dev); the router warns once.
 """
 from __future__ import annotations
 
