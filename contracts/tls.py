@@ -62,10 +62,11 @@ class TlsConfig:
     def server_credentials(self, require_client_cert: bool) -> grpc.ServerCredentials:
         """gRPC server credentials; with `require_client_cert` (workers) only clients holding a
         certificate signed by `ca` complete the handshake."""
-        assert self.cert is not None and self.key is not None, "server TLS needs cert and key"
+        key, cert = self._read("key"), self._read("cert")
+        assert key is not None and cert is not None, "server TLS needs cert and key"
         if require_client_cert and self.ca is None:
             raise ValueError("tls_ca: mutual TLS needs --tls-ca")
-        return grpc.ssl_server_credentials([(self._read("key"), self._read("cert"))],
+        return grpc.ssl_server_credentials([(key, cert)],
                                            root_certificates=self._read("ca") if require_client_cert else None,
                                            require_client_auth=require_client_cert)
 
@@ -91,7 +92,8 @@ class TlsConfig:
     def channel_options(self) -> list[tuple[str, object]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
-    def aio_channel(self, address: str, options: Options = (), interceptors: Sequence[object] = ()) -> grpc.aio.Channel:
+    def aio_channel(self, address: str, options: Options = (),
+                    interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
         """An asyncio channel to `address`: TLS (mutual when `cert` is set) if `ca` is set."""
         opts = [*options, *self.channel_options()]
         if self.ca is None:

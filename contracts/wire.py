@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from contracts.requests import (MAX_CACHE_SALT_CHARS, MAX_PAIR_KEY, MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput,
                                PeerHint, SendBlocksInput)
@@ -178,10 +178,11 @@ def from_sampling_params(p: SamplingParams) -> pb.SamplingParams:
     return sp
 
 
-def _unknown_field_numbers(msg: object) -> set[int]:
+def _unknown_field_numbers(msg: Message) -> set[int]:
     """Field numbers this build of the contract does not know, in msg and nested messages."""
-    numbers = {f.field_number for f in unknown_fields.UnknownFieldSet(msg)}  # type: ignore[arg-type]
-    for fd, value in msg.ListFields():  # type: ignore[attr-defined]
+    unknown = unknown_fields.UnknownFieldSet(msg)
+    numbers = {unknown[i].field_number for i in range(len(unknown))}
+    for fd, value in msg.ListFields():
         if fd.message_type is None:
             continue
         for item in (value if fd.is_repeated else [value]):
