@@ -26,10 +26,10 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
@@ -37,6 +37,7 @@ import redis.asyncio
 import redis.asyncio.retry
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
+from redis.typing import EncodableT, FieldT
 
 from kvstore.errors import KVStoreError
 from kvstore.events import WorkerId
@@ -250,6 +251,12 @@ class WorkerRecord:
             raise MetadataError(f"bad worker record {dict(fields)!r}: {e}") from None
 
 
+def texts(replies: Iterable[str | bytes]) -> list[str]:
+    """The replies of a client from `connect` / `connect_async` (decode_responses=True) as the str
+    they are; redis-py types every reply `str | bytes` whatever the client's options."""
+    return [r if isinstance(r, str) else r.decode() for r in replies]
+
+
 def decode_live(ids: Sequence[str], replies: Sequence[object]) -> tuple[list[WorkerRecord], list[str]]:
     """From ids and the pipelined (HGETALL record, GET alive) replies of each: the live
     records (sorted by id) and the ids whose record is gone (to prune from the set)."""
@@ -293,7 +300,7 @@ class WorkerRegistry:
         with redis_errors("register"):
             p = self._r.pipeline(transaction=True)
             p.delete(k.record(w))
-            p.hset(k.record(w), mapping=record.to_fields())
+            p.hset(k.record(w), mapping=cast("Mapping[FieldT, EncodableT]", record.to_fields()))
             p.pexpire(k.record(w), int(cfg.record_ttl_s * 1000))
             p.set(k.alive(w), repr(float(record.load)), px=int(cfg.heartbeat_ttl_s * 1000))
             p.sadd(k.workers, w)
@@ -323,7 +330,7 @@ class WorkerRegistry:
         """Workers whose liveness key exists, sorted by id. Prunes expired records' ids."""
         k = self.keys
         with redis_errors("live_workers"):
-            ids = sorted(self._r.smembers(k.workers))
+            ids = sorted(texts(self._r.smembers(k.workers)))
             p = self._r.pipeline(transaction=False)
             for w in ids:
                 p.hgetall(k.record(w))

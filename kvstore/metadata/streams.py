@@ -24,23 +24,48 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import redis
 import redis.asyncio
+from redis.typing import KeyT, StreamIdT
 
-from kvstore.events import (EventDecodeError, EventType, IndexSink, Tier, Verdict, WireEvent,
-                            WorkerCursor, WorkerId, decode_event, encode_event, from_pool_events,
-                            inventory_events)
+from kvstore.events import (
+    EventDecodeError,
+    EventType,
+    IndexSink,
+    Tier,
+    Verdict,
+    WireEvent,
+    WorkerCursor,
+    WorkerId,
+    decode_event,
+    encode_event,
+    from_pool_events,
+    inventory_events,
+)
 from kvstore.keys import BlockHash
-from kvstore.metadata.registry import (MetadataError, RedisConfig, WorkerRecord, check_worker_id, connect,
-                              connect_async, decode_live, redis_errors)
+from kvstore.metadata.registry import (
+    MetadataError,
+    RedisConfig,
+    WorkerRecord,
+    check_worker_id,
+    connect,
+    connect_async,
+    decode_live,
+    redis_errors,
+    texts,
+)
 from kvstore.pool import KVEvent
 
 log = logging.getLogger("kvmesh.streams")
 
 
 InventoryFn = Callable[[], Mapping[Tier, Sequence[BlockHash]]]
+# Stream replies on a decode_responses client: an entry is (entry id, {field: value}); XREAD's
+# reply is [(stream key, [entry, ...])]. redis-py types them with bytes in every position.
+XEntry = tuple[str, dict[str, str]]
+XReadReply = list[tuple[str, list[XEntry]]]
 
 
 class PublisherStats(NamedTuple):
@@ -299,12 +324,12 @@ class EventConsumer:
         if restarted:
             log.warning("Redis restarted: rereading every stream, asking for inventories")
             self._restarts += 1
-            for cursor in self._cursors.values():
-                cursor.last_id = "0-0"
+            for reread in self._cursors.values():
+                reread.last_id = "0-0"
             resync.update(self._cursors)
         if restarted or self._degraded:
             self._grace_until = now + self.config.heartbeat_ttl_s + self.config.heartbeat_interval_s
-        ids = sorted(await self._r.smembers(self._keys.workers))
+        ids = sorted(texts(await self._r.smembers(self._keys.workers)))
         p = self._r.pipeline(transaction=False)
         for w in ids:
             p.hgetall(self._keys.record(w))
@@ -315,7 +340,7 @@ class EventConsumer:
         for record in live:
             w, cursor = record.worker_id, self._cursors.get(record.worker_id)
             if cursor is None:
-                last = await self._r.xrevrange(self._keys.events(w), count=1)
+                last = cast("list[XEntry]", await self._r.xrevrange(self._keys.events(w), count=1))
                 cursor = WorkerCursor(last[0][0] if last else "0-0", record_epoch=record.epoch)
                 self._cursors[w] = cursor
                 self.index.clear_worker(w)
@@ -346,8 +371,8 @@ class EventConsumer:
             await asyncio.sleep(self._block_ms / 1000)
             return 0
         by_key = {self._keys.events(w): w for w in self._cursors}
-        reply = await self._r.xread({k: self._cursors[w].last_id for k, w in by_key.items()},
-                                    count=self._count, block=self._block_ms)
+        streams: dict[KeyT, StreamIdT] = {k: self._cursors[w].last_id for k, w in by_key.items()}
+        reply = cast(XReadReply, await self._r.xread(streams, count=self._count, block=self._block_ms))
         resync: set[WorkerId] = set()
         applied = 0
         for key, entries in reply or ():

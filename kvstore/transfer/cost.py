@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -90,6 +90,7 @@ def _roundtrip(pair: PairGroup, data: torch.Tensor, timer: bool, timeout: float)
     """The timer sends `data` and waits for a one-byte ack; the other receives and acks."""
     ack = torch.zeros(1, dtype=torch.uint8, device=data.device)
     t0 = time.perf_counter()
+    works: tuple[Any, ...]   # the pending works of PairGroup.isend / irecv
     if timer:
         works = (pair.isend(data, _DATA_TAG), pair.irecv(ack, _ACK_TAG))
     else:

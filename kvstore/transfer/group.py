@@ -132,6 +132,7 @@ class PairGroup:
             raise TransferError(str(peer), -1, "backend=nccl but this torch build has no NCCL")
         timeout = timedelta(seconds=cfg.connect_timeout_s)
         prefixed = dist.PrefixStore(f"kvmesh/pair/{key}", store)
+        pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         try:
             if backend == "gloo":
                 pg = dist.ProcessGroupGloo(prefixed, local_rank, 2, timeout)
