@@ -124,7 +124,7 @@ class DiskTierStats(NamedTuple):
     read: int
     dropped_checksum: int      # records that failed a check (torn, flipped, truncated, wrong key)
     dropped_queue_full: int    # writes dropped because the write-behind queue was full
-    dropped_fingerprint: int   # records of another fingerprint found in this tier's directory
+    dropped_fingerprint: int   # records of other fingerprints found beside this tier's (ignored, kept)
     evicted: int               # records deleted by the tier's LRU
     reopened: int              # records found valid at open
     write_seconds: TimeHistogram
@@ -138,11 +138,6 @@ class DiskRead(NamedTuple):
     asked: tuple[DiskKey, ...]
     keys: tuple[DiskKey, ...]
     blocks: torch.Tensor | None
-
-
-class _Entry(NamedTuple):
-    path: Path
-    nbytes: int
 
 
 class _Histogram:
@@ -200,8 +195,8 @@ def check_header(raw: bytes, fingerprint: bytes, key: DiskKey, payload_bytes: in
 class FileIO:
     """The tier's edge to the file system (tests swap in one that fails like a full disk)."""
 
-    def write(self, path: Path, parts: Sequence[bytes | memoryview]) -> None:
-        tmp = path.with_name(path.name + ".tmp")
+    def write(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
+        tmp = path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for part in parts:
@@ -212,7 +207,7 @@ class FileIO:
             os.close(fd)
         os.replace(tmp, path)
 
-    def read_into(self, path: Path, header: bytearray, payload: memoryview) -> int:
+    def read_into(self, path: str, header: bytearray, payload: memoryview) -> int:
         """Fill `header` then `payload` from the file; returns the bytes read (short: truncated)."""
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -222,8 +217,11 @@ class FileIO:
             os.close(fd)
         return n if size == n else -1
 
-    def unlink(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+    def unlink(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 class DiskTier:
@@ -242,8 +240,8 @@ class DiskTier:
         self.io = io
         self.enabled = False
         self._lock = threading.Lock()
-        self._index: OrderedDict[DiskKey, _Entry] = OrderedDict()   # oldest first
-        self._used = 0
+        self._index: OrderedDict[DiskKey, None] = OrderedDict()   # the records held, oldest first
+        self._dir_s = str(self.dir)
         self._queued: set[DiskKey] = set()
         self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
         self._reads: queue.Queue[tuple[DiskKey, ...] | None] = queue.Queue()
@@ -292,7 +290,7 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return len(self._index) * self.record_bytes
 
     def match_prefix(self, root: BlockHash | None, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading `block_hashes` the tier holds under salt root `root` (a query)."""
@@ -320,7 +318,7 @@ class DiskTier:
     def stats(self) -> DiskTierStats:
         c = self._counts
         with self._lock:
-            return DiskTierStats(self.enabled, self.capacity_bytes, self._used, len(self._index), c["written"],
+            return DiskTierStats(self.enabled, self.capacity_bytes, self.used_bytes, len(self._index), c["written"],
                                  c["read"], c["checksum"], c["queue_full"], c["fingerprint"], c["evicted"],
                                  c["reopened"], self._write_s.snapshot(), self._read_s.snapshot())
 
@@ -419,16 +417,14 @@ class DiskTier:
 
     def check_integrity(self) -> None:
         with self._lock:
-            used = sum(e.nbytes for e in self._index.values())
-            assert used == self._used, f"disk tier counts {self._used} bytes, its records {used}"
-            assert self._used <= self.capacity_bytes or not self.enabled, "disk tier over its capacity"
-            assert all(e.path.parent.parent == self.dir for e in self._index.values()), "record outside the dir"
+            assert self.used_bytes <= self.capacity_bytes or not self.enabled, "disk tier over its capacity"
+            assert self.enabled or not self._index, "a disk tier that is off holds records"
 
     # -- internals: open ------------------------------------------------------------------
-    def _path(self, key: DiskKey) -> Path:
+    def _path(self, key: DiskKey) -> str:
         root, h = key
         name = f"{h:032x}-{'0' if root is None else f'{root:032x}'}.kvb"
-        return self.dir / name[:2] / name
+        return f"{self._dir_s}/{name[:2]}/{name}"
 
     def _open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -439,18 +435,19 @@ class DiskTier:
             os.close(fd)
             raise OSError(errno.EBUSY, f"another process uses this directory ({e.strerror})") from None
         self._lock_fd = fd
-        others = [p.name for p in self.root_dir.iterdir() if p.is_dir() and p.name.startswith("v")
-                  and p != self.dir]
+        others = [p for p in self.root_dir.iterdir() if p.is_dir() and p.name.startswith("v") and p != self.dir]
         if others:
-            log.warning("KV disk tier %s: ignoring the records of %d other model/KV layout fingerprint(s) "
-                        "or format version(s) beside it (%s)", self.root_dir, len(others), ", ".join(sorted(others)))
-        found: list[tuple[float, DiskKey, _Entry]] = []
-        mismatched = 0
+            self._counts["fingerprint"] = sum(1 for d in others for _ in d.glob("*/*.kvb"))
+            log.warning("KV disk tier %s: %d record(s) of another model/KV layout fingerprint or format version "
+                        "ignored (%s)", self.root_dir, self._counts["fingerprint"],
+                        ", ".join(sorted(p.name for p in others)))
+        found: list[tuple[float, DiskKey]] = []
         header = bytearray(HEADER_BYTES)
-        for sub in sorted(p for p in self.dir.iterdir() if p.is_dir()):
+        subdirs = sorted(e.path for e in os.scandir(self.dir) if e.is_dir())
+        for sub in subdirs:
             for entry in os.scandir(sub):
-                path = Path(entry.path)
-                if entry.name.endswith(".tmp"):          # a write cut short (the process died)
+                path = entry.path
+                if path.endswith(".tmp"):               # a write cut short (the process died)
                     self.io.unlink(path)
                     continue
                 key = _key_of(entry.name)
@@ -466,25 +463,19 @@ class DiskTier:
                     if n != HEADER_BYTES or st.st_size != self.record_bytes:
                         raise RecordError(f"{st.st_size} bytes, want {self.record_bytes}")
                     check_header(bytes(header), self.fingerprint, key, self.payload_bytes)
-                except RecordError as e:
-                    mismatched += str(e) == "fingerprint"
-                    self._counts["fingerprint" if str(e) == "fingerprint" else "checksum"] += 1
+                except RecordError as e:   # in this fingerprint's directory: torn or corrupted
+                    self._counts["checksum"] += 1
                     log.debug("dropping disk record %s: %s", path, e)
-                    if str(e) != "fingerprint":
-                        self.io.unlink(path)
+                    self.io.unlink(path)
                     continue
-                found.append((st.st_mtime, key, _Entry(path, self.record_bytes)))
-        if mismatched:
-            log.warning("KV disk tier %s: %d record(s) of another model/KV layout fingerprint ignored",
-                        self.dir, mismatched)
+                found.append((st.st_mtime, key))
         found.sort(key=lambda f: f[0])
-        for _, key, e in found:
-            self._index[key] = e
-            self._used += e.nbytes
+        self._index.update((key, None) for _, key in found)
         self._counts["reopened"] = len(found)
         self._evict_to(0)
         if found:
-            log.info("KV disk tier %s: reopened %d blocks (%.1f MiB)", self.dir, len(self._index), self._used / 2**20)
+            log.info("KV disk tier %s: reopened %d blocks (%.1f MiB)", self.dir, len(self._index),
+                     self.used_bytes / 2**20)
 
     # -- internals: the threads -----------------------------------------------------------
     def _write_loop(self) -> None:
@@ -509,7 +500,10 @@ class DiskTier:
             with self._lock:
                 self._evict_to(self.record_bytes)
             header = encode_header(self.fingerprint, key, payload)
-            path.parent.mkdir(exist_ok=True)
+            try:
+                os.mkdir(os.path.dirname(path))   # not makedirs: a tier whose directory is gone turns off
+            except FileExistsError:
+                pass
             self.io.write(path, (header, payload))
         except OSError as e:
             self._turn_off(f"writing {path}", e)
@@ -518,10 +512,8 @@ class DiskTier:
             self._write_s.observe(time.perf_counter() - t0)
             if not self.enabled:
                 return
-            if key in self._index:
-                self._used -= self._index.pop(key).nbytes
-            self._index[key] = _Entry(path, self.record_bytes)
-            self._used += self.record_bytes
+            self._index[key] = None
+            self._index.move_to_end(key)
             self._counts["written"] += 1
             self._emit(BlockStored(key[1], None, BlockId(0)))
 
@@ -544,12 +536,13 @@ class DiskTier:
         n = 0
         for key in keys:
             with self._lock:
-                entry = self._index.get(key) if self.enabled else None
-            if entry is None:
+                held = self.enabled and key in self._index
+            if not held:
                 break
+            path = self._path(key)
             row = memoryview(out[n].numpy()).cast("B")
             try:
-                size = self.io.read_into(entry.path, header, row)
+                size = self.io.read_into(path, header, row)
                 if size != self.record_bytes:
                     raise RecordError(f"record of {size} bytes, want {self.record_bytes}")
                 want = check_header(bytes(header), self.fingerprint, key, self.payload_bytes)
@@ -557,19 +550,19 @@ class DiskTier:
                 h.update(row)
                 if h.intdigest() != want:
                     raise RecordError("checksum mismatch")
-                os.utime(entry.path)   # the LRU order a reopen rebuilds
+                os.utime(path)   # the LRU order a reopen rebuilds
             except FileNotFoundError:
                 with self._lock:
                     self._drop(key, None)
                 break
             except RecordError as e:
-                log.warning("KV disk tier: dropping %s: %s", entry.path, e)
+                log.warning("KV disk tier: dropping %s: %s", path, e)
                 with self._lock:
                     self._counts["checksum"] += 1
-                    self._drop(key, entry.path)
+                    self._drop(key, path)
                 break
             except OSError as e:
-                self._turn_off(f"reading {entry.path}", e)
+                self._turn_off(f"reading {path}", e)
                 break
             with self._lock:
                 if key in self._index:
@@ -584,17 +577,15 @@ class DiskTier:
 
     # -- internals: bookkeeping (under the lock) ------------------------------------------
     def _evict_to(self, room: int) -> None:
-        while self._index and self._used + room > self.capacity_bytes:
-            key, entry = self._index.popitem(last=False)
-            self._used -= entry.nbytes
+        while self._index and self.used_bytes + room > self.capacity_bytes:
+            key, _ = self._index.popitem(last=False)
             self._counts["evicted"] += 1
-            self.io.unlink(entry.path)
+            self.io.unlink(self._path(key))
             self._emit(BlockRemoved(key[1], BlockId(0)))
 
-    def _drop(self, key: DiskKey, path: Path | None) -> None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used -= entry.nbytes
+    def _drop(self, key: DiskKey, path: str | None) -> None:
+        if key in self._index:
+            del self._index[key]
             self._emit(BlockRemoved(key[1], BlockId(0)))
         if path is not None:
             try:
@@ -608,7 +599,6 @@ class DiskTier:
                 return
             self.enabled = False
             self._index.clear()
-            self._used = 0
             self._emit(AllBlocksCleared())
         log.error("KV disk tier off (serving goes on without it): %s: %s", what, error)
 
@@ -619,11 +609,10 @@ class DiskTier:
 
 def _key_of(name: str) -> DiskKey | None:
     """The key a record's file name gives (None: not a record name)."""
-    stem, dot, ext = name.partition(".")
-    h, dash, root = stem.partition("-")
-    if ext != "kvb" or not dash or len(h) != 32 or not (len(root) == 32 or root == "0"):
+    if not name.endswith(".kvb") or name[32:33] != "-" or len(name) not in (69, 38):
         return None
+    root = name[33:-4]
     try:
-        return (None if root == "0" else BlockHash(int(root, 16))), BlockHash(int(h, 16))
+        return (None if root == "0" else BlockHash(int(root, 16))), BlockHash(int(name[:32], 16))
     except ValueError:
         return None

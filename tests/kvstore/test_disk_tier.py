@@ -1,0 +1,312 @@
+"""The disk tier on a real directory: records round-trip, survive a reopen and a kill -9 of the
+writer, are never served when torn, flipped or truncated, are keyed by salt root, stay under
+their LRU bound; a full, gone or unusable disk turns the tier off with one log line."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.disk import HEADER_BYTES, DiskTier, FileIO
+from kvstore.keys import BlockHash
+from kvstore.layout import KVLayout
+from kvstore.pool import AllBlocksCleared, BlockRemoved, BlockStored
+
+LAYOUT = KVLayout(2, 2, 8, 4, "fp32")
+SHAPE = (2, 2, 4, 2, 8)                       # [L, 2, bs, H, D]
+RECORD = HEADER_BYTES + LAYOUT.bytes_per_block
+FP = b"fingerprint-0001"
+
+
+def _block(i: int) -> torch.Tensor:
+    return torch.arange(64 * 2 * 2, dtype=torch.float32).view(SHAPE) + 1000.0 * i
+
+
+def _open(path: Path, num_records: int = 64, fingerprint: bytes = FP, **kw) -> DiskTier:
+    return DiskTier.open(path, num_records * RECORD, LAYOUT, torch.float32, SHAPE, fingerprint, **kw)
+
+
+def _fill(tier: DiskTier, ids: range, root: BlockHash | None = None) -> None:
+    for i in ids:
+        assert tier.write_behind((root, BlockHash(i)), _block(i))
+    tier.flush()
+
+
+def _read(tier: DiskTier, ids: range, root: BlockHash | None = None) -> list[torch.Tensor]:
+    """The blocks a read-ahead of `ids` gives back, in order (stops at the first miss)."""
+    if not tier.read_ahead([(root, BlockHash(i)) for i in ids]):
+        return []
+    deadline = time.monotonic() + 10
+    while not (done := tier.take_reads()):
+        assert time.monotonic() < deadline
+        tier.wait_reads(0.1)
+    (read,) = done
+    return [] if read.blocks is None else [read.blocks[:, :, k] for k in range(len(read.keys))]
+
+
+def _files(tier: DiskTier) -> list[Path]:
+    return sorted(tier.dir.glob("*/*.kvb"))
+
+
+def test_records_round_trip_with_events(tmp_path):
+    tier = _open(tmp_path)
+    tier.set_event_recording(True)
+    _fill(tier, range(1, 6))
+    assert tier.match_prefix(None, [BlockHash(i) for i in (1, 2, 3, 9, 4)]) == 3
+    got = _read(tier, range(1, 6))
+    assert len(got) == 5 and all(torch.equal(g, _block(i)) for g, i in zip(got, range(1, 6)))
+    assert tier.take_events() == [BlockStored(BlockHash(i), None, 0) for i in range(1, 6)]
+    st = tier.stats()
+    assert (st.written, st.read, st.num_blocks, st.used_bytes) == (5, 5, 5, 5 * RECORD)
+    assert st.write_seconds.count == 5 and st.read_seconds.count == 1
+    tier.check_integrity()
+    tier.close()
+
+
+def test_reopen_keeps_records_without_reading_payloads(tmp_path):
+    tier = _open(tmp_path)
+    _fill(tier, range(1, 9))
+    tier.close()
+    again = _open(tmp_path)
+    assert again.stats().reopened == 8 and again.stats().read == 0
+    assert sorted(again.cached_hashes()) == list(range(1, 9))
+    assert torch.equal(_read(again, range(3, 4))[0], _block(3))
+    again.close()
+
+
+def test_flipped_payload_byte_is_dropped_not_served(tmp_path, caplog):
+    tier = _open(tmp_path)
+    tier.set_event_recording(True)
+    _fill(tier, range(1, 4))
+    tier.take_events()
+    path = Path(tier._path((None, BlockHash(2))))
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, "kvmesh.disk"):
+        got = _read(tier, range(1, 4))
+    assert len(got) == 1 and torch.equal(got[0], _block(1))            # the run stops at the bad record
+    assert tier.stats().dropped_checksum == 1 and not path.exists()
+    assert tier.match_prefix(None, [BlockHash(2)]) == 0
+    assert tier.take_events() == [BlockRemoved(BlockHash(2), 0)]
+    assert "checksum mismatch" in caplog.text
+    tier.close()
+
+
+def test_flipped_header_and_truncated_records_are_dropped_at_reopen(tmp_path):
+    tier = _open(tmp_path)
+    _fill(tier, range(1, 5))
+    tier.close()
+    flipped, truncated = Path(tier._path((None, BlockHash(1)))), Path(tier._path((None, BlockHash(2))))
+    raw = bytearray(flipped.read_bytes())
+    raw[20] ^= 0xFF                                                    # inside the block hash field
+    flipped.write_bytes(bytes(raw))
+    truncated.write_bytes(truncated.read_bytes()[:RECORD // 2])
+    again = _open(tmp_path)
+    assert sorted(again.cached_hashes()) == [3, 4] and again.stats().dropped_checksum == 2
+    assert not flipped.exists() and not truncated.exists()
+    again.close()
+
+
+def test_truncated_after_open_is_not_served(tmp_path):
+    tier = _open(tmp_path)
+    _fill(tier, range(1, 3))
+    path = Path(tier._path((None, BlockHash(1))))
+    path.write_bytes(path.read_bytes()[:-7])
+    assert _read(tier, range(1, 3)) == []
+    assert tier.stats().dropped_checksum == 1
+    tier.close()
+
+
+def test_other_fingerprint_is_ignored_and_said_once(tmp_path, caplog):
+    tier = _open(tmp_path)
+    _fill(tier, range(1, 4))
+    tier.close()
+    with caplog.at_level(logging.WARNING, "kvmesh.disk"):
+        other = _open(tmp_path, fingerprint=b"another-model-16")
+    assert other.num_blocks == 0 and other.match_prefix(None, [BlockHash(1)]) == 0
+    said = [r for r in caplog.records if "fingerprint" in r.getMessage()]
+    assert len(said) == 1
+    other.close()
+    back = _open(tmp_path)                                             # the first model's records are intact
+    assert back.num_blocks == 3
+    back.close()
+
+
+def test_salt_root_is_part_of_the_key_and_checked_on_read(tmp_path):
+    tier = _open(tmp_path)
+    a, b = BlockHash(111), BlockHash(222)
+    _fill(tier, range(1, 3), root=a)
+    assert tier.match_prefix(a, [BlockHash(1), BlockHash(2)]) == 2
+    assert tier.match_prefix(None, [BlockHash(1)]) == 0 and tier.match_prefix(b, [BlockHash(1)]) == 0
+    assert _read(tier, range(1, 2), root=b) == []
+    tier.close()
+    # a record renamed to another root's name fails the header check: never served under it
+    src = Path(tier._path((a, BlockHash(1))))
+    dst = Path(tier._path((b, BlockHash(1))))
+    os.rename(src, dst)
+    again = _open(tmp_path)
+    assert again.match_prefix(b, [BlockHash(1)]) == 0 and again.stats().dropped_checksum == 1
+    again.close()
+
+
+def test_lru_bound_evicts_oldest_and_a_read_refreshes(tmp_path):
+    tier = _open(tmp_path, num_records=3)
+    tier.set_event_recording(True)
+    _fill(tier, range(1, 4))
+    assert len(_read(tier, range(1, 2))) == 1                          # 1 becomes the youngest
+    _fill(tier, range(4, 6))
+    assert sorted(tier.cached_hashes()) == [1, 4, 5] and len(_files(tier)) == 3
+    assert tier.stats().evicted == 2 and tier.used_bytes <= 3 * RECORD
+    removed = [e.block_hash for e in tier.take_events() if isinstance(e, BlockRemoved)]
+    assert removed == [2, 3]
+    tier.check_integrity()
+    tier.close()
+
+
+class _BlockedIO(FileIO):
+    """A disk that takes its time: each write waits for `go`."""
+
+    def __init__(self) -> None:
+        import threading
+        self.go = threading.Event()
+
+    def write(self, path, parts):
+        self.go.wait(10)
+        super().write(path, parts)
+
+
+def test_full_queue_drops_the_write_and_counts_it(tmp_path):
+    io = _BlockedIO()
+    tier = _open(tmp_path, max_queue=2, io=io)
+    results = [tier.write_behind((None, BlockHash(i)), _block(i)) for i in range(1, 7)]
+    t0 = time.perf_counter()
+    assert time.perf_counter() - t0 < 1.0                              # never waits for the disk
+    assert results.count(False) >= 3 and tier.stats().dropped_queue_full == results.count(False)
+    io.go.set()
+    tier.flush()
+    assert tier.num_blocks == results.count(True)
+    tier.close()
+
+
+class _FullDisk(FileIO):
+    """ENOSPC after `room` records, as a full file system answers write(2)."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+    def write(self, path, parts):
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        self.room -= 1
+        super().write(path, parts)
+
+
+def test_disk_full_turns_the_tier_off_with_one_line(tmp_path, caplog):
+    tier = _open(tmp_path, io=_FullDisk(2))
+    tier.set_event_recording(True)
+    with caplog.at_level(logging.ERROR, "kvmesh.disk"):
+        for i in range(1, 6):
+            tier.write_behind((None, BlockHash(i)), _block(i))
+        tier.flush()
+    assert not tier.enabled and tier.num_blocks == 0
+    assert isinstance(tier.take_events()[-1], AllBlocksCleared)
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "No space left" in lines[0].getMessage()
+    assert not tier.write_behind((None, BlockHash(9)), _block(9)) and not tier.read_ahead([(None, BlockHash(1))])
+    tier.close()
+
+
+def test_directory_gone_turns_the_tier_off(tmp_path, caplog):
+    import shutil
+    tier = _open(tmp_path / "kv")
+    _fill(tier, range(1, 3))
+    shutil.rmtree(tmp_path / "kv")
+    with caplog.at_level(logging.ERROR, "kvmesh.disk"):
+        tier.write_behind((None, BlockHash(7)), _block(7))
+        tier.flush()
+    assert not tier.enabled and "KV disk tier off" in caplog.text
+    tier.close()
+
+
+def test_unusable_directory_leaves_the_tier_off(tmp_path, caplog):
+    with caplog.at_level(logging.ERROR, "kvmesh.disk"):
+        tier = _open(Path("/proc/kvmesh-disk-tier"))                   # not creatable, even as root
+    assert not tier.enabled and "KV disk tier off" in caplog.text
+    assert tier.match_prefix(None, [BlockHash(1)]) == 0 and not tier.write_behind((None, BlockHash(1)), _block(1))
+
+
+def test_second_process_on_one_directory_is_refused(tmp_path, caplog):
+    first = _open(tmp_path)
+    with caplog.at_level(logging.ERROR, "kvmesh.disk"):
+        second = _open(tmp_path)
+    assert first.enabled and not second.enabled and "another process" in caplog.text
+    first.close()
+
+
+_WRITER = """
+import sys, torch
+from kvstore.disk import DiskTier
+from kvstore.keys import BlockHash
+from kvstore.layout import KVLayout
+shape = (8, 2, 16, 8, 64)                                  # 256 KiB blocks: writes take a while
+tier = DiskTier.open(sys.argv[1], 1 << 34, KVLayout(8, 8, 64, 16, "fp32"), torch.float32, shape,
+                     b"fingerprint-0001", max_queue=8)
+i = 0
+while True:
+    i += 1
+    block = torch.full(shape, float(i))
+    while not tier.write_behind((None, BlockHash(i)), block):
+        pass
+    if i == 20:
+        print("writing", flush=True)
+"""
+
+
+def test_kill_9_during_write_behind_serves_no_torn_record(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.readline().strip() == b"writing"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    shape = (8, 2, 16, 8, 64)
+    tier = DiskTier.open(tmp_path, 1 << 34, KVLayout(8, 8, 64, 16, "fp32"), torch.float32, shape, FP)
+    assert tier.enabled and tier.num_blocks >= 1
+    assert not list(tier.dir.glob("*/*.tmp"))                          # cut-short writes are cleaned up
+    for h in tier.cached_hashes():                                     # every record kept reads back whole
+        assert tier.read_ahead([(None, h)])
+        while not (done := tier.take_reads()):
+            tier.wait_reads(1.0)
+        assert done[0].blocks is not None and bool((done[0].blocks == float(h)).all())
+    assert tier.stats().dropped_checksum == 0
+    tier.close()
+
+
+@pytest.mark.slow
+def test_reopen_cost(tmp_path):
+    """The header scan at reopen, per 10^5 blocks (the figure in kvstore/disk.py)."""
+    n = 100_000
+    tier = DiskTier.open(tmp_path, n * (HEADER_BYTES + 64), KVLayout(1, 1, 8, 1, "fp32"), torch.float32,
+                         (1, 2, 1, 1, 8), FP, max_queue=4096)
+    for i in range(1, n + 1):
+        while not tier.write_behind((None, BlockHash(i)), torch.zeros(1, 2, 1, 1, 8)):
+            time.sleep(0.001)
+    tier.flush(600)
+    tier.close()
+    t0 = time.perf_counter()
+    again = DiskTier.open(tmp_path, n * (HEADER_BYTES + 64), KVLayout(1, 1, 8, 1, "fp32"), torch.float32,
+                          (1, 2, 1, 1, 8), FP)
+    seconds = time.perf_counter() - t0
+    assert again.num_blocks == n
+    print(f"reopen of {n} blocks: {seconds:.2f} s")
+    assert seconds < 30
+    again.close()
