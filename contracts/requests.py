@@ -32,13 +32,34 @@ class PeerHint:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantShare:
+    """The tenant that sent a request and its share of a worker (router -> worker, from the
+    keys file): `weight` of the compute relative to other tenants (worker fair share), and
+    `max_cached_blocks` cached device blocks before its own are evicted first (None: the
+    worker's default fraction). `name` "" is no tenant: no fair share and no cap."""
+
+    name: str = ""
+    weight: float = 1.0
+    max_cached_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0 or self.weight != self.weight:
+            raise ValueError(f"tenant weight={self.weight!r} must be > 0")
+        if self.max_cached_blocks is not None and self.max_cached_blocks < 0:
+            raise ValueError(f"max_cached_blocks={self.max_cached_blocks!r} must be >= 0")
+
+
+NO_TENANT = TenantShare()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateInput:
     """Exactly one of text / token_ids / chat is set. `cache_salt` ("" = none) keys the
     request's blocks apart from other salts' (kvstore.keys.cache_salt_root);
     `max_tokens_given` is False when `params.max_tokens` is the front's default, which the
     router may then shorten to fit the context instead of rejecting the request.
     `resume_tokens` > 0 (only with token_ids): the last that many ids are output already
-    generated (a migrated request)."""
+    generated (a migrated request). `tenant`: who sent it (set by the router)."""
 
     request_id: str
     text: str | None
@@ -50,6 +71,7 @@ class GenerateInput:
     cache_salt: str = ""
     max_tokens_given: bool = True
     resume_tokens: int = 0
+    tenant: TenantShare = NO_TENANT
 
 
 @dataclass(frozen=True, slots=True)

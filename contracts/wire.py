@@ -18,7 +18,7 @@ from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 
 from contracts.requests import (MAX_CACHE_SALT_CHARS, MAX_PAIR_KEY, MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput,
-                               PeerHint, SendBlocksInput)
+                               PeerHint, SendBlocksInput, TenantShare)
 from contracts.sampling import SamplingParams, SamplingParamsError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
@@ -87,7 +87,20 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
     return GenerateInput(msg.request_id, text, token_ids, chat,
                          to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
                          tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)),
-                         msg.cache_salt, msg.sampling.HasField("max_tokens"), resume)
+                         msg.cache_salt, msg.sampling.HasField("max_tokens"), resume, _tenant(msg.tenant))
+
+
+def _tenant(t: pb.TenantShare) -> TenantShare:
+    if len(t.name) > MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"tenant.name: {len(t.name)} characters; at most {MAX_CACHE_SALT_CHARS}")
+    if t.weight < 0 or t.weight != t.weight or t.max_cached_blocks < 0:
+        raise BadRequest("tenant: weight and max_cached_blocks must be >= 0")
+    return TenantShare(t.name, t.weight or 1.0, t.max_cached_blocks or None)
+
+
+def to_tenant_share(t: TenantShare) -> pb.TenantShare:
+    """The wire form of `t` (router -> worker)."""
+    return pb.TenantShare(name=t.name, weight=t.weight, max_cached_blocks=t.max_cached_blocks or 0)
 
 
 def _is_host_port(address: str) -> bool:

@@ -20,9 +20,9 @@ from typing import NamedTuple
 import grpc
 
 from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
-from contracts.requests import BadRequest, GenerateInput, PeerHint
+from contracts.requests import BadRequest, GenerateInput, PeerHint, TenantShare
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from contracts.wire import from_sampling_params, to_peer_hint
+from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.security.auth import ANONYMOUS, ApiKey, TenantId
@@ -170,7 +170,9 @@ class Router:
         hashes = block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex), cache_salt_root(salt))
         request = pb.GenerateRequest(request_id=inp.request_id or f"rtr-{uuid.uuid4().hex}",
                                      token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(params),
-                                     priority=inp.priority, cache_salt=salt)
+                                     priority=inp.priority, cache_salt=salt,
+                                     tenant=to_tenant_share(TenantShare("" if caller is ANONYMOUS else caller.tenant,
+                                                                        caller.weight, caller.max_cached_blocks)))
         return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)), caller.tenant)
 
     async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:

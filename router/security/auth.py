@@ -57,6 +57,8 @@ class ApiKey:
     priority: bool = False
     admin: bool = False
     salt: str | None = None
+    weight: float = 1.0                    # share of a worker's compute (worker/engine/fairness.py)
+    max_cached_blocks: int | None = None   # cap on a worker's cached blocks (kvstore/quota.py); None: its default
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key or any(c.isspace() for c in self.key):
@@ -75,8 +77,9 @@ ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True, admin=True)
 
 
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
-    """`key tenant [priority] [admin] [salt=SALT]` per line; blank lines and `#` comments
-    ignored. Raises ValueError naming the file and line (never echoing a key)."""
+    """`key tenant [priority] [admin] [salt=SALT] [weight=W] [max_cached_blocks=N]` per line
+    (weight: the tenant's share of a worker's compute; max_cached_blocks: its cap on a worker's
+    cached blocks); blank lines and `#` comments ignored. Raises ValueError naming the file and line (never echoing a key)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -97,14 +100,37 @@ def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
 
 
 def _parse_key_line(words: list[str], where: str) -> ApiKey:
-    options = words[2:]
+    options, share = _share_options(words[2:], where)
     salts = [w[len(SALT_OPTION):] for w in options if w.startswith(SALT_OPTION)]
     flags = [w for w in options if not w.startswith(SALT_OPTION)]
     if (len(words) < 2 or not set(flags) <= {PRIORITY_FLAG, ADMIN_FLAG} or len(set(flags)) != len(flags)
             or len(salts) > 1 or "" in salts):
         raise ValueError(f"{where}: expected 'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}] [{SALT_OPTION}SALT]'")
     return ApiKey(words[0], TenantId(words[1]), priority=PRIORITY_FLAG in flags, admin=ADMIN_FLAG in flags,
-                  salt=salts[0] if salts else None)
+                  salt=salts[0] if salts else None, **share)
+
+
+WEIGHT_OPTION, MAX_CACHED_OPTION = "weight=", "max_cached_blocks="   # keys file: the tenant's share
+
+
+def _share_options(options: list[str], where: str) -> tuple[list[str], dict[str, float | int]]:
+    """`weight=W` (> 0, default 1) and `max_cached_blocks=N` (>= 0) taken out of a line's options."""
+    rest, share = [], {}
+    for word in options:
+        for option, name, kind in ((WEIGHT_OPTION, "weight", float), (MAX_CACHED_OPTION, "max_cached_blocks", int)):
+            if word.startswith(option):
+                try:
+                    value = kind(word[len(option):])
+                except ValueError:
+                    value = -1
+                if name in share or not (value > 0 if kind is float else value >= 0) or value != value:
+                    raise ValueError(f"{where}: {option}{word[len(option):]!r}: expected one {name}, "
+                                     f"{'> 0' if kind is float else 'an integer >= 0'}")
+                share[name] = value
+                break
+        else:
+            rest.append(word)
+    return rest, share
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:

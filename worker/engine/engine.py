@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from contracts.requests import context_length_error
+from contracts.requests import NO_TENANT, TenantShare, context_length_error
 from contracts.tokenizer import TokenizerError
 from kvstore.keys import HashSalt, cache_salt_root
 from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
@@ -94,7 +94,8 @@ class Engine:
                              block_size=cfg.block_size, kv_codec=codec_id).digest()
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            cfg.enable_chunked_prefill, mc.sliding_window, cfg.enable_prefix_caching),
+                            cfg.enable_chunked_prefill, mc.sliding_window, cfg.enable_prefix_caching,
+                            cfg.fair_share, cfg.fair_step_tokens, cfg.tenant_max_cached_frac),
             self.store, self.salt)
         ev = cfg.eviction_config()
         if ev.enabled and mc.sliding_window is not None:
@@ -124,7 +125,7 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0, cache_salt: str = "", fit_context: bool = False,
-                    resume_tokens: int = 0) -> str:
+                    resume_tokens: int = 0, tenant: TenantShare = NO_TENANT) -> str:
         """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing.
         Lower `priority` is admitted first (in [MIN_PRIORITY, MAX_PRIORITY]). `cache_salt`
         keys its blocks apart from other salts' (kvstore.keys.cache_salt_root). With
@@ -167,7 +168,7 @@ class Engine:
         if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
-                      cache_salt_root(cache_salt))
+                      cache_salt_root(cache_salt), tenant=tenant)
         if resumed:
             resume(req, resumed, self.tokenizer, self.model_config.vocab_size, self.device)
         self.requests[request_id] = req

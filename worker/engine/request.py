@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from contracts.requests import NO_TENANT, TenantShare
 from kvstore.keys import BlockHash, extend_block_hashes
 from kvstore.pool import BlockId
 from worker.engine.sampling import SamplingHistory, SamplingParams
@@ -101,6 +102,7 @@ class Request:
     cumulative_logprob: float = 0.0
     sent_logprobs: int = 0
     sent_prompt_logprobs: bool = False
+    tenant: TenantShare = NO_TENANT             # who sent it: fair share and cache cap (worker.engine.fairness)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

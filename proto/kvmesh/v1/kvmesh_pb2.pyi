@@ -114,8 +114,18 @@ class PeerHint(_message.Message):
     rank: int
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
+class TenantShare(_message.Message):
+    __slots__ = ("name", "weight", "max_cached_blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    max_cached_blocks: int
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., max_cached_blocks: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt", "resume_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt", "tenant", "resume_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +134,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PEER_HINTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
@@ -133,8 +144,9 @@ class GenerateRequest(_message.Message):
     priority: int
     peer_hints: _containers.RepeatedCompositeFieldContainer[PeerHint]
     cache_salt: str
+    tenant: TenantShare
     resume_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., resume_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[_Union[TenantShare, _Mapping]] = ..., resume_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "index", "logprobs", "prompt_logprobs", "sequence_finished", "cumulative_logprob", "migrations")

@@ -1,0 +1,75 @@
+"""Fair share of one worker's compute between tenants: a virtual token counter (VTC).
+
+Each tenant (`Request.tenant.name`, set by the router from the caller's key) has a counter of
+the tokens the scheduler computed for it — prompt tokens prefilled (cache hits are free) and
+output tokens decoded — divided by its weight (the keys file's `weight=`, default 1). While
+requests of two or more tenants share the worker (`contended`), the scheduler hands the
+prefill budget of a step to the tenant with the lowest counter first, a chunk at a time, so a
+tenant over its share waits for the others and one under it is served in the next step;
+decode tokens (one per running request) are never held back, and within a tenant requests
+keep their (priority, arrival) order. A tenant whose requests all finished is lifted, when
+its next request arrives, to the lowest counter of the tenants still busy (as in VTC, Sheng
+et al., OSDI '24): idle time earns no credit to flood with later.
+
+A step is also shorter while contended (`fair_step_tokens` of prefill instead of
+`max_num_batched_tokens`): a request of a light tenant that arrives during a step waits for
+that step to end, and on a CPU a full step of prefill lasts seconds. A tenant counts as
+sharing the worker from its request's arrival until `window_s` after its last one finished, so
+steps stay short between the requests of a tenant that sends one every few hundred ms.
+
+Only counters and counts live here; the scheduler (`worker.engine.scheduler`) asks it for the
+order. The clock is injectable for tests.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+
+class FairShare:
+    """Per-tenant virtual token counters, weights and busy counts (see the module docstring)."""
+
+    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_s >= 0:
+            raise ValueError(f"fair window_s={window_s!r} must be >= 0")
+        self.window_s = window_s
+        self._clock = clock
+        self.counters: dict[str, float] = {}
+        self.tokens: Counter[str] = Counter()      # tokens computed per tenant since start
+        self._weights: dict[str, float] = {}
+        self._busy: Counter[str] = Counter()       # unfinished sequences per tenant
+        self._last_busy: dict[str, float] = {}     # when each tenant's last sequence finished
+
+    def arrive(self, tenant: str, weight: float, num_sequences: int = 1) -> None:
+        """A request of `tenant` joins the scheduler (lifted first if the tenant was idle)."""
+        self._weights[tenant] = weight
+        if not self._busy[tenant]:
+            busy = [self.counters.get(t, 0.0) for t, n in self._busy.items() if n and t != tenant]
+            floor = min(busy) if busy else max(self.counters.values(), default=0.0)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self._busy[tenant] += num_sequences
+
+    def leave(self, tenant: str) -> None:
+        """One sequence of `tenant` finished (or was aborted)."""
+        self._busy[tenant] -= 1
+        assert self._busy[tenant] >= 0, f"tenant {tenant!r} left more sequences than arrived"
+        if not self._busy[tenant]:
+            del self._busy[tenant]
+            self._last_busy[tenant] = self._clock()
+
+    def charge(self, tenant: str, num_tokens: int) -> None:
+        """`num_tokens` computed for `tenant` in this step."""
+        self.tokens[tenant] += num_tokens
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + num_tokens / self._weights.get(tenant, 1.0)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def contended(self) -> bool:
+        """Two or more tenants share the worker: busy now, or busy within `window_s`."""
+        now = self._clock()
+        for tenant, at in list(self._last_busy.items()):
+            if now - at > self.window_s:
+                del self._last_busy[tenant]
+        return len(set(self._busy) | set(self._last_busy)) >= 2
