@@ -27,7 +27,6 @@ class PeerHint:
 
     worker_id: str
     address: str
-    rank: int
     num_blocks: int
 
 
@@ -77,11 +76,9 @@ class GenerateInput:
 @dataclass(frozen=True, slots=True)
 class SendBlocksInput:
     """A validated SendBlocksRequest; `block_hashes` as 128-bit ints (kvstore.keys.BlockHash).
-    The pair fields name the caller's pair (worker.peer.plane); the legacy ranks are ignored."""
+    The pair fields name the caller's pair (worker.peer.plane)."""
 
     block_hashes: tuple[int, ...]
-    dst_rank: int
-    src_rank: int
     transfer_id: int
     pair_key: str = ""
     new_pair: bool = False

@@ -111,15 +111,13 @@ def _is_host_port(address: str) -> bool:
 def _peer_hint(i: int, h: pb.PeerHint) -> PeerHint:
     if not _is_host_port(h.address):
         raise BadRequest(f"peer_hints[{i}].address: {h.address!r} is not HOST:PORT")
-    if h.rank < 0:
-        raise BadRequest(f"peer_hints[{i}].rank: {h.rank} must be >= 0")
     if h.num_blocks < 0:
         raise BadRequest(f"peer_hints[{i}].num_blocks: {h.num_blocks} must be >= 0")
-    return PeerHint(h.worker_id, h.address, h.rank, h.num_blocks)
+    return PeerHint(h.worker_id, h.address, h.num_blocks)
 
 
 def to_peer_hint(h: PeerHint) -> pb.PeerHint:
-    return pb.PeerHint(worker_id=h.worker_id, address=h.address, rank=h.rank, num_blocks=h.num_blocks)
+    return pb.PeerHint(worker_id=h.worker_id, address=h.address, num_blocks=h.num_blocks)
 
 
 def parse_send_blocks_request(raw: bytes) -> pb.SendBlocksRequest | str:
@@ -133,7 +131,7 @@ def parse_send_blocks_request(raw: bytes) -> pb.SendBlocksRequest | str:
 
 
 def to_send_blocks_input(msg: pb.SendBlocksRequest) -> SendBlocksInput:
-    """Validate a SendBlocksRequest (ranks only against 0: the worker knows its world size);
+    """Validate a SendBlocksRequest (its rank fields are not read: pairs form on demand);
     raises BadRequest naming the field."""
     if not msg.block_hashes:
         raise BadRequest("block_hashes: empty")
@@ -142,7 +140,7 @@ def to_send_blocks_input(msg: pb.SendBlocksRequest) -> SendBlocksInput:
     bad = next((i for i, h in enumerate(msg.block_hashes) if len(h) != 16), None)
     if bad is not None:
         raise BadRequest(f"block_hashes[{bad}]: {len(msg.block_hashes[bad])} bytes; a block hash has 16")
-    for name in ("dst_rank", "src_rank", "transfer_id", "receiver_generation", "sender_generation"):
+    for name in ("transfer_id", "receiver_generation", "sender_generation"):
         if getattr(msg, name) < 0:
             raise BadRequest(f"{name}: {getattr(msg, name)} must be >= 0")
     if not 0 < len(msg.pair_key) <= MAX_PAIR_KEY or not msg.pair_key.isprintable() or " " in msg.pair_key:
@@ -153,7 +151,7 @@ def to_send_blocks_input(msg: pb.SendBlocksRequest) -> SendBlocksInput:
     if not msg.receiver_id or len(msg.receiver_id) > MAX_PAIR_KEY or any(c.isspace() for c in msg.receiver_id):
         raise BadRequest(f"receiver_id: {msg.receiver_id[:MAX_PAIR_KEY]!r} must be a worker id")
     hashes = tuple(int.from_bytes(h, "big") for h in msg.block_hashes)
-    return SendBlocksInput(hashes, msg.dst_rank, msg.src_rank, msg.transfer_id, msg.pair_key, msg.new_pair,
+    return SendBlocksInput(hashes, msg.transfer_id, msg.pair_key, msg.new_pair,
                            msg.store_address, msg.receiver_id, msg.receiver_generation, msg.sender_id,
                            msg.sender_generation)
 

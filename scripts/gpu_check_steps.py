@@ -172,10 +172,11 @@ def _decode_step_s(engine: Any, batch: int, steps: int, prompt_len: int) -> floa
     """Median time of one engine step once `batch` sequences are all decoding."""
     import torch
 
+    from worker.engine.request import prompt_input
     from worker.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request([3 + (i * 7 + j) % 200 for j in range(prompt_len)], params)  # in any vocab
+        engine.add_request(prompt_input([3 + (i * 7 + j) % 200 for j in range(prompt_len)], params))  # in any vocab
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                           for r in engine.scheduler.running):
         engine.step()
@@ -205,7 +206,7 @@ def step_graph_vs_eager(ctx: Ctx) -> dict[str, Any]:
                                      max_model_len=1024, num_blocks=2048 if not ctx.dry else 64,
                                      attention_backend="triton", enforce_eager=eager))
         result["init_s_eager" if eager else "init_s_graphs"] = time.perf_counter() - t
-        assert (engine.cuda_graphs is None) == eager, "graphs were not captured"
+        assert (engine.runner.cuda_graphs is None) == eager, "graphs were not captured"
         for b in batches:
             s = _decode_step_s(engine, b, steps, 128 if not ctx.dry else 8)
             result["batches"].setdefault(str(b), {})["eager_ms" if eager else "graph_ms"] = s * 1e3

@@ -97,6 +97,7 @@ def bench_prefix(args: argparse.Namespace) -> dict[str, Any]:
 def bench_memory(args: argparse.Namespace) -> dict[str, Any]:
     """Run a varied-length workload; measure allocated-but-unused KV slots at every step."""
     from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.request import prompt_input
     from worker.engine.sampling import SamplingParams
 
     rng = random.Random(args.seed)
@@ -109,7 +110,7 @@ def bench_memory(args: argparse.Namespace) -> dict[str, Any]:
     out_lens = [rng.randrange(8, 64 if args.quick else 128) for _ in range(n_req)]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     for p, sp in zip(random_prompts(rng, vocab, prompt_lens), params):
-        engine.add_request(p, sp)
+        engine.add_request(prompt_input(p, sp))
     # Summed over every step: slots holding K/V, slots the pool allocated, and slots a
     # contiguous allocator would have reserved (max_len per running sequence).
     used = allocated = reserved = 0

@@ -209,14 +209,14 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     engine.store.reset_prefix_cache()
     del hf
     mc = engine.model_config
-    cost = model_cost(engine.model)
+    cost = model_cost(engine.runner.model)
     machine = measure_machine(device)
     roof1 = decode_roofline(machine, cost)
     roof16 = workload_roofline(machine, cost, prompt_lens, out_lens)
     results["batch1"].update(roofline_tok_s=roof1, roofline_frac=results["batch1"]["kvmesh_tok_s"] / roof1,
-                             linear_gb_s=measure_linear_gb_s(engine.model, 1, device))
+                             linear_gb_s=measure_linear_gb_s(engine.runner.model, 1, device))
     results["batch16"].update(roofline_tok_s=roof16, roofline_frac=results["batch16"]["kvmesh_tok_s"] / roof16,
-                              linear_gb_s=measure_linear_gb_s(engine.model, batch_n, device))
+                              linear_gb_s=measure_linear_gb_s(engine.runner.model, batch_n, device))
     prefill_gflop_s = cost.prefill_flops(prefill_n) / prefill_best / 1e9
     results["prefill"] = {"tokens": prefill_n, "seconds": prefill_best, "tok_s": prefill_n / prefill_best,
                           "gflop_s": prefill_gflop_s, "peak_frac": prefill_gflop_s / machine.matmul_gflop_s}
@@ -225,10 +225,10 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
                            "matmul_gflop_s": machine.matmul_gflop_s, "weight_bytes": cost.weight_bytes,
                            "batch1_tok_s": roof1, "batch16_tok_s": roof16}
     results["config"] = {"model": mc.name, "dtype": dtype_name, "device": str(engine.device), "batch1_new_tokens": n1,
-                         "attention_backend": engine.attention_backend.value,
-                         "cuda_graphs": engine.cuda_graphs is not None,
+                         "attention_backend": engine.runner.attention_backend.value,
+                         "cuda_graphs": engine.runner.cuda_graphs is not None,
                          "native_decode_attention": native.load() is not None,
-                         "native_linear": engine.model.lm_head.packed is not None,
+                         "native_linear": engine.runner.model.lm_head.packed is not None,
                          "batch16_prompt_lens": prompt_lens, "batch16_output_lens": out_lens}
     results["notes"] = ENGINE_NOTES
     return results

@@ -35,7 +35,7 @@ def profile_one(model: str, steps: int, seed: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from kvmesh.bench.engine_speed import measure_linear_gb_s, model_cost, random_prompts
-    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.engine import Engine, EngineConfig, prompt_input
     from worker.kernels import native
     from worker.engine.sampling import SamplingParams
 
@@ -46,7 +46,7 @@ def profile_one(model: str, steps: int, seed: int) -> dict[str, Any]:
     def decode_steps(n: int, prof: Any = None) -> list[float]:
         """Times of `n` decode steps (the prefill before and the drain after are not counted)."""
         engine.store.reset_prefix_cache()
-        engine.add_request(prompt, params)
+        engine.add_request(prompt_input(prompt, params))
         while not any(o.completion_tokens for o in engine.step()):   # the prefill's first token
             pass
         if prof is not None:
@@ -69,8 +69,8 @@ def profile_one(model: str, steps: int, seed: int) -> dict[str, Any]:
     ops = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps) for e in prof.key_averages()),   # µs → ms/step
                  key=lambda kv: -kv[1])
     covered = sum(ms for _, ms in ops)
-    linear_gb_s = measure_linear_gb_s(engine.model, 1)
-    linear_s = model_cost(engine.model).weight_bytes / (linear_gb_s * 1e9)
+    linear_gb_s = measure_linear_gb_s(engine.runner.model, 1)
+    linear_s = model_cost(engine.runner.model).weight_bytes / (linear_gb_s * 1e9)
     return {"step_ms": step_s * 1e3, "tok_s": 1 / step_s, "linear_ms": linear_s * 1e3, "linear_gb_s": linear_gb_s,
             "rest_ms": (step_s - linear_s) * 1e3, "linear_frac": linear_s / step_s,
             "ops": {k: round(ms, 3) for k, ms in ops[:10]},

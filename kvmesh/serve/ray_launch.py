@@ -4,13 +4,13 @@
 driver node, as for `kvmesh serve`) whose `RayPlacement` connects to a Ray cluster (`address`:
 "auto", "HOST:PORT", or None = RAY_ADDRESS when set — as under `ray job submit` — else a local
 Ray started here), creates a placement group named `kvmesh-<cluster>` with one bundle per worker
-(`{"GPU": g}` when the cluster has GPUs, else `{"CPU": c}`) and one named actor `worker-<rank>`
+(`{"GPU": g}` when the cluster has GPUs, else `{"CPU": c}`) and one named actor `worker-<i>`
 per bundle running a WorkerServer. Everything Ray-side lives in the namespace
 `kvmesh-<cluster>`; `stop_named_cluster` (`kvmesh serve --ray --stop`) kills exactly the named
 actors and the placement group there, nothing else.
 
-Each worker gets KVMESH_RANK, KVMESH_WORLD_SIZE and KVMESH_DIST_INIT_ADDR (a free port on
-rank 0's node) in its environment before its engine is built, for the peer-transfer group.
+With more than one worker, each gets KVMESH_PEER_TRANSFER=1 in its environment before its
+engine is built (pairs of workers form on demand, as under `kvmesh serve`).
 When every bundle lands on the driver's node, workers and redis bind 127.0.0.1; otherwise
 they bind their node's IP (Ray's node address) so the other nodes can reach them.
 
@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -114,13 +113,6 @@ class WorkerActor:
         import ray
         return _LOOPBACK if loopback else ray.util.get_node_ip_address()
 
-    def reserve_address(self, loopback: bool) -> str:
-        """HOST:PORT of a port free on this actor's node (the rendezvous of rank 0)."""
-        host = self.host(loopback)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return f"{host}:{s.getsockname()[1]}"
-
     def start(self, spec: WorkerSpec) -> str:
         """Set the env, load the engine, serve; returns the address the router dials."""
         os.environ.update(dict(spec.env))
@@ -128,7 +120,7 @@ class WorkerActor:
         add_engine_arguments(parser)
         engine_cfg = engine_config_from_args(parser.parse_args(["--model", spec.model, *spec.engine_argv]))
         host = self.host(spec.loopback)
-        peer = peer_flags_from_env(os.environ)   # peer transfer on with KVMESH_WORLD_SIZE > 1 (legacy)
+        peer = peer_flags_from_env(os.environ)   # KVMESH_PEER_TRANSFER, from spec.env
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
             host=host, port=spec.port, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
             peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
@@ -144,9 +136,9 @@ class WorkerActor:
     def ping(self) -> bool:
         return self._server is not None
 
-    def rendezvous(self) -> tuple[str | None, str | None, str | None]:
-        """(KVMESH_RANK, KVMESH_WORLD_SIZE, KVMESH_DIST_INIT_ADDR) as this actor's process sees them."""
-        return tuple(os.environ.get(k) for k in ("KVMESH_RANK", "KVMESH_WORLD_SIZE", "KVMESH_DIST_INIT_ADDR"))  # type: ignore[return-value]
+    def peer_transfer(self) -> bool:
+        """Whether this actor's worker serves with a peer plane (its spec's environment)."""
+        return self._server is not None and self._server.cfg.peer_transfer
 
     def stop(self, grace: float) -> None:
         if self._server is not None:
@@ -160,15 +152,14 @@ class RayPlacement:
 
     def __init__(self, cfg: RayServeConfig) -> None:
         self.cfg = cfg
-        self.dist_init_addr = ""
         self._loopback = True
         self._gpu = False
         self._owns_ray = False
         self._ray_temp: Path | None = None
         self._pg: Any = None
         self._actors: list[Any] = []
-        self._addresses: list[str] = []      # where each rank's actor serves
-        self._specs: list[WorkerSpec] = []   # what each rank's actor was started with
+        self._addresses: list[str] = []      # where each actor serves, by index
+        self._specs: list[WorkerSpec] = []   # what each actor was started with, by index
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         """Connect, reserve one bundle per worker; Redis binds loopback if every bundle is here."""
@@ -195,10 +186,9 @@ class RayPlacement:
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
         import ray
-        for rank in range(cfg.workers):
-            self._actors.append(self._new_actor(rank))
-        self.dist_init_addr = ray.get(self._actors[0].reserve_address.remote(self._loopback))
-        specs = worker_specs(cfg, redis_url, self._loopback, self.dist_init_addr)
+        for index in range(cfg.workers):
+            self._actors.append(self._new_actor(index))
+        specs = worker_specs(cfg, redis_url, self._loopback)
         self._specs = specs
         started = [a.start.remote(s) for a, s in zip(self._actors, specs)]
         try:
@@ -228,34 +218,34 @@ class RayPlacement:
         environment (peer plane, cluster token). Returns once it serves (the model load is
         part of the restart); LaunchError if it cannot."""
         import ray
-        rank = int(name.rsplit("-", 1)[1])
+        index = int(name.rsplit("-", 1)[1])
         with contextlib.suppress(ray.exceptions.RayError, ValueError):
-            ray.kill(self._actors[rank], no_restart=True)
-        port = int(self._addresses[rank].rsplit(":", 1)[1])
-        spec = dataclasses.replace(self._specs[rank], port=port)   # same env: peer plane, cluster token
+            ray.kill(self._actors[index], no_restart=True)
+        port = int(self._addresses[index].rsplit(":", 1)[1])
+        spec = dataclasses.replace(self._specs[index], port=port)   # same env: peer plane, cluster token
         deadline = time.monotonic() + 30
         while True:     # the dead actor's name is released asynchronously
             try:
-                self._actors[rank] = self._new_actor(rank)
+                self._actors[index] = self._new_actor(index)
                 break
             except ValueError as e:
                 if time.monotonic() > deadline:
                     raise LaunchError(f"{name}: its actor name is still taken: {e}") from None
                 time.sleep(0.5)
         try:
-            ray.get(self._actors[rank].start.remote(spec), timeout=cfg.startup_timeout_s)
+            ray.get(self._actors[index].start.remote(spec), timeout=cfg.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
             raise LaunchError(f"{name}: the replacement actor did not start: {str(e).strip().splitlines()[-1]}") from None
 
-    def _new_actor(self, rank: int) -> Any:
-        """A WorkerActor named worker-<rank> in bundle `rank` of the placement group."""
+    def _new_actor(self, index: int) -> Any:
+        """A WorkerActor named worker-<index> in bundle `index` of the placement group."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         resources = (dict(num_gpus=self.cfg.gpus_per_worker, num_cpus=0) if self._gpu
                      else dict(num_cpus=self.cfg.cpus_per_worker))
         return ray.remote(max_restarts=0)(WorkerActor).options(  # type: ignore[attr-defined]
-            name=f"worker-{rank}", namespace=self.cfg.namespace, **resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            name=f"worker-{index}", namespace=self.cfg.namespace, **resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
         ).remote()
 
     def pids(self) -> dict[str, int]:
@@ -304,11 +294,6 @@ class RayCluster(Cluster):
         self.ray_cfg = cfg if cfg is not None else RayServeConfig()
         self._placement = RayPlacement(self.ray_cfg)
         super().__init__(self.ray_cfg.serve, self._placement)
-
-    @property
-    def dist_init_addr(self) -> str:
-        """Rank 0's rendezvous of the peer-transfer group (set once the workers start)."""
-        return self._placement.dist_init_addr
 
 
 # -- `kvmesh serve --ray` / `--ray --stop` ----------------------------------------------------
@@ -359,7 +344,6 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
             f"  HTTP       {cluster.http_base_url}",
             f"  redis      {parse_redis_url(cluster.redis_url).redacted()}{'' if serve.redis_url else ' (embedded redis-server)'}",
             f"  workers    {' '.join(cluster.worker_addresses)}",
-            f"  rendezvous {cluster.dist_init_addr}",
             f"  ray        {gcs}{' (a local Ray started here)' if local else ''}",
             f"  namespace  {cfg.namespace} (actors worker-0..{serve.workers - 1}, placement group {cfg.namespace})",
             f"  try:  kvmesh client generate --target {cluster.grpc_target} --chat \"What is a KV cache?\"",
@@ -370,13 +354,14 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
     return Supervisor(cluster, "serve --ray", banner, poll_s=1.0).run()
 
 
-def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool, dist_init_addr: str) -> list[WorkerSpec]:
-    """One spec per worker actor: the peer plane and the cluster token by environment, and
-    with --tls-ca the same TLS files as `kvmesh serve`'s local workers (mutual TLS)."""
+def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool) -> list[WorkerSpec]:
+    """One spec per worker actor: the peer plane (with more than one worker) and the cluster
+    token by environment, and with --tls-ca the same TLS files as `kvmesh serve`'s local
+    workers (mutual TLS)."""
     token = ((TOKEN_ENV, cfg.cluster_token),) if cfg.cluster_token is not None else ()
-    return [WorkerSpec(worker_id=f"worker-{rank}", model=cfg.model, engine_argv=cfg.engine_argv,
+    peer = (("KVMESH_PEER_TRANSFER", "1"),) if cfg.workers > 1 else ()
+    return [WorkerSpec(worker_id=f"worker-{index}", model=cfg.model, engine_argv=cfg.engine_argv,
                        redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=loopback,
-                       env=(("KVMESH_RANK", str(rank)), ("KVMESH_WORLD_SIZE", str(cfg.workers)),
-                            ("KVMESH_DIST_INIT_ADDR", dist_init_addr), *token),
+                       env=(*peer, *token),
                        startup_timeout_s=cfg.startup_timeout_s, tls=cfg.tls if cfg.tls.ca is not None else PLAINTEXT)
-            for rank in range(cfg.workers)]
+            for index in range(cfg.workers)]

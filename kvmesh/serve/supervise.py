@@ -104,8 +104,8 @@ class ServeConfig:
             raise ValueError(f"redis_url={self.redis_url!r} must start with redis:// or rediss://")
         if not self.cluster_name or any(c.isspace() for c in self.cluster_name):
             raise ValueError(f"cluster_name={self.cluster_name!r} must be non-empty without spaces")
-        owned = ("--model", "--worker-id", "--port", "--host", "--rank", "--world-size", "--dist-init-addr",
-                 "--cluster-token", "--tls-cert", "--tls-key", "--tls-ca", "--redis-url")
+        owned = ("--model", "--worker-id", "--port", "--host", "--cluster-token", "--tls-cert", "--tls-key",
+                 "--tls-ca", "--redis-url")
         if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
             raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
         if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \

@@ -271,7 +271,9 @@ class Router:
                 progress.note(response)
                 if response.finished:
                     if not progress.migrations:   # what came from a peer is no index mismatch
-                        self.stats.record(pick.predicted_tokens, response.cached_tokens - response.peer_cached_tokens)
+                        served = response.cached_tokens - response.peer_cached_tokens
+                        self.stats.record(pick.predicted_tokens, served)
+                        self._check_prediction(worker_id, route, pick.predicted_tokens, served)
                     response.migrations = progress.migrations
                     self.observer.finished(rid, worker_id, response, progress.ttft_s,
                                            time.perf_counter() - progress.started)
@@ -318,16 +320,16 @@ class Router:
     def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int],
                                                           dict[WorkerId, tuple[str, int, int]]]:
         """The state, the leading blocks each worker has stored (not pending: a peer can send
-        only those) and the workers with a peer plane (id → address, rank, world size)."""
+        only those) and the workers with a peer plane (id → address)."""
         live = [(w.info.worker_id, w) for w in self.registry.live() if w.info is not None]
         index = self.registry.index
         loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
         self.prefills.expire(index)
         cached = index.match_prefix(route.block_hashes, list(loads))
         stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
-        peers = {wid: (w.address, w.rank, w.world_size) for wid, w in live if w.rank is not None}
-        fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers
-                                      and peers[o][2] == peers[wid][2]), default=0) - cached.get(wid, 0))
+        peers = {wid: w.address for wid, w in live if w.peer_plane}
+        fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers), default=0)
+                              - cached.get(wid, 0))
                      for wid in peers}
         info = self.model_info
         capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
@@ -364,21 +366,19 @@ class Router:
 
 
 def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
-                   peers: Mapping[WorkerId, tuple[str, int, int]], max_blocks: int) -> PeerHint | None:
+                   peers: Mapping[WorkerId, str], max_blocks: int) -> PeerHint | None:
     """The worker other than `chosen` holding the most leading prompt blocks (at most
     `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
-    worker id → (address, rank, world_size); pairs form on demand, so rank and world size
-    are legacy, 0, and only a mismatch of world size rules a peer out); ties go to the lowest id."""
-    me = peers.get(chosen)
-    if me is None:
+    worker id → address; any two such workers form a pair on demand); ties go to the lowest id."""
+    if chosen not in peers:
         return None
     own = min(cached_blocks.get(chosen, 0), max_blocks)
     best: PeerHint | None = None
     for worker_id in sorted(cached_blocks):
-        peer = peers.get(worker_id)
-        if worker_id == chosen or peer is None or peer[2] != me[2]:
+        address = peers.get(worker_id)
+        if worker_id == chosen or address is None:
             continue
         n = min(cached_blocks[worker_id], max_blocks)
         if n > own and (best is None or n > best.num_blocks):
-            best = PeerHint(worker_id, peer[0], peer[1], n)
+            best = PeerHint(worker_id, address, n)
     return best

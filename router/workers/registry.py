@@ -54,8 +54,7 @@ class WorkerEntry:
     free_blocks: int = 0                    # from its last GetLoad
     num_blocks: int = 0
     reused_blocks: int = 0                  # cached blocks a later request reused
-    rank: int | None = None                 # set (legacy 0) when it has a peer plane (from GetLoad)
-    world_size: int = 0
+    peer_plane: bool = False                # it reported a peer plane (GetLoad's `peer`)
     refused: str | None = None              # why it may never serve (logged once)
     lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/routing/migrate.py)
     failed_probes: int = 0                  # consecutive probes that got no answer
@@ -273,8 +272,7 @@ class WorkerRegistry:
                 w.worker_id = WorkerId(load.worker_id)
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
                 w.reused_blocks = load.num_reused_blocks
-                in_group = load.HasField("peer")     # a peer plane: pairs form on demand
-                w.rank, w.world_size = (load.peer.rank, load.peer.world_size) if in_group else (None, 0)
+                w.peer_plane = load.HasField("peer")    # pairs of such workers form on demand
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)

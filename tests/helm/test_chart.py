@@ -180,7 +180,6 @@ def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> Non
 CHART_OWNED = {"command", "run", "host", "worker_id", "advertise_address", "redis_url", "worker",
                "no_http",  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
                "peer_transfer", "transfer_port",  # worker: set through KVMESH_* env (configmap)
-               "rank", "world_size", "dist_init_addr",  # worker: legacy, ignored
                "api_key", "api_keys_file", "cluster_token", "metrics_require_key",  # `security`: Secrets, env
                "tls_cert", "tls_key", "tls_ca", "tls_server_name"}  # (tests/helm/test_chart_security.py)
 

@@ -57,10 +57,14 @@ def test_ray_worker_actors_get_the_tls_files_with_tls_ca(tmp_path: Path) -> None
     tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
     for extra, mutual in ((["--tls-ca", str(tmp_path / "ca.pem")], True), ([], False)):
         cfg = ray_config_from_args(build_parser().parse_args(["serve", "--ray", "--workers", "2", *tls, *extra]))
-        specs = worker_specs(cfg.serve, "redis://127.0.0.1:1/0", True, "127.0.0.1:2")
+        specs = worker_specs(cfg.serve, "redis://127.0.0.1:1/0", True)
         assert [s.worker_id for s in specs] == ["worker-0", "worker-1"]
         assert all((s.tls == cfg.serve.tls) if mutual else (s.tls == PLAINTEXT) for s in specs)
         assert all(dict(s.env).get("KVMESH_CLUSTER_TOKEN") == cfg.serve.cluster_token for s in specs)
+        assert all(dict(s.env).get("KVMESH_PEER_TRANSFER") == "1" for s in specs)   # two workers: peers
+        assert not any(k in dict(s.env) for s in specs for k in ("KVMESH_RANK", "KVMESH_WORLD_SIZE"))
+    one = ray_config_from_args(build_parser().parse_args(["serve", "--ray", "--workers", "1"]))
+    assert "KVMESH_PEER_TRANSFER" not in dict(worker_specs(one.serve, "redis://127.0.0.1:1/0", True)[0].env)
 
 
 def test_stop_without_ray_is_a_usage_error() -> None:
@@ -117,10 +121,8 @@ def test_two_ray_actors_serve_generate_like_the_engine(smollm2_dir: Path, monkey
         assert ids == expected_ids and last.prompt_tokens == prompt_len
         assert last.worker_id in ("worker-0", "worker-1")
 
-        # rank / world size / rendezvous reach each actor's environment
-        seen = [ray.get(ray.get_actor(f"worker-{r}", namespace=namespace).rendezvous.remote()) for r in range(2)]
-        assert seen == [("0", "2", cluster.dist_init_addr), ("1", "2", cluster.dist_init_addr)]
-        assert cluster.dist_init_addr.startswith("127.0.0.1:")
+        # the peer plane reaches each actor through its environment
+        assert all(ray.get(ray.get_actor(f"worker-{i}", namespace=namespace).peer_transfer.remote()) for i in range(2))
 
         # `--stop`: exactly our named actors and placement group, not the bystander
         assert sorted(stop_named_cluster(None, name)) == ["actor worker-0", "actor worker-1",

@@ -238,7 +238,7 @@ def test_worker_needs_a_client_certificate_then_the_token(secured: Secured) -> N
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
         hinted = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=2),
                                     peer_hints=[pb.PeerHint(address="10.0.0.9:1234")])
-        rogue = pb.SendBlocksRequest(block_hashes=[bytes([i]) * 16 for i in range(8)], src_rank=0, dst_rank=1)
+        rogue = pb.SendBlocksRequest(block_hashes=[bytes([i]) * 16 for i in range(8)])
         for call in (lambda: list(stub.Generate(hinted, timeout=10)), lambda: stub.SendBlocks(rogue, timeout=10),
                      lambda: stub.GetLoad(pb.LoadRequest(), timeout=10),
                      lambda: stub.GetLoad(pb.LoadRequest(), timeout=10, metadata=((TOKEN_METADATA, TOKEN[:-1] + "x"),))):

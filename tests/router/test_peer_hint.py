@@ -1,5 +1,5 @@
 """The router's peer hint: when the picked worker holds fewer leading prompt blocks than
-another live worker of the same transfer group, the forwarded request names that peer.
+another live worker with a peer plane, the forwarded request names that peer.
 
 `best_peer_hint` is checked as a function; then a real RouterServer forwards to two fake
 workers (in-process gRPC servers that answer with the hints they received) over a block
@@ -27,30 +27,28 @@ from router.routing.types import WorkerId
 from router.server import RouterServer
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
-PEERS = {W0: ("h:1", 0, 3), W1: ("h:2", 1, 3), W2: ("h:3", 2, 3)}
+PEERS = {W0: "h:1", W1: "h:2", W2: "h:3"}
 
 
 def test_best_peer_hint_names_the_peer_holding_the_most_blocks() -> None:
-    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 3}, PEERS, 10) == PeerHint("w1", "h:2", 1, 5)
-    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 5}, PEERS, 10) == PeerHint("w1", "h:2", 1, 5)  # tie: lowest id
-    assert best_peer_hint(W0, {W0: 1, W1: 9}, PEERS, 4) == PeerHint("w1", "h:2", 1, 4)   # capped to the prompt
+    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 3}, PEERS, 10) == PeerHint("w1", "h:2", 5)
+    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 5}, PEERS, 10) == PeerHint("w1", "h:2", 5)  # tie: lowest id
+    assert best_peer_hint(W0, {W0: 1, W1: 9}, PEERS, 4) == PeerHint("w1", "h:2", 4)   # capped to the prompt
     assert best_peer_hint(W1, {W0: 1, W1: 5}, PEERS, 10) is None                       # it holds the most
     assert best_peer_hint(W0, {W0: 4, W1: 9}, PEERS, 4) is None                        # equal once capped
     assert best_peer_hint(W0, {}, PEERS, 10) is None
-    # no peer plane on the chosen worker, or a different world size: no hint
+    # no peer plane on the chosen worker, or on the holder: no hint (or one to the next holder)
     assert best_peer_hint(W0, {W0: 1, W1: 5}, {W1: PEERS[W1]}, 10) is None
-    assert best_peer_hint(W0, {W0: 1, W1: 5}, {W0: PEERS[W0], W1: ("h:2", 1, 2)}, 10) is None
-    # pairs form on demand: workers reporting the same (legacy 0) rank still get hints
-    on_demand = {W0: ("h:1", 0, 0), W1: ("h:2", 0, 0)}
-    assert best_peer_hint(W0, {W0: 1, W1: 5}, on_demand, 10) == PeerHint("w1", "h:2", 0, 5)
+    assert best_peer_hint(W0, {W0: 1, W1: 5}, {W0: PEERS[W0]}, 10) is None
+    assert best_peer_hint(W0, {W0: 1, W1: 5, W2: 3}, {W0: PEERS[W0], W2: PEERS[W2]}, 10) == PeerHint("w2", "h:3", 3)
 
 
 class FakeWorker:
-    """Serves kvmesh.v1.Worker: GetLoad says its rank; Generate answers with the hints it got
+    """Serves kvmesh.v1.Worker: GetLoad says whether it has a peer plane; Generate answers with the hints it got
     (as JSON text) and reports `cached_tokens` / `peer_cached_tokens` as a fetching worker would."""
 
-    def __init__(self, worker_id: str, rank: int | None, num_cached_blocks: int) -> None:
-        self.worker_id, self.rank, self.num_cached_blocks = worker_id, rank, num_cached_blocks
+    def __init__(self, worker_id: str, peer_plane: bool, num_cached_blocks: int) -> None:
+        self.worker_id, self.peer_plane, self.num_cached_blocks = worker_id, peer_plane, num_cached_blocks
         self.server = grpc.aio.server()
         self.port = 0
 
@@ -70,7 +68,7 @@ class FakeWorker:
         return f"127.0.0.1:{self.port}"
 
     async def _generate(self, req: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
-        hints = [dict(worker_id=h.worker_id, address=h.address, rank=h.rank, num_blocks=h.num_blocks)
+        hints = [dict(worker_id=h.worker_id, address=h.address, num_blocks=h.num_blocks)
                  for h in req.peer_hints]
         fetched = 4 * hints[0]["num_blocks"] if hints else 0
         yield pb.GenerateResponse(request_id=req.request_id, text=json.dumps(hints), finished=True,
@@ -79,20 +77,20 @@ class FakeWorker:
 
     async def _load(self, req: pb.LoadRequest, context: Any) -> pb.Load:
         load = pb.Load(worker_id=self.worker_id, num_free_blocks=100, num_blocks=100)
-        if self.rank is not None:
-            load.peer.CopyFrom(pb.PeerStats(rank=self.rank, world_size=2))
+        if self.peer_plane:
+            load.peer.CopyFrom(pb.PeerStats(worker_id=self.worker_id))
         return load
 
     async def _info(self, req: pb.ModelInfoRequest, context: Any) -> pb.ModelInfo:
         return pb.ModelInfo(model="fake", vocab_size=1000, max_model_len=1000, block_size=4, hash_salt_hex="ab")
 
 
-async def _route(policy: str, ranks: tuple[int | None, int | None], counts: Mapping[str, int],
+async def _route(policy: str, peer_planes: tuple[bool, bool], counts: Mapping[str, int],
                  n: int) -> tuple[list[tuple[str, list[dict[str, Any]]]], Router, list[str]]:
     """Start two fake workers and a router; send `n` requests of a 30-token prompt (7 blocks
     may be cached). Returns (served by, hints received) per request."""
     from contracts.wire import to_generate_input
-    fakes = [FakeWorker("w0", ranks[0], counts["w0"]), FakeWorker("w1", ranks[1], counts["w1"])]
+    fakes = [FakeWorker("w0", peer_planes[0], counts["w0"]), FakeWorker("w1", peer_planes[1], counts["w1"])]
     addresses = [await f.start() for f in fakes]
     server = RouterServer(RouterConfig(worker_addresses=tuple(addresses), http_port=None, routing_policy=policy,
                                        health_interval_s=0.2), tokenizer=object())  # type: ignore[arg-type]
@@ -121,11 +119,11 @@ async def _route(policy: str, ranks: tuple[int | None, int | None], counts: Mapp
 
 
 def test_round_robin_pick_with_fewer_blocks_gets_a_hint_to_the_other() -> None:
-    results, router, addresses = asyncio.run(_route("round_robin", (0, 1), {"w0": 1, "w1": 5}, 2))
+    results, router, addresses = asyncio.run(_route("round_robin", (True, True), {"w0": 1, "w1": 5}, 2))
     assert sorted(w for w, _ in results) == ["w0", "w1"]
     for worker, hints in results:
         if worker == "w0":
-            assert hints == [dict(worker_id="w1", address=addresses[1], rank=1, num_blocks=5)]
+            assert hints == [dict(worker_id="w1", address=addresses[1], num_blocks=5)]
         else:
             assert hints == []          # w1 holds the most already
     assert router.stats.peer_hints == 1
@@ -146,17 +144,17 @@ def test_a_hinted_request_queues_only_the_tokens_it_computes(monkeypatch: pytest
         dispatched(self, index, request_id, worker_id, *args, **kw)
         queued[worker_id] = self.queued_tokens(BlockIndex(), [worker_id], args[0])[worker_id]
     monkeypatch.setattr(InFlightPrefills, "dispatched", record)
-    results, _, _ = asyncio.run(_route("round_robin", (0, 1), {"w0": 1, "w1": 5}, 2))
+    results, _, _ = asyncio.run(_route("round_robin", (True, True), {"w0": 1, "w1": 5}, 2))
     assert sorted(w for w, _ in results) == ["w0", "w1"]
     assert queued == {"w0": 10, "w1": 10}
 
 
 def test_kv_aware_picks_the_holder_and_needs_no_hint() -> None:
-    results, router, _ = asyncio.run(_route("kv_aware", (0, 1), {"w0": 1, "w1": 5}, 2))
+    results, router, _ = asyncio.run(_route("kv_aware", (True, True), {"w0": 1, "w1": 5}, 2))
     assert results == [("w1", []), ("w1", [])] and router.stats.peer_hints == 0
 
 
-@pytest.mark.parametrize("ranks", [(0, None), (None, 1)])
-def test_no_hint_unless_both_workers_have_a_rank(ranks: tuple[int | None, int | None]) -> None:
-    results, router, _ = asyncio.run(_route("round_robin", ranks, {"w0": 1, "w1": 5}, 2))
+@pytest.mark.parametrize("peer_planes", [(True, False), (False, True)])
+def test_no_hint_unless_both_workers_have_a_peer_plane(peer_planes: tuple[bool, bool]) -> None:
+    results, router, _ = asyncio.run(_route("round_robin", peer_planes, {"w0": 1, "w1": 5}, 2))
     assert [hints for _, hints in results] == [[], []] and router.stats.peer_hints == 0

@@ -15,6 +15,7 @@ from worker.engine.commands import (AbortRequest, CountHeld, ListRequests, ReadB
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.request import InvalidRequest
 from worker.engine.sampling import SamplingParams
+from worker.engine.request import prompt_input
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +32,14 @@ def test_concurrent_streams_match_sync_and_cancel_frees(tiny_engine):
 
     async def collect(i: int) -> tuple[int, ...]:
         toks: list[int] = []
-        async for out in ae.generate(prompts[i], params, f"r{i}"):
+        async for out in ae.generate(prompt_input(prompts[i], params, f"r{i}")):
             toks.extend(out.new_token_ids)
             assert tuple(toks) == out.token_ids
         return tuple(toks)
 
     async def cancelled() -> None:
-        agen = ae.generate(prompts[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), "c")
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        agen = ae.generate(prompt_input(prompts[0], long, "c"))
         await agen.__anext__()
         await agen.aclose()                     # the consumer goes away mid-stream
 
@@ -45,7 +47,7 @@ def test_concurrent_streams_match_sync_and_cancel_frees(tiny_engine):
         results = await asyncio.gather(*(collect(i) for i in range(6)))
         await cancelled()
         with pytest.raises(InvalidRequest):
-            async for _ in ae.generate([], params, "bad"):
+            async for _ in ae.generate(prompt_input([], params, "bad")):
                 pass
         for _ in range(100):                    # the abort is applied between steps
             if (await ae.run(Snapshot())).num_used_blocks == 0:
@@ -70,7 +72,7 @@ def test_commands_are_dispatched_by_type(tiny_engine):
     hashes = tuple(block_hashes(prompt, 4, tiny_engine.salt))
 
     async def main() -> None:
-        outs = [o async for o in ae.generate(prompt, params, "cmd-0")]
+        outs = [o async for o in ae.generate(prompt_input(prompt, params, "cmd-0"))]
         assert outs[-1].finished
         assert await ae.run(CountHeld(hashes + (BlockHash(3),))) == 4
         held = await ae.run(ReadBlocks(hashes, torch.device("cpu")))
@@ -89,7 +91,7 @@ def test_commands_are_dispatched_by_type(tiny_engine):
             assert await ae.run(Tokenize("hello")) == tiny_engine.encode("hello")
         with pytest.raises(TypeError, match="not an engine command"):
             await ae.run(object())                        # type: ignore[arg-type]
-        long = ae.generate(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), "cmd-1")
+        long = ae.generate(prompt_input(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), "cmd-1"))
         await long.__anext__()
         assert await ae.run(ListRequests()) == ("cmd-1",)
         assert await ae.run(AbortRequest("cmd-1")) is True

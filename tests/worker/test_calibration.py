@@ -25,19 +25,19 @@ def engine(path: Path, kv: str, **kw: object) -> Engine:
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "llama3-rope"])
 def test_power_of_two_scales_leave_plain_caches_bit_exact(tiny_model_dir, kind: str) -> None:
     eng = engine(tiny_model_dir(kind), "fp32")
-    assert eng.model.key_scales is None          # only int4 is scaled
+    assert eng.runner.model.key_scales is None          # only int4 is scaled
     ref = eng.logits(IDS)
     cfg = eng.model_config
     gen = torch.Generator().manual_seed(1)
     scales = torch.exp2(torch.randint(-4, 5, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
                                       generator=gen).float())
-    eng.model.set_key_scales(scales)
+    eng.runner.model.set_key_scales(scales)
     assert torch.equal(eng.logits(IDS), ref)
     with pytest.raises(AssertionError, match="powers of two"):
-        eng.model.set_key_scales(scales * 1.5)
+        eng.runner.model.set_key_scales(scales * 1.5)
     # a shift moves every logit of a query by the same amount: attention unchanged up to rounding
     shift = torch.randn(scales.shape, generator=gen)
-    eng.model.set_key_scales(scales, shift)
+    eng.runner.model.set_key_scales(scales, shift)
     torch.testing.assert_close(eng.logits(IDS), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -64,7 +64,7 @@ def test_scales_find_lopsided_channels_and_cut_int4_error(tiny_model_dir, tmp_pa
     ref = engine(path, "fp32").logits(IDS)
     scaled, plain = engine(path, "int4"), engine(path, "int4", kv_calibration=False)
     scales = scaled.model.key_scales
-    assert scales is not None and plain.model.key_scales is None
+    assert scales is not None and plain.runner.model.key_scales is None
     # s ~ (E q^2 / E k^2)^(1/4): channels 64x larger in k and 64x smaller in q get ~1/64 of
     # the others (powers of two; the others sit around 1)
     log2 = scales.log2()
@@ -93,13 +93,13 @@ def test_shift_finds_key_offsets_and_cuts_int4_error(tiny_model_dir, tmp_path: P
             w[name] = b.view(-1)
     save_file(w, path / "model.safetensors", metadata={"format": "pt"})
     plain, eng = engine(path, "fp32"), engine(path, "int4")
-    cal = measure_key_calibration(eng.model, calibration_tokens(None, 256, 512))
+    cal = measure_key_calibration(eng.runner.model, calibration_tokens(None, 256, 512))
     # post-RoPE q and k of the unquantized model, on another text
     cfg = eng.model_config
     seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(cfg.num_layers)}
-    plain.model.observer = lambda layer, q, k: seen[layer].append((q.clone(), k.clone()))  # per chunk
+    plain.runner.model.observer = lambda layer, q, k: seen[layer].append((q.clone(), k.clone()))  # per chunk
     plain.logits(IDS)
-    plain.model.observer = None
+    plain.runner.model.observer = None
     codec = eng.store.kv.k_caches[0].codec
     group = cfg.num_heads // cfg.num_kv_heads
 
@@ -122,25 +122,25 @@ def test_shift_finds_key_offsets_and_cuts_int4_error(tiny_model_dir, tmp_path: P
     # and the shift is the mean scaled post-RoPE key over the calibration text (past the
     # first 4 positions), read here from the unquantized engine's keys
     keys: dict[int, list[torch.Tensor]] = {i: [] for i in range(cfg.num_layers)}
-    plain.model.observer = lambda layer, q, k: keys[layer].append(k.double())
+    plain.runner.model.observer = lambda layer, q, k: keys[layer].append(k.double())
     plain.logits(calibration_tokens(None, 256, 512))
-    plain.model.observer = None
+    plain.runner.model.observer = None
     mean = torch.stack([torch.cat(keys[i])[4:].mean(0) for i in range(cfg.num_layers)])
     torch.testing.assert_close(cal.shift, (mean * cal.scales).bfloat16().float())
 
 
 def test_measure_is_deterministic_and_restores_nothing(tiny_model_dir) -> None:
     eng = engine(tiny_model_dir("llama-mqa"), "int4")
-    first, first_shift = eng.model.key_scales, eng.model.key_shift
+    first, first_shift = eng.runner.model.key_scales, eng.runner.model.key_shift
     assert first is not None and first.shape == (2, 1, 16) and first_shift is not None
     toks = calibration_tokens(None, 256, 512)
     assert len(toks) == 512
-    again = measure_key_calibration(eng.model, toks)
+    again = measure_key_calibration(eng.runner.model, toks)
     assert torch.equal(again.scales, first) and torch.equal(again.shift, first_shift)
-    assert eng.model.key_scales is None and eng.model.key_shift is None   # measuring takes them off
-    assert again.digest() == measure_key_calibration(eng.model, toks).digest()
+    assert eng.runner.model.key_scales is None and eng.runner.model.key_shift is None   # measuring takes them off
+    assert again.digest() == measure_key_calibration(eng.runner.model, toks).digest()
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        measure_key_calibration(eng.model, [1])
+        measure_key_calibration(eng.runner.model, [1])
 
 
 def test_salt_field_is_absent_when_empty() -> None:
@@ -196,8 +196,8 @@ def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) 
 
 def cached_digest(eng: Engine) -> str:
     from worker.model.calibration import KeyCalibration
-    assert eng.model.key_scales is not None and eng.model.key_shift is not None
-    return KeyCalibration(eng.model.key_scales, eng.model.key_shift).digest()
+    assert eng.runner.model.key_scales is not None and eng.runner.model.key_shift is not None
+    return KeyCalibration(eng.runner.model.key_scales, eng.runner.model.key_shift).digest()
 
 
 def test_calibration_cache_dir_unwritable(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) -> None:
@@ -207,4 +207,4 @@ def test_calibration_cache_dir_unwritable(tiny_model_dir, tmp_path: Path, monkey
     monkeypatch.setattr(calibration, "calibration_cache_dir", lambda: blocker / "cal")
     with caplog.at_level("WARNING", logger="worker.model.calibration"):
         eng = engine(tiny_model_dir("llama-gqa"), "int4")
-    assert eng.model.key_scales is not None and "not cached" in caplog.text
+    assert eng.runner.model.key_scales is not None and "not cached" in caplog.text

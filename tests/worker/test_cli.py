@@ -39,26 +39,25 @@ def test_generate_unreadable_model_dir(tmp_path: Path, capsys: pytest.CaptureFix
     assert err.startswith("kvmesh generate: --model") and "\n" not in err, err
 
 
-def test_worker_peer_flags_env_and_legacy_group_settings() -> None:
-    """--peer-transfer / --transfer-port and their env fallbacks; the legacy static-group
-    settings are accepted and reported (to be logged as ignored), a world size > 1 turns
-    peer transfer on."""
+def test_worker_peer_flags_and_their_env_fallbacks() -> None:
+    """--peer-transfer / --transfer-port and KVMESH_PEER_TRANSFER / KVMESH_TRANSFER_PORT; the
+    static-group settings of a fixed world (rank, world size, init address) do not exist:
+    pairs of workers form on demand."""
     from kvmesh.cli import build_parser
     from worker.server.cli import PeerFlags, peer_flags, peer_flags_from_env
 
     def flags(argv: list[str], env: dict[str, str] | None = None) -> PeerFlags:
         return peer_flags(build_parser().parse_args(["worker", *argv]), env or {})
-    assert flags([]) == PeerFlags(False, 0, ())
-    assert flags(["--peer-transfer", "--transfer-port", "29600"]) == PeerFlags(True, 29600, ())
-    assert flags([], {"KVMESH_PEER_TRANSFER": "1", "KVMESH_TRANSFER_PORT": "29601"}) == PeerFlags(True, 29601, ())
-    assert flags(["--rank", "1", "--world-size", "2", "--dist-init-addr", "h:1"]) == PeerFlags(
-        True, 0, ("--rank", "--world-size", "--dist-init-addr"))
-    assert peer_flags_from_env({"KVMESH_RANK": "0", "KVMESH_WORLD_SIZE": "2"}) == PeerFlags(
-        True, 0, ("KVMESH_RANK", "KVMESH_WORLD_SIZE"))
-    assert peer_flags_from_env({"KVMESH_WORLD_SIZE": "1"}).peer_transfer is False
-    for bad in ({"KVMESH_TRANSFER_PORT": "x"}, {"KVMESH_WORLD_SIZE": "-2"}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            peer_flags_from_env(bad)
+    assert flags([]) == PeerFlags(False, 0)
+    assert flags(["--peer-transfer", "--transfer-port", "29600"]) == PeerFlags(True, 29600)
+    assert flags([], {"KVMESH_PEER_TRANSFER": "1", "KVMESH_TRANSFER_PORT": "29601"}) == PeerFlags(True, 29601)
+    assert peer_flags_from_env({"KVMESH_PEER_TRANSFER": "yes"}) == PeerFlags(True, 0)
+    assert peer_flags_from_env({"KVMESH_RANK": "0", "KVMESH_WORLD_SIZE": "2"}) == PeerFlags(False, 0)
+    for legacy in (["--rank", "1"], ["--world-size", "2"], ["--dist-init-addr", "h:1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["worker", *legacy])
+    with pytest.raises(ValueError, match="KVMESH_TRANSFER_PORT"):
+        peer_flags_from_env({"KVMESH_TRANSFER_PORT": "x"})
 
 
 def test_worker_transfer_port_out_of_range_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ import pytest
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.request import InvalidRequest, QueueFull
 from worker.engine.sampling import SamplingParams, SamplingParamsError
+from worker.engine.request import prompt_input
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -33,11 +34,11 @@ def test_bad_requests_raise_and_engine_keeps_serving(tiny):
         "too long": (list(range(1, 65)), GREEDY),
     }
     # A long request is running while the bad ones arrive; it must be unaffected.
-    rid = tiny.add_request([3] * 10, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    rid = tiny.add_request(prompt_input([3] * 10, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
     tiny.step()
     for name, (prompt, params) in bad.items():
         with pytest.raises(InvalidRequest):
-            tiny.add_request(prompt, params)
+            tiny.add_request(prompt_input(prompt, params))
     outs = {}
     while tiny.has_unfinished():
         for o in tiny.step():
@@ -57,10 +58,10 @@ def test_bad_sampling_params(kwargs):
 
 def test_queue_full(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=64, max_queue_len=2))
-    e.add_request([1, 2, 3], GREEDY)
-    e.add_request([1, 2, 3], GREEDY)
+    e.add_request(prompt_input([1, 2, 3], GREEDY))
+    e.add_request(prompt_input([1, 2, 3], GREEDY))
     with pytest.raises(QueueFull):
-        e.add_request([1, 2, 3], GREEDY)
+        e.add_request(prompt_input([1, 2, 3], GREEDY))
     while e.has_unfinished():   # the queued ones drain, then the engine takes more
         e.step()
     assert e.generate([4, 5], GREEDY)[0].completion_tokens == 8
@@ -70,13 +71,13 @@ def test_small_pool_caps_max_model_len(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=8))
     assert e.max_model_len == 32                      # what 8 blocks of 4 tokens can hold
     with pytest.raises(InvalidRequest, match="max_model_len"):
-        e.add_request([1] * 40, SamplingParams(max_tokens=20))
+        e.add_request(prompt_input([1] * 40, SamplingParams(max_tokens=20)))
     out = e.generate([1] * 20, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
     assert (out.completion_tokens, out.finish_reason) == (12, "length")
 
 
 def test_abort_frees_blocks(tiny):
-    rid = tiny.add_request([9] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    rid = tiny.add_request(prompt_input([9] * 20, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
     tiny.step()
     tiny.step()
     assert tiny.store.pool.num_used_blocks > 0
@@ -137,10 +138,10 @@ def test_priority_admits_a_later_higher_priority_request_first(tiny_model_dir):
     eng = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=64,
                               max_num_seqs=1, check_integrity=True, max_model_len=64))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    first = eng.add_request([5, 6, 7], params)
+    first = eng.add_request(prompt_input([5, 6, 7], params))
     order = [o.request_id for o in eng.step()]            # the batch is full now
-    early = eng.add_request([8, 9, 10], params, priority=0)
-    late = eng.add_request([11, 12, 13], params, priority=-5)
+    early = eng.add_request(prompt_input([8, 9, 10], params, priority=0))
+    late = eng.add_request(prompt_input([11, 12, 13], params, priority=-5))
     final = {}
     while eng.has_unfinished():
         for o in eng.step():
@@ -154,7 +155,7 @@ def test_priority_admits_a_later_higher_priority_request_first(tiny_model_dir):
     assert te.queue_s > tl.queue_s > 0
     for rid in (-1001, 1001, True, 1.5):
         with pytest.raises(InvalidRequest, match="priority"):
-            eng.add_request([5, 6], params, priority=rid)
+            eng.add_request(prompt_input([5, 6], params, priority=rid))
     assert not eng.has_unfinished() and eng.store.pool.num_used_blocks == 0
 
 
@@ -180,7 +181,7 @@ def test_requests_of_one_new_prefix_arriving_together_compute_it_once(tiny_model
     a, b, other = shared + [7, 8], shared + [9, 10, 11], [60, 61, 62, 63, 64]
     alone = {tuple(p): engine().generate(p, GREEDY)[0].token_ids for p in (a, b, other)}
     eng = engine()
-    ids = {eng.add_request(p, GREEDY): p for p in (a, b, other)}
+    ids = {eng.add_request(prompt_input(p, GREEDY)): p for p in (a, b, other)}
     first_step = {o.request_id for o in eng.step()}
     assert first_step == {rid for rid, p in ids.items() if p is not b}, "b waits, the unrelated one does not"
     assert eng.stats().num_prefix_waits == 1
@@ -194,5 +195,5 @@ def test_requests_of_one_new_prefix_arriving_together_compute_it_once(tiny_model
     # without a prefix cache nothing would be reused: no request waits
     plain = engine(prefix_caching=False)
     for p in (a, b):
-        plain.add_request(p, GREEDY)
+        plain.add_request(prompt_input(p, GREEDY))
     assert len(plain.step()) == 2 and plain.stats().num_prefix_waits == 0

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from tests.support.oracle import assert_greedy_match, hf_greedy, hf_logits_fn
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sampling import SamplingParams
+from worker.engine.request import prompt_input
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 QUESTIONS = [
@@ -104,7 +105,7 @@ def test_sliding_window_releases_blocks_and_matches_hf(tiny_model_dir):
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     expected = [hf_greedy(hf, p, 60, [], ignore_eos=True) for p in prompts]
     engine = Engine(EngineConfig(model=str(path), block_size=bs, num_blocks=64, check_integrity=True))
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(prompt_input(p, params)) for p in prompts]
     outs: dict[str, object] = {}
     max_held = 0
     while engine.has_unfinished():

@@ -10,6 +10,7 @@ import torch
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.request import RequestOutput
 from worker.engine.sampling import SamplingParams
+from worker.engine.request import prompt_input
 
 BS = 4
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 81, 64, 12]   # 10 tokens: two full blocks and a partial one
@@ -22,7 +23,7 @@ def tiny(tiny_model_dir):
 
 
 def run(e: Engine, prompt: list[int], params: SamplingParams) -> dict[int, list[RequestOutput]]:
-    e.add_request(prompt, params)
+    e.add_request(prompt_input(prompt, params))
     by_index: dict[int, list[RequestOutput]] = {}
     while e.has_unfinished():
         for out in e.step():
@@ -32,7 +33,7 @@ def run(e: Engine, prompt: list[int], params: SamplingParams) -> dict[int, list[
 
 def test_fork_shares_blocks_copies_partial_block_and_frees_all(tiny: Engine) -> None:
     free = tiny.store.num_free_blocks
-    rid = tiny.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3))
+    rid = tiny.add_request(prompt_input(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3)))
     tiny.step()                                   # prefill, fork, first tokens
     seqs = sorted((r for r in tiny.requests.values() if r.group_id == rid), key=lambda r: r.index)
     assert [r.index for r in seqs] == [0, 1, 2]

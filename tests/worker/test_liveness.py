@@ -14,6 +14,7 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.engine import Engine, EngineConfig
 from worker.server.liveness import EnginePulse, Liveness, watch
 from worker.engine.sampling import SamplingParams
+from worker.engine.request import prompt_input
 
 
 class Clock:
@@ -124,7 +125,8 @@ def test_failing_steps_are_counted_in_a_row(tiny_engine: Engine, monkeypatch: py
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
     async def one(rid: str) -> list[int]:
-        return [t for out in [o async for o in ae.generate([5, 6, 7], params, rid)] for t in out.new_token_ids]
+        outs = [o async for o in ae.generate(prompt_input([5, 6, 7], params, rid))]
+        return [t for out in outs for t in out.new_token_ids]
     try:
         for i in range(3):
             with pytest.raises(RuntimeError, match="device-side assert"):
@@ -144,7 +146,7 @@ def test_stall_file_blocks_the_loop_until_removed(tiny_engine: Engine, tmp_path:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def one() -> int:
-        return len([t async for o in ae.generate([9, 8, 7], params, "s") for t in o.new_token_ids])
+        return len([t async for o in ae.generate(prompt_input([9, 8, 7], params, "s")) for t in o.new_token_ids])
     try:
         stall.touch()
         time.sleep(0.7)                      # the loop reaches the hook (an idle tick is 0.5 s)
@@ -167,7 +169,7 @@ def test_a_load_snapshot_does_not_wait_out_a_long_step(tiny_engine: Engine, tmp_
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
     async def run() -> None:
-        [o async for o in ae.generate([9, 8, 7, 6], params, "s")]
+        [o async for o in ae.generate(prompt_input([9, 8, 7, 6], params, "s"))]
         fresh = await ae.snapshot(wait_s=5.0)                 # answered by the engine thread
         assert fresh.num_running == 0 and fresh.num_used_blocks == 0
         stall.touch()
@@ -199,7 +201,7 @@ def test_a_peer_read_of_cached_blocks_does_not_wait_out_a_long_step(tiny_engine:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def run() -> None:
-        [o async for o in ae.generate(prompt, params, "p")]
+        [o async for o in ae.generate(prompt_input(prompt, params, "p"))]
         between = await ae.run(ReadBlocks(hashes, torch.device("cpu")))
         stall.touch()
         await asyncio.sleep(0.7)                             # the loop reaches the hook

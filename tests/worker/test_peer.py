@@ -30,16 +30,9 @@ from tests.support.loop_thread import LoopThread
 from tests.worker.test_server import collect, request
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sampling import SamplingParams
-from worker.peer.plane import (
-    ASSUMED_LINK,
-    Decision,
-    FaultPlan,
-    PeerConfig,
-    PeerPlane,
-    PlanView,
-    good_leading_run,
-    plan_fetch,
-)
+from worker.peer.config import PeerConfig
+from worker.peer.plan import ASSUMED_LINK, Decision, FaultPlan, PlanView, good_leading_run, plan_fetch
+from worker.peer.plane import PeerPlane
 from worker.server.service import WorkerServer, WorkerServerConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -57,8 +50,8 @@ def _view(bandwidth: float = 1e9, latency: float = 1e-3, prefill: float = 1000.0
     return PlanView(**(base | kw))  # type: ignore[arg-type]
 
 
-def _hint(rank: int, n: int) -> PeerHint:
-    return PeerHint(f"w{rank}", f"127.0.0.1:{5000 + rank}", rank, n)
+def _hint(i: int, n: int) -> PeerHint:
+    return PeerHint(f"w{i}", f"127.0.0.1:{5000 + i}", n)
 
 
 # -- the decision -------------------------------------------------------------------------
@@ -78,7 +71,7 @@ def test_plan_fetch_weighs_link_against_prefill() -> None:
 
 
 def test_plan_fetch_ignores_unusable_hints() -> None:
-    for hints in ([], [_hint(1, 10)], [PeerHint("", "127.0.0.1:1", 0, 10)]):   # none, itself, no id
+    for hints in ([], [_hint(1, 10)], [PeerHint("", "127.0.0.1:1", 10)]):   # none, itself, no id
         assert plan_fetch(H, 2, 100, hints, _view()).decision is Decision.NO_PEER, hints
     assert plan_fetch(H, 6, 100, [_hint(0, 6)], _view()).decision is Decision.LOCAL
     # a peer no pair has measured yet: the assumed link (1 GB/s, 1 ms) until one forms
@@ -298,7 +291,7 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, 
     # a caller whose deadline passed while A copied the blocks gets none: nothing is sent
     owner = servers[0]
     sent = a.GetLoad(pb.LoadRequest()).peer.blocks_sent
-    late = loop.run(owner._peer.serve_send(owner._ae, SendBlocksInput(tuple(h1), 0, 0, 99, **ok),  # type: ignore[union-attr]
+    late = loop.run(owner._peer.serve_send(owner._ae, SendBlocksInput(tuple(h1), 99, **ok),  # type: ignore[union-attr]
                                            lambda: False))
     assert late[:2] == (0, 0) and "too late" in late[2]
     assert a.GetLoad(pb.LoadRequest()).peer.blocks_sent == sent

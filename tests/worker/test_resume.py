@@ -10,6 +10,7 @@ import pytest
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.request import InvalidRequest
 from worker.engine.sampling import SamplingParams
+from worker.engine.request import prompt_input
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time,"
 
@@ -27,7 +28,7 @@ def tiny(tiny_model_dir):
 
 def _stream(engine: Engine, ids: list[int], params: SamplingParams, resume: int = 0) -> tuple[list[int], str, object]:
     """Run one request to the end: (new token ids, new text, the final output)."""
-    rid = engine.add_request(ids, params, resume_tokens=resume)
+    rid = engine.add_request(prompt_input(ids, params, resume_tokens=resume))
     tokens: list[int] = []
     text = ""
     while True:
@@ -93,6 +94,6 @@ def test_bad_resume_is_refused(smol: Engine) -> None:
     params = SamplingParams(max_tokens=4, temperature=0.0)
     for resume in (len(ids), -1):
         with pytest.raises(InvalidRequest, match="resume_tokens"):
-            smol.add_request(ids, params, resume_tokens=resume)
+            smol.add_request(prompt_input(ids, params, resume_tokens=resume))
     with pytest.raises(InvalidRequest, match="fewer than max_tokens"):
-        smol.add_request(ids, params, resume_tokens=4)
+        smol.add_request(prompt_input(ids, params, resume_tokens=4))

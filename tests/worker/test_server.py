@@ -304,11 +304,11 @@ BAD_INPUT = {
                               "priority must be an integer in [-1000, 1000], got 1001"),
     "bad chat role": (_ser(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
                       "chat.role: 'robot'"),
-    "hint without port": (_ser(token_ids=pb.TokenIds(ids=[5]), peer_hints=[pb.PeerHint(address="w1", rank=1)]),
+    "hint without port": (_ser(token_ids=pb.TokenIds(ids=[5]), peer_hints=[pb.PeerHint(address="w1")]),
                           "peer_hints[0].address: 'w1' is not HOST:PORT"),
-    "hint negative rank": (_ser(token_ids=pb.TokenIds(ids=[5]),
-                                peer_hints=[pb.PeerHint(address="h:1", rank=-1, num_blocks=2)]),
-                           "peer_hints[0].rank: -1 must be >= 0"),
+    "hint negative blocks": (_ser(token_ids=pb.TokenIds(ids=[5]),
+                                  peer_hints=[pb.PeerHint(address="h:1", num_blocks=-2)]),
+                             "peer_hints[0].num_blocks: -2 must be >= 0"),
 }
 
 

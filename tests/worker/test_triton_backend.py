@@ -169,7 +169,7 @@ def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
         engine = Engine(EngineConfig(model=path, device=DEVICE.type, dtype="fp32", block_size=4, num_blocks=64,
                                      max_num_seqs=4, attention_backend="triton", enforce_eager=True))
         if padded:
-            engine.cuda_graphs = CudaGraphRunner(engine.model, engine.kv_caches, 4, engine.max_model_len, 4,
+            engine.runner.cuda_graphs = CudaGraphRunner(engine.runner.model, engine.runner.kv_caches, 4, engine.max_model_len, 4,
                                                  capture=False)
         outs[padded] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs[True] == outs[False]
@@ -190,8 +190,8 @@ def test_engine_on_the_triton_backend_generates_the_torch_tokens(tiny_model_dir)
     for backend in ("triton", "torch"):
         engine = Engine(EngineConfig(model=path, device=DEVICE.type, dtype="fp32", block_size=4, num_blocks=64,
                                      max_num_seqs=4, attention_backend=backend))
-        assert engine.attention_backend is AttentionBackend(backend)
-        assert (engine.cuda_graphs is not None) == (backend == "triton" and DEVICE.type == "cuda")
+        assert engine.runner.attention_backend is AttentionBackend(backend)
+        assert (engine.runner.cuda_graphs is not None) == (backend == "triton" and DEVICE.type == "cuda")
         outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
 
@@ -212,6 +212,6 @@ def test_cuda_graph_decode_equals_eager(tiny_model_dir, kv_dtype: str) -> None:
     for eager in (False, True):
         engine = Engine(EngineConfig(model=path, device="cuda", dtype="fp32", kv_cache_dtype=kv_dtype,
                                      block_size=16, num_blocks=64, max_num_seqs=8, enforce_eager=eager))
-        assert (engine.cuda_graphs is None) == eager
+        assert (engine.runner.cuda_graphs is None) == eager
         outs[eager] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs[False] == outs[True]

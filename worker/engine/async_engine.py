@@ -34,13 +34,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from worker.engine.commands import (AbortRequest, AddRequest, ApplyChatTemplate, Command, CountHeld, ListRequests,
-                             ReadBlocks, ResetPrefixCache, Snapshot, StageBlocks, Tokenize)
-from worker.engine.engine import Engine, Prompt
+from contracts.requests import GenerateInput
+from worker.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    ApplyChatTemplate,
+    Command,
+    CountHeld,
+    ListRequests,
+    ReadBlocks,
+    ResetPrefixCache,
+    Snapshot,
+    StageBlocks,
+    Tokenize,
+)
 from worker.engine.config import EngineStats
-from worker.server.liveness import EnginePulse
+from worker.engine.engine import Engine
 from worker.engine.request import InvalidRequest, QueueFull, RequestOutput
-from worker.engine.sampling import SamplingParams
+from worker.server.liveness import EnginePulse
 
 if TYPE_CHECKING:
     import torch
@@ -101,16 +112,17 @@ class AsyncEngine:
         self._thread.start()
 
     # -- public, called from the event loop -----------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       priority: int = 0, staged: StageBlocks | None = None, cache_salt: str = "",
-                       fit_context: bool = False, resume_tokens: int = 0) -> AsyncIterator[RequestOutput]:
-        """Send `AddRequest` and yield the request's outputs until it finishes."""
+    async def generate(self, spec: GenerateInput, staged: StageBlocks | None = None) -> AsyncIterator[RequestOutput]:
+        """Send `AddRequest(spec, staged)` and yield the request's outputs until it finishes.
+        `spec.request_id` names the stream: it must be set (InvalidRequest)."""
+        request_id = spec.request_id
+        if not request_id:
+            raise InvalidRequest("request_id: empty (the outputs stream by request id)")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         finished = False
         try:
-            await self.run(_Open(AddRequest(prompt, params, request_id, priority, staged, cache_salt, fit_context,
-                                       resume_tokens), stream))
+            await self.run(_Open(AddRequest(spec, staged), stream))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -228,14 +240,13 @@ class AsyncEngine:
                 reply(result, None)
 
     def _add(self, add: AddRequest, stream: _Stream) -> None:
-        if add.request_id in self._streams:
-            raise InvalidRequest(f"request_id {add.request_id!r} is already running")
+        request_id = add.spec.request_id
+        if request_id in self._streams:
+            raise InvalidRequest(f"request_id {request_id!r} is already running")
         if add.staged is not None:
             self.engine.store.stage(add.staged.block_hashes, add.staged.data)
-        self.engine.add_request(add.prompt, add.params, request_id=add.request_id, priority=add.priority,
-                                cache_salt=add.cache_salt, fit_context=add.fit_context,
-                                resume_tokens=add.resume_tokens)
-        self._streams[add.request_id] = stream
+        self.engine.add_request(add.spec)
+        self._streams[request_id] = stream
 
     def _abort(self, request_id: str, stream: _Stream | None = None) -> bool:
         if stream is not None and self._streams.get(request_id) is not stream:

@@ -19,11 +19,10 @@ the server builds them without loading the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from contracts.sampling import SamplingParams
+from contracts.requests import GenerateInput
 from kvstore.keys import BlockHash
 
 if TYPE_CHECKING:
@@ -31,8 +30,6 @@ if TYPE_CHECKING:
 
     from kvstore.store import HeldBlocks
     from worker.engine.config import EngineStats
-
-Prompt = str | Sequence[int]
 
 R = TypeVar("R")
 
@@ -53,18 +50,12 @@ class StageBlocks(Command[int]):
 
 @dataclass(frozen=True, slots=True)
 class AddRequest(Command[None]):
-    """Queue a request; `staged` blocks are stored right before it, with no step between,
-    so its admission finds them. Sent by `AsyncEngine.generate`, which streams the outputs.
-    `cache_salt` and `fit_context` as in `Engine.add_request`."""
+    """Queue the request `spec` (`Engine.add_request`); `staged` blocks are stored right
+    before it, with no step between, so its admission finds them. Sent by
+    `AsyncEngine.generate`, which streams the outputs."""
 
-    prompt: Prompt
-    params: SamplingParams
-    request_id: str
-    priority: int = 0
+    spec: GenerateInput
     staged: StageBlocks | None = None
-    cache_salt: str = ""
-    fit_context: bool = False
-    resume_tokens: int = 0          # the last that many prompt ids are resumed output (migration)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,13 @@
-"""The engine of one worker: `step()` is the whole loop — schedule → run → postprocess.
+"""The engine of one worker: `step()` is the whole loop — schedule → run → postprocess:
+the scheduler picks the batch, the model runner (`worker.model.runner.ModelRunner`) runs the
+forward pass and samples, the engine appends the tokens, applies the stop conditions and
+hands out the outputs.
 
 `Engine` is synchronous and single-threaded; the gRPC server drives it from one thread
 (`worker.engine.async_engine`). Its KV blocks — device pool, paged tensors, host tier, events — are
-one `kvstore.store.KVStore` (`engine.store`), which the scheduler and the peer plane use.
+one `kvstore.store.KVStore` (`engine.store`, sized and allocated by the runner), which the
+scheduler and the peer plane use. A request arrives as one spec, contracts `GenerateInput`
+(`add_request`; `worker.engine.request.prompt_input` builds one from a prompt).
 """
 from __future__ import annotations
 
@@ -10,38 +15,37 @@ import itertools
 import random
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from contracts.requests import NO_TENANT, TenantShare, context_length_error
+from contracts.requests import GenerateInput, context_length_error
 from contracts.tokenizer import TokenizerError
-from kvstore.keys import HashSalt, cache_salt_root
-from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
-from kvstore.store import KVStore
-from worker.model.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
-from worker.model.cuda_graph import decode_graphs
-from worker.kernels import native
-from worker.kernels.backend import attention_ops, resolve_backend
-from worker.kernels.reference import AttnMetadata
-from worker.model.loader import load_tokenizer, load_weights, resolve_model_dir
-from worker.engine.config import DTYPE_NAMES, EngineConfig, EngineStats
+from kvstore.keys import cache_salt_root
+from worker.engine.config import EngineConfig, EngineStats
 from worker.engine.eviction import TokenEvictor
 from worker.engine.fork import fork_sequences
-from worker.engine.logprobs import (PromptSpan, prompt_span, record_prompt_logprobs, record_sampled_logprobs,
-                             take_unsent_logprobs)
-from worker.model.llama import LlamaModel
+from worker.engine.logprobs import take_unsent_logprobs
+from worker.engine.request import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    EngineError,
+    FinishReason,
+    InvalidRequest,
+    Prompt,
+    QueueFull,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    prompt_input,
+)
 from worker.engine.resume import resume
-from worker.engine.request import (MAX_PRIORITY, MIN_PRIORITY, EngineError, FinishReason, InvalidRequest,
-                            QueueFull, Request, RequestOutput, RequestStatus)
-from worker.engine.sampling import Sampler, SamplingParams, check_stop_token, find_stop, make_generator, suppress_stop_tokens
+from worker.engine.sampling import SamplingParams, check_stop_token, find_stop, make_generator
 from worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-assert tuple(_DTYPES) == DTYPE_NAMES
-
-Prompt = str | Sequence[int]
+from worker.model.loader import load_tokenizer, resolve_model_dir
+from worker.model.runner import ForwardOutput, ModelRunner, resolve_device
 
 
 class Scores(NamedTuple):
@@ -52,46 +56,21 @@ class Scores(NamedTuple):
 
 
 class Engine:
+    """Requests in, outputs out, one `step()` at a time. `runner` holds the model and its KV
+    store (`store`, shared with the scheduler and the peer plane); `salt` keys this worker's
+    block hashes (model, tokenizer, KV dtype, block size and key calibration)."""
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
-        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if self.device.type == "cuda" else "fp32")
+        self.device = resolve_device(cfg.device)
         self.model_dir = resolve_model_dir(cfg.model)
-        loaded = load_weights(self.model_dir, dtype=_DTYPES[dtype_name], device=self.device)
-        self.model_config = loaded.config
-        self.attention_backend = resolve_backend(cfg.attention_backend, self.device)  # reported by bench / model info
-        self.model = LlamaModel(loaded.config, loaded.weights, attention_ops(self.attention_backend))
         self.tokenizer = load_tokenizer(self.model_dir) if _has_tokenizer(self.model_dir) else None
-        mc = loaded.config
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
-                               resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype_name))
-        num_blocks = cfg.num_blocks or self.layout.num_blocks_in(int(cfg.kv_cache_memory_gib * 2**30))
-        # One sequence of max_model_len tokens must fit in the pool (vLLM checks the same):
-        # a smaller pool lowers max_model_len rather than admitting requests it cannot finish.
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                                 num_blocks * cfg.block_size)
-        codec_id = ""
-        if self.layout.quant is KVQuant.INT4 and cfg.kv_calibration:
-            # int4 keys lose less through q·k when scaled per channel and centred (worker.model.calibration);
-            # fitted over the model's context (capped), not the pool's, so that every worker
-            # of one model gets the same scales
-            context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                          CALIBRATION_TOKENS)
-            cal = cached_key_calibration(self.model, self.model_dir, calibration_tokens(
-                self.tokenizer, mc.vocab_size, context), cfg.block_size)
-            self.model.set_key_scales(cal.scales, cal.shift)
-            codec_id = "key-calibration:" + cal.digest()
-        self.store = KVStore(self.layout, num_blocks, self.device, enable_prefix_caching=cfg.enable_prefix_caching,
-                             offload_bytes=int(cfg.kv_offload_gib * 2**30), copy_blocks=native.block_copier() if cfg.kv_offload_gib else None)
-        self.kv_caches = list(zip(self.store.kv.k_caches, self.store.kv.v_caches))
-        # decode steps replay CUDA graphs (CUDA + triton backend, unless enforce_eager); None: eager
-        self.cuda_graphs = decode_graphs(self.model, self.kv_caches, cfg.enforce_eager, cfg.max_num_seqs,
-                                         self.max_model_len, cfg.block_size)
-        self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
-                             block_size=cfg.block_size, kv_codec=codec_id).digest()
+        self.runner = ModelRunner(cfg, self.model_dir, self.device, self.tokenizer)
+        mc = self.model_config = self.runner.model_config
+        self.layout, self.max_model_len, self.store = self.runner.layout, self.runner.max_model_len, self.runner.store
+        self.salt = self.runner.salt
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             cfg.enable_chunked_prefill, mc.sliding_window, cfg.enable_prefix_caching,
@@ -102,8 +81,7 @@ class Engine:
             raise ValueError(f"kv_eviction={cfg.kv_eviction}: this model has a sliding window "
                              f"({mc.sliding_window}); its blocks are already released behind it")
         self.evictor = TokenEvictor(ev, self.store.pool, self.store.kv) if ev.enabled else None
-        self.sampler = Sampler()
-        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.eos_token_ids = self.runner.eos_token_ids
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -123,19 +101,29 @@ class Engine:
         except TokenizerError as e:   # the template's raise_exception (e.g. roles out of order)
             raise InvalidRequest(str(e)) from None
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str = "", fit_context: bool = False,
-                    resume_tokens: int = 0, tenant: TenantShare = NO_TENANT) -> str:
+    def prompt_ids(self, spec: GenerateInput) -> list[int]:
+        """The token ids of the spec's prompt: its token ids, its text encoded, or its chat
+        messages through the model's chat template."""
+        if sum(p is not None for p in (spec.text, spec.token_ids, spec.chat)) != 1:
+            raise InvalidRequest("set exactly one of text, token_ids, chat")
+        if spec.chat is not None:
+            return self.apply_chat_template([{"role": m.role, "content": m.content} for m in spec.chat])
+        return self.encode(spec.text if spec.text is not None else spec.token_ids or ())
+
+    def add_request(self, spec: GenerateInput) -> str:
         """Validate and queue one request; raises InvalidRequest / QueueFull, queuing nothing.
-        Lower `priority` is admitted first (in [MIN_PRIORITY, MAX_PRIORITY]). `cache_salt`
-        keys its blocks apart from other salts' (kvstore.keys.cache_salt_root). With
-        `fit_context`, a prompt plus `max_tokens` beyond max_model_len is an InvalidRequest
-        instead of a generation cut at max_model_len. `resume_tokens` > 0: the last that many
-        ids of `prompt` are output a previous worker already generated and reported (a migrated
-        request); they count as output everywhere (see `worker.engine.resume`)."""
+        Returns its id (`spec.request_id`, or a new one when that is empty). Lower `priority`
+        is admitted first (in [MIN_PRIORITY, MAX_PRIORITY]). `cache_salt` keys its blocks apart
+        from other salts' (kvstore.keys.cache_salt_root). With `max_tokens_given`, a prompt
+        plus `max_tokens` beyond max_model_len is an InvalidRequest instead of a generation cut
+        at max_model_len. `resume_tokens` > 0: the last that many ids of the prompt are output
+        a previous worker already generated and reported (a migrated request); they count as
+        output everywhere (see `worker.engine.resume`). `peer_hints` are the server's business
+        (worker.peer.plane), not the engine's."""
+        priority, resume_tokens, params = spec.priority, spec.resume_tokens, spec.params
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
-        ids = self.encode(prompt)
+        ids = self.prompt_ids(spec)
         resumed: list[int] = []
         if resume_tokens:
             if not 0 < resume_tokens < len(ids):
@@ -143,7 +131,7 @@ class Engine:
             ids, resumed = ids[:-resume_tokens], ids[-resume_tokens:]
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = spec.request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
         if not ids:
@@ -162,13 +150,13 @@ class Engine:
         if len(ids) + len(resumed) >= self.max_model_len:
             raise InvalidRequest(f"prompt has {len(ids) + len(resumed)} tokens; this model takes at most "
                                  f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
-        if fit_context and len(ids) + params.max_tokens > self.max_model_len:
+        if spec.max_tokens_given and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(context_length_error(self.max_model_len, len(ids), params.max_tokens))
         max_total = min(len(ids) + params.max_tokens, self.max_model_len)
         if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
-                      cache_salt_root(cache_salt), tenant=tenant)
+                      cache_salt_root(spec.cache_salt), tenant=spec.tenant)
         if resumed:
             resume(req, resumed, self.tokenizer, self.model_config.vocab_size, self.device)
         self.requests[request_id] = req
@@ -198,8 +186,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.requests:
+            self.store.wait_for_disk(0.02)   # waiting requests' prefixes being read back from disk
             return []
-        sample_reqs, logits = self._execute(batch)
+        forward = self._execute(batch)
+        sample_reqs, logits = forward.sample_reqs, forward.logits
         outputs: list[RequestOutput] = []
         if any(r.params.max_tokens == 0 for r in sample_reqs):   # prompt logprobs only (echo)
             keep = [i for i, r in enumerate(sample_reqs) if r.params.max_tokens > 0]
@@ -210,13 +200,8 @@ class Engine:
             sample_reqs, logits = [sample_reqs[i] for i in keep], logits[keep]
         if sample_reqs:
             sample_reqs, logits = fork_sequences(sample_reqs, logits, self.scheduler, self.requests, self.device)
-            raw = logits
-            logits = suppress_stop_tokens(logits, [r.params for r in sample_reqs],
-                                          [len(r.output_token_ids) for r in sample_reqs], self.eos_token_ids)
-            tokens = self.sampler(logits, [r.params for r in sample_reqs],
-                                  [r.history for r in sample_reqs], [r.generator for r in sample_reqs]).tolist()
-            record_sampled_logprobs(sample_reqs, raw, tokens)
-            for req, token in zip(sample_reqs, tokens):
+            tokens = self.runner.sample(sample_reqs, logits)
+            for req, token in zip(sample_reqs, tokens, strict=True):
                 req.append_token(token)
                 req.update_block_hashes(self.cfg.block_size, self.salt)
                 reason = self._postprocess(req, token)
@@ -227,62 +212,20 @@ class Engine:
             self.check_integrity()
         return outputs
 
-    def _execute(self, batch: ScheduledBatch, all_positions: bool = False) -> tuple[list[Request], torch.Tensor]:
-        """Run a scheduled batch and account for it: the forward pass, computed counts and
-        cached blocks, token eviction. Returns `_run`'s result."""
+    def _execute(self, batch: ScheduledBatch, all_positions: bool = False) -> ForwardOutput:
+        """Run a scheduled batch (`ModelRunner.run`) and account for it: computed counts and
+        cached blocks, token eviction."""
         if self.evictor is not None:
             for req in batch.preempted:
                 self.evictor.forget(req)
-        out = self._run(batch, all_positions)
+        out = self.runner.run(batch, all_positions)
+        if out.score_acc is not None:
+            assert self.evictor is not None
+            self.evictor.accumulate(batch.requests, out.score_acc, out.seq_lens, batch.num_new_tokens)
         self.scheduler.update_computed(batch)
         if self.evictor is not None:
             self.evictor.after_step(batch.requests)
         return out
-
-    def _run(self, batch: ScheduledBatch, all_positions: bool = False) -> tuple[list[Request], torch.Tensor]:
-        """Forward the batch; logits of the positions to sample from, or with `all_positions`
-        of every new token."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []   # the token rows whose logits are computed
-        sample_rows: list[int] = []      # of those, the rows sampled from
-        spans: list[PromptSpan] = []     # prompt logprobs asked for
-        sample_reqs: list[Request] = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))            # true positions, for RoPE
-            seq_lens.append(start - req.num_evicted_tokens + n)  # cache rows after this step
-            if req.needs_prompt_logits and not all_positions:
-                span = prompt_span(req, start, n, len(ids) - n, len(logits_indices))
-                if span is not None:
-                    spans.append(span)
-                    logits_indices.extend(span.token_rows)
-            if start + n == req.num_tokens:
-                sample_rows.append(len(logits_indices))
-                logits_indices.append(len(ids) - 1)
-                sample_reqs.append(req)
-        collect = self.evictor is not None and self.evictor.cfg.collects_scores
-        meta = AttnMetadata.build(batch.num_new_tokens, seq_lens, [r.block_ids for r in batch.requests],
-                                  self.cfg.block_size, self.device, collect_scores=collect,
-                                  score_decay=self.cfg.h2o_decay)
-        dev = self.device
-        self.store.fence_device()  # evicted blocks are rewritten only after their offload
-        ids_t, positions_t = torch.tensor(ids, device=dev), torch.tensor(positions, device=dev)
-        graphs = self.cuda_graphs
-        if graphs is not None and graphs.supports(meta) and len(sample_rows) == meta.num_seqs == len(logits_indices):
-            logits = graphs.run(ids_t, positions_t, meta)  # every row samples: the graph's logits are all rows
-        else:
-            logits = self.model.forward(ids_t, positions_t, self.kv_caches, meta, None if all_positions else
-                                        torch.tensor(logits_indices, dtype=torch.long, device=dev))
-        if collect:
-            assert self.evictor is not None and meta.score_acc is not None
-            self.evictor.accumulate(batch.requests, meta.score_acc, seq_lens, batch.num_new_tokens)
-        if spans:
-            record_prompt_logprobs(spans, logits)
-            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
-        return sample_reqs, logits
 
     def _postprocess(self, req: Request, token: int) -> FinishReason | None:
         """Detokenize and apply stop conditions; returns why the request ends, if it does."""
@@ -333,7 +276,7 @@ class Engine:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(plist)
         if len(params_list) != len(plist):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(plist)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(plist, params_list)]
+        ids = [self.add_request(prompt_input(p, sp)) for p, sp in zip(plist, params_list)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
@@ -343,7 +286,7 @@ class Engine:
 
     def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
         """Yield one output per new token of this request while stepping the whole engine."""
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(prompt_input(prompt, params))
         while True:
             for out in self.step():
                 if out.request_id == rid:
@@ -352,19 +295,8 @@ class Engine:
                         return
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """fp32 logits [T, vocab] of every position of `token_ids` (teacher forcing).
-
-        Runs as one prefill in blocks borrowed from the pool and freed before returning;
-        raises OutOfBlocks when the pool cannot lend them now.
-        """
-        n = len(token_ids)
-        blocks = self.store.allocate(self.layout.blocks_for(n))
-        try:
-            meta = AttnMetadata.build([n], [n], [blocks], self.cfg.block_size, self.device)
-            return self.model.forward(torch.tensor(list(token_ids), device=self.device),
-                                      torch.arange(n, device=self.device), self.kv_caches, meta)
-        finally:
-            self.store.free_sequence(blocks)
+        """fp32 logits [T, vocab] of every position of `token_ids` (`ModelRunner.logits`)."""
+        return self.runner.logits(token_ids)
 
     def measure_prefill(self, num_tokens: int) -> float:
         """Prefill tokens/s: a `num_tokens` prompt of random ids run to its first token, after a
@@ -402,9 +334,11 @@ class Engine:
             while req.num_computed_tokens < len(ids):
                 batch = self.scheduler.schedule()
                 if not batch.requests:
+                    if self.store.wait_for_disk(1.0):   # its prefix is being read back from disk
+                        continue
                     raise EngineError("score(): the KV pool cannot hold the sequence")
                 start = req.num_computed_tokens
-                _, logits = self._execute(batch, all_positions=True)   # [n, vocab]
+                logits = self._execute(batch, all_positions=True).logits   # [n, vocab]
                 nll.append(F.cross_entropy(logits, target[start:start + logits.shape[0]], reduction="none",
                                            ignore_index=-100))
                 argmax.append(logits.argmax(-1))
@@ -428,16 +362,16 @@ class Engine:
                            self.store.pool.stats().evictions,
                            self.evictor.num_evicted_tokens if self.evictor is not None else 0,
                            u.num_cached_blocks, u.num_protected_blocks, u.num_reused_blocks,
-                           self.scheduler.num_prefix_waits)
+                           self.scheduler.num_prefix_waits, self.store.disk_stats())
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""
         self.store.check_integrity(req.held_block_ids for req in self.scheduler.running)
 
 
-def _has_tokenizer(model_dir: Any) -> bool:
+def _has_tokenizer(model_dir: Path) -> bool:
     return any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "EngineStats", "InvalidRequest", "QueueFull",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "EngineStats", "GenerateInput", "InvalidRequest", "Prompt",
+           "QueueFull", "RequestOutput", "SamplingParams", "prompt_input"]

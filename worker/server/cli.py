@@ -2,11 +2,8 @@
 
 Peer transfer is on with --peer-transfer (or KVMESH_PEER_TRANSFER=1): pairs with other
 workers form on demand (worker.peer.plane), through a rendezvous store this worker hosts on
---transfer-port (KVMESH_TRANSFER_PORT; 0 = a free port). The legacy static group flags
---rank / --world-size / --dist-init-addr and KVMESH_RANK / KVMESH_WORLD_SIZE /
-KVMESH_DIST_INIT_ADDR are accepted and ignored (one deprecation line), except that a world
-size above 1 turns peer transfer on. KVMESH_TEST_TRANSFER_FAULTS (tests only) injects
-transfer faults (worker.peer.plane.PeerConfig.faults, comma-separated). KVMESH_TEST_STALL_FILE (tests
+--transfer-port (KVMESH_TRANSFER_PORT; 0 = a free port). KVMESH_TEST_TRANSFER_FAULTS (tests only) injects
+transfer faults (worker.peer.config.PeerConfig.faults, comma-separated). KVMESH_TEST_STALL_FILE (tests
 only, read once here) names a file whose existence stalls the engine thread
 (worker/engine/async_engine.py), to see liveness turn. Imports no torch.
 """
@@ -38,35 +35,22 @@ REDIS_URL_ENV = "KVMESH_REDIS_URL"
 class PeerFlags(NamedTuple):
     peer_transfer: bool
     transfer_port: int
-    legacy: tuple[str, ...]      # legacy static-group settings seen (ignored)
-
-
-_LEGACY_ENV = ("KVMESH_RANK", "KVMESH_WORLD_SIZE", "KVMESH_DIST_INIT_ADDR")
 
 
 def peer_flags(args: argparse.Namespace, env: Mapping[str, str]) -> PeerFlags:
-    """--peer-transfer / --transfer-port with their KVMESH_* fallbacks, and the legacy
-    rank / world-size / dist-init-addr settings (a world size > 1 turns peer transfer on);
-    ValueError naming a bad one."""
+    """--peer-transfer / --transfer-port with their KVMESH_PEER_TRANSFER / KVMESH_TRANSFER_PORT
+    fallbacks; ValueError naming a bad one."""
     port_raw = env.get("KVMESH_TRANSFER_PORT", "").strip()
     if port_raw and not port_raw.isdigit():
         raise ValueError(f"KVMESH_TRANSFER_PORT={port_raw!r} must be a port number")
-    world_raw = env.get("KVMESH_WORLD_SIZE", "").strip()
-    if world_raw and not world_raw.isdigit():
-        raise ValueError(f"KVMESH_WORLD_SIZE={world_raw!r} must be a non-negative integer")
-    world = args.world_size if args.world_size is not None else int(world_raw or 1)
-    legacy = tuple(name for name, value in (("--rank", args.rank), ("--world-size", args.world_size),
-                                            ("--dist-init-addr", args.dist_init_addr)) if value is not None)
-    legacy += tuple(name for name in _LEGACY_ENV if env.get(name))
     on = args.peer_transfer or env.get("KVMESH_PEER_TRANSFER", "").strip().lower() in ("1", "true", "yes", "on")
     port = args.transfer_port if args.transfer_port is not None else int(port_raw or 0)
-    return PeerFlags(on or world > 1, port, legacy)
+    return PeerFlags(on, port)
 
 
 def peer_flags_from_env(env: Mapping[str, str]) -> PeerFlags:
     """`peer_flags` with no command-line flags (a worker started in-process, e.g. by Ray)."""
-    none = argparse.Namespace(peer_transfer=False, transfer_port=None, rank=None, world_size=None, dist_init_addr=None)
-    return peer_flags(none, env)
+    return peer_flags(argparse.Namespace(peer_transfer=False, transfer_port=None), env)
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,9 +80,6 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="fetch hinted prefixes from peers and send to them (default: $KVMESH_PEER_TRANSFER=1, else off)")
     g.add_argument("--transfer-port", type=int, default=None,
                    help="port of this worker's pair rendezvous store (default: $KVMESH_TRANSFER_PORT, else a free one)")
-    for legacy in ("--rank", "--world-size"):
-        g.add_argument(legacy, type=int, default=None, help=argparse.SUPPRESS)   # deprecated, ignored
-    g.add_argument("--dist-init-addr", default=None, help=argparse.SUPPRESS)
     add_engine_arguments(p)
 
 
@@ -118,7 +99,7 @@ def run_worker(args: argparse.Namespace) -> int:
         peer = peer_flags(args, os.environ)
     except ValueError as e:
         raise CLIError(f"environment: {e}") from None
-    faults = os.environ.get("KVMESH_TEST_TRANSFER_FAULTS", "")   # tests only: worker.peer.plane.FaultPlan
+    faults = os.environ.get("KVMESH_TEST_TRANSFER_FAULTS", "")   # tests only: worker.peer.plan.FaultPlan
     try:
         cfg = WorkerServerConfig(host=args.host, port=args.port, worker_id=args.worker_id,
                                  advertise_address=args.advertise_address, drain_timeout_s=args.drain_timeout_s,
@@ -134,9 +115,6 @@ def run_worker(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
     configure_logging(args.log_format)
-    if peer.legacy:
-        log.warning("deprecated and ignored: %s (pairs of workers form on demand; peer transfer is %s)",
-                    ", ".join(peer.legacy), "on" if peer.peer_transfer else "off")
     return asyncio.run(_serve_until_signal(engine_cfg, cfg))
 
 

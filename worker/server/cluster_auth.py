@@ -12,7 +12,8 @@
   address it advertises: the router admits a worker it found in Redis only after that check.
 - With TLS (`WorkerServerConfig.tls`) the port serves mutual TLS: a client without a
   certificate from `--tls-ca` fails the handshake; peers dial each other with their own.
-Without a token or TLS the worker behaves as before (plain loopback dev).
+Without a token or TLS the worker serves plain gRPC, open to anyone who reaches it (loopback
+development).
 """
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ import grpc
 
 from contracts.cluster_token import NONCE_BYTES, attestation_mac
 from contracts.grpc_auth import ClusterTokenGuard, token_interceptors
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from contracts.wire import to_send_blocks_request
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from worker.peer.errors import PeerUnavailable
 from worker.server.config import WorkerServerConfig
 
 if TYPE_CHECKING:
-    from worker.peer.plane import AskAnswer
+    from worker.peer.config import AskAnswer
 
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 OPEN_METHODS = ("Attest",)
@@ -73,7 +75,7 @@ def describe(cfg: WorkerServerConfig) -> Sequence[str]:
 
 
 class PeerCalls:
-    """The control-plane call of a fetch (`worker.peer.plane.AskPeer`): `SendBlocks` to the peer
+    """The control-plane call of a fetch (`worker.peer.config.AskPeer`): `SendBlocks` to the peer
     holding the blocks, over one authenticated channel per peer address."""
 
     def __init__(self, cfg: WorkerServerConfig) -> None:
@@ -82,7 +84,7 @@ class PeerCalls:
 
     async def ask(self, address: str, block_hashes: Sequence[int], transfer_id: int,
                   pair: dict[str, Any]) -> AskAnswer:
-        from worker.peer.plane import AskAnswer, PeerUnavailable
+        from worker.peer.config import AskAnswer  # torch: with the peer plane
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = peer_channel(self.cfg, address)

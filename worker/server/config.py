@@ -17,7 +17,7 @@ class WorkerServerConfig:
     with a TTL) and publishes its KV events for the router's block index. With
     `peer_transfer` it fetches hinted prefixes from peers and sends to them over pairs formed
     on demand (worker.peer.plane), hosting its rendezvous store on `host`:`transfer_port` (0 = a
-    free port); `transfer_faults` is for tests only (worker.peer.plane.PeerConfig).
+    free port); `transfer_faults` is for tests only (worker.peer.config.PeerConfig).
     Liveness (worker/server/liveness.py): not live once the engine loop has not beaten for
     `liveness_timeout_s` or `max_step_failures` engine steps in a row raised; `stall_file` is
     a test hook only (worker/engine/async_engine.py: the engine thread blocks while it exists)."""

@@ -1,14 +1,17 @@
-"""One `Generate` call on a worker: the prompt (text, chat or token ids) → a peer fetch of the
-hinted prefix (with peer transfer on) → the engine's outputs → `GenerateResponse` messages, the
+"""One `Generate` call on a worker: the message → the request spec (contracts `GenerateInput`,
+built once here and passed down to `Engine.add_request`) → a peer fetch of the hinted prefix
+(with peer transfer on) → the engine's outputs → `GenerateResponse` messages, the
 last with the usage figures. Feeds the worker's metrics and its running token totals (GetLoad).
 worker/server/service.py owns the call (readiness, draining, liveness, status codes); this module only
 streams. Torch-free at import.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -20,10 +23,12 @@ from worker.engine.commands import ApplyChatTemplate, Tokenize
 from worker.server.responses import stream_response
 
 if TYPE_CHECKING:
+    from contracts.requests import GenerateInput
     from worker.engine.async_engine import AsyncEngine
-    from worker.server.metrics import WorkerMetrics
-    from worker.peer.plane import AskPeer, Fetched, PeerPlane
     from worker.engine.request import RequestOutput
+    from worker.peer.config import AskPeer, Fetched
+    from worker.peer.plane import PeerPlane
+    from worker.server.metrics import WorkerMetrics
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -44,29 +49,19 @@ class GenerateStreams:
 
     async def run(self, ae: AsyncEngine, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Serve one Generate call to its end (errors propagate to the server, which maps them)."""
-        inp = to_generate_input(msg)
-        request_id = inp.request_id or uuid.uuid4().hex
-        REQUEST_ID.set(trace_id(context, request_id))   # on every log line of this request
-        prompt: str | list[int]
-        if inp.chat is not None:
-            prompt = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in inp.chat)))
-        elif inp.text is not None:
-            prompt = inp.text                 # encoded by add_request, on the engine thread
-        else:
-            assert inp.token_ids is not None
-            prompt = list(inp.token_ids)
+        spec = to_generate_input(msg)
+        spec = replace(spec, request_id=spec.request_id or uuid.uuid4().hex)
+        REQUEST_ID.set(trace_id(context, spec.request_id))   # on every log line of this request
         fetched = None
-        if inp.peer_hints and self.peer is not None:
-            if isinstance(prompt, str):
-                prompt = await ae.run(Tokenize(prompt))
-            fetched = await self.peer.fetch(ae, prompt, inp.peer_hints, self._ask, inp.cache_salt)
-        outputs = ae.generate(prompt, inp.params, request_id, inp.priority,
-                              staged=fetched.staged if fetched is not None else None,
-                              cache_salt=inp.cache_salt, fit_context=inp.max_tokens_given,
-                              resume_tokens=inp.resume_tokens)
+        if spec.peer_hints and self.peer is not None:
+            spec = await _with_token_ids(ae, spec)   # the fetch plan hashes the prompt's blocks
+            assert spec.token_ids is not None
+            fetched = await self.peer.fetch(ae, spec.token_ids, spec.peer_hints, self._ask, spec.cache_salt)
+        outputs = ae.generate(spec, staged=fetched.staged if fetched is not None else None)
         t0, first = time.perf_counter(), True
         gaps = self.metrics.token_gaps() if self.metrics is not None else None
         completion_tokens = 0          # over every sequence (n / best_of)
+        finished = False
         try:
             async for out in outputs:
                 if gaps is not None:
@@ -75,7 +70,15 @@ class GenerateStreams:
                     self.peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
                 first = False
                 completion_tokens += out.completion_tokens if out.finished else 0
-                await context.write(self.response(out, fetched, completion_tokens))
+                response = self.response(out, fetched, completion_tokens)
+                finished = response.finished
+                await context.write(response)
+        except asyncio.CancelledError:
+            if not finished:          # the caller cancelled mid-stream: counted as an abort, one line
+                if self.metrics is not None:
+                    self.metrics.observe_aborted()
+                log.info("request %s aborted on %s: the caller cancelled it", spec.request_id, self.worker_id)
+            raise
         finally:
             # Client cancelled or deadline passed (CancelledError here): closing the iterator
             # aborts the request and frees its blocks.
@@ -103,3 +106,15 @@ class GenerateStreams:
                      t.e2e_s or 0.0, out.finish_reason)
             self.cached_prompt_tokens += out.num_cached_tokens
         return resp
+
+
+async def _with_token_ids(ae: AsyncEngine, spec: GenerateInput) -> GenerateInput:
+    """`spec` with its text or chat prompt turned into token ids on the engine thread (without
+    a peer fetch to plan, the engine does that itself when it adds the request)."""
+    if spec.chat is not None:
+        ids = await ae.run(ApplyChatTemplate(tuple((m.role, m.content) for m in spec.chat)))
+    elif spec.text is not None:
+        ids = await ae.run(Tokenize(spec.text))
+    else:
+        return spec
+    return replace(spec, text=None, chat=None, token_ids=tuple(ids))

@@ -38,7 +38,7 @@ def model_info(engine: Engine, tokenizer: pb.TokenizerFiles | TokenizerError) ->
         model=mc.name, vocab_size=mc.vocab_size, max_model_len=engine.max_model_len,
         block_size=engine.cfg.block_size, kv_cache_dtype=engine.layout.kv_cache_dtype,
         eos_token_ids=sorted(engine.eos_token_ids), hash_salt_hex=engine.salt.hex(),
-        attention_backend=engine.attention_backend.value,
+        attention_backend=engine.runner.attention_backend.value,
         tokenizer_sha256=tokenizer.sha256 if isinstance(tokenizer, pb.TokenizerFiles) else "")
 
 
@@ -46,7 +46,8 @@ def start_peer(cfg: WorkerServerConfig, engine: Engine) -> PeerPlane | None:
     """The peer plane of `engine` (before its engine thread starts), or None when its
     rendezvous store cannot start (the worker then serves without peer transfer)."""
     from kvstore.transfer.group import TransferConfig, TransferError
-    from worker.peer.plane import PeerConfig, PeerPlane
+    from worker.peer.config import PeerConfig
+    from worker.peer.plane import PeerPlane
     advertise_host = cfg.advertise_address.rpartition(":")[0] if cfg.advertise_address else None
     timeout = cfg.transfer_timeout_s
     peer_cfg = PeerConfig(cfg.worker_id, TransferConfig(timeout_s=timeout, connect_timeout_s=timeout),

@@ -5,6 +5,8 @@ Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `Colle
 - `observe_finished(out)`: every finished `RequestOutput` (counters of tokens, prefix-cache
   queries/hits in tokens as vLLM counts them, success by finish reason, and the latency
   histograms from its `RequestTimings`);
+- `observe_aborted()`: a request whose caller cancelled it mid-stream (no final output):
+  success with finish reason `abort`;
 - `token_gaps()`: one `TokenGaps` per request stream, fed every output: one inter-token
   latency observation per generated token after the first, as vLLM observes them per step;
 - `observe_peer_fetch(s)`: the duration of each peer fetch (the peer plane's `fetch_observer`);
@@ -26,16 +28,18 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from worker.engine.commands import Snapshot
 
 if TYPE_CHECKING:
+    from kvstore.disk import DiskTierStats
     from worker.engine.async_engine import AsyncEngine
     from worker.engine.engine import Engine
     from worker.engine.config import EngineStats
-    from worker.peer.plane import PeerCounters, PeerPlane
+    from worker.peer.config import PeerCounters
+    from worker.peer.plane import PeerPlane
     from worker.engine.request import RequestOutput
     from worker.engine.sampling import SamplingParams
 
@@ -133,6 +137,11 @@ class WorkerMetrics:
             if value is not None:
                 hist.labels(*lv).observe(value)
 
+    def observe_aborted(self) -> None:
+        """Count one request whose client went away before it finished (the call cancelled):
+        `request_success_total{finished_reason="abort"}`, as an engine abort counts."""
+        self.success.labels(*self.labels, "abort").inc()
+
     def update_stats(self, stats: EngineStats, peer: PeerTotals | None = None) -> None:
         """The latest engine snapshot (and peer counters), read at the next scrape."""
         with self._lock:
@@ -223,6 +232,8 @@ class _StatsCollector(Collector):
         if m.eviction_policy != "none":
             evicted.add_metric([*lv, m.eviction_policy], stats.num_evicted_tokens)
         yield evicted
+        if stats.disk is not None:
+            yield from _disk_metrics(stats.disk, lv)
         if peer is None:
             return
         outcomes = CounterMetricFamily("kvmesh:peer_fetch", "Peer-fetch decisions by outcome",
@@ -232,6 +243,37 @@ class _StatsCollector(Collector):
             outcomes.add_metric([*lv, outcome], value)
         yield outcomes
         yield counter("peer_fetch_bytes", "Bytes fetched from peers", peer.bytes_fetched)
+
+
+def _disk_metrics(disk: DiskTierStats, lv: list[str]) -> Iterator[Metric]:
+    """The disk tier's figures (kvstore.disk.DiskTierStats) as metrics."""
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+        g.add_metric(lv, value)
+        return g
+
+    yield gauge("disk_tier_usage_perc", "Fraction of the disk KV tier's size bound in use (0-1)",
+                disk.used_bytes / disk.capacity_bytes if disk.capacity_bytes else 0.0)
+    yield gauge("disk_tier_used_bytes", "Bytes of KV block records in the disk tier", disk.used_bytes)
+    yield gauge("disk_tier_enabled", "1 while the disk KV tier serves, 0 once an I/O error turned it off",
+                1.0 if disk.enabled else 0.0)
+    for name, doc, value in (("kv_disk_blocks_written", "Blocks written behind into the disk tier", disk.written),
+                             ("kv_disk_blocks_read", "Blocks read back from the disk tier", disk.read)):
+        c = CounterMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+        c.add_metric(lv, value)
+        yield c
+    dropped = CounterMetricFamily("kvmesh:kv_disk_blocks_dropped", "Disk-tier blocks dropped, by cause (checksum: "
+                                  "a record failed its checks and was deleted, never served; queue_full: a write "
+                                  "behind found the queue full)", labels=[*LABELS, "cause"])
+    dropped.add_metric([*lv, "checksum"], disk.dropped_checksum)
+    dropped.add_metric([*lv, "queue_full"], disk.dropped_queue_full)
+    yield dropped
+    for name, doc, h in (("kv_disk_write_seconds", "Seconds to write one block record", disk.write_seconds),
+                         ("kv_disk_read_seconds", "Seconds to read one read-ahead run back", disk.read_seconds)):
+        fam = HistogramMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
+        bounds = [*(str(b) for b in h.bounds), "+Inf"]
+        fam.add_metric(lv, list(zip(bounds, h.buckets)), h.sum_s)
+        yield fam
 
 
 class Probes(Protocol):
@@ -291,8 +333,9 @@ def generate_metered(engine: Engine, prompts: list[list[int]], params: list[Samp
     """Run `prompts` to completion as one batch, feeding `metrics` (None: no metrics) as the
     server does: every output to its request's `TokenGaps`, every final one to
     `observe_finished`, an engine snapshot every `refresh_s`. Returns (seconds, tokens made)."""
+    from worker.engine.request import prompt_input   # torch: only when an engine runs
     t0 = last = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(prompt_input(p, sp)) for p, sp in zip(prompts, params)]
     gaps = {rid: metrics.token_gaps() for rid in ids} if metrics is not None else {}
     done = tokens = 0
     while done < len(ids):

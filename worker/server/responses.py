@@ -13,7 +13,7 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineStats
-    from worker.peer.plane import PeerFigures
+    from worker.peer.config import PeerFigures
     from worker.engine.request import RequestOutput, TokenLogprob
 
 
