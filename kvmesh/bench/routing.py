@@ -4,9 +4,11 @@
    the workers' block pools, FIFO prefill queues and the router's pending blocks; prefix-cache
    hit rate, load imbalance and TTFT p50 per policy, against an oracle single pool of the
    combined size. The headline figures are for 8 workers. Then `kvmesh bench routing-live`'s
-   two scenarios (no pressure, pressure) simulated, averaged over 10 traces.
-2. Live: 3 real worker processes on the default model behind one router per policy; the
-   fraction of prompt tokens served from cache, from the workers' own GetLoad counters.
+   three scenarios (no pressure, pressure, shift) simulated, averaged over 10 traces.
+2. Live: 3 real worker processes on the default model behind one router per policy, each
+   policy on empty pools (the workers' prefix caches reset before it: as cold as a fresh
+   cluster, so the policies are compared and not their order); the fraction of prompt tokens
+   served from cache, from the workers' own GetLoad counters.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import grpc
 from contracts.wire import to_generate_input
 from kvmesh.bench import routing_live as bench_live
 from kvmesh.bench.report import emit
-from kvmesh.bench.sim import SimConfig, make_trace, oracle_hit_rate, simulate
+from kvmesh.bench.sim import SimConfig, SimResult, _Sim, make_trace, oracle_hit_rate, simulate
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
@@ -146,13 +148,52 @@ def live_sim_config(live: bench_live.LiveConfig, scenario: str, seed: int) -> Si
     pool holding every prefix without), its concurrency as the mean load. The prefill speed
     (a 288-token prompt in about 0.3 of the mean decode time) is a rough CPU figure."""
     bs = SimConfig().block_size
-    prefixes = live.pressure_prefixes if scenario == "pressure" else live.prefixes
+    pressed = scenario in ("pressure", "shift")
+    prefixes = live.pressure_prefixes if pressed else live.prefixes
     system_blocks = live.prefix_tokens // bs
     tail = -(-(live.question_tokens + live.output_tokens) // bs)
-    pool = live.num_blocks if scenario == "pressure" else prefixes * system_blocks + 4 * live.concurrency * tail
+    pool = live.num_blocks if pressed else prefixes * system_blocks + 4 * live.concurrency * tail
     return SimConfig(num_workers=live.workers, cache_blocks=pool, num_prompts=prefixes, zipf_s=0.0,
                      system_blocks=system_blocks, suffix_blocks=(tail, tail), num_requests=live.requests,
                      mean_in_flight=live.concurrency / live.workers, prefill_tokens_per_s=1024.0, seed=seed)
+
+
+def simulate_live_scenario(policy: RoutingPolicy, live: bench_live.LiveConfig, scenario: str, seed: int,
+                           ask_half_life: float | None = None) -> SimResult:
+    """One routing-live scenario simulated; `shift`: the second phase's figures, after a fill
+    by a trace of other prefixes on the same pools and router index."""
+    cfg = live_sim_config(live, scenario, seed)
+    if ask_half_life is not None:
+        cfg = replace(cfg, ask_half_life=ask_half_life)
+    if scenario != "shift":
+        return simulate(policy, cfg, make_trace(cfg))
+    fill, shifted = make_trace(cfg), make_trace(replace(cfg, seed=seed + 100_003))
+    first = _Sim(cfg, policy)
+    first.run(fill)
+    both = _Sim(cfg, policy)      # the same fill again (same seeds), then the shift
+    result = both.run(fill + shifted)
+    return SimResult((both.hit - first.hit) / (both.total - first.total), result.imbalance,
+                     statistics.median(both.ttfts[len(fill):]), both.cold - first.cold)
+
+
+def sweep_ask_half_life(quick: bool = True, seeds: int = 10,
+                        half_lives: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, float("inf"))) -> dict[str, Any]:
+    """kv_aware over the simulated routing-live scenarios as the router index's `ask_half_life`
+    (router/index/asks.py) varies: hit rate, cold requests and imbalance averaged over `seeds`
+    traces. The default `ASK_HALF_LIFE` is the best shift hit rate that costs the pressure and
+    no-pressure scenarios nothing. Run it with
+        .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_ask_half_life as s; print(json.dumps(s(), indent=1))"
+    (quick sizes; `s(quick=False)` for the default ones)."""
+    live = bench_live.QUICK if quick else bench_live.LiveConfig()
+    out: dict[str, Any] = {}
+    for h in half_lives:
+        row = out[str(h)] = {}
+        for scenario in bench_live.SCENARIOS:
+            runs = [simulate_live_scenario(RoutingPolicy.KV_AWARE, live, scenario, seed, h) for seed in range(seeds)]
+            row[scenario] = {"hit_rate": statistics.mean(r.hit_rate for r in runs),
+                             "cold_requests": statistics.mean(r.cold_requests for r in runs),
+                             "imbalance": statistics.mean(r.imbalance for r in runs)}
+    return out
 
 
 def simulate_live_scenarios(quick: bool, seeds: int = 10) -> dict[str, Any]:
@@ -166,7 +207,7 @@ def simulate_live_scenarios(quick: bool, seeds: int = 10) -> dict[str, Any]:
             runs = []
             for seed in range(seeds):
                 cfg = live_sim_config(live, scenario, seed)
-                runs.append(simulate(policy, cfg, make_trace(cfg)))
+                runs.append(simulate_live_scenario(policy, live, scenario, seed))
             out[scenario][policy.value] = {"hit_rate": statistics.mean(r.hit_rate for r in runs),
                                            "cold_requests": statistics.mean(r.cold_requests for r in runs),
                                            "min_cold_requests": cfg.num_prompts,
@@ -177,11 +218,15 @@ def simulate_live_scenarios(quick: bool, seeds: int = 10) -> dict[str, Any]:
 
 
 async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
-    """Same kind of trace, real processes: cached prompt-token fraction per policy."""
+    """Same kind of trace, real processes: cached prompt-token fraction per policy. Every
+    policy sees the same system prompts and request sequence on pools emptied before it."""
 
     rng = random.Random(seed)
     num_prompts, num_requests = (8, 32) if quick else (12, 96)
     words = "alpha beta gamma delta kernel cache block router worker token prefix budget".split()
+    systems = [" ".join(rng.choices(words, k=120)) + f" [tenant {i}]" for i in range(num_prompts)]
+    weights = [1.0 / (k + 1) ** 1.1 for k in range(num_prompts)]
+    picks = [rng.choices(range(num_prompts), weights)[0] for _ in range(num_requests)]
     out: dict[str, Any] = {}
     # Small KV pools (48 blocks of 16 tokens: about four system prompts each) so that, as in
     # production, no worker can hold every tenant and where a request goes matters.
@@ -189,10 +234,7 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
                                   engine_argv=("--num-blocks", "48"),
                                   cluster_name=f"bench-{rng.randrange(10**6)}")) as cluster:
         for policy in POLICY_ORDER:
-            # Fresh system prompts per policy, so no policy inherits another's cache.
-            systems = [" ".join(rng.choices(words, k=120)) + f" [tenant {policy.value}-{i}]"
-                       for i in range(num_prompts)]
-            weights = [1.0 / (k + 1) ** 1.1 for k in range(num_prompts)]
+            await _empty_pools(cluster.worker_addresses)   # no policy inherits another's cache
             server = RouterServer(RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=model,
                                                http_port=None, redis_url=cluster.redis_url,
                                                cluster_name=cluster.cfg.cluster_name, routing_policy=policy))
@@ -204,7 +246,7 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
             served: Counter[str] = Counter()
 
             async def one(i: int) -> None:
-                system = rng.choices(systems, weights)[0]
+                system = systems[picks[i]]
                 req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[
                     pb.ChatMessage(role="system", content=system),
                     pb.ChatMessage(role="user", content=f"Question {i}: summarise in one word.")]),
@@ -228,6 +270,18 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
     out["config"] = {"workers": 3, "num_blocks_per_worker": 48, "system_prompts": num_prompts,
                      "requests": num_requests, "max_tokens": 1, "concurrency": 6}
     return out
+
+
+async def _empty_pools(addresses: list[str], timeout_s: float = 60.0) -> None:
+    """Drop every worker's cached prefixes (Worker.ResetPrefixCache, which refuses while a
+    block is in use: asked again until it resets)."""
+    deadline = time.monotonic() + timeout_s
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as ch:
+            while not (await pb_grpc.WorkerStub(ch).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10)).reset:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {address} kept blocks in use for {timeout_s:.0f} s")
+                await asyncio.sleep(0.5)
 
 
 def _to_input(req: pb.GenerateRequest) -> Any:

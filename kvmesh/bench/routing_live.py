@@ -1,8 +1,10 @@
 """`kvmesh bench routing-live`: the routing policies through the real service, as a user sees them.
 
 For each scenario (`no_pressure`: the default KV pool, `--prefixes` shared prefixes;
-`pressure`: `--num-blocks` per worker and `--pressure-prefixes` prefixes) and each policy, a
-fresh `LocalCluster` (Redis, `--workers` workers, a router child) is started and driven
+`pressure`: `--num-blocks` per worker and `--pressure-prefixes` prefixes; `shift`: the pressure
+pools, filled by `--requests` requests over one set of `--pressure-prefixes` prefixes, then
+measured over `--requests` more on a new set: yesterday's prompts in the pools, today's
+traffic) and each policy, a fresh `LocalCluster` (Redis, `--workers` workers, a router child) is started and driven
 through its OpenAI HTTP API with the `openai` SDK: `--requests` completions, at most
 `--concurrency` at a time, each a token-id prompt of one shared prefix (`--prefix-tokens`)
 and a unique question (`--question-tokens`), greedy with `ignore_eos` and `max_tokens =
@@ -11,8 +13,10 @@ sequence (same seed). Measured per policy: TTFT and inter-token latency percenti
 side, streamed), requests/s and output tokens/s over the run's wall time, the fraction of
 prompt tokens served from cache (`usage.prompt_tokens_details.cached_tokens`), cold requests
 (a request whose cached tokens do not cover its prefix's full blocks: it computed the prefix
-itself), the requests each worker served per prefix, and the router's hit-mismatch rate
-(`/v1/cluster`: requests whose predicted cache hit differed from the served one).
+itself), the requests each worker served per prefix and in all (`requests_per_worker`), and
+the router's hit-mismatch rate (`/v1/cluster`: requests whose predicted cache hit differed from
+the served one). A `shift` entry measures its second phase only (the router's counters too) and
+keeps the fill's cached fraction, cold requests and placement under `fill`.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from router.routing.types import RoutingPolicy
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 _BLOCK_SIZE = 16
-SCENARIOS = ("no_pressure", "pressure")
+SCENARIOS = ("no_pressure", "pressure", "shift")
 _TOKEN_RANGE = (1000, 40000)
 _UNAVAILABLE_RETRIES = 60
 _RETRIES = [0]     # 503 retries in the current policy's run (one run at a time)   # plain vocabulary ids of the default model (49,152 ids)
@@ -124,12 +128,15 @@ def run_live(cfg: LiveConfig) -> dict[str, Any]:
     print(f"kvmesh bench routing-live: {json.dumps(asdict(cfg) | {'policies': [p.value for p in cfg.policies]})}",
           file=sys.stderr)
     out: dict[str, Any] = {}
-    for scenario, prefixes, engine_argv in (("no_pressure", cfg.prefixes, ()),
-                                            ("pressure", cfg.pressure_prefixes, ("--num-blocks", str(cfg.num_blocks)))):
+    pressure = ("--num-blocks", str(cfg.num_blocks))
+    for scenario, phases, engine_argv in (
+            ("no_pressure", (make_workload(cfg, cfg.prefixes),), ()),
+            ("pressure", (make_workload(cfg, cfg.pressure_prefixes),), pressure),
+            ("shift", (make_workload(cfg, cfg.pressure_prefixes, phase=1),
+                       make_workload(cfg, cfg.pressure_prefixes, phase=2)), pressure)):
         if scenario not in cfg.scenarios:
             continue
-        workload = make_workload(cfg, prefixes)
-        out[scenario] = {policy.value: run_policy(cfg, policy, workload, engine_argv) for policy in cfg.policies}
+        out[scenario] = {policy.value: run_policy(cfg, policy, phases, engine_argv) for policy in cfg.policies}
     return out
 
 
@@ -139,19 +146,22 @@ class Workload:
     requests: tuple[tuple[int, tuple[int, ...]], ...]    # (prefix index, question tokens)
 
 
-def make_workload(cfg: LiveConfig, num_prefixes: int) -> Workload:
-    rng = random.Random(cfg.seed * 1000 + num_prefixes)
+def make_workload(cfg: LiveConfig, num_prefixes: int, phase: int = 0) -> Workload:
+    """`cfg.requests` requests over `num_prefixes` prefixes; each `phase` draws its own prefixes."""
+    rng = random.Random(cfg.seed * 1000 + num_prefixes + 100_003 * phase)
     prefixes = tuple(tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.prefix_tokens)) for _ in range(num_prefixes))
     requests = tuple((rng.randrange(num_prefixes), tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.question_tokens)))
                      for _ in range(cfg.requests))
     return Workload(prefixes, requests)
 
 
-def run_policy(cfg: LiveConfig, policy: RoutingPolicy, workload: Workload, engine_argv: tuple[str, ...]) -> dict[str, Any]:
+def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, ...],
+               engine_argv: tuple[str, ...]) -> dict[str, Any]:
+    """`phases` one after another on one fresh cluster; the figures of the last."""
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
-                        startup_timeout_s=900.0, routing_policy=policy.value, cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
+                        startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value), cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
     with LocalCluster(serve) as cluster:
-        return asyncio.run(_drive(cfg, workload, cluster))
+        return asyncio.run(_drive(cfg, phases, cluster))
 
 
 @dataclass(slots=True)
@@ -167,24 +177,41 @@ class _Served:
     completion_tokens: int
 
 
-async def _drive(cfg: LiveConfig, workload: Workload, cluster: LocalCluster) -> dict[str, Any]:
+async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: LocalCluster) -> dict[str, Any]:
+    """Each phase's requests in turn; the last phase's figures, with the router's counters
+    since it began, and an earlier phase's (a fill) cached fraction and placement."""
     from openai import AsyncOpenAI  # imported here: only this bench needs it
 
     await _warm_workers(cluster.worker_addresses)
     client = AsyncOpenAI(base_url=cluster.http_base_url, api_key="unused", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(cfg.concurrency)
-
-    async def one(prefix: int, question: tuple[int, ...]) -> _Served:
-        async with sem:
-            return await _complete(client, cfg, prefix, list(workload.prefixes[prefix] + question))
-
     _RETRIES[0] = 0
-    start = time.perf_counter()
-    served = await asyncio.gather(*(one(p, q) for p, q in workload.requests))
-    wall = time.perf_counter() - start
+    fill: dict[str, Any] | None = None
+    before: dict[str, Any] = {}
+    for i, workload in enumerate(phases):
+        async def one(prefix: int, question: tuple[int, ...], w: Workload = workload) -> _Served:
+            async with sem:
+                return await _complete(client, cfg, prefix, list(w.prefixes[prefix] + question))
+
+        start = time.perf_counter()
+        served = await asyncio.gather(*(one(p, q) for p, q in workload.requests))
+        wall = time.perf_counter() - start
+        if i < len(phases) - 1:
+            done = summarize(cfg, len(workload.prefixes), served, wall, {})
+            fill = {k: done[k] for k in ("cached_token_frac", "cold_requests", "requests_per_worker", "req_s")}
+            await asyncio.sleep(1.0)     # the fill's last KV events reach the router's index
+            before = await _router_view(cluster.http_base_url)
     await client.close()
-    router = await _router_view(cluster.http_base_url)
-    return summarize(cfg, len(workload.prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
+    router = _since(await _router_view(cluster.http_base_url), before)
+    out = summarize(cfg, len(phases[-1].prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
+    return out | ({"fill": fill} if fill is not None else {})
+
+
+def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The router's counters (`_router_view`) since `before` (the whole run if empty)."""
+    return now | {k: now[k] - before[k] for k in ("requests", "predicted_hit_tokens", "served_hit_tokens",
+                                                   "hit_mismatches", "peer_hints")
+                  if isinstance(now.get(k), int) and isinstance(before.get(k), int)}
 
 
 async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]) -> _Served:
@@ -226,9 +253,11 @@ def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s:
     ttfts = sorted(s.ttft_s for s in served)
     itls = sorted(x for s in served for x in s.itls)
     per: dict[str, dict[str, int]] = {}
+    totals: dict[str, int] = {}
     for s in served:
         row = per.setdefault(str(s.prefix), {})
         row[s.worker_id] = row.get(s.worker_id, 0) + 1
+        totals[s.worker_id] = totals.get(s.worker_id, 0) + 1
     prompt = sum(s.prompt_tokens for s in served)
     requests = max(1, int(router.get("requests", 0)))
     return {
@@ -239,6 +268,7 @@ def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s:
         "cold_requests": sum(s.cached_tokens < full_prefix for s in served),
         "min_cold_requests": num_prefixes,
         "requests_per_worker_per_prefix": {k: dict(sorted(v.items())) for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
+        "requests_per_worker": dict(sorted(totals.items())),
         "mismatch_rate": int(router.get("hit_mismatches", 0)) / requests,
         "wall_s": wall_s, "requests": len(served),
         "diagnostics": diagnostics(served, full_prefix), "router": router,

@@ -158,7 +158,8 @@ class ClusterView:
         recent = self.ttft.recent(worker_id)
         out: Json = {"worker_id": worker_id, "address": w.address, "in_flight": w.in_flight,
                      "ttft_p50_s": percentile(recent, 50), "ttft_p99_s": percentile(recent, 99),
-                     "ttft_samples": len(recent), "index_blocks": self._index_blocks(worker_id)}
+                     "ttft_samples": len(recent), "index_blocks": self._index_blocks(worker_id),
+                     "hit_prediction": self._router.predictions.shown(worker_id)._asdict()}
         try:
             load = await w.stub.GetLoad(pb.LoadRequest(), timeout=_LOAD_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:      # a worker that does not answer is shown, not fatal

@@ -31,6 +31,7 @@ from router.routing.types import RouteRequest
 
 log = logging.getLogger("kvmesh.router")
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_PREDICTION_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -53,6 +54,11 @@ class RouterMetrics(RouteObserver):
         self.event_lag = Gauge("kvmesh:router_kv_event_lag_seconds",
                                "How far the block index is behind each worker's Redis event stream (stream time)",
                                ("worker_id",), registry=r)
+        self.prediction_error = Histogram(
+            "kvmesh:router_hit_prediction_error",
+            "Per worker, |predicted − served hit tokens| / prompt tokens of each finished request (the "
+            "block index's error about the worker's cache; a persistent over-prediction corrects the index)",
+            ("worker",), buckets=_PREDICTION_BUCKETS, registry=r)
         self.migrations = Counter("kvmesh:router_migrations", "Requests moved to another worker mid-stream "
                                   "(their worker died or became unreachable)", ("worker_id",), registry=r)
         r.register(_CoreCollector(router))
@@ -84,6 +90,9 @@ class RouterMetrics(RouteObserver):
 
     def failed(self, request_id: str, worker_id: str) -> None:
         self._count(worker_id, "error")
+
+    def hit_predicted(self, worker_id: str, error: float) -> None:
+        self.prediction_error.labels(worker_id).observe(abs(error))
 
     def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
         self.migrations.labels(worker_id).inc()

@@ -230,6 +230,12 @@ class WorkerRegistry:
         if self.consumer is not None:
             self._spawn(self._request_inventory(self.consumer, worker_id))
 
+    def request_inventory(self, worker_id: WorkerId) -> None:
+        """Ask `worker_id` for a full inventory of its blocks (the router found its index entries
+        stale, router/routing/predictions.py); nothing without a metadata Redis."""
+        if self.consumer is not None:
+            self._spawn(self._request_inventory(self.consumer, worker_id))
+
     async def _request_inventory(self, consumer: EventConsumer, worker_id: WorkerId) -> None:
         try:
             with redis_errors("request an inventory"):

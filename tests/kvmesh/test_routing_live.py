@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from contracts.cli import CLIError
-from kvmesh.bench.routing_live import LiveConfig, Workload, _Served, config_from_args, make_workload, summarize
+from kvmesh.bench.routing_live import (LiveConfig, Workload, _Served, _since, config_from_args, make_workload,
+                                       summarize)
 from kvmesh.cli import build_parser
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",
-        "min_cold_requests", "requests_per_worker_per_prefix", "mismatch_rate"}
+        "min_cold_requests", "requests_per_worker_per_prefix", "requests_per_worker", "mismatch_rate"}
 
 
 def _args(*argv: str) -> LiveConfig:
@@ -51,12 +52,39 @@ def test_summarize_counts_cold_requests_and_placement() -> None:
     assert KEYS <= set(out)
     assert out["cold_requests"] == 2 and out["min_cold_requests"] == 2
     assert out["requests_per_worker_per_prefix"] == {"0": {"w0": 2}, "1": {"w0": 1, "w1": 1}}
+    assert out["requests_per_worker"] == {"w0": 3, "w1": 1}
     assert out["cached_token_frac"] == pytest.approx((2 * full + 16) / (4 * 48))
     assert out["req_s"] == 1.0 and out["output_tok_s"] == 3.0 and out["mismatch_rate"] == 0.25
     assert out["ttft_p50_s"] == pytest.approx(0.65) and out["ttft_p99_s"] == 1.0 and out["itl_p50_s"] == 0.1
     assert out["diagnostics"]["mean_in_flight_per_worker"] == {"w0": 1.75, "w1": 0.25}
     # warm: the 2nd waited [0.5, 1.0] on w0 while the 1st did [0, 1.0]; the 4th [1.0, 1.2] alone
     assert out["diagnostics"]["warm_prefill_overlap"] == 0.5
+
+
+def test_shift_phases_draw_new_prefixes_and_count_the_router_since_the_fill() -> None:
+    cfg = LiveConfig(prefixes=3, prefix_tokens=32, question_tokens=4, requests=10)
+    fill, shifted = make_workload(cfg, 3, phase=1), make_workload(cfg, 3, phase=2)
+    assert not set(fill.prefixes) & set(shifted.prefixes) and fill != make_workload(cfg, 3)
+    assert fill == make_workload(cfg, 3, phase=1)
+    assert _args("--scenarios", "shift").scenarios == ("shift",)
+    before = {"requests": 10, "hit_mismatches": 2, "predicted_hit_tokens": 100, "served_hit_tokens": 90,
+              "peer_hints": 1, "decision_mean_s": 0.5}
+    now = {"requests": 30, "hit_mismatches": 3, "predicted_hit_tokens": 400, "served_hit_tokens": 390,
+           "peer_hints": 1, "decision_mean_s": 0.25}
+    assert _since(now, before) == {"requests": 20, "hit_mismatches": 1, "predicted_hit_tokens": 300,
+                                   "served_hit_tokens": 300, "peer_hints": 0, "decision_mean_s": 0.25}
+    assert _since(now, {}) == now
+
+
+def test_the_simulated_shift_measures_the_second_phase_and_kv_aware_keeps_its_lead() -> None:
+    from kvmesh.bench.routing import simulate_live_scenario
+    from kvmesh.bench.routing_live import QUICK
+    from router.routing.types import RoutingPolicy
+    kv = [simulate_live_scenario(RoutingPolicy.KV_AWARE, QUICK, "shift", seed) for seed in range(2)]
+    rr = [simulate_live_scenario(RoutingPolicy.ROUND_ROBIN, QUICK, "shift", seed) for seed in range(2)]
+    # the second phase's prefixes are new: each is computed at least once
+    assert all(r.cold_requests >= QUICK.pressure_prefixes for r in kv + rr)
+    assert sum(r.hit_rate for r in kv) > sum(r.hit_rate for r in rr) + 2 * 0.05
 
 
 @pytest.mark.slow
