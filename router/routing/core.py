@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -31,9 +32,13 @@ from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, Upstrea
 from router.routing.inflight import InFlightPrefills
 from router.routing.migrate import MAX_WAIT_FOR_WORKER_S, Progress, WorkerLost, is_migratable, log_migration, read_until_lost
 from router.routing.policy import Policy, make_policy
+from router.routing.predictions import HitPredictions
 from router.workers.registry import WorkerEntry, WorkerRegistry
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
 from router.security.tenancy import TenantSalts, bound_max_tokens
+
+
+log = logging.getLogger("kvmesh.router")
 
 
 class Prepared(NamedTuple):
@@ -94,6 +99,10 @@ class RouteObserver:
     def failed(self, request_id: str, worker_id: str) -> None:
         """The call to `worker_id` failed."""
 
+    def hit_predicted(self, worker_id: str, error: float) -> None:
+        """A request finished on `worker_id` (not migrated): (predicted − served hit tokens) /
+        prompt tokens (router/routing/predictions.py)."""
+
     def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
         """The request moves off `worker_id` after `tokens` streamed tokens (router/routing/migrate.py)."""
 
@@ -120,6 +129,7 @@ class Router:
         self.salts = TenantSalts(cfg.api_keys)
         self.draining = False
         self.prefills = InFlightPrefills()   # pending blocks and prefill queues
+        self.predictions = HitPredictions()  # predicted vs served hits per worker; corrects the index
 
     @property
     def model_info(self) -> pb.ModelInfo | None:
@@ -299,6 +309,20 @@ class Router:
             if responses is not None:
                 await responses.aclose()
 
+    def _check_prediction(self, worker_id: WorkerId, route: RouteRequest, predicted: int, served: int) -> None:
+        """Compare the hit the index predicted on `worker_id` with the one it served; where the
+        worker's over-prediction persists, drop the promised blocks it did not serve from the
+        index and ask it for an inventory (router/routing/predictions.py)."""
+        info = self.model_info
+        seen = self.predictions.observe(worker_id, route, predicted, served, info.block_size if info is not None else 0)
+        self.observer.hit_predicted(worker_id, seen.error)
+        if seen.correction is not None:
+            log.warning("kvmesh router: worker %s keeps serving fewer cached tokens than its index entries promise "
+                        "(%d predicted, %d served); dropping %d stale blocks, asking for its inventory",
+                        worker_id, predicted, served, len(seen.correction.lost))
+            self.registry.index.forget(worker_id, seen.correction.lost)
+            self.registry.request_inventory(worker_id)
+
     async def abort(self, request_id: str, tenant: TenantId | None = None) -> bool:
         """Abort a request in flight on the worker serving it; False when none is, or when
         `tenant` (None: any) is not the tenant that sent it (the same answer: nothing leaks)."""
@@ -333,6 +357,7 @@ class Router:
                      for wid in peers}
         info = self.model_info
         capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
+        index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
         state = RoutingState(loads, cached, self.prefills.queued_tokens(index, loads, route),
                              info.block_size if info is not None and info.block_size else 16,
                              self.prefills.mean_in_flight(loads), fetchable,
