@@ -271,6 +271,7 @@ while True:
 """
 
 
+@pytest.mark.multiproc
 def test_kill_9_during_write_behind_serves_no_torn_record(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE,
                             cwd=Path(__file__).resolve().parents[2])

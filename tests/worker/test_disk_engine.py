@@ -56,6 +56,8 @@ def test_prefix_from_disk_equals_no_tiers(tiny_model_dir, tmp_path, kv_cache_dty
     st = eng.stats()
     assert last.num_cached_tokens == 24 and st.disk is not None and st.disk.read >= 6
     assert st.disk.dropped_checksum == 0
+    if kv_cache_dtype == "auto":
+        _check_metrics(st)
     eng.store.close()
 
     # a restart on the same directory: the prefix is served from disk at once
@@ -64,6 +66,23 @@ def test_prefix_from_disk_equals_no_tiers(tiny_model_dir, tmp_path, kv_cache_dty
     out = again.generate(prompts[-1], GREEDY)[0]
     assert out.token_ids == want[-1] and out.num_cached_tokens == 24
     again.store.close()
+
+
+def _check_metrics(stats) -> None:
+    from prometheus_client import generate_latest
+
+    from worker.server.metrics import WorkerMetrics
+    m = WorkerMetrics("tiny", "w-disk", "fp32")
+    m.update_stats(stats, None)
+    text = generate_latest(m.registry).decode()
+    lv = 'model_name="tiny",worker_id="w-disk"'
+    assert f"kvmesh:kv_disk_blocks_read_total{{{lv}}} {float(stats.disk.read)}" in text
+    assert f"kvmesh:kv_disk_blocks_written_total{{{lv}}} {float(stats.disk.written)}" in text
+    assert f'kvmesh:kv_disk_blocks_dropped_total{{cause="checksum",{lv}}} 0.0' in text
+    assert f'kvmesh:kv_disk_blocks_dropped_total{{cause="queue_full",{lv}}} 0.0' in text
+    assert f'kvmesh:kv_disk_read_seconds_count{{{lv}}} {float(stats.disk.read_seconds.count)}' in text
+    assert f'kvmesh:kv_disk_write_seconds_bucket{{le="+Inf",{lv}}} {float(stats.disk.written)}' in text
+    assert "kvmesh:disk_tier_usage_perc{" in text
 
 
 def test_salted_prefix_on_disk_is_found_only_under_its_salt(tiny_model_dir, tmp_path):

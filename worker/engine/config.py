@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from kvstore.disk import DiskTierStats
 from worker.engine.eviction import EvictionConfig, EvictionPolicy
 from worker.kernels.backend import parse_backend
+
+if TYPE_CHECKING:
+    from kvstore.disk import DiskTierStats
 
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
