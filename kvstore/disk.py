@@ -16,8 +16,9 @@ Layout on disk, one file per block:
 One file per block rather than an append log with an index: a file is written under a
 temporary name and renamed into place, so a process killed mid-write leaves at most a `.tmp`
 file, which the next open deletes; the LRU evicts one block by unlinking one file (a log would
-need segments and compaction to give space back in LRU order); a hit refreshes the file's
-mtime, which is the LRU order a reopen rebuilds. The price is a few syscalls per block
+need segments and compaction to give space back in LRU order); a reopen rebuilds the LRU from
+the files' mtimes, i.e. in write order (hits are not recorded on disk: no metadata write on a
+read). The price is a few syscalls per block
 (open, write, rename, close), small beside a block's bytes (~0.7 MB for SmolLM2 in fp32).
 
 Each record is a 72-byte header and the block's bytes as the host tier holds them:
@@ -36,7 +37,7 @@ and counted (`dropped_checksum`).
 
 Reopen: a tier opened on a directory that holds records of its fingerprint reads every
 record's header (72 bytes, not its payload): name, size, magic, version, fingerprint and key
-are checked, a bad record is deleted; the LRU order is the files' mtimes. Cost: 9.0 s per 10^5
+are checked, a bad record is deleted; the LRU order is the files' mtimes (write order). Cost: 9.0 s per 10^5
 blocks on the 2-core development box while other jobs shared it (2.1 s per 2x10^4; about 90 us
 a record, mostly Python per file: open, readv, fstat, close), measured by
 `tests/kvstore/test_disk_tier.py::test_reopen_cost` (marked slow).
@@ -553,7 +554,6 @@ class DiskTier:
                 h.update(row)
                 if h.intdigest() != want:
                     raise RecordError("checksum mismatch")
-                os.utime(path)   # the LRU order a reopen rebuilds
             except FileNotFoundError:
                 with self._lock:
                     self._drop(key, None)

@@ -12,6 +12,12 @@
    recomputed if B's cost model says so), a same-length prompt nobody holds (recomputed), and
    the first prompt again (local hit). Target: fetched below recomputed whenever the cost
    model chooses fetch. The greedy first tokens are compared too.
+4. Disk tier (`kvstore.disk`): N blocks written behind through the tier's queue and thread
+   and read back by a read-ahead, against one plain sequential write / read of the same
+   bytes to a file in the same directory (`disk.write_vs_raw`, `disk.read_vs_raw`, target
+   >= 0.8; no fsync on either side: the page cache takes both), and the TTFT of a prompt
+   whose 1,024-token prefix is read back from disk against the same-length prompt recomputed
+   (`disk.ttft_speedup`, target >= 10), in one engine, greedy first tokens compared.
 The numbers are wall-clock on whatever machine runs it: a shared box makes them noisy.
 """
 from __future__ import annotations
@@ -81,10 +87,13 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
             "phases_ms": {k.removesuffix("_s"): v * 1e3 for k, v in r.phases._asdict().items()}}
     prefix = args.prefix_tokens or (1024 if args.quick else 2048)
     ttft = bench_ttft(args.model, prefix, args.seed, mc.vocab_size)
+    from kvmesh.bench.transfer_disk import bench_disk
+    disk = bench_disk(args.model, layout, 64 if args.quick else 256, 3 if args.quick else 5, args.seed,
+                      1024, mc.vocab_size)
     return {"bench": "transfer", "model": mc.name, "quick": args.quick,
             "offload_vs_memcpy": offload["offload_vs_memcpy"], "peer_vs_raw": peer["peer_vs_raw"],
             "fetched_ttft_s": ttft["fetched_s"], "recomputed_ttft_s": ttft["recomputed_s"],
-            "offload": offload, "peer": peer, "ttft": ttft}
+            "offload": offload, "peer": peer, "ttft": ttft, "disk": disk}
 
 
 # -- device <-> host -------------------------------------------------------------------------
@@ -148,7 +157,7 @@ def bench_ttft(model: str, prefix_tokens: int, seed: int, vocab: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-transfer-") as tmp:
         procs = [_spawn_worker(Path(tmp), model, i) for i in (0, 1)]
         try:
-            a, b = (_wait_serving(p, Path(tmp) / f"w{rank}") for rank, p in enumerate(procs))
+            a, b = (_wait_serving(p, Path(tmp) / f"w{i}") for i, p in enumerate(procs))
             channels = [grpc.insecure_channel(addr) for addr in (a, b)]
             stub_a, stub_b = (pb_grpc.WorkerStub(c) for c in channels)
 
