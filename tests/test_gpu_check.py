@@ -26,6 +26,7 @@ def dry_run(out: Path, *only: str) -> dict:  # type: ignore[type-arg]
     return json.loads((out / "gpu-check.json").read_text())
 
 
+@pytest.mark.multiproc
 def test_dry_run_of_the_steps_without_a_model(tmp_path: Path) -> None:
     result = dry_run(tmp_path, "env", "bench_engine", "attention_bw")
     steps = result["steps"]
@@ -36,6 +37,7 @@ def test_dry_run_of_the_steps_without_a_model(tmp_path: Path) -> None:
     assert bw["status"] == "ok" and bw["bf16_batch64_4k_fraction"] is None and len(bw["rows"]) == 2
 
 
+@pytest.mark.multiproc
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None or __import__("torch").cuda.is_available(),
                     reason="with CUDA the real run would start")
 def test_without_cuda_the_real_run_refuses(tmp_path: Path) -> None:

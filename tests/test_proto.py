@@ -14,6 +14,7 @@ PROTO = Path("proto/kvmesh/v1/kvmesh.proto")
 STUBS = ("kvmesh_pb2.py", "kvmesh_pb2.pyi", "kvmesh_pb2_grpc.py")
 
 
+@pytest.mark.multiproc
 def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
     (tmp_path / PROTO.parent).mkdir(parents=True)
     shutil.copy(ROOT / PROTO, tmp_path / PROTO)   # same relative path: protoc embeds it in the stubs

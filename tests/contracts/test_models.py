@@ -54,6 +54,7 @@ def test_hf_dir_without_weights_is_rejected(tmp_path: Path) -> None:
         find_model_dir(str(tmp_path))
 
 
+@pytest.mark.multiproc
 def test_router_loads_the_tokenizer_without_torch(smollm2_dir: Path) -> None:
     code = ("import sys; from router.server import _load_tokenizer; "
             "t = _load_tokenizer('smollm2'); assert t.encode('Hello world'), 'no ids'; "

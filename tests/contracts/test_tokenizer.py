@@ -91,6 +91,7 @@ def test_template_raise_exception_and_missing_files(tok: ModelTokenizer, tmp_pat
         ModelTokenizer.from_model_dir(tmp_path)
 
 
+@pytest.mark.multiproc
 def test_router_modules_import_without_torch() -> None:
     code = ("import sys\n"
             "import contracts.tokenizer, router.routing.policy, router.server, router.fronts.openai.app, kvmesh.client, kvmesh.cli\n"

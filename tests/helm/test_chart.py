@@ -82,6 +82,7 @@ VALUE_SETS: dict[str, Doc] = {
 
 # -- lint and render --------------------------------------------------------------------
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("files", [(), (GPU_EXAMPLE,), (AUTOSCALING_EXAMPLE,), (GPU_EXAMPLE, AUTOSCALING_EXAMPLE)],
                          ids=["default", "gpu-pool", "autoscaling", "gpu-pool+autoscaling"])
 def test_lint_strict(helm: Path, files: tuple[Path, ...]) -> None:
@@ -90,6 +91,7 @@ def test_lint_strict(helm: Path, files: tuple[Path, ...]) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_renders_valid_manifests(helm: Path, tmp_path: Path, name: str) -> None:
     r = render(helm, tmp_path, VALUE_SETS[name])
@@ -97,6 +99,7 @@ def test_renders_valid_manifests(helm: Path, tmp_path: Path, name: str) -> None:
     check_references(r.docs)
 
 
+@pytest.mark.multiproc
 def test_gpu_pool_example(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, None, GPU_EXAMPLE, api_versions=("monitoring.coreos.com/v1",))
     validate_all(r)
@@ -121,6 +124,7 @@ def test_gpu_pool_example(helm: Path, tmp_path: Path) -> None:
     assert not [d for d in r.docs if d["kind"] == "StatefulSet" and "redis" in d["metadata"]["name"]]
 
 
+@pytest.mark.multiproc
 def test_service_monitor_only_with_its_crd(helm: Path, tmp_path: Path) -> None:
     on = {"serviceMonitor": {"enabled": True}}
     with_crd = render(helm, tmp_path / "crd", on, api_versions=("monitoring.coreos.com/v1",))
@@ -147,6 +151,7 @@ def expected_flags(section: str) -> Iterator[tuple[str, str, Any]]:
         yield key, FLAG_OF.get((section, key), snake(key)), value
 
 
+@pytest.mark.multiproc
 def test_every_value_reaches_the_command_line(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, ALL_VALUES)
     worker_ns = parse_cli(container(one(r.docs, "StatefulSet", "worker")))
@@ -196,6 +201,7 @@ def test_values_cover_every_cli_option() -> None:
         assert options - covered - CHART_OWNED == set(), f"kvmesh {cmd} options without a chart value"
 
 
+@pytest.mark.multiproc
 def test_enable_prefix_caching_both_ways(helm: Path, tmp_path: Path) -> None:
     for on in (True, False):
         r = render(helm, tmp_path / str(on), {"engine": {"enablePrefixCaching": on}})
@@ -204,6 +210,7 @@ def test_enable_prefix_caching_both_ways(helm: Path, tmp_path: Path) -> None:
 
 # -- worker pods: rendezvous, GPU, volumes, probes ---------------------------------------
 
+@pytest.mark.multiproc
 def test_worker_rendezvous_and_identity(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"worker": {"replicas": 3, "distPort": 29600}})
     sts = one(r.docs, "StatefulSet", "worker")
@@ -220,6 +227,7 @@ def test_worker_rendezvous_and_identity(helm: Path, tmp_path: Path) -> None:
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["dist"] == 29600
 
 
+@pytest.mark.multiproc
 def test_worker_pod_is_a_gpu_pod(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"worker": {"gpu": {"count": 2}, "shmSizeLimit": "8Gi"}})
     sts = one(r.docs, "StatefulSet", "worker")
@@ -239,6 +247,7 @@ def test_worker_pod_is_a_gpu_pod(helm: Path, tmp_path: Path) -> None:
     assert "nvidia.com/gpu" not in str(container(one(cpu.docs, "StatefulSet", "worker"))["resources"])
 
 
+@pytest.mark.multiproc
 def test_pods_run_non_root_with_writable_cache(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, VALUE_SETS["cpu-pool"])
     cm = one(r.docs, "ConfigMap")["data"]
@@ -261,6 +270,7 @@ def test_pods_run_non_root_with_writable_cache(helm: Path, tmp_path: Path) -> No
 
 # -- Redis -------------------------------------------------------------------------------
 
+@pytest.mark.multiproc
 def test_external_redis_password_from_secret(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, VALUE_SETS["external-redis"])
     assert not [d for d in r.docs if "redis" in d["metadata"]["name"]]
@@ -271,6 +281,7 @@ def test_external_redis_password_from_secret(helm: Path, tmp_path: Path) -> None
         assert env["KVMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "kv-redis", "key": "pw"}
 
 
+@pytest.mark.multiproc
 def test_in_chart_redis_with_auth(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, VALUE_SETS["redis-auth-persistent"])
     redis = one(r.docs, "StatefulSet", "redis")
@@ -283,6 +294,7 @@ def test_in_chart_redis_with_auth(helm: Path, tmp_path: Path) -> None:
 
 # -- helm test hook ----------------------------------------------------------------------
 
+@pytest.mark.multiproc
 def test_helm_test_pod_calls_generate_on_the_router(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"router": {"grpcPort": 50222}, "tests": {"prompt": "--not a flag"}})
     pod = one(r.docs, "Pod", "test")
@@ -295,6 +307,7 @@ def test_helm_test_pod_calls_generate_on_the_router(helm: Path, tmp_path: Path) 
     assert {"name": "grpc", "port": 50222} in [{k: p[k] for k in ("name", "port")} for p in svc["spec"]["ports"]]
 
 
+@pytest.mark.multiproc
 def test_network_policy_admits_the_helm_test_pod(helm: Path, tmp_path: Path) -> None:
     """With routerIngressFrom set, the router admits those peers and the helm-test pod, no one else."""
     r = render(helm, tmp_path, VALUE_SETS["redis-auth-persistent"])
@@ -327,6 +340,7 @@ BAD_VALUES = [
 ]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("values,message", BAD_VALUES, ids=[m.split("'")[1] if "'" in m else m for _, m in BAD_VALUES])
 def test_schema_rejects_bad_values(helm: Path, tmp_path: Path, values: Doc, message: str) -> None:
     vfile = tmp_path / "bad.yaml"
@@ -337,6 +351,7 @@ def test_schema_rejects_bad_values(helm: Path, tmp_path: Path, values: Doc, mess
     assert message in proc.stderr, proc.stderr
 
 
+@pytest.mark.multiproc
 def test_lint_reports_every_bad_value_at_once(helm: Path, tmp_path: Path) -> None:
     vfile = tmp_path / "bad.yaml"
     vfile.write_text(yaml.safe_dump({"engine": {"blockSize": 0, "kvCacheDtype": "int3", "model": ""},
@@ -347,6 +362,7 @@ def test_lint_reports_every_bad_value_at_once(helm: Path, tmp_path: Path) -> Non
         assert path in proc.stdout + proc.stderr, path
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("part", ["worker", "router"])
 def test_grace_period_must_cover_the_drain(helm: Path, tmp_path: Path, part: str) -> None:
     proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", f"{part}.drainTimeoutS=60",
@@ -354,6 +370,7 @@ def test_grace_period_must_cover_the_drain(helm: Path, tmp_path: Path, part: str
     assert proc.returncode != 0 and f"must exceed {part}.preStopSleepS + {part}.drainTimeoutS" in proc.stderr
 
 
+@pytest.mark.multiproc
 def test_pods_sleep_before_sigterm_and_get_their_grace(helm: Path) -> None:
     """preStop (a sleep while endpoints update) then SIGTERM drains; grace from values."""
     proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "router.preStopSleepS=4",
@@ -371,6 +388,7 @@ def test_pods_sleep_before_sigterm_and_get_their_grace(helm: Path) -> None:
 
 # -- Dockerfiles -------------------------------------------------------------------------
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
 def test_dockerfile(name: str) -> None:
     path = ROOT / "docker" / name

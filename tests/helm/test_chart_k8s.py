@@ -60,6 +60,7 @@ def test_issue24_flags_are_in_the_cli() -> None:
 
 # -- 1. membership: the registry, not a list --------------------------------------------
 
+@pytest.mark.multiproc
 def test_router_gets_no_worker_list_and_nothing_depends_on_the_count(helm: Path, tmp_path: Path) -> None:
     renders = {n: render(helm, tmp_path / str(n), {"worker": {"replicas": n}}) for n in (1, 2, 5)}
     router = container(one(renders[2].docs, "Deployment", "router"))
@@ -84,6 +85,7 @@ def test_router_gets_no_worker_list_and_nothing_depends_on_the_count(helm: Path,
         assert without_count(renders[n].docs) == one_worker, f"a manifest depends on worker.replicas={n}"
 
 
+@pytest.mark.multiproc
 def test_router_needs_redis(helm: Path) -> None:
     # The schema says it first; without the schema, the template says it in words.
     assert "at '/redis/external/url'" in _fails(helm, "--set", "redis.enabled=false")
@@ -93,6 +95,7 @@ def test_router_needs_redis(helm: Path) -> None:
 
 # -- 2. a router without model storage -------------------------------------------------
 
+@pytest.mark.multiproc
 def test_router_mounts_no_model_volume(helm: Path, tmp_path: Path) -> None:
     values: Doc = {"modelCache": {"type": "pvc", "existingClaim": "llm-models"},
                    "worker": {"nodeSelector": {"gpu": "h100"}},
@@ -124,6 +127,7 @@ def test_router_mounts_no_model_volume(helm: Path, tmp_path: Path) -> None:
 
 # -- 3. liveness apart from readiness --------------------------------------------------
 
+@pytest.mark.multiproc
 def test_worker_liveness_is_the_engine_and_readiness_the_service(helm: Path, tmp_path: Path) -> None:
     assert (CHART / "templates" / "_helpers.tpl").read_text().count(LIVENESS_SERVICE) == 1
     r = render(helm, tmp_path, {"worker": {"liveness": {"timeoutS": 20, "maxStepFailures": 2}}})
@@ -139,6 +143,7 @@ def test_worker_liveness_is_the_engine_and_readiness_the_service(helm: Path, tmp
     assert probe_spec(router, "readinessProbe") == {"grpc": {"port": port, "service": "kvmesh.v1.Router"}}
 
 
+@pytest.mark.multiproc
 def test_tls_probes_use_the_plain_http_metrics_port(helm: Path, tmp_path: Path) -> None:
     tls: Doc = {"security": {"tls": {"enabled": True, "existingSecret": "kv-tls"}}, "worker": {"metricsPort": 9555}}
     r = render(helm, tmp_path, tls)
@@ -160,6 +165,7 @@ def test_tls_probes_use_the_plain_http_metrics_port(helm: Path, tmp_path: Path) 
     assert "a stuck engine is not restarted" in notes.stdout
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("values,message", [
     ({"worker": {"liveness": {"timeoutS": 0, "maxStepFailures": 3}}}, "/worker/liveness/timeoutS"),
     ({"worker": {"liveness": {"timeoutS": 60, "maxStepFailures": 0}}}, "/worker/liveness/maxStepFailures"),
@@ -173,6 +179,7 @@ def test_schema_rejects_bad_liveness_and_tokenizer_values(helm: Path, tmp_path: 
 
 # -- 4. placement and images ------------------------------------------------------------
 
+@pytest.mark.multiproc
 def test_workers_spread_softly_by_default(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path)
     sts = one(r.docs, "StatefulSet", "worker")
@@ -194,6 +201,7 @@ def test_workers_spread_softly_by_default(helm: Path, tmp_path: Path) -> None:
     assert hard["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
 
 
+@pytest.mark.multiproc
 def test_runtime_class_scheduler_and_priority(helm: Path, tmp_path: Path) -> None:
     fields = ("runtimeClassName", "schedulerName", "priorityClassName")
     values: Doc = {"worker": {"runtimeClassName": "nvidia", "schedulerName": "volcano", "priorityClassName": "gpu-high"},
@@ -208,6 +216,7 @@ def test_runtime_class_scheduler_and_priority(helm: Path, tmp_path: Path) -> Non
         assert not set(fields) & set(default), f"{part}: empty values must not render"
 
 
+@pytest.mark.multiproc
 def test_image_digest_renders_repo_at_digest(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"image": {"workerDigest": DIGEST, "routerDigest": DIGEST.replace("ab12", "cd34"),
                                           "workerTag": "ignored"}})
@@ -222,6 +231,7 @@ def test_image_digest_renders_repo_at_digest(helm: Path, tmp_path: Path) -> None
     assert container(one(tagged.docs, "StatefulSet", "worker"))["image"] == "ghcr.io/kvmesh/kvmesh:0.2.0-cuda"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("values,message", [
     ({"image": {"workerTag": DIGEST}}, "/image/workerTag"),           # a digest in the tag: repo:sha256:… is invalid
     ({"image": {"routerTag": f"0.1@{DIGEST}"}}, "/image/routerTag"),
@@ -235,6 +245,7 @@ def test_schema_rejects_digests_in_the_wrong_place(helm: Path, tmp_path: Path, v
     assert message in _fails(helm, "-f", str(f))
 
 
+@pytest.mark.multiproc
 def test_registry_with_a_port_is_a_repository(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"image": {"repository": "registry.local:5000/ml/kvmesh", "workerDigest": DIGEST}})
     assert container(one(r.docs, "StatefulSet", "worker"))["image"] == f"registry.local:5000/ml/kvmesh@{DIGEST}"
@@ -266,6 +277,7 @@ def check_scaled_object(docs: list[Doc]) -> Doc:
     return so
 
 
+@pytest.mark.multiproc
 def test_keda_scaled_object_only_with_its_api(helm: Path, tmp_path: Path) -> None:
     on: Doc = {"worker": {"replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "target": 5,
                                                          "keda": {"enabled": True, "cooldownPeriod": 120}}}}
@@ -292,6 +304,7 @@ def test_keda_scaled_object_only_with_its_api(helm: Path, tmp_path: Path) -> Non
     assert trigger["metadata"]["query"].startswith("avg(kvmesh:kv_cache_usage_perc{")
 
 
+@pytest.mark.multiproc
 def test_hpa_alternative_on_a_pods_metric(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"worker": {"autoscaling": {"hpa": {"enabled": True}, "maxReplicas": 12}}})
     validate_all(r)
@@ -310,12 +323,14 @@ def test_hpa_alternative_on_a_pods_metric(helm: Path, tmp_path: Path) -> None:
     assert "no custom.metrics.k8s.io" in notes.stdout
 
 
+@pytest.mark.multiproc
 def test_keda_and_hpa_together_fail(helm: Path) -> None:
     err = _fails(helm, "--api-versions", KEDA, "--set", "worker.autoscaling.keda.enabled=true",
                  "--set", "worker.autoscaling.hpa.enabled=true")
     assert "enable keda or hpa, not both" in err
 
 
+@pytest.mark.multiproc
 def test_kv_usage_target_is_a_fraction_and_min_at_most_max(helm: Path) -> None:
     err = _fails(helm, "--set", "worker.autoscaling.metric=kv_cache_usage_perc", "--set", "worker.autoscaling.target=4")
     assert "/worker/autoscaling/target" in err
@@ -325,6 +340,7 @@ def test_kv_usage_target_is_a_fraction_and_min_at_most_max(helm: Path) -> None:
 
 # -- 6. the examples ----------------------------------------------------------------------
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("files", [(AUTOSCALING_EXAMPLE,), (GPU_EXAMPLE, AUTOSCALING_EXAMPLE)],
                          ids=["autoscaling", "gpu-pool+autoscaling"])
 def test_autoscaling_example(helm: Path, tmp_path: Path, files: tuple[Path, ...]) -> None:

@@ -41,6 +41,7 @@ def _secrets(docs: list[Doc]) -> dict[str, Doc]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
 
 
+@pytest.mark.multiproc
 def test_default_generates_token_and_redis_password(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path)
     secrets = _secrets(r.docs)
@@ -61,6 +62,7 @@ def test_default_generates_token_and_redis_password(helm: Path, tmp_path: Path) 
     assert _env(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-kvmesh-redis-auth"
 
 
+@pytest.mark.multiproc
 def test_existing_secrets_are_used_and_none_generated(helm: Path, tmp_path: Path) -> None:
     values: Doc = {"security": {"clusterToken": {"existingSecret": "kv-token", "existingSecretKey": "t"}},
                    "redis": {"auth": {"existingSecret": "kv-redis"}}}
@@ -76,6 +78,7 @@ def test_existing_secrets_are_used_and_none_generated(helm: Path, tmp_path: Path
     assert "--protected-mode" in container(one(off.docs, "StatefulSet", "redis"))["args"]
 
 
+@pytest.mark.multiproc
 def test_api_keys_secret_is_the_routers_keys_file(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"security": {"apiKeys": {"existingSecret": "kv-keys"}, "metricsRequireKey": True}})
     check_references(r.docs)         # schema validation of this volume: test_tls_from_an_existing_secret
@@ -113,6 +116,7 @@ def _check_tls_pods(docs: list[Doc], secret: str) -> None:
     assert router["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http", "scheme": "HTTPS"}
 
 
+@pytest.mark.multiproc
 def test_tls_from_an_existing_secret(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, TLS_SECRET)
     validate_all(r)
@@ -121,6 +125,7 @@ def test_tls_from_an_existing_secret(helm: Path, tmp_path: Path) -> None:
     assert not [d for d in r.docs if d["kind"] == "Certificate"]
 
 
+@pytest.mark.multiproc
 def test_tls_from_cert_manager_only_with_its_api(helm: Path, tmp_path: Path) -> None:
     proc = run_helm(helm, "template", RELEASE, str(CHART),
                     "--namespace", NAMESPACE, "--set", "security.tls.enabled=true",
@@ -140,6 +145,7 @@ def test_tls_from_cert_manager_only_with_its_api(helm: Path, tmp_path: Path) -> 
     _check_tls_pods(r.docs, secret)
 
 
+@pytest.mark.multiproc
 def test_router_ingress_defaults_to_a_named_label(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path)
     policy = next(d for d in r.docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-router"))
@@ -149,6 +155,7 @@ def test_router_ingress_defaults_to_a_named_label(helm: Path, tmp_path: Path) ->
     assert all(p for p in peers), "an empty peer would admit everyone"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("values,message", [
     ({"security": {"tls": {"certManager": {"issuerRef": {"kind": "Cluster"}}}}}, "/security/tls/certManager/issuerRef/kind"),
     ({"security": {"clusterToken": {"existingSecretKey": ""}}}, "/security/clusterToken/existingSecretKey"),

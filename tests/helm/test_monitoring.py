@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from kvstore.metadata.streams import ConsumerStats
 from router.config import RouterConfig
 from router.observe.metrics import RouterMetrics
@@ -20,6 +22,7 @@ from worker.server.metrics import PeerTotals, WorkerMetrics
 MONITORING = ("monitoring.coreos.com/v1",)
 
 
+@pytest.mark.multiproc
 def test_pod_monitor_scrapes_the_workers_metrics_port(helm: Path, tmp_path: Path) -> None:
     on = {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}
     r = render(helm, tmp_path / "on", on, api_versions=MONITORING)   # (PodMonitor: a CRD, no schema here)
@@ -62,6 +65,7 @@ def exported_names() -> set[str]:
             for suffix in suffixes[fam.type]}
 
 
+@pytest.mark.multiproc
 def test_grafana_dashboard_configmap_queries_exported_metrics(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}})
     validate_all(r)

@@ -18,6 +18,7 @@ def test_expand_follows_kubernetes(text: str, want: str) -> None:
     assert expand(text, {"A": "1", "B": "2"}) == want
 
 
+@pytest.mark.multiproc
 def test_worker_and_redis_commands_resolve_secrets_fields_and_references(tmp_path: Path) -> None:
     if not HELM.is_file():
         pytest.skip("helm missing (make setup)")

@@ -47,6 +47,7 @@ def grpc_traffic() -> Iterator[None]:
         server.stop(None)
 
 
+@pytest.mark.server
 def test_children_start_while_grpc_calls_are_in_flight(tmp_path: Path, grpc_traffic: None) -> None:
     """With a plain fork (a preexec_fn), gRPC's fork handler restarted its poller in the child and
     close_fds closed the poller's epoll fd: now and then a child aborted before exec (SIGABRT, -6),

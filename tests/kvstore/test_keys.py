@@ -161,6 +161,7 @@ print(",".join(block_hash_hex(h) for h in block_hashes(list(range(100, 140)), 16
 """
 
 
+@pytest.mark.multiproc
 def test_stable_across_processes_and_hash_seeds() -> None:
     expected = ",".join(block_hash_hex(h) for h in block_hashes(TOKENS, 16, SALT.digest()))
     for seed in ("0", "1", "random"):

@@ -368,6 +368,7 @@ def test_int4_needs_even_head_dim() -> None:
     assert any("int4" in w for w in plan.warnings)
 
 
+@pytest.mark.multiproc
 def test_planner_is_torch_free() -> None:
     code = "import sys, kvstore.plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True,

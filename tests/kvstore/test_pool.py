@@ -282,6 +282,7 @@ def test_check_integrity_catches_corruption() -> None:
         pool.check_integrity()
 
 
+@pytest.mark.multiproc
 def test_pool_and_keys_are_torch_free() -> None:
     code = ("import sys, kvstore.pool, kvstore.keys, kvstore.errors; "
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")

@@ -205,6 +205,7 @@ def _generate(channel: grpc.Channel, prompt: str = PROMPT, **kw: Any) -> tuple[s
     return "".join(text), last
 
 
+@pytest.mark.redis
 def test_grpc_over_tls_and_openai_sdk_over_https(secured: Secured) -> None:
     with _router_channel(secured) as ch:
         grpc_text, last = _generate(ch)
@@ -227,6 +228,7 @@ def test_grpc_over_tls_and_openai_sdk_over_https(secured: Secured) -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{secured.http_port}/health", timeout=5)
 
 
+@pytest.mark.redis
 def test_worker_needs_a_client_certificate_then_the_token(secured: Secured) -> None:
     address = secured.worker.address
     with grpc.secure_channel(address, secured.certs.client_credentials(False)) as ch:
@@ -249,6 +251,7 @@ def test_worker_needs_a_client_certificate_then_the_token(secured: Secured) -> N
         assert load.worker_id == "worker-0"
 
 
+@pytest.mark.redis
 def test_fake_worker_registered_in_redis_gets_nothing(secured: Secured, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
     with grpc.secure_channel(secured.worker.address, secured.certs.client_credentials(True)) as ch:
@@ -312,6 +315,7 @@ def test_no_token_admits_all_and_warns_once(caplog: pytest.LogCaptureFixture) ->
     assert sum("no --cluster-token" in m for m in caplog.messages) == 1
 
 
+@pytest.mark.multiproc
 def test_embedded_redis_has_a_password_kept_across_restarts(tmp_path: Path) -> None:
     url, child = start_redis(tmp_path, password=REDIS_PASSWORD)
     try:
@@ -330,6 +334,7 @@ def test_embedded_redis_has_a_password_kept_across_restarts(tmp_path: Path) -> N
         terminate([child], 5)
 
 
+@pytest.mark.server
 def test_peer_channel_carries_certificate_and_token(tmp_path: Path) -> None:
     """worker -> worker SendBlocks (worker/cluster_auth.peer_channel) against a server demanding
     both mutual TLS and the token, as a worker does."""

@@ -34,6 +34,7 @@ def grpc_text(web: Cluster, req: pb.GenerateRequest) -> tuple[str, pb.GenerateRe
     return text, last
 
 
+@pytest.mark.server
 def test_completions_equals_grpc(web: Cluster, client: openai.OpenAI) -> None:
     want, last = grpc_text(web, pb.GenerateRequest(text=PROMPT, sampling=greedy(10)))
     r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10, temperature=0)
@@ -48,6 +49,7 @@ def test_completions_equals_grpc(web: Cluster, client: openai.OpenAI) -> None:
     assert r2.choices[0].text.startswith(want) and r2.usage is not None and r2.usage.completion_tokens == 16
 
 
+@pytest.mark.server
 def test_chat_equals_grpc(web: Cluster, client: openai.OpenAI) -> None:
     chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES])
     want, last = grpc_text(web, pb.GenerateRequest(chat=chat, sampling=greedy(12)))
@@ -58,6 +60,7 @@ def test_chat_equals_grpc(web: Cluster, client: openai.OpenAI) -> None:
     assert r.usage is not None and r.usage.prompt_tokens == last.prompt_tokens
 
 
+@pytest.mark.server
 def test_streams_with_usage(web: Cluster, client: openai.OpenAI) -> None:
     want = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
     chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=10, temperature=0,
@@ -82,6 +85,7 @@ def test_streams_with_usage(web: Cluster, client: openai.OpenAI) -> None:
     assert all(c.choices and c.usage is None for c in plain)
 
 
+@pytest.mark.server
 def test_cached_tokens_on_repeated_prefix(client: openai.OpenAI) -> None:
     usages = [client.completions.create(model="smollm2", prompt=LONG_PREFIX + q, max_tokens=2, temperature=0).usage
               for q in ("Where is Porto?", "Where is Gdansk?")]
@@ -89,6 +93,7 @@ def test_cached_tokens_on_repeated_prefix(client: openai.OpenAI) -> None:
     assert usages[1].prompt_tokens_details.cached_tokens >= 64  # four blocks of 16
 
 
+@pytest.mark.server
 def test_models_and_health(web: Cluster, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["smollm2"]
     with urllib.request.urlopen(f"http://127.0.0.1:{web.http_port}/health", timeout=10) as r:
@@ -165,6 +170,7 @@ BAD_PARAM = {"top_k -5": "top_k", "min_p 2": "min_p", "repetition_penalty 0": "r
              "top_logprobs without logprobs": "top_logprobs"}
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gets_openai_error_and_server_keeps_serving(web: Cluster, case: str) -> None:
     path, body, status = BAD[case]
@@ -179,6 +185,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(web: Cluster, case
     assert ok == 200 and answer["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.server
 def test_client_disconnect_mid_stream_cancels_upstream(web: Cluster) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", web.http_port, timeout=30)
     body = _j(prompt="Count to a thousand:", max_tokens=1000, temperature=0, stream=True)
@@ -192,6 +199,7 @@ def test_client_disconnect_mid_stream_cancels_upstream(web: Cluster) -> None:
     assert wait_until(lambda: used_blocks(web.worker_addresses[0]) == 0), "the worker still runs the request"
 
 
+@pytest.mark.server
 def test_no_worker_is_503(web: Cluster) -> None:
     from router.config import RouterConfig
     from router.server import RouterServer
@@ -216,6 +224,7 @@ def grpc_ids(web: Cluster, req: pb.GenerateRequest) -> tuple[list[int], str, pb.
         return summary(run_generate(ch, req))
 
 
+@pytest.mark.server
 def test_vllm_sampling_fields_take_effect_over_grpc_and_http(web: Cluster) -> None:
     """Each field's effect, with the plain greedy continuation as the oracle."""
     port = web.http_port or 0
@@ -262,6 +271,7 @@ def test_vllm_sampling_fields_take_effect_over_grpc_and_http(web: Cluster) -> No
         assert r["usage"]["prompt_tokens"] == len(web.router.core.tokenizer.encode(PROMPT, add_special_tokens=add))
 
 
+@pytest.mark.server
 def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI) -> None:
     chunks = list(client.completions.create(
         model="smollm2", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
@@ -272,6 +282,7 @@ def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI) -> None:
     assert len({c.usage.prompt_tokens for c in chunks if c.usage is not None}) == 1
 
 
+@pytest.mark.server
 def test_openai_sdk_extra_body_and_unknown_fields(client: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
     extra = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
              "stop_token_ids": [2], "skip_special_tokens": True, "spaces_between_special_tokens": True,
@@ -304,6 +315,7 @@ ISSUE_BODIES = [  # requests as load tools send them: all 200
 ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("i", range(len(ISSUE_BODIES)))
 def test_issue_bodies_replay_200(web: Cluster, i: int) -> None:
     path, body = ISSUE_BODIES[i]
@@ -320,6 +332,7 @@ def get(port: int, path: str) -> tuple[int, Any]:
         return r.status, json.loads(r.read())
 
 
+@pytest.mark.server
 def test_utility_endpoints_tokenize_detokenize_version_models(web: Cluster) -> None:
     port, tok = web.http_port or 0, web.router.core.tokenizer
     status, r = post(port, "/tokenize", json.dumps({"model": "smollm2", "prompt": PROMPT}).encode())
@@ -341,6 +354,7 @@ def test_utility_endpoints_tokenize_detokenize_version_models(web: Cluster) -> N
     assert models["data"][0]["max_model_len"] == web.router.core.model_info.max_model_len
 
 
+@pytest.mark.server
 def test_default_temperature_from_generation_config(web: Cluster, tmp_path: Path) -> None:
     from router.fronts.openai.vllm_fields import generation_default_temperature, read_default_temperature
     cfg = tmp_path / "generation_config.json"

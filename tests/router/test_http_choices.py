@@ -45,6 +45,7 @@ def grpc_all(web: Cluster, req: pb.GenerateRequest) -> list[pb.GenerateResponse]
         return list(run_generate(ch, req))
 
 
+@pytest.mark.server
 def test_logprobs_equal_hf_over_grpc_and_http(web: Cluster, client: openai.OpenAI, hf_logprobs: Any) -> None:
     prompt_ids = web.engines[0].encode(PROMPT)
     sampling = greedy(6, logprobs=3, prompt_logprobs=2)
@@ -73,6 +74,7 @@ def test_logprobs_equal_hf_over_grpc_and_http(web: Cluster, client: openai.OpenA
     assert r.choices[0].text == web.router.core.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+@pytest.mark.server
 def test_echo_loglikelihood_equals_hf_sum(web: Cluster, hf_logprobs: Any) -> None:
     """lm-eval's loglikelihood request: echo + logprobs + max_tokens 0, the continuation's sum."""
     context, continuation = "The capital of France is", " Paris, a city on the Seine."
@@ -93,6 +95,7 @@ def test_echo_loglikelihood_equals_hf_sum(web: Cluster, hf_logprobs: Any) -> Non
     assert again["choices"][0]["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
 
 
+@pytest.mark.server
 def test_chat_logprobs_sdk_stream_and_not(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0,  # type: ignore[arg-type]
                                        logprobs=True, top_logprobs=2)
@@ -118,6 +121,7 @@ def test_chat_logprobs_sdk_stream_and_not(client: openai.OpenAI) -> None:
     assert whole.choices[0].logprobs is not None and tokens == whole.choices[0].logprobs.tokens
 
 
+@pytest.mark.server
 def test_n_choices_are_seeded_sequences(web: Cluster, client: openai.OpenAI) -> None:
     """n=3 with seed s: three choices equal to n=1 requests seeded s, s+1, s+2 (forked after
     one prefill); streamed interleaved the same; usage sums the choices."""
@@ -149,6 +153,7 @@ def test_n_choices_are_seeded_sequences(web: Cluster, client: openai.OpenAI) -> 
     assert sum(m.sequence_finished for m in responses) == 3
 
 
+@pytest.mark.server
 def test_reset_prefix_cache(web: Cluster) -> None:
     port = web.http_port or 0
     body = _j(prompt=LONG_PREFIX + "Where is Porto?", max_tokens=1, temperature=0)
@@ -161,6 +166,7 @@ def test_reset_prefix_cache(web: Cluster) -> None:
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+@pytest.mark.server
 def test_reset_prefix_cache_needs_admin_key(web: Cluster) -> None:
     import urllib.error
     import urllib.request
@@ -201,6 +207,7 @@ CHOICE_BODIES = [  # refused-by-design fields, as harnesses send them: all 200
 ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("i", range(len(CHOICE_BODIES)))
 def test_choice_bodies_replay_200(web: Cluster, i: int) -> None:
     path, body = CHOICE_BODIES[i]
@@ -216,6 +223,7 @@ def test_choice_bodies_replay_200(web: Cluster, i: int) -> None:
     assert len(r["choices"]) == body.get("n", 1)
 
 
+@pytest.mark.server
 def test_spaces_between_special_tokens_over_http_and_grpc(web: Cluster) -> None:
     body: dict[str, Any] = dict(messages=[{"role": "user", "content": "Hi!"}], max_tokens=12, temperature=0,
                                 ignore_eos=True, skip_special_tokens=False)
@@ -237,6 +245,7 @@ BAD_GRPC = {  # the same validation as HTTP (contracts.sampling), as INVALID_ARG
 }
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("field", list(BAD_GRPC))
 def test_grpc_rejects_the_same_values(web: Cluster, field: str) -> None:
     with pytest.raises(grpc.RpcError) as err:

@@ -144,6 +144,7 @@ def test_evidence_weights_are_rebased_long_before_they_overflow() -> None:
     index.check_integrity()
 
 
+@pytest.mark.multiproc
 def test_router_index_imports_no_torch() -> None:
     code = "import sys, router.index.blocks, kvstore.metadata.streams; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -36,6 +36,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return found[0]
 
 
+@pytest.mark.server
 def test_router_counters_equal_what_the_clients_were_told(web: Cluster) -> None:
     prompts = [LONG_PREFIX + "What is the capital of France?", LONG_PREFIX + "Which river flows through Vienna?",
                "Hi"]
@@ -68,6 +69,7 @@ def cluster_doc(port: int | None) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
+@pytest.mark.server
 def test_cluster_json_moves_by_what_one_request_did(web: Cluster) -> None:
     before = cluster_doc(web.http_port)
     with grpc.insecure_channel(f"127.0.0.1:{web.grpc_port}") as ch:
@@ -87,6 +89,7 @@ def test_cluster_json_moves_by_what_one_request_did(web: Cluster) -> None:
     assert after["policy"] == web.router.cfg.routing_policy.value
 
 
+@pytest.mark.server
 def test_x_request_id_names_the_request_in_router_and_worker_logs(web: Cluster, caplog: Any) -> None:
     body = json.dumps({"model": "smollm2", "prompt": "Hello", "max_tokens": 2}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{web.http_port}/v1/completions", data=body,
@@ -108,6 +111,7 @@ def test_x_request_id_names_the_request_in_router_and_worker_logs(web: Cluster, 
     assert e.value.code == 400
 
 
+@pytest.mark.server
 def test_tenant_counts_and_cluster_json_agree(web: Cluster) -> None:
     """Without API keys every client is the tenant `default`: each generating request, HTTP or
     gRPC, counts once in /metrics and in /v1/cluster."""
@@ -127,6 +131,7 @@ def test_tenant_counts_and_cluster_json_agree(web: Cluster) -> None:
     assert tenants == [{"tenant": "default", "admitted": before + 2, "rejected": 0}]
 
 
+@pytest.mark.server
 def test_request_id_on_every_router_and_worker_json_line(web: Cluster) -> None:
     """With the JSON log format, every line logged while serving a request carries its id (a
     contextvar), in the router and, through gRPC metadata, in the worker."""
@@ -144,6 +149,8 @@ def test_request_id_on_every_router_and_worker_json_line(web: Cluster) -> None:
     assert unknown and all(d.get("request_id") == "json-trace-9" for d in unknown), lines
 
 
+@pytest.mark.multiproc
+@pytest.mark.server
 @needs_prometheus
 def test_real_prometheus_scrapes_the_router_and_promql_gives_the_hit_rate(web: Cluster, tmp_path: Path) -> None:
     """Debian's prometheus scrapes the router's /metrics every second (generated config); a PromQL

@@ -68,6 +68,7 @@ def check(case: schemathesis.Case, base_url: str) -> None:
         assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
 
 
+@pytest.mark.server
 @QUICK_SCHEMA.parametrize()
 @QUICK
 def test_fuzz_no_5xx(case: schemathesis.Case, base_url: str) -> None:
@@ -81,6 +82,7 @@ def test_fuzz_no_5xx_long(case: schemathesis.Case, base_url: str) -> None:
     check(case, base_url)
 
 
+@pytest.mark.server
 def test_document_and_next_request_served(base_url: str) -> None:
     with urllib.request.urlopen(f"{base_url}/openapi.json", timeout=30) as r:
         doc = json.loads(r.read())
@@ -96,6 +98,7 @@ def test_document_and_next_request_served(base_url: str) -> None:
         assert json.loads(r.read())["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.server
 def test_found_by_fuzzing_extreme_repetition_penalty(base_url: str) -> None:
     """A repetition_penalty of 1.5e-42 overflowed the penalised logits to +inf: the sampler's
     softmax gave NaN and the worker answered INTERNAL (HTTP 500)."""

@@ -161,6 +161,7 @@ def test_prefix_hash_policy_is_stable_and_minimal_on_removal() -> None:
 
 
 # -- generation ---------------------------------------------------------------------------
+@pytest.mark.server
 @pytest.mark.parametrize("kind", ["text", "token_ids", "chat"])
 def test_greedy_through_router_equals_worker_direct(cluster: Cluster, router_channel: grpc.Channel,
                                                     kind: str) -> None:
@@ -183,6 +184,7 @@ def test_greedy_through_router_equals_worker_direct(cluster: Cluster, router_cha
     assert last.worker_id in ("worker-0", "worker-1")
 
 
+@pytest.mark.server
 def test_same_prefix_same_worker_and_cached(cluster: Cluster, router_channel: grpc.Channel) -> None:
     info = cluster.router.core.model_info
     assert info is not None
@@ -199,6 +201,7 @@ def test_same_prefix_same_worker_and_cached(cluster: Cluster, router_channel: gr
     assert cluster.router.core.policy.pick(cluster.router.core.live_workers(), route, state).worker_id == lasts[0].worker_id
 
 
+@pytest.mark.server
 def test_32_concurrent_streams_complete(cluster: Cluster) -> None:
     async def one(stub: pb_grpc.RouterStub, i: int) -> pb.GenerateResponse:
         req = pb.GenerateRequest(text=f"Story {i}: once upon a time", sampling=greedy(6, ignore_eos=True))
@@ -229,6 +232,7 @@ def wait_until(predicate: Any, timeout: float = 10) -> bool:
     return predicate()
 
 
+@pytest.mark.server
 def test_cancelled_stream_frees_blocks_on_the_worker(cluster: Cluster, router_channel: grpc.Channel) -> None:
     req = pb.GenerateRequest(text="Count slowly: one, two,", sampling=greedy(500, ignore_eos=True))
     call = pb_grpc.RouterStub(router_channel).Generate(req, timeout=60)
@@ -239,6 +243,7 @@ def test_cancelled_stream_frees_blocks_on_the_worker(cluster: Cluster, router_ch
     assert wait_until(lambda: used_blocks(address) == 0), "the cancelled request still holds blocks"
 
 
+@pytest.mark.server
 def test_abort_goes_to_the_worker_holding_the_request(cluster: Cluster, router_channel: grpc.Channel) -> None:
     stub = pb_grpc.RouterStub(router_channel)
     req = pb.GenerateRequest(request_id="abort-me", text="Tell me a long story.",
@@ -251,6 +256,7 @@ def test_abort_goes_to_the_worker_holding_the_request(cluster: Cluster, router_c
     assert not stub.Abort(pb.AbortRequest(request_id="abort-me"), timeout=10).found
 
 
+@pytest.mark.server
 def test_model_info_health_and_reflection(cluster: Cluster, router_channel: grpc.Channel) -> None:
     info = pb_grpc.RouterStub(router_channel).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
     with grpc.insecure_channel(cluster.worker_addresses[0]) as ch:
@@ -306,6 +312,7 @@ BAD_REQUESTS: dict[str, tuple[bytes, grpc.StatusCode]] = {
 }
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_request_gets_its_status_and_router_keeps_serving(router_channel: grpc.Channel, case: str) -> None:
     raw, code = BAD_REQUESTS[case]
@@ -322,6 +329,7 @@ def test_bad_request_gets_its_status_and_router_keeps_serving(router_channel: gr
 
 
 # -- failures of workers ------------------------------------------------------------------
+@pytest.mark.server
 def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel: grpc.Channel) -> None:
     req = pb.GenerateRequest(text=LONG_PREFIX + "Where is Lyon?", sampling=greedy(4))
     owner = summary(run_generate(router_channel, req))[2].worker_id
@@ -346,6 +354,7 @@ def test_killed_worker_requests_go_to_the_other(cluster: Cluster, router_channel
     assert summary(run_generate(router_channel, req))[2].worker_id == owner
 
 
+@pytest.mark.server
 def test_mismatched_workers_refuse_to_start(cluster: Cluster, tiny_model_dir: Any) -> None:
     from worker.engine.engine import EngineConfig
     from worker.server.service import WorkerServer, WorkerServerConfig
@@ -362,6 +371,7 @@ def test_mismatched_workers_refuse_to_start(cluster: Cluster, tiny_model_dir: An
         cluster.lt.run(tiny.stop(1))
 
 
+@pytest.mark.server
 def test_no_worker_ready_is_unavailable(cluster: Cluster) -> None:
     async def check() -> grpc.StatusCode:
         router = RouterServer(RouterConfig(worker_addresses=("127.0.0.1:1",), model=str(cluster.model_dir),
@@ -382,6 +392,7 @@ def test_no_worker_ready_is_unavailable(cluster: Cluster) -> None:
 
 
 # -- the CLI ------------------------------------------------------------------------------
+@pytest.mark.server
 def test_client_cli_router_and_worker_fallback(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     from kvmesh.cli import main
     prompt = "The capital of Italy is"
@@ -396,6 +407,8 @@ def test_client_cli_router_and_worker_fallback(cluster: Cluster, capsys: pytest.
     assert "--target 127.0.0.1:1" in capsys.readouterr().err
 
 
+@pytest.mark.multiproc
+@pytest.mark.server
 def test_router_cli_serves_until_sigterm(cluster: Cluster) -> None:
     cmd = [sys.executable, "-m", "kvmesh.cli", "router", "--grpc-port", "0", "--http-port", "0",
            "--model", str(cluster.model_dir)] + [a for w in cluster.worker_addresses for a in ("--worker", w)]

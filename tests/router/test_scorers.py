@@ -153,6 +153,7 @@ def test_router_config_takes_the_cli_spelling_and_stores_the_member():
         RouterConfig(routing_policy="fastest")
 
 
+@pytest.mark.multiproc
 def test_router_core_and_fronts_import_no_torch():
     import subprocess
     import sys

@@ -80,6 +80,7 @@ def sdk(port: int, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
 
 
+@pytest.mark.server
 def test_http_keys_with_openai_sdk(keyed: Keyed) -> None:
     with pytest.raises(openai.AuthenticationError) as bad:
         sdk(keyed.http_port, "sk-wrong").completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
@@ -96,6 +97,7 @@ def test_http_keys_with_openai_sdk(keyed: Keyed) -> None:
     assert r.usage is not None and r.usage.completion_tokens == 2
 
 
+@pytest.mark.server
 def test_http_missing_or_malformed_header_is_401_and_health_open(keyed: Keyed) -> None:
     base = f"http://127.0.0.1:{keyed.http_port}"
     for headers in ({}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}, {"Authorization": "Bearer "}):
@@ -110,6 +112,7 @@ def test_http_missing_or_malformed_header_is_401_and_health_open(keyed: Keyed) -
         assert json.loads(r.read())["data"][0]["id"] == "smollm2"
 
 
+@pytest.mark.server
 def test_metrics_open_by_default_keyed_with_metrics_require_key(keyed: Keyed) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{keyed.http_port}/metrics", timeout=10) as r:
         assert r.status == 200 and b"kvmesh:router_" in r.read()      # a keyed router, no key sent
@@ -127,6 +130,7 @@ def test_metrics_open_by_default_keyed_with_metrics_require_key(keyed: Keyed) ->
     assert asyncio.run(scrape(True, {"Authorization": f"Bearer {KEY}"})) == 200
 
 
+@pytest.mark.server
 def test_grpc_unauthenticated_without_key(keyed: Keyed) -> None:
     req = pb.GenerateRequest(text=PROMPT, sampling=greedy(2))
     with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
@@ -208,6 +212,7 @@ def assert_4xx(status: int, body: object, want: int | None = None) -> None:
     assert isinstance(body, dict) and isinstance(body["error"], dict) and body["error"]["message"], body
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_hostile_json_bodies_are_4xx(keyed: Keyed, path: str) -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
@@ -230,6 +235,7 @@ def test_hostile_json_bodies_are_4xx(keyed: Keyed, path: str) -> None:
     assert_served(keyed.http_port)
 
 
+@pytest.mark.server
 def test_wrong_methods_and_paths_are_openai_json(keyed: Keyed) -> None:
     for method, path in (("GET", "/v1/completions"), ("PUT", "/v1/chat/completions"), ("DELETE", "/v1/models")):
         status, body = post(keyed.http_port, path, b"", method=method)
@@ -240,6 +246,7 @@ def test_wrong_methods_and_paths_are_openai_json(keyed: Keyed) -> None:
     assert_served(keyed.http_port)
 
 
+@pytest.mark.server
 def test_body_shorter_than_content_length_times_out(keyed: Keyed) -> None:
     with socket.create_connection(("127.0.0.1", keyed.http_port), timeout=20) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -251,6 +258,7 @@ def test_body_shorter_than_content_length_times_out(keyed: Keyed) -> None:
     assert_served(keyed.http_port)
 
 
+@pytest.mark.server
 def test_idle_keepalive_connection_is_closed(keyed: Keyed) -> None:
     with socket.create_connection(("127.0.0.1", keyed.http_port), timeout=20) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -260,6 +268,7 @@ def test_idle_keepalive_connection_is_closed(keyed: Keyed) -> None:
         assert time.monotonic() - t0 < 15
 
 
+@pytest.mark.server
 def test_zero_token_prompt_is_rejected(keyed: Keyed) -> None:
     status, body = post(keyed.http_port, "/v1/completions", b'{"prompt": "", "max_tokens": 2}')
     assert_4xx(status, body, 400)
@@ -273,6 +282,7 @@ def test_zero_token_prompt_is_rejected(keyed: Keyed) -> None:
     assert_served(keyed.http_port)
 
 
+@pytest.mark.server
 def test_grpc_garbage_bytes_on_every_router_method(keyed: Keyed) -> None:
     md = (("authorization", f"Bearer {KEY}"),)
     with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
@@ -289,6 +299,7 @@ def test_grpc_garbage_bytes_on_every_router_method(keyed: Keyed) -> None:
         assert out[-1].finished
 
 
+@pytest.mark.server
 def test_grpc_garbage_bytes_on_every_worker_method(keyed: Keyed, caplog: pytest.LogCaptureFixture) -> None:
     with grpc.insecure_channel(keyed.open.worker_addresses[0]) as ch, caplog.at_level(logging.ERROR):
         for method, streaming in (("Generate", True), ("Abort", False), ("GetModelInfo", False),
@@ -305,6 +316,7 @@ def test_grpc_garbage_bytes_on_every_worker_method(keyed: Keyed, caplog: pytest.
         assert info.model
 
 
+@pytest.mark.server
 def test_max_concurrent_per_tenant(keyed: Keyed) -> None:
     """Limit 1: while tenant-a streams, its next request (HTTP or gRPC) is refused; the other
     tenant is served; after the stream ends tenant-a is served again."""
@@ -342,6 +354,7 @@ def test_config_rejects_bad_limits() -> None:
         RouterConfig(http_read_timeout_s=0)
 
 
+@pytest.mark.server
 def test_priority_only_for_flagged_tenants(keyed: Keyed) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "priority": 1}).encode()
     status, parsed = post(keyed.http_port, "/v1/completions", body)          # KEY: tenant 'default', not flagged

@@ -79,6 +79,7 @@ def served(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPat
             lt.close()
 
 
+@pytest.mark.server
 def test_engine_generate_rejects_zero_tokens(served: Served) -> None:
     from worker.engine.engine import InvalidRequest
     from worker.engine.sampling import SamplingParams
@@ -88,6 +89,7 @@ def test_engine_generate_rejects_zero_tokens(served: Served) -> None:
             served.engine.generate(prompt, SamplingParams(max_tokens=2))
 
 
+@pytest.mark.server
 def test_cli_generate_rejects_zero_tokens(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
     from kvmesh.cli import main
     for extra in (["--json"], []):
@@ -97,6 +99,7 @@ def test_cli_generate_rejects_zero_tokens(served: Served, capsys: pytest.Capture
         assert "--prompt" in err and "empty" in err
 
 
+@pytest.mark.server
 def test_grpc_and_http_reject_zero_tokens(served: Served) -> None:
     req = pb.GenerateRequest(text=NOTHING, sampling=pb.SamplingParams(max_tokens=2))
     for port, stub_cls in ((served.worker_port, pb_grpc.WorkerStub), (served.grpc_port, pb_grpc.RouterStub)):

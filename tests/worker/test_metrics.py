@@ -53,6 +53,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return found[0]
 
 
+@pytest.mark.server
 def test_counters_equal_what_the_clients_were_told(worker):
     server, channel = worker
     assert server.metrics_port
@@ -83,6 +84,7 @@ def test_counters_equal_what_the_clients_were_told(worker):
     assert [v for (n, _), v in s.items() if n == "kvmesh:kv_cache_dtype_info"] == [1.0]
 
 
+@pytest.mark.server
 def test_gauges_follow_the_engine_snapshot(worker):
     server, channel = worker
     load = pb_grpc.WorkerStub(channel).GetLoad(pb.LoadRequest())
@@ -124,6 +126,7 @@ def test_metrics_port_flag_default():
         WorkerServerConfig(metrics_port=70000)
 
 
+@pytest.mark.server
 def test_one_access_log_line_per_finished_request(worker, caplog):
     _, channel = worker
     with caplog.at_level(logging.INFO, logger="kvmesh.worker"):

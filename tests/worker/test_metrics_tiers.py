@@ -55,6 +55,7 @@ def settled(server: WorkerServer, channel: grpc.Channel) -> Any:
     return scrape(server.metrics_port)
 
 
+@pytest.mark.server
 def test_offload_onload_eviction_and_preemption_counters(tiered):
     server, channel, engine = tiered
     stub = pb_grpc.WorkerStub(channel)
@@ -93,6 +94,7 @@ def test_offload_onload_eviction_and_preemption_counters(tiered):
     assert value(s, "kvmesh:inter_token_latency_seconds_count") == 1 * 5 + 23 * 3
 
 
+@pytest.mark.server
 def test_metadata_request_id_on_every_worker_json_line(tiered):
     _, channel, _ = tiered
     with json_logs() as logs:
@@ -107,6 +109,8 @@ def test_metadata_request_id_on_every_worker_json_line(tiered):
     assert isinstance(logs.handler.formatter, JsonFormatter)
 
 
+@pytest.mark.multiproc
+@pytest.mark.server
 @needs_prometheus
 def test_real_prometheus_sees_the_vllm_style_names(tiered, tmp_path):
     """Debian's prometheus (which asks for OpenMetrics first) scrapes the worker and finds the

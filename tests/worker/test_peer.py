@@ -226,6 +226,7 @@ def _runner(stub: Any, hint: pb.PeerHint) -> Any:
     return run
 
 
+@pytest.mark.server
 def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, two_workers: Any) -> None:
     loop, servers, engines, ports, ca, cb = two_workers
     oracle = Engine(_cfg(tiny_model_dir, enable_prefix_caching=False))
@@ -316,6 +317,7 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, 
     assert b.GetLoad(pb.LoadRequest()).peer.fetch_failures == 1
 
 
+@pytest.mark.server
 def test_rogue_send_blocks_breaks_one_pair_and_the_next_fetch_forms_a_new_one(tiny_model_dir: Any,
                                                                               two_workers: Any) -> None:
     """The attack of issue 17: SendBlocks for 8 blocks A holds with nobody to receive them —
@@ -352,6 +354,7 @@ def test_rogue_send_blocks_breaks_one_pair_and_the_next_fetch_forms_a_new_one(ti
     assert servers[1]._peer.pairs.receiving("w-a").key != live.key
 
 
+@pytest.mark.server
 def test_send_blocks_without_a_transfer_group_is_failed_precondition(tiny_model_dir: Any) -> None:
     loop = LoopThread()
     engine = Engine(_cfg(tiny_model_dir))

@@ -100,6 +100,7 @@ def assert_serves(channel: grpc.Channel) -> None:
 
 
 # -- generation -----------------------------------------------------------------------------
+@pytest.mark.server
 def test_generate_equals_engine_generate_and_reports_cache(channel, tiny_model_dir):
     # The oracle replays the same requests in the same order with the same config, so both
     # engines take the same cache path (cold, then a cached prefix).
@@ -138,6 +139,7 @@ def test_generate_equals_engine_generate_and_reports_cache(channel, tiny_model_d
     assert after.prefix_hit_blocks > before.prefix_hit_blocks and after.num_blocks == 256
 
 
+@pytest.mark.server
 def test_model_info(channel, tiny_engine):
     info = pb_grpc.WorkerStub(channel).GetModelInfo(pb.ModelInfoRequest())
     assert info.model == tiny_engine.model_config.name and info.vocab_size == 256
@@ -146,6 +148,7 @@ def test_model_info(channel, tiny_engine):
     assert info.attention_backend == tiny_engine.runner.attention_backend.value  # native or torch on CPU
 
 
+@pytest.mark.server
 def test_health_and_reflection(channel):
     assert health_status(channel) == SERVING and health_status(channel, WORKER_SERVICE) == SERVING
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -154,6 +157,7 @@ def test_health_and_reflection(channel):
     assert {"kvmesh.v1.Worker", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.server
 def test_loading_then_text_and_chat_on_smollm2(loop, smollm2_dir):
     server = WorkerServer(EngineConfig(model=str(smollm2_dir), num_blocks=64),
                           WorkerServerConfig(worker_id="w-smol"))
@@ -189,6 +193,7 @@ def test_loading_then_text_and_chat_on_smollm2(loop, smollm2_dir):
 
 
 # -- draining -------------------------------------------------------------------------------
+@pytest.mark.server
 def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
     engine = Engine(tiny_cfg(tiny_model_dir))
     server = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="w-drain"), engine=engine)
@@ -218,6 +223,7 @@ def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
     assert engine.store.pool.num_used_blocks == 0 and not engine.has_unfinished()
 
 
+@pytest.mark.server
 def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir):
     engine = Engine(tiny_cfg(tiny_model_dir))
     server = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="w-cut"), engine=engine)
@@ -240,6 +246,7 @@ def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir):
 
 
 # -- cancellation ---------------------------------------------------------------------------
+@pytest.mark.server
 def test_client_cancel_aborts_and_frees_blocks(channel):
     stub = pb_grpc.WorkerStub(channel)
     stream = stub.Generate(request([30, 31, 32, 33, 34, 35], **LONG))
@@ -251,6 +258,7 @@ def test_client_cancel_aborts_and_frees_blocks(channel):
     assert_serves(channel)
 
 
+@pytest.mark.server
 def test_deadline_exceeded_aborts_and_frees_blocks(channel):
     stub = pb_grpc.WorkerStub(channel)
     got: list[pb.GenerateResponse] = []
@@ -263,6 +271,7 @@ def test_deadline_exceeded_aborts_and_frees_blocks(channel):
     assert_serves(channel)
 
 
+@pytest.mark.server
 def test_abort_rpc_ends_stream_with_abort(channel):
     stub = pb_grpc.WorkerStub(channel)
     stream = stub.Generate(request([50, 51, 52, 53], "abort-me", **LONG))
@@ -312,6 +321,7 @@ BAD_INPUT = {
 }
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_invalid_argument_and_server_keeps_serving(channel, case):
     raw, expected = BAD_INPUT[case]
@@ -324,6 +334,7 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(channel, case):
     assert_serves(channel)
 
 
+@pytest.mark.server
 def test_oversized_message_is_resource_exhausted(channel):
     with pytest.raises(grpc.RpcError) as err:
         list(pb_grpc.WorkerStub(channel).Generate(pb.GenerateRequest(text="a" * 10_000_000), timeout=10))
@@ -331,6 +342,7 @@ def test_oversized_message_is_resource_exhausted(channel):
     assert_serves(channel)
 
 
+@pytest.mark.server
 def test_queue_full_is_resource_exhausted(loop, tiny_model_dir):
     # One running slot and one waiting slot: a third request cannot be queued.
     engine = Engine(tiny_cfg(tiny_model_dir, max_queue_len=1, max_num_seqs=1))
@@ -352,6 +364,7 @@ def test_queue_full_is_resource_exhausted(loop, tiny_model_dir):
         assert_serves(ch)
 
 
+@pytest.mark.server
 def test_config_validation():
     for bad in (dict(port=70000), dict(worker_id=""), dict(advertise_address="nohost"),
                 dict(advertise_address="h:0"), dict(drain_timeout_s=-1.0), dict(max_message_bytes=0),

@@ -116,6 +116,7 @@ def test_stalled_engine_turns_not_live_and_leaves_the_registry(loop, tiny_engine
     assert_idle(tiny_engine)
 
 
+@pytest.mark.server
 def test_repeated_step_failures_turn_not_live(loop, tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken_step() -> Any:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -139,6 +140,7 @@ def test_repeated_step_failures_turn_not_live(loop, tiny_engine, monkeypatch: py
     assert_idle(tiny_engine)
 
 
+@pytest.mark.server
 def test_idle_engine_stays_live_past_the_timeout(loop, tiny_engine) -> None:
     with serving(loop, tiny_engine.cfg, tiny_engine, worker_id="w-idle", metrics_port=0,
                  liveness_timeout_s=2.0) as (server, ch):
@@ -151,6 +153,7 @@ def test_idle_engine_stays_live_past_the_timeout(loop, tiny_engine) -> None:
             f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
 
 
+@pytest.mark.server
 def test_loading_and_draining_are_live_but_not_ready(loop, tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = threading.Event()
 

@@ -59,6 +59,7 @@ def big_channel(port: int) -> grpc.Channel:
                                  options=[("grpc.max_receive_message_length", MAX_TOKENIZER_MESSAGE_BYTES)])
 
 
+@pytest.mark.server
 def test_get_tokenizer_round_trip(loop, tok_engine: Engine, tok_model_dir: Path) -> None:
     with serving(loop, tok_engine.cfg, tok_engine, worker_id="w-tok", cluster_token=TOKEN) as (server, _), \
             big_channel(server.port) as ch:
@@ -79,6 +80,7 @@ def test_get_tokenizer_round_trip(loop, tok_engine: Engine, tok_model_dir: Path)
         assert loaded.apply_chat_template(chat) == local.apply_chat_template(chat) == want
 
 
+@pytest.mark.server
 def test_every_worker_rpc_but_attest_needs_the_token(loop, tok_engine: Engine) -> None:
     """Listed from the service descriptor, so a new RPC is covered the day it is added."""
     methods = pb.DESCRIPTOR.services_by_name["Worker"].methods
@@ -100,6 +102,7 @@ def test_every_worker_rpc_but_attest_needs_the_token(loop, tok_engine: Engine) -
         assert pb_grpc.WorkerStub(ch).GetTokenizer(pb.TokenizerRequest(), metadata=AUTH, timeout=30).sha256
 
 
+@pytest.mark.server
 def test_too_large_tokenizer_is_refused(loop, tok_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(worker.server.load, "read_tokenizer_files",
                         functools.partial(read_tokenizer_files, max_bytes=PADDING))
@@ -112,6 +115,7 @@ def test_too_large_tokenizer_is_refused(loop, tok_engine: Engine, monkeypatch: p
         assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10).tokenizer_sha256 == ""
 
 
+@pytest.mark.server
 def test_model_without_tokenizer(loop, tiny_model_dir: Any) -> None:
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=64))
     with serving(loop, engine.cfg, engine, worker_id="w-notok") as (_, ch):

@@ -234,6 +234,7 @@ def test_mixed_step_collecting_scores_runs_the_reference() -> None:
 
 
 # -- compiled, without a GPU ------------------------------------------------------------------
+@pytest.mark.multiproc
 def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     """Every kernel variant (each QUANT path, fp32 and bf16 queries, the launch tiles and warps)
     compiles to an sm_90 cubin with the LLVM and ptxas in the triton wheel: no GPU needed."""
