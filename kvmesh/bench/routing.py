@@ -5,9 +5,9 @@
    hit rate, load imbalance and TTFT p50 per policy, against an oracle single pool of the
    combined size. The headline figures are for 8 workers. Then `kvmesh bench routing-live`'s
    three scenarios (no pressure, pressure, shift) simulated, averaged over 10 traces.
-2. Live: 3 real worker processes on the default model behind one router per policy, each
-   policy on empty pools (the workers' prefix caches reset before it: as cold as a fresh
-   cluster, so the policies are compared and not their order); the fraction of prompt tokens
+2. Live: a fresh cluster of 3 real worker processes on the default model per policy, behind
+   an in-process router of that policy, every policy with the same system prompts and request
+   sequence (so the policies are compared and not their order); the fraction of prompt tokens
    served from cache, from the workers' own GetLoad counters.
 """
 from __future__ import annotations
@@ -219,7 +219,7 @@ def simulate_live_scenarios(quick: bool, seeds: int = 10) -> dict[str, Any]:
 
 async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
     """Same kind of trace, real processes: cached prompt-token fraction per policy. Every
-    policy sees the same system prompts and request sequence on pools emptied before it."""
+    policy sees the same system prompts and request sequence on a fresh cluster."""
 
     rng = random.Random(seed)
     num_prompts, num_requests = (8, 32) if quick else (12, 96)
@@ -230,58 +230,50 @@ async def run_live(model: str, quick: bool, seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Small KV pools (48 blocks of 16 tokens: about four system prompts each) so that, as in
     # production, no worker can hold every tenant and where a request goes matters.
-    with LocalCluster(ServeConfig(workers=3, model=model, grpc_port=0, http_port=0,
-                                  engine_argv=("--num-blocks", "48"),
-                                  cluster_name=f"bench-{rng.randrange(10**6)}")) as cluster:
-        for policy in POLICY_ORDER:
-            await _empty_pools(cluster.worker_addresses)   # no policy inherits another's cache
-            server = RouterServer(RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=model,
-                                               http_port=None, redis_url=cluster.redis_url,
-                                               cluster_name=cluster.cfg.cluster_name, routing_policy=policy))
-            await server.start()
-            await server.wait_ready(60)
-            router = server.core
-            before = await _worker_counters(cluster.worker_addresses)
-            sem = asyncio.Semaphore(6)
-            served: Counter[str] = Counter()
-
-            async def one(i: int) -> None:
-                system = systems[picks[i]]
-                req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[
-                    pb.ChatMessage(role="system", content=system),
-                    pb.ChatMessage(role="user", content=f"Question {i}: summarise in one word.")]),
-                    sampling=pb.SamplingParams(max_tokens=1, temperature=0.0))
-                async with sem:
-                    prepared = await router.prepare(_to_input(req))
-                    async for response in router.generate(prepared, 120):
-                        if response.finished:
-                            served[response.worker_id] += 1
-                    await asyncio.sleep(0.05)      # let KV events reach the index
-
-            await asyncio.gather(*(one(i) for i in range(num_requests)))
-            after = await _worker_counters(cluster.worker_addresses)
-            prompt = sum(a[0] - b[0] for a, b in zip(after, before))
-            cached = sum(a[1] - b[1] for a, b in zip(after, before))
-            out[policy.value] = {"cached_token_frac": cached / prompt if prompt else 0.0,
-                           "prompt_tokens": prompt, "routed_hit_tokens": router.stats.routed_hit_tokens,
-                           "hit_mismatches": router.stats.mismatches,
-                           "requests_per_worker": dict(sorted(served.items()))}
-            await server.stop(1)
+    for policy in POLICY_ORDER:
+        with LocalCluster(ServeConfig(workers=3, model=model, grpc_port=0, http_port=0,
+                                      engine_argv=("--num-blocks", "48"),
+                                      cluster_name=f"bench-{policy.value.replace('_', '-')}-{rng.randrange(10**6)}")
+                          ) as cluster:
+            out[policy.value] = await _live_policy(cluster, model, policy, systems, picks)
     out["config"] = {"workers": 3, "num_blocks_per_worker": 48, "system_prompts": num_prompts,
                      "requests": num_requests, "max_tokens": 1, "concurrency": 6}
     return out
 
 
-async def _empty_pools(addresses: list[str], timeout_s: float = 60.0) -> None:
-    """Drop every worker's cached prefixes (Worker.ResetPrefixCache, which refuses while a
-    block is in use: asked again until it resets)."""
-    deadline = time.monotonic() + timeout_s
-    for address in addresses:
-        async with grpc.aio.insecure_channel(address) as ch:
-            while not (await pb_grpc.WorkerStub(ch).ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10)).reset:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {address} kept blocks in use for {timeout_s:.0f} s")
-                await asyncio.sleep(0.5)
+async def _live_policy(cluster: LocalCluster, model: str, policy: RoutingPolicy, systems: list[str],
+                       picks: list[int]) -> dict[str, Any]:
+    """`picks` (system prompt per request) through an in-process router of `policy` on `cluster`."""
+    server = RouterServer(RouterConfig(worker_addresses=tuple(cluster.worker_addresses), model=model,
+                                       http_port=None, redis_url=cluster.redis_url,
+                                       cluster_name=cluster.cfg.cluster_name, routing_policy=policy))
+    await server.start()
+    await server.wait_ready(60)
+    router = server.core
+    before = await _worker_counters(cluster.worker_addresses)
+    sem = asyncio.Semaphore(6)
+    served: Counter[str] = Counter()
+
+    async def one(i: int) -> None:
+        req = pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="system", content=systems[picks[i]]),
+            pb.ChatMessage(role="user", content=f"Question {i}: summarise in one word.")]),
+            sampling=pb.SamplingParams(max_tokens=1, temperature=0.0))
+        async with sem:
+            prepared = await router.prepare(_to_input(req))
+            async for response in router.generate(prepared, 120):
+                if response.finished:
+                    served[response.worker_id] += 1
+            await asyncio.sleep(0.05)      # let KV events reach the index
+
+    await asyncio.gather(*(one(i) for i in range(len(picks))))
+    after = await _worker_counters(cluster.worker_addresses)
+    prompt = sum(a[0] - b[0] for a, b in zip(after, before))
+    cached = sum(a[1] - b[1] for a, b in zip(after, before))
+    await server.stop(1)
+    return {"cached_token_frac": cached / prompt if prompt else 0.0,
+            "prompt_tokens": prompt, "routed_hit_tokens": router.stats.routed_hit_tokens,
+            "hit_mismatches": router.stats.mismatches, "requests_per_worker": dict(sorted(served.items()))}
 
 
 def _to_input(req: pb.GenerateRequest) -> Any:
