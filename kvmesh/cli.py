@@ -18,6 +18,7 @@ from kvmesh.bench import routing as router_bench
 from kvmesh.bench import tenants as bench_tenants
 from kvmesh.bench import transfer as bench_transfer
 from kvmesh.serve import cli as serve_cli
+from router import flags as router_flags
 from router import server
 from worker import cli as wcli
 from worker.server import cli as server_cli
@@ -55,7 +56,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
 
 def _router(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="serve the router: gRPC + OpenAI HTTP in front of workers")
-    server.add_router_arguments(p)
+    router_flags.add_router_arguments(p)
     p.set_defaults(run=server.run_router)
 
 

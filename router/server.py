@@ -1,6 +1,6 @@
 """`RouterServer` wires one router process: config → tokenizer → worker registry → routing
 core (router/routing/core.py) → fronts (gRPC: router/fronts/grpc_front.py; OpenAI HTTP: router/fronts/openai/app.py);
-and `kvmesh router` (its flags and `run_router`).
+and `kvmesh router`'s `run_router` (its flags: router/flags.py).
 
 The tokenizer comes from `--model`'s dir (`--tokenizer-source local`) or from the first ready
 worker (`worker`: router/workers/tokenizer.py); readiness (HTTP /health and /readyz, gRPC health
@@ -15,19 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterable
 
-from contracts.cluster_token import add_cluster_auth_arguments, token_from
-from contracts.logs import add_log_format_argument, configure_logging
+from contracts.logs import configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
-from contracts.tls import tls_from_args
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from router.security.auth import add_auth_arguments, keys_from_args, warn_if_open
+from router.security.auth import warn_if_open
 from router.config import RouterConfig, TokenizerSource
+from router.flags import router_config_from_args
 from router.routing.core import Router
 from router.routing.errors import RouterStartError
 from router.fronts.grpc_front import GrpcFront
@@ -35,13 +33,10 @@ from router.fronts.openai.app import HttpFrontend
 from router.observe.metrics import RouterMetrics
 from router.fronts.openai.openapi import add_openapi_route
 from router.workers.registry import WorkerRegistry
-from router.routing.types import RoutingPolicy
-from router.security.tenancy import add_limit_arguments
 from router.fronts.openai.vllm_fields import generation_default_temperature
 from router.workers.tokenizer import LoadedTokenizer, WorkerTokenizer, resolve_tokenizer_source
 
 log = logging.getLogger("kvmesh.router")
-REDIS_URL_ENV = "KVMESH_REDIS_URL"
 # Converting the GGUF model once (in a child process) takes ~25 s; a bound, not a guess.
 _PREPARE_TIMEOUT_S = 600
 
@@ -174,61 +169,13 @@ def _prepare_in_child(model: str) -> None:
 
 
 # -- `kvmesh router` ----------------------------------------------------------------------
-def add_migration_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--migration-limit` (kvmesh router and kvmesh serve)."""
-    p.add_argument("--migration-limit", type=int, default=3,
-                   help="re-submit a request to another worker at most N times when its worker dies or "
-                        "becomes unreachable mid-stream; the client's stream continues (0 = off)")
-
-
-def add_router_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC and HTTP)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = a free port)")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = a free port)")
-    p.add_argument("--no-http", action="store_true", help="serve no HTTP")
-    p.add_argument("--worker", action="append", default=[], metavar="HOST:PORT", help="a worker (repeatable)")
-    p.add_argument("--model", default="smollm2",
-                   help="the workers' model: alias or HF dir to read the tokenizer from (--tokenizer-source "
-                        "local), or just its name (worker)")
-    p.add_argument("--tokenizer-source", default="auto", choices=[s.value for s in TokenizerSource],
-                   help="where the tokenizer comes from: local = --model's files; worker = fetched from the first "
-                        "ready worker (GetTokenizer), checked and cached in $KVMESH_CACHE_DIR/tokenizers (no model "
-                        "storage needed); auto (default) = local when --model is a local model, else worker")
-    p.add_argument("--served-model-name", default=None, help="model id on the HTTP API (default: --model)")
-    p.add_argument("--redis-url", default=None,
-                   help=f"metadata Redis (block index; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
-    p.add_argument("--cluster-name", default="kvmesh")
-    p.add_argument("--routing-policy", default="kv_aware", choices=[p.value for p in RoutingPolicy],
-                   help="how a request picks its worker (see README: Routing)")
-    p.add_argument("--load-factor", type=float, default=1.25,
-                   help="bounded load: no worker takes more than ceil(c x average) in-flight requests")
-    add_migration_argument(p)
-    p.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: readiness turns 503 at once, open streams get this long to finish")
-    add_auth_arguments(p)
-    add_limit_arguments(p)
-    add_cluster_auth_arguments(p, "router",
-                               "the secret shared with the workers: workers are admitted only after proving they hold it")
-    add_log_format_argument(p)
-
-
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM. Prints one stdout line once bound:
     `kvmesh router serving grpc on <host>:<port> http on <host>:<port>` (health says when a
     worker is ready); logs go to stderr."""
     from contracts.cli import CLIError, flagify
     try:
-        cfg = RouterConfig(worker_addresses=tuple(args.worker), host=args.host, grpc_port=args.grpc_port,
-                           http_port=None if args.no_http else args.http_port, model=args.model,
-                           served_model_name=args.served_model_name,
-                           tokenizer_source=args.tokenizer_source,
-                           redis_url=args.redis_url or os.environ.get(REDIS_URL_ENV) or None,
-                           cluster_name=args.cluster_name,
-                           routing_policy=args.routing_policy, load_factor=args.load_factor,
-                           api_keys=keys_from_args(args), max_concurrent_per_tenant=args.max_concurrent_per_tenant,
-                           max_tokens_limit=args.max_tokens_limit, metrics_require_key=args.metrics_require_key,
-                           tls=tls_from_args(args), cluster_token=token_from(args.cluster_token),
-                           migration_limit=args.migration_limit, drain_timeout_s=args.drain_timeout_s)
+        cfg = router_config_from_args(args)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
     configure_logging(args.log_format)

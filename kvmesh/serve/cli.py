@@ -20,34 +20,24 @@ from kvmesh.serve.ray_launch import (
 )
 from kvmesh.serve.restarts import RestartPolicy
 from kvmesh.serve.supervise import ServeConfig
-from router.security.auth import add_auth_arguments, auth_argv
-from router.security.tenancy import add_limit_arguments, limit_argv
-from router.server import add_migration_argument
+from router.flags import add_address_arguments, add_routing_arguments, routing_argv, routing_config
 from worker.cli import add_engine_arguments
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serve")
     g.add_argument("--workers", type=int, default=2, help="number of worker processes")
-    g.add_argument("--host", default="127.0.0.1", help="address the router binds (workers stay on 127.0.0.1)")
-    g.add_argument("--grpc-port", type=int, default=50051, help="router gRPC port (0 = a free port)")
-    g.add_argument("--http-port", type=int, default=8000, help="router OpenAI HTTP port (0 = a free port)")
+    add_address_arguments(g)
     g.add_argument("--redis-url", default=None, help="metadata Redis (default: start a redis-server child)")
-    g.add_argument("--cluster-name", default="kvmesh")
-    g.add_argument("--routing-policy", default="kv_aware",
-                   choices=("kv_aware", "prefix_hash", "round_robin", "least_loaded"))
-    g.add_argument("--load-factor", type=float, default=1.25, help="bounded-load factor c (>= 1)")
     g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
     g.add_argument("--startup-timeout-s", type=float, default=180.0)
     g.add_argument("--restart-policy", default=RestartPolicy.ON_FAILURE.value, choices=[p.value for p in RestartPolicy],
                    help="restart a child that exits: always, on-failure (non-zero status; default), or never "
                         "(the first exit stops the cluster); a child dying 5 times in 60 s is given up on")
     add_log_format_argument(g)
-    add_migration_argument(g)
-    add_auth_arguments(g)
-    add_limit_arguments(g)
-    add_cluster_auth_arguments(p, "serve",
-                               "the router's and workers' shared secret, else a fresh random one per start; children get it by environment")
+    add_routing_arguments(p)   # the router child's: passed to it as given
+    add_cluster_auth_arguments(p, "serve", "the router's and workers' shared secret, else a fresh random one per "
+                                           "start; children get it by environment")
     add_engine_arguments(p)
     add_ray_arguments(p)
 
@@ -83,18 +73,20 @@ def engine_argv_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The `ServeConfig` of `kvmesh serve`'s flags. The routing flags are checked as the router
+    reads them (a bad value fails here, before anything starts) and handed to it as given."""
     try:
+        routing_config(args)
         return ServeConfig(workers=args.workers, model=args.model, host=args.host, grpc_port=args.grpc_port,
                            http_port=args.http_port, redis_url=args.redis_url, cluster_name=args.cluster_name,
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
-                           routing_policy=args.routing_policy, load_factor=args.load_factor,
                            startup_timeout_s=args.startup_timeout_s,
                            restart_policy=RestartPolicy(args.restart_policy),
-                           router_argv=auth_argv(args) + limit_argv(args),
+                           router_argv=routing_argv(args),
                            cluster_token=token_from(args.cluster_token) or new_token(), tls=tls_from_args(args),
-                           log_format=args.log_format, migration_limit=args.migration_limit)
+                           log_format=args.log_format)
     except ValueError as e:
-        raise CLIError(flagify(str(e))) from None
+        raise CLIError(flagify(str(e)).replace("--api-keys:", "--api-key:")) from None
 
 
 def ray_config_from_args(args: argparse.Namespace) -> RayServeConfig:

@@ -62,15 +62,14 @@ class ServeConfig:
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
     engine_argv: tuple[str, ...] = ()
-    router_argv: tuple[str, ...] = ()       # extra `kvmesh router` flags (auth: --api-key, --api-keys-file)
-    routing_policy: str = "kv_aware"
-    load_factor: float = 1.25
+    # `kvmesh router` flags passed to the router child as given: routing, client auth, limits
+    # (router/flags.py `add_routing_arguments`; e.g. ("--routing-policy", "prefix_hash"))
+    router_argv: tuple[str, ...] = ()
     log_dir: Path | None = None
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 30.0            # SIGTERM → SIGKILL per child; the router drains for half of it
     python: str = sys.executable
     restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
-    migration_limit: int = 3                # the router's --migration-limit
     # Cluster authentication (README: Security): the token every child gets by environment
     # (`kvmesh serve` makes a fresh one per start), and TLS flags passed through to the router
     # (with --tls-ca also to every worker: mutual TLS between them).
@@ -108,9 +107,6 @@ class ServeConfig:
                  "--tls-ca", "--redis-url")
         if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
             raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
-        if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
-                or self.migration_limit < 0:
-            raise ValueError(f"migration_limit={self.migration_limit!r} must be an integer >= 0")
         for name in ("startup_timeout_s", "stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
@@ -300,10 +296,9 @@ class Cluster:
     def _router_argv(self, grpc_port: int, http_port: int) -> list[str]:
         cfg = self.cfg
         return [cfg.python, "-m", "kvmesh.cli", "router", "--host", cfg.host, "--grpc-port", str(grpc_port),
-                "--http-port", str(http_port), "--routing-policy", cfg.routing_policy,
-                "--load-factor", str(cfg.load_factor), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
-                "--cluster-name", cfg.cluster_name, "--model", cfg.model, "--log-format", cfg.log_format, *tls_argv(cfg.tls),
-                "--migration-limit", str(cfg.migration_limit), "--drain-timeout-s", str(cfg.stop_timeout_s / 2),
+                "--http-port", str(http_port), *[a for addr in self.worker_addresses for a in ("--worker", addr)],
+                "--cluster-name", cfg.cluster_name, "--model", cfg.model, "--log-format", cfg.log_format,
+                *tls_argv(cfg.tls), "--drain-timeout-s", str(cfg.stop_timeout_s / 2),
                 *cfg.router_argv]    # the Redis URL (password) and the cluster token: cfg.child_env
 
 

@@ -134,7 +134,7 @@ def _share_options(options: list[str], where: str) -> tuple[list[str], dict[str,
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:
-    """The client-auth flags of `kvmesh router` and `kvmesh serve`."""
+    """The client-auth flags of `kvmesh router` and `kvmesh serve` (router/flags.py)."""
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this client key (repeatable; tenant 'default')")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
@@ -153,20 +153,6 @@ def keys_from_args(args: argparse.Namespace) -> tuple[ApiKey, ...]:
     if path is not None:
         keys += parse_keys_file(path)
     return tuple(keys)
-
-
-def auth_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The auth flags spelled back for a `kvmesh router` child (`kvmesh serve`)."""
-    argv: list[str] = []
-    for k in args.api_key:
-        argv += ["--api-key", k]
-    if args.api_keys_file is not None:
-        argv += ["--api-keys-file", str(args.api_keys_file)]
-    if args.max_concurrent_per_tenant is not None:
-        argv += ["--max-concurrent-per-tenant", str(args.max_concurrent_per_tenant)]
-    if args.metrics_require_key:
-        argv.append("--metrics-require-key")
-    return tuple(argv)
 
 
 def is_loopback(host: str) -> bool:

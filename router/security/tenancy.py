@@ -91,12 +91,7 @@ def bound_max_tokens(inp: GenerateInput, prompt_tokens: int, max_model_len: int,
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    """`--max-tokens-limit` of `kvmesh router` and `kvmesh serve`."""
+    """`--max-tokens-limit` of `kvmesh router` and `kvmesh serve` (router/flags.py)."""
     p.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
                    help="most tokens one request may generate: the default max_tokens of requests "
                         "without one, and a 400 / INVALID_ARGUMENT above it (default: the context)")
-
-
-def limit_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The limit flags spelled back for a `kvmesh router` child (`kvmesh serve`)."""
-    return () if args.max_tokens_limit is None else ("--max-tokens-limit", str(args.max_tokens_limit))

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvmesh.bench.chaos import ChaosConfig
-from kvmesh.serve.supervise import Cluster, ServeConfig
+from kvmesh.serve.supervise import Cluster
 from kvstore.keys import block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
@@ -86,12 +86,14 @@ def test_config_and_flags() -> None:
         RouterConfig(migration_limit=-1)
     with pytest.raises(ValueError, match="drain_timeout_s"):
         RouterConfig(drain_timeout_s=-1.0)
-    with pytest.raises(ValueError, match="migration_limit"):
-        ServeConfig(migration_limit=-2)
-    cluster = Cluster(ServeConfig(migration_limit=5), placement=None)  # type: ignore[arg-type]
-    argv = cluster._router_argv(1, 2)
-    assert argv[argv.index("--migration-limit") + 1] == "5"
+    from contracts.cli import CLIError
     from kvmesh.cli import build_parser
+    from kvmesh.serve.cli import config_from_args
+    with pytest.raises(CLIError, match="--migration-limit"):
+        config_from_args(build_parser().parse_args(["serve", "--migration-limit", "-2"]))
+    serve = config_from_args(build_parser().parse_args(["serve", "--migration-limit", "5"]))
+    argv = Cluster(serve, placement=None)._router_argv(1, 2)  # type: ignore[arg-type]
+    assert argv[argv.index("--migration-limit") + 1] == "5"
     args = build_parser().parse_args(["router", "--migration-limit", "0", "--drain-timeout", "2.5"])
     assert (args.migration_limit, args.drain_timeout_s) == (0, 2.5)
     assert build_parser().parse_args(["serve", "--migration-limit", "1"]).migration_limit == 1

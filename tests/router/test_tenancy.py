@@ -194,15 +194,14 @@ def test_max_tokens_limit_flag() -> None:
     import argparse
 
     from kvmesh.serve.cli import add_serve_arguments, config_from_args
-    from router.security.tenancy import limit_argv
-    from router.server import add_router_arguments
+    from router.flags import add_router_arguments, routing_argv
     for add in (add_router_arguments, add_serve_arguments):
         p = argparse.ArgumentParser()
         add(p)
-        assert p.parse_args([]).max_tokens_limit is None and limit_argv(p.parse_args([])) == ()
+        assert p.parse_args([]).max_tokens_limit is None and routing_argv(p.parse_args([])) == ()
         args = p.parse_args(["--max-tokens-limit", "7"])
-        assert limit_argv(args) == ("--max-tokens-limit", "7")
-    assert config_from_args(args).router_argv[-2:] == ("--max-tokens-limit", "7")   # serve → its router
+        assert routing_argv(args) == ("--max-tokens-limit", "7")
+    assert config_from_args(args).router_argv == ("--max-tokens-limit", "7")   # serve → its router
     with pytest.raises(ValueError, match="max_tokens_limit"):
         RouterConfig(max_tokens_limit=0)
 

@@ -23,8 +23,9 @@ from contracts.health import LIVENESS_SERVICE
 from contracts.tokenizer import ModelTokenizer, tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig, TokenizerSource
+from router.flags import add_router_arguments
 from router.routing.errors import RouterStartError
-from router.server import RouterServer, add_router_arguments
+from router.server import RouterServer
 from router.workers.tokenizer import (
     TokenizerMismatch,
     cache_dir,
