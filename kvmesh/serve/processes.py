@@ -34,7 +34,7 @@ import redis
 
 _PR_SET_PDEATHSIG = 1
 # argv: PARENT_PID PATH ARGV0 ARGS...; exit 1 at once if the parent has already gone, else exec
-# PATH with the argv as given (so ps shows the command as before).
+# PATH with the argv as given (so ps shows the command line the launcher built).
 _DIE_WITH_PARENT = (f"import ctypes, os, sys\n"
                     f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGTERM)}, 0, 0, 0)\n"
                     f"if os.getppid() != int(sys.argv[1]):\n"

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 class RestartPolicy(enum.Enum):
     """`--restart-policy`: ALWAYS restarts any exit, ON_FAILURE only a non-zero (or unknown)
-    exit status, NEVER ends the whole run on the first exit (the behaviour before supervision)."""
+    exit status, NEVER ends the whole run on the first exit of any child."""
 
     ALWAYS = "always"
     ON_FAILURE = "on-failure"

@@ -31,7 +31,7 @@ from tests.support.podnet_client import on_worker, prompt, running, via_router, 
 pytestmark = pytest.mark.multiproc
 
 # Every worker of the StatefulSet gets it: small enough for a quick test, large enough that a
-# healthy engine starved of CPU on a loaded 2-core machine is not taken for stuck (3 s was).
+# healthy engine starved of CPU on a loaded 2-core machine is not taken for stuck (3 s is too short).
 LIVENESS_TIMEOUT_S = 10
 
 

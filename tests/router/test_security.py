@@ -92,7 +92,7 @@ def test_http_keys_with_openai_sdk(keyed: Keyed) -> None:
     for key in (KEY, TENANT_KEY):
         r = sdk(keyed.http_port, key).completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0)
         assert r.usage is not None and r.usage.completion_tokens == 3
-    # The open (loopback, no keys) router takes any key, as before.
+    # The open (loopback, no keys) router takes any key.
     r = sdk(keyed.open.http_port or 0, "anything").completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
     assert r.usage is not None and r.usage.completion_tokens == 2
 

@@ -149,7 +149,7 @@ def test_idle_engine_stays_live_past_the_timeout(loop, tiny_engine) -> None:
         assert probe(server.metrics_port, "/livez") == (200, "ok\n")
         assert probe(server.metrics_port, "/readyz") == (200, "ok\n")
         assert_serves(ch)
-        assert b"kvmesh:num_requests_running" in urllib.request.urlopen(      # /metrics as before
+        assert b"kvmesh:num_requests_running" in urllib.request.urlopen(      # /metrics beside the probes
             f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read()
 
 
