@@ -39,6 +39,7 @@ from contracts.tls import PLAINTEXT, TlsConfig, tls_argv
 from kvmesh.serve.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
 from kvmesh.serve.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
 from kvstore.metadata.registry import parse_redis_url
+from router.flags import GRPC_PORT, HTTP_PORT
 
 REDIS_URL_ENV = "KVMESH_REDIS_URL"     # read by `kvmesh router` and `kvmesh worker` when --redis-url is unset
 REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"   # the embedded Redis's password (default: random per start)
@@ -57,8 +58,8 @@ class ServeConfig:
     workers: int = 2
     model: str = "smollm2"
     host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    http_port: int = 8000
+    grpc_port: int = GRPC_PORT
+    http_port: int = HTTP_PORT
     redis_url: str | None = None
     cluster_name: str = "kvmesh"
     engine_argv: tuple[str, ...] = ()

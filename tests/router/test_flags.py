@@ -76,3 +76,27 @@ def test_a_bad_routing_flag_fails_serve_before_anything_starts() -> None:
                        (["--max-tokens-limit", "0"], "--max-tokens-limit")):
         with pytest.raises(CLIError, match=flag):
             config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_config_defaults_are_the_serve_commands() -> None:
+    from kvmesh.serve.supervise import ServeConfig
+    parsed = config_from_args(build_parser().parse_args(["serve"]))
+    default = ServeConfig()
+    for name in ("workers", "model", "host", "grpc_port", "http_port", "redis_url", "cluster_name", "engine_argv",
+                 "router_argv", "log_dir", "startup_timeout_s", "restart_policy", "tls", "log_format"):
+        assert getattr(parsed, name) == getattr(default, name), name
+
+
+def test_the_helm_charts_router_defaults_are_the_routers() -> None:
+    """helm/kvmesh/values.yaml spells the router's defaults again (YAML cannot import them):
+    they must agree with `kvmesh router`'s."""
+    from pathlib import Path
+
+    import yaml
+    values = yaml.safe_load((Path(__file__).parents[2] / "helm/kvmesh/values.yaml").read_text())["router"]
+    args = build_parser().parse_args(["router"])
+    assert (values["routingPolicy"], values["loadFactor"], values["migrationLimit"], values["drainTimeoutS"],
+            values["grpcPort"], values["httpPort"], values["maxTokensLimit"], values["maxConcurrentPerTenant"],
+            values["logFormat"]) == \
+        (args.routing_policy, args.load_factor, args.migration_limit, args.drain_timeout_s, args.grpc_port,
+         args.http_port, args.max_tokens_limit, args.max_concurrent_per_tenant, args.log_format)
