@@ -29,7 +29,7 @@ _REBASE_HALF_LIVES = 256.0
 class Ask(NamedTuple):
     """One block's asks: how many requests (up to 2), its depth bucket, the clock at the last."""
 
-    count: int
+    num_asks: int
     depth: int
     at: float
 
@@ -70,7 +70,7 @@ class Tally:
 
     def count(self, ask: Ask, weight: float, sign: int) -> None:
         """Add (+1) or take away (−1) one held block whose asks are `ask` (weight `weight`)."""
-        if ask.count >= 2:
+        if ask.num_asks >= 2:
             self.shared += sign * weight
         else:
             self.once[ask.depth] = self.once.get(ask.depth, 0.0) + sign * weight

@@ -35,7 +35,7 @@ for any more counts as room, whatever it was worth once.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
@@ -259,7 +259,7 @@ class BlockIndex:
             seen = self._asked.get(h)
             if seen is not None and resubmitted:
                 continue
-            holders = self._blocks.get(h, ())
+            holders = self._holders(h)
             for w in holders:
                 self._count_held(w, h, -1)
             if holders:
@@ -269,7 +269,7 @@ class BlockIndex:
                 self._asked[h] = Ask(1, d, now)
                 self._first[d] += 1
             else:
-                if seen.count < 2:
+                if seen.num_asks < 2:
                     self._again[seen.depth] += 1
                 self._asked[h] = Ask(2, seen.depth, now)
             for w in holders:
@@ -362,16 +362,14 @@ class BlockIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
         num_entries = 0
-        for h, holders in self._blocks.items():
-            assert holders, f"block {h:032x} has an empty holder map"
-            for w, mask in holders.items():
-                assert 0 < mask <= _ALL_TIERS, f"block {h:032x} on {w} has tier mask {mask}"
-                assert h in self._by_worker.get(w, ()), \
-                    f"block {h:032x} lists {w} but {w}'s set lacks it"
-                num_entries += 1
+        for h, w, mask in self._entries():
+            assert 0 < mask <= _ALL_TIERS, f"block {h:032x} on {w} has tier mask {mask}"
+            assert h in self._by_worker.get(w, ()), \
+                f"block {h:032x} lists {w} but {w}'s set lacks it"
+            num_entries += 1
         for w, held in self._by_worker.items():
             for h in held:
-                assert w in self._blocks.get(h, {}), f"{w}'s set has {h:032x} but the map does not"
+                assert w in self._holders(h), f"{w}'s set has {h:032x} but the map does not"
         by_worker = sum(len(held) for held in self._by_worker.values())
         assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
         held_asks, any_asks = self._recount()
@@ -383,11 +381,22 @@ class BlockIndex:
         for h, computing in self._pending.items():
             for w, rids in computing.items():
                 assert rids, f"pending block {h:032x} on {w} has no request"
-                assert w not in self._blocks.get(h, {}), f"block {h:032x} is both stored and pending on {w}"
+                assert w not in self._holders(h), f"block {h:032x} is both stored and pending on {w}"
                 for rid in rids:
                     p = self._requests.get(rid)
                     assert p is not None and p.worker_id == w and h in p.hashes, \
                         f"pending block {h:032x} on {w} names {rid}, which does not predict it"
+
+    def _holders(self, h: BlockHash) -> Collection[WorkerId]:
+        """The workers holding `h` in any tier (the storage's own view: do not mutate)."""
+        return self._blocks.get(h, ())
+
+    def _entries(self) -> Iterator[tuple[BlockHash, WorkerId, int]]:
+        """Every (block, worker, tier mask) entry of the map."""
+        for h, holders in self._blocks.items():
+            assert holders, f"block {h:032x} has an empty holder map"
+            for w, mask in holders.items():
+                yield h, w, mask
 
     def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int) -> None:
         held = self._by_worker.get(worker_id)
