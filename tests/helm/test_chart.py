@@ -47,6 +47,8 @@ ALL_VALUES: Doc = {
     "engine": {"model": "/models/llama-3-8b", "device": "cuda:1", "dtype": "bf16", "blockSize": 32,
                "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
+               "kvDiskGib": 7, "kvDisk": {"mountPath": "/data/kv", "volume": "pvc", "hostPath": "/mnt/kv",
+                                          "storageClassName": "fast", "size": "20Gi"},
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
                "h2oDecay": 0.9, "attentionBackend": "triton", "enforceEager": True,
                "threads": 3},
@@ -61,10 +63,11 @@ ALL_VALUES: Doc = {
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s",
            ("router", "drainTimeoutS"): "drain_timeout_s", ("worker", "liveness.timeoutS"): "liveness_timeout_s",
-           ("worker", "liveness.maxStepFailures"): "max_step_failures"}
+           ("worker", "liveness.maxStepFailures"): "max_step_failures", ("engine", "kvDisk.mountPath"): "kv_disk_path"}
 NOT_FLAGS = {("worker", "replicas"), ("worker", "distPort"), ("worker", "terminationGracePeriodSeconds"),
              ("router", "replicas"), ("worker", "preStopSleepS"), ("router", "preStopSleepS"),
-             ("router", "terminationGracePeriodSeconds")}
+             ("router", "terminationGracePeriodSeconds"), ("engine", "kvDisk.volume"), ("engine", "kvDisk.hostPath"),
+             ("engine", "kvDisk.storageClassName"), ("engine", "kvDisk.size")}
 
 VALUE_SETS: dict[str, Doc] = {
     "default": {},
