@@ -4,11 +4,11 @@ The test process hosts the rendezvous store and is member 0 (the receiver) of ea
 this process joins the pair keyed MODE (two pairs, `silent` and `late`, for silent+late) as
 member 1, builds the same pools from the same seeds (see `make_pool`) and plays the sender.
 Modes:
-  roundtrip  receive one transfer from rank 0 while sending fp32 and int8-quantized blocks
+  roundtrip  receive one transfer from member 0 while sending fp32 and int8-quantized blocks
   corrupt    send fp32 blocks, flipping one byte of block CORRUPT_INDEX after the checksum
   die        send only the preamble of a transfer, then exit hard (peer killed mid-transfer)
   silent     join the group and never send
-  late       send fp32 blocks (rank 0 receives them only after another peer timed out)
+  late       send fp32 blocks (member 0 receives them only after another peer timed out)
   silent+late  two pairs (silent, late), one thread each, to save a process
   mismatch   send fp32 blocks to a receiver that expects fewer; the send must fail, sending no payload
 Exit status 0 means every check on this side passed.
@@ -66,7 +66,7 @@ def main(address: str, mode: str) -> int:
         time.sleep(60)
         return 0
     if mode == "die":
-        # a valid preamble (the wire format, by hand), so rank 0 goes on to wait for the body
+        # a valid preamble (the wire format, by hand), so member 0 goes on to wait for the body
         nbytes = len(SEND_IDS) * BlockSpec.of(make_pool("fp32", seed=3).kv).bytes_per_block
         preamble = torch.tensor([MAGIC, TRANSFER_IDS["die"], len(SEND_IDS), nbytes], dtype=torch.int64)
         group.wait(group.isend(preamble, TAGS * TRANSFER_IDS["die"]), 20.0)
@@ -107,7 +107,7 @@ def main(address: str, mode: str) -> int:
 def main_silent_and_late(address: str) -> int:
     threading.Thread(target=main, args=(address, "silent"), daemon=True).start()
     code = main(address, "late")
-    # the silent rank's thread never ends on purpose: leave without tearing its group down
+    # the silent member's thread never ends on purpose: leave without tearing its group down
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

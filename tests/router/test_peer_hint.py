@@ -22,9 +22,9 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.routing.core import Router, best_peer_hint
-from router.workers.registry import WORKER_SERVICE
 from router.routing.types import WorkerId
 from router.server import RouterServer
+from router.workers.registry import WORKER_SERVICE
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 PEERS = {W0: "h:1", W1: "h:2", W2: "h:3"}

@@ -10,12 +10,10 @@ import torch
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.store import NoHostTier
 from worker.engine.async_engine import AsyncEngine
-from worker.engine.commands import (AbortRequest, CountHeld, ListRequests, ReadBlocks, Snapshot, StageBlocks,
-                             Tokenize)
+from worker.engine.commands import AbortRequest, CountHeld, ListRequests, ReadBlocks, Snapshot, StageBlocks, Tokenize
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.request import InvalidRequest
+from worker.engine.request import InvalidRequest, prompt_input
 from worker.engine.sampling import SamplingParams
-from worker.engine.request import prompt_input
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +89,8 @@ def test_commands_are_dispatched_by_type(tiny_engine):
             assert await ae.run(Tokenize("hello")) == tiny_engine.encode("hello")
         with pytest.raises(TypeError, match="not an engine command"):
             await ae.run(object())                        # type: ignore[arg-type]
-        long = ae.generate(prompt_input(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), "cmd-1"))
+        fifty = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        long = ae.generate(prompt_input(prompt, fifty, "cmd-1"))
         await long.__anext__()
         assert await ae.run(ListRequests()) == ("cmd-1",)
         assert await ae.run(AbortRequest("cmd-1")) is True

@@ -6,9 +6,8 @@ import math
 import pytest
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.request import InvalidRequest, QueueFull
+from worker.engine.request import InvalidRequest, QueueFull, prompt_input
 from worker.engine.sampling import SamplingParams, SamplingParamsError
-from worker.engine.request import prompt_input
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.support.oracle import assert_greedy_match, hf_greedy, hf_logits_fn
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.sampling import SamplingParams
 from worker.engine.request import prompt_input
+from worker.engine.sampling import SamplingParams
 
 SYSTEM = "You are a concise assistant. Answer in one or two sentences."
 QUESTIONS = [

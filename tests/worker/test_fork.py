@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.request import RequestOutput
+from worker.engine.request import RequestOutput, prompt_input
 from worker.engine.sampling import SamplingParams
-from worker.engine.request import prompt_input
 
 BS = 4
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 81, 64, 12]   # 10 tokens: two full blocks and a partial one

@@ -12,9 +12,9 @@ import pytest
 
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.engine import Engine, EngineConfig
-from worker.server.liveness import EnginePulse, Liveness, watch
-from worker.engine.sampling import SamplingParams
 from worker.engine.request import prompt_input
+from worker.engine.sampling import SamplingParams
+from worker.server.liveness import EnginePulse, Liveness, watch
 
 
 class Clock:

@@ -8,9 +8,8 @@ import dataclasses
 import pytest
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.request import InvalidRequest
+from worker.engine.request import InvalidRequest, prompt_input
 from worker.engine.sampling import SamplingParams
-from worker.engine.request import prompt_input
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time,"
 

@@ -9,7 +9,7 @@ the server builds them without loading the engine.
 | `AddRequest`        | (outputs)     | `generate` (stages fetched blocks first)  |
 | `AbortRequest`      | `bool` found  | the Abort RPC                             |
 | `Tokenize`          | token ids     | the server, before a peer fetch           |
-| `ApplyChatTemplate` | token ids     | the server, for chat input                |
+| `ApplyChatTemplate` | token ids     | the server, before a peer fetch           |
 | `CountHeld`         | `int` blocks  | the peer plane's fetch plan               |
 | `ReadBlocks`        | `HeldBlocks`  | the peer plane's `SendBlocks` side        |
 | `StageBlocks`       | `int` written | (also inside `AddRequest`)                |

@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import torch
 
+from contracts.requests import PeerHint
 from kvstore.keys import BlockHash
 from kvstore.transfer.cost import CostModel, LinkEstimate
-from contracts.requests import PeerHint
 
 log = logging.getLogger("kvmesh.peer")
 

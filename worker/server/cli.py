@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from contracts.cli import CLIError, flagify
 from contracts.cluster_token import add_cluster_auth_arguments, token_from
-from contracts.tls import tls_from_args
 from contracts.logs import add_log_format_argument, configure_logging
+from contracts.tls import tls_from_args
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.model.config import ModelLoadError
 from worker.server.service import WorkerServer, WorkerServerConfig
