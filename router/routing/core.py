@@ -341,8 +341,7 @@ class Router:
         and those it could fetch from a peer."""
         return self._routing_view(route)[0]
 
-    def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int],
-                                                          dict[WorkerId, tuple[str, int, int]]]:
+    def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int], dict[WorkerId, str]]:
         """The state, the leading blocks each worker has stored (not pending: a peer can send
         only those) and the workers with a peer plane (id → address)."""
         live = [(w.info.worker_id, w) for w in self.registry.live() if w.info is not None]
