@@ -17,8 +17,7 @@ import grpc
 from contracts.cli import CLIError, flagify
 from contracts.tls import TlsConfig
 from contracts.wire import FINISH_REASON_NAMES
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
 
 class ClientError(Exception):

@@ -41,7 +41,6 @@ from kvstore.keys import BlockHash
 from kvstore.quota import CachedQuota, Owner, OwnerUsage
 
 
-
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """`block_id` now caches the block keyed `block_hash`, whose parent is `parent_hash`."""
@@ -120,8 +119,8 @@ class BlockPool:
     reused ones) or `reset_prefix_cache`.
     `on_evict(block_ids, block_hashes)` runs once per `allocate` that drops cached hashes,
     before it drops them, while the blocks still hold that content (the host tier offloads
-    them there in one batch); if it raises, the pool is unchanged. Events are recorded only with `enable_kv_cache_events` (drain them
-    with `take_events`, or the list grows).
+    them there in one batch); if it raises, the pool is unchanged. Events are recorded only with
+    `enable_kv_cache_events` (drain them with `take_events`, or the list grows).
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,

@@ -4,11 +4,11 @@
 One K or V head vector of one token (`head_dim` values) is stored as a *slot*: its packed
 values followed by its fp16 metadata, `KVLayout.head_bytes + KVLayout.head_meta_bytes` bytes:
 
-| dtype | values                                       | metadata (fp16)        | decode         |
-|-------|----------------------------------------------|------------------------|----------------|
-| int8  | round(x / scale) in [-127, 127], 1 byte each | scale = absmax / 127   | q * scale      |
-| int4  | index of the nearest of `INT4_LEVELS` to x / scale, 2/byte | per 16-value group: scale = absmax | LEVELS[q] * scale |
-| fp8   | x / scale as float8_e4m3fn, 1 byte each      | scale = absmax / 448   | f8 * scale     |
+| dtype | values                                        | metadata (fp16)               | decode            |
+|-------|-----------------------------------------------|-------------------------------|-------------------|
+| int8  | round(x / scale) in [-127, 127], 1 byte each  | scale = absmax / 127          | q * scale         |
+| int4  | nearest of `INT4_LEVELS` to x / scale, 2/byte | per 16 values: scale = absmax | LEVELS[q] * scale |
+| fp8   | x / scale as float8_e4m3fn, 1 byte each       | scale = absmax / 448          | f8 * scale        |
 
 fp8 and int4 first rotate each head vector by `R`, a normalised Sylvester Hadamard matrix
 (block-diagonal with blocks of the largest power of two dividing head_dim; orthogonal,
@@ -252,7 +252,8 @@ class QuantizedKV(NamedTuple):
         return self.codec.split(self.slots).meta
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole cache dequantized (in the original basis) `[num_blocks, block_size, H, head_dim]` (for tests, not kernels)."""
+        """The whole cache dequantized (in the original basis) `[num_blocks, block_size, H, head_dim]`
+        (for tests, not kernels)."""
         return self.codec.dequantize(self.slots, dtype)
 
 

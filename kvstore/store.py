@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.disk import DiskSpec, DiskTier, DiskTierStats
 from kvstore.errors import KVStoreError, OutOfBlocks
 from kvstore.events import Tier, TieredEvent
 from kvstore.keys import BlockHash
@@ -42,7 +43,6 @@ from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockPool
 from kvstore.quota import Owner
 from kvstore.tensors import KVTensors
-from kvstore.disk import DiskSpec, DiskTier, DiskTierStats
 from kvstore.tiers import BlockCopy, HostTier
 
 

@@ -19,8 +19,8 @@ pool's prefix cache like computed ones.
 - Copies: on CPU both pools are host memory and `offload` is one batched gather at eviction
   time, a memcpy of the evicted bytes: one parallel loop of per-row memcpys when the worker
   passes its native `copy_blocks` (`worker.kernels.native.block_copier`; kvstore imports no
-  worker code), else one torch `copy_` per block (~0.7x memcpy here) (the `kvmesh bench transfer` figure `offload_vs_memcpy`
-  compares it with a raw copy of the same bytes). On CUDA the device→host copy is issued on a
+  worker code), else one torch `copy_` per block (~0.7x memcpy here; the `kvmesh bench transfer`
+  figure `offload_vs_memcpy` compares it with a raw copy of the same bytes). On CUDA the device→host copy is issued on a
   side stream into pinned memory after the compute stream's pending work, and an event is
   recorded; `onload` and `read` wait on it, and the compute stream waits on it before the
   evicted device blocks are written again (`fence`), so the decode loop never blocks on it.

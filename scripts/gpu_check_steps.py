@@ -3,6 +3,7 @@ transfer), the model they run, and what every step shares (`Ctx`, `Skip`, `run_l
 Imported by the script only (it puts this directory on sys.path); see its docstring."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -13,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check"
@@ -150,9 +150,9 @@ def step_attention_bw(ctx: Ctx) -> dict[str, Any]:
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=dev)
         k, v = kv.k_caches[0], kv.v_caches[0]
         nbytes = kv.nbytes  # every cached byte is read once
-        t_triton = _timed(lambda: triton_attention.paged_attention(q, k, v, meta, d ** -0.5), dev, iters)
-        t_torch = _timed(lambda: reference.paged_attention(q, k, v, meta, d ** -0.5, allow_native=False), dev,
-                         max(1, iters // 4))
+        t_triton = _timed(functools.partial(triton_attention.paged_attention, q, k, v, meta, d ** -0.5), dev, iters)
+        t_torch = _timed(functools.partial(reference.paged_attention, q, k, v, meta, d ** -0.5, allow_native=False),
+                         dev, max(1, iters // 4))
         bw = nbytes / t_triton
         rows.append({"shape": name, "heads": [hq, hkv], "head_dim": d, "kv_cache_dtype": kv_dtype, "batch": batch,
                      "context": context, "bytes": nbytes, "triton_us": t_triton * 1e6, "torch_us": t_torch * 1e6,

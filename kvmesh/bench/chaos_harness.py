@@ -26,8 +26,7 @@ import grpc
 
 from contracts.cluster_token import TOKEN_ENV, TOKEN_METADATA
 from kvmesh.serve.supervise import REDIS_PASSWORD_ENV
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 _UP = re.compile(r'^kvmesh:router_worker_up\{worker_id="([^"]+)"\} (\S+)$', re.M)

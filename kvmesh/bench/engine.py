@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.report import emit
 from kvmesh.bench.engine_speed import bench_engine as run_engine_bench, random_prompts
 from kvmesh.bench.profile import bench_profile
+from kvmesh.bench.report import emit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -311,7 +311,8 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                     "rest by the attention they received (summed over layers and heads) per query that read them, "
                     "each query weighted h2o_decay (0.98) less per step in the past",
         "h2o-50-nodecay": "h2o-50 with h2o_decay=1: every query's attention counts the same",
-        "int4-uncalibrated": "int4 without the per-channel key scales and shift of worker.model.calibration (int4 has them)",
+        "int4-uncalibrated": ("int4 without the per-channel key scales and shift of worker.model.calibration "
+                              "(int4 has them)"),
         "bytes_per_token": "KVLayout.bytes_per_token: all layers, K and V, values plus scales"},
         "config": {"model": args.model, "window_tokens": window, "generated_tokens": gen_len,
                    "prompts": num_prompts, "prompt_tokens": prompt_len, "block_size": block_size}}

@@ -63,17 +63,23 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
+def _bandwidth(device: str, sync: Callable[[], None]) -> tuple[float, float]:
+    """Read and copy bytes/s over 512 MiB (2 GiB on a GPU); the buffers are freed on return."""
+    import torch
+    src = torch.ones((512 if device.startswith("cuda") else 128) * 2**20, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    read = nbytes / _best(lambda: src.sum(), 5, sync)
+    copy = 2 * nbytes / _best(lambda: dst.copy_(src), 5, sync)
+    return read, copy
+
+
 def measure_machine(device: str = "cpu") -> MachineSpeed:
     """Read and copy bandwidth over 512 MiB (2 GiB on a GPU) and the matmul peak."""
     import torch
     cuda = device.startswith("cuda")
     sync = _sync(device)
-    src = torch.ones((512 if cuda else 128) * 2**20, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * 4
-    read = nbytes / _best(lambda: src.sum(), 5, sync)
-    copy = 2 * nbytes / _best(lambda: dst.copy_(src), 5, sync)
-    del src, dst
+    read, copy = _bandwidth(device, sync)
     n = 4096 if cuda else 1024
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     b = torch.randn_like(a)
@@ -142,9 +148,9 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.sampling import SamplingParams
     from worker.kernels import native
     from worker.server.metrics import metrics_cost
-    from worker.engine.sampling import SamplingParams
 
     device = getattr(args, "device", "cpu")
     cuda = device.startswith("cuda")
@@ -169,7 +175,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         outs = engine.generate(ps, params)
         return time.perf_counter() - t, sum(o.completion_tokens for o in outs)
 
-    def hf_run(ps: list[list[int]], lens: list[int]) -> tuple[float, int]:
+    def hf_run(hf: Any, ps: list[list[int]], lens: list[int]) -> tuple[float, int]:
         # HF generate pads the batch (left) and runs every row to the longest requested output;
         # only the tokens each request asked for count as useful.
         width = max(len(p) for p in ps)
@@ -193,13 +199,13 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
         return time.perf_counter() - t
 
     kv_run([p1], [4])       # warm-up both
-    hf_run([p1], [4])
+    hf_run(hf, [p1], [4])
     results: dict[str, Any] = {}
     # batch 1 is short and its steps are short: one busy moment on a shared machine moves it a lot,
     # so it is the best of 2 runs for each side; batch 16 is one run each
     for name, ps, lens, runs in (("batch1", [p1], [n1], 2), ("batch16", pb, out_lens, 1)):
         kt, kn = min(kv_run(ps, lens) for _ in range(runs))
-        ht, hn = min(hf_run(ps, lens) for _ in range(runs))
+        ht, hn = min(hf_run(hf, ps, lens) for _ in range(runs))
         results[name] = {"kvmesh_tok_s": kn / kt, "hf_tok_s": hn / ht, "speedup": (kn / kt) / (hn / ht),
                          "kvmesh_s": kt, "hf_s": ht, "tokens": kn}
     batch_params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]

@@ -36,8 +36,8 @@ def profile_one(model: str, steps: int, seed: int) -> dict[str, Any]:
 
     from kvmesh.bench.engine_speed import measure_linear_gb_s, model_cost, random_prompts
     from worker.engine.engine import Engine, EngineConfig, prompt_input
-    from worker.kernels import native
     from worker.engine.sampling import SamplingParams
+    from worker.kernels import native
 
     engine = Engine(EngineConfig(model=model))
     prompt = random_prompts(random.Random(seed), engine.model_config.vocab_size, [64])[0]

@@ -29,8 +29,7 @@ from kvmesh.bench import routing_live as bench_live
 from kvmesh.bench.report import emit
 from kvmesh.bench.sim import SimConfig, SimResult, _Sim, make_trace, oracle_hit_rate, simulate
 from kvmesh.serve.local import LocalCluster, ServeConfig
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.routing.types import RoutingPolicy
 from router.server import RouterServer
@@ -182,8 +181,9 @@ def sweep_ask_half_life(quick: bool = True, seeds: int = 10,
     (router/index/asks.py) varies: hit rate, cold requests and imbalance averaged over `seeds`
     traces. The default `ASK_HALF_LIFE` is the best shift hit rate that costs the pressure and
     no-pressure scenarios nothing. Run it with
-        .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_ask_half_life as s; print(json.dumps(s(), indent=1))"
-    (quick sizes; `s(quick=False)` for the default ones)."""
+        .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_ask_half_life as s;
+                             print(json.dumps(s(), indent=1))"
+    (one line; quick sizes; `s(quick=False)` for the default ones)."""
     live = bench_live.QUICK if quick else bench_live.LiveConfig()
     out: dict[str, Any] = {}
     for h in half_lives:

@@ -38,16 +38,15 @@ import grpc
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
 from kvmesh.serve.local import LocalCluster, ServeConfig
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.routing.types import RoutingPolicy
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
 _BLOCK_SIZE = 16
 SCENARIOS = ("no_pressure", "pressure", "shift")
-_TOKEN_RANGE = (1000, 40000)
+_TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model (49,152 ids)
 _UNAVAILABLE_RETRIES = 60
-_RETRIES = [0]     # 503 retries in the current policy's run (one run at a time)   # plain vocabulary ids of the default model (49,152 ids)
+_RETRIES = [0]     # 503 retries in the current policy's run (one run at a time)
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,8 +147,7 @@ def bench_offload(layout: Any, num_blocks: int, repeats: int, seed: int) -> dict
 def bench_ttft(model: str, prefix_tokens: int, seed: int, vocab: int) -> dict[str, Any]:
     import grpc
 
-    from proto.kvmesh.v1 import kvmesh_pb2 as pb
-    from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+    from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(vocab // 4, vocab // 2) for _ in range(n)]  # noqa: E731

@@ -10,6 +10,7 @@ This module imports no torch: the workers load their engines in their own proces
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -113,8 +114,8 @@ def run_serve(cfg: ServeConfig) -> int:
 
 def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
     cfg = cluster.cfg
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is a KV cache?"}], '
-            '"max_tokens": 64}' % cfg.model)
+    body = json.dumps({"model": cfg.model, "messages": [{"role": "user", "content": "What is a KV cache?"}],
+                       "max_tokens": 64})
     pids = " ".join(f"{name}={pid}" for name, pid in cluster.pids.items())
     ca = cfg.tls.ca if cfg.tls.serves_tls else None
     ca_flag, ca_curl = (f" --tls-ca {ca}", f" --cacert {ca}") if ca is not None else ("", "")

@@ -342,10 +342,12 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
             f"kvmesh serve --ray: ready — {serve.workers} worker actor(s), cluster {serve.cluster_name}",
             f"  gRPC       {cluster.grpc_target}",
             f"  HTTP       {cluster.http_base_url}",
-            f"  redis      {parse_redis_url(cluster.redis_url).redacted()}{'' if serve.redis_url else ' (embedded redis-server)'}",
+            f"  redis      {parse_redis_url(cluster.redis_url).redacted()}"
+            f"{'' if serve.redis_url else ' (embedded redis-server)'}",
             f"  workers    {' '.join(cluster.worker_addresses)}",
             f"  ray        {gcs}{' (a local Ray started here)' if local else ''}",
-            f"  namespace  {cfg.namespace} (actors worker-0..{serve.workers - 1}, placement group {cfg.namespace})",
+            f"  namespace  {cfg.namespace} (actors worker-0..{serve.workers - 1}, "
+            f"placement group {cfg.namespace})",
             f"  try:  kvmesh client generate --target {cluster.grpc_target} --chat \"What is a KV cache?\"",
             f"  Ctrl-C stops everything; from elsewhere: {local}kvmesh serve --ray --stop --ray-address {gcs} "
             f"--cluster-name {serve.cluster_name}",

@@ -21,8 +21,7 @@ import grpc
 import pytest
 
 from kvmesh.bench.chaos_harness import Outcome, ServeProcess, run_streams, wait_until, workers_up
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.multiproc
 

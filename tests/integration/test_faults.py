@@ -18,8 +18,7 @@ import grpc
 import pytest
 import redis
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.integration.test_serve import REDIS_PASSWORD, TOKEN, Launched, _alive, _launch_serve
 
 pytestmark = pytest.mark.multiproc
@@ -84,7 +83,7 @@ def test_killed_worker_is_restarted_and_serves_again(served: Launched) -> None:
     # meanwhile the router sends every request to the healthy worker
     assert all(_generate(served.grpc_target, i).worker_id == "worker-1" for i in range(3))
     m = _wait_for_line(served, r"^kvmesh serve: restarted worker-0 \(pid (\d+)\)$", 30)
-    assert "worker-0 (pid %d) exited with code -9" % worker_pid in served.err.read_text()
+    assert f"worker-0 (pid {worker_pid}) exited with code -9" in served.err.read_text()
     assert "restarting worker-0 in 0.5 s (exit status -9" in served.err.read_text()
     new_pid = int(m.group(1))
     assert new_pid != worker_pid and _alive(new_pid)

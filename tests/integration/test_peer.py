@@ -25,8 +25,7 @@ from typing import NamedTuple
 import grpc
 import pytest
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.multiproc
 

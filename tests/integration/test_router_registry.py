@@ -24,8 +24,7 @@ import pytest
 
 from contracts.tokenizer import tokenizer_files_digest
 from kvmesh.serve.processes import Child, spawn, terminate
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.redis]

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from contracts.cli import CLIError
-from kvmesh.bench.routing_live import (LiveConfig, Workload, _Served, _since, config_from_args, make_workload,
-                                       summarize)
+from kvmesh.bench.routing_live import LiveConfig, Workload, _Served, _since, config_from_args, make_workload, summarize
 from kvmesh.cli import build_parser
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",

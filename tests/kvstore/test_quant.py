@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvstore.layout import KVLayout, KVQuant
 from kvstore.plan import make_plan

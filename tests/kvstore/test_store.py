@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.errors import OutOfBlocks

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors, torch_dtype

@@ -6,8 +6,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.keys import BlockHash

@@ -12,8 +12,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.disk import DiskSpec

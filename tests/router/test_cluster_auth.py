@@ -36,8 +36,7 @@ from contracts.cluster_token import TOKEN_METADATA, attestation_mac, masked, tok
 from contracts.tls import TlsConfig
 from kvmesh.serve.processes import start_redis, terminate
 from kvstore.metadata.registry import RedisConfig
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.security.attest import Admitter, Verdict
 from router.server import RouterServer

@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, inventory_events

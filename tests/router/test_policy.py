@@ -4,8 +4,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvstore.keys import block_hashes
 from router.routing.policy import make_policy

@@ -5,8 +5,7 @@ import hashlib
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvstore.keys import block_hashes
 from router.routing.policy import POLICIES, Policy, Weighted, make_policy

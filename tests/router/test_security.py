@@ -26,8 +26,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.security.auth import (
     ApiKey,

@@ -19,8 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.server import RouterServer
 from tests.support.loop_thread import LoopThread

@@ -268,7 +268,7 @@ class PodCluster:
 
     def close(self) -> None:
         """SIGTERM every pod (SIGKILL after 20 s), then remove the network. Idempotent."""
-        for pod, p in self.pods.items():
+        for p in self.pods.values():
             if p.proc is not None and p.proc.poll() is None:
                 try:
                     os.killpg(p.proc.pid, signal.SIGTERM)

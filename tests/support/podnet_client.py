@@ -15,8 +15,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from kvmesh.bench.chaos_harness import wait_until
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.support.podnet import PodCluster
 
 BLOCK = 16

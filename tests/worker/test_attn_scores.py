@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from transformers import AutoModelForCausalLM
 
-from tests.worker import test_kernels as plain
-from tests.worker import test_quant_attention as quant
+from tests.worker import test_kernels as plain, test_quant_attention as quant
 from worker.kernels.reference import AttnMetadata, gather_kv, paged_attention
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_weights

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvstore.keys import HashSalt
-from worker.model.calibration import calibration_tokens, measure_key_calibration
 from worker.engine.engine import Engine, EngineConfig
+from worker.model.calibration import calibration_tokens, measure_key_calibration
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -14,8 +14,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from worker.kernels import native, reference
 from worker.kernels.decode import _partition, decode_attention, plan_decode

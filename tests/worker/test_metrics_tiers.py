@@ -16,8 +16,7 @@ import grpc
 import pytest
 
 from contracts.logs import JsonFormatter
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.support.json_logs import json_logs
 from tests.support.loop_thread import LoopThread
 from tests.support.prometheus_server import Prometheus, needs_prometheus

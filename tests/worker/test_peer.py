@@ -24,8 +24,7 @@ from kvstore.keys import BlockHash, block_hashes
 from kvstore.transfer.blocks import MAX_TRANSFER_ID
 from kvstore.transfer.cost import LinkEstimate
 from kvstore.transfer.group import free_port
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.support.loop_thread import LoopThread
 from tests.worker.test_server import collect, request
 from worker.engine.engine import Engine, EngineConfig

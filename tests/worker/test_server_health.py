@@ -21,8 +21,7 @@ import pytest
 import worker.engine.engine
 from contracts.health import LIVENESS_SERVICE
 from kvstore.metadata.registry import RedisConfig, WorkerRegistry
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.support.redis_server import RedisServer, free_port
 from tests.worker.test_server import (
     LONG,

@@ -21,8 +21,7 @@ from contracts.tokenizer import (
     read_tokenizer_files,
     tokenizer_files_digest,
 )
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.worker.test_server import serving
 from worker.engine.engine import Engine, EngineConfig
 

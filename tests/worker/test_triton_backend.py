@@ -16,13 +16,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is installed by `make setup` (Linux only)")
 
-from worker.model.cuda_graph import StaticDecode, bucket_for, capture_sizes  # noqa: E402
 from worker.kernels import native  # noqa: E402
-from worker.kernels.backend import (AttentionBackend, attention_ops, parse_backend,  # noqa: E402
-                                    resolve_backend)
+from worker.kernels.backend import AttentionBackend, attention_ops, parse_backend, resolve_backend  # noqa: E402
 from worker.kernels.reference import AttnMetadata  # noqa: E402
-from worker.model.loader import load_weights  # noqa: E402
+from worker.model.cuda_graph import StaticDecode, bucket_for, capture_sizes  # noqa: E402
 from worker.model.llama import LlamaModel  # noqa: E402
+from worker.model.loader import load_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -157,9 +156,9 @@ def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
     """The engine's graph path without the capture (`capture=False`): every decode step goes
     through a padded bucket's static buffers (batches of 3, 2 and 1 in buckets of 4, 2, 1 as
     requests finish) and generates the eager engine's tokens."""
-    from worker.model.cuda_graph import CudaGraphRunner
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.sampling import SamplingParams
+    from worker.model.cuda_graph import CudaGraphRunner
 
     path = str(tiny_model_dir("llama-gqa"))
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [100, 101, 102, 103, 104, 105, 106]]
