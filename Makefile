@@ -7,8 +7,15 @@ TORCH_VERSION ?= 2.13.0
 # the Triton release torch $(TORCH_VERSION)'s CUDA wheels pin
 TRITON_VERSION ?= 3.7.1
 PYTEST_ARGS ?=
+RUFF := $(VENV)/bin/ruff
+# The packages mypy checks: the contracts, the KV store and the routing core.
+MYPY_PATHS ?= contracts kvstore router/routing router/index
+# `ruff format --check` joins `make lint` once the tree is formatted (then: FORMAT_CHECK ?= 1).
+FORMAT_CHECK ?= 0
+# The fast tier: no child processes, no servers, no Redis (tests/integration/ is all real processes).
+FAST_MARKERS := not slow and not multiproc and not redis and not server
 
-.PHONY: setup test test-all demo clean proto
+.PHONY: setup lint test test-fast test-all demo clean proto
 
 setup: $(VENV)/.stamp-deps $(VENV)/.stamp-model $(VENV)/.stamp-kernels .tools/bin/helm
 	@command -v redis-server >/dev/null || { \
@@ -61,8 +68,23 @@ $(VENV)/.stamp-kernels: $(VENV)/.stamp-deps $(wildcard worker/kernels/csrc/*.cpp
 .tools/bin/helm:
 	PYTHON=$(PY) bash scripts/install-helm.sh .tools/bin
 
-test: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+# ruff check, ruff format --check (FORMAT_CHECK=1), mypy, then the import layering and the import-circle
+# check (tests/test_layering.py runs lint-imports and grimp).
+lint: $(VENV)/.stamp-deps
+	$(RUFF) check .
+ifeq ($(FORMAT_CHECK),1)
+	$(RUFF) format --check .
+endif
+	$(PY) -m mypy $(MYPY_PATHS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layering.py
+
+# lint, then every test but the slow ones; prints the 20 slowest.
+test: setup lint
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_layering.py --durations=20 $(PYTEST_ARGS)
+
+# Unit tests only (FAST_MARKERS, no tests/integration/): under 2 minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "$(FAST_MARKERS)" --ignore=tests/integration --durations=20 $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
