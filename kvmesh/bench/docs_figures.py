@@ -30,6 +30,8 @@ BENCHES: dict[str, str] = {
     "pressure, vs round robin in the same run",
     "chaos": "kill / partition schedule on a 3-worker `kvmesh serve` under load vs each prompt run once "
     "before any fault",
+    "tenants": "alpha's short shared prompt every 0.3 s while beta floods long distinct prompts, on a 2-worker "
+    "`kvmesh serve --api-keys-file`, with fair share and KV caps vs without, each vs alpha alone in the same run",
 }
 
 
@@ -365,6 +367,21 @@ def _chaos(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     return "each prompt once through the same cluster before any fault", out
 
 
+def _tenants(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    out = []
+    for mode in ("fair", "unfair"):
+        m = r.get(mode) or {}
+        alone, flood = m.get("alone") or {}, m.get("flood") or {}
+        out.append(Figure(f"{mode}: alpha TTFT p90 during the flood", _g(flood.get("ttft_p90_s"), "s"),
+                          _g(alone.get("ttft_p90_s"), "s") + " alone", _x(m.get("alpha_ttft_p90_ratio"))))
+        out.append(Figure(f"{mode}: alpha cached fraction during the flood", _g(flood.get("cached_frac")),
+                          _g(alone.get("cached_frac")) + " alone", _x(m.get("alpha_cached_frac_ratio"))))
+        out.append(Figure(f"{mode}: output tok/s (both tenants)", _g(m.get("output_tok_s")), "", ""))
+    fair = r.get("fair") or {}
+    out.append(Figure("fair ÷ unfair output tok/s", _x(fair.get("throughput_ratio")), "1 (unfair)", ""))
+    return "alpha alone on the same cluster; the unfair cluster for throughput", out
+
+
 def _generic(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     return "as recorded in the file", [Figure(k, _g(v), "", "") for k, v in r.items() if _num(v) is not None]
 
@@ -380,6 +397,7 @@ EXTRACT: dict[str, Extract] = {
     "service": _service,
     "routing-live": _routing_live,
     "chaos": _chaos,
+    "tenants": _tenants,
 }
 
 
@@ -397,6 +415,7 @@ def bench_of(meta: dict[str, Any], result: dict[str, Any]) -> str:
         ("router", {"simulation"}),
         ("service", {"router_2_workers"}),
         ("chaos", {"outputs_equal_frac"}),
+        ("tenants", {"fair", "unfair"}),
     ):
         if need <= keys:
             return bench

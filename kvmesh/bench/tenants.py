@@ -39,6 +39,8 @@ from kvmesh.serve.local import LocalCluster, ServeConfig
 _TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model
 _KEYS = {"alpha": "bench-alpha-key", "beta": "bench-beta-key"}
 MODES = ("unfair", "fair")
+_UNAVAILABLE_RETRIES = 60
+_RETRIES = [0]     # 503 retries in the current mode's run (one run at a time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,7 @@ def run_tenants(cfg: TenantsConfig) -> dict[str, Any]:
                                 startup_timeout_s=900.0, cluster_name=f"tenants-{mode}-{rng.randrange(10**9)}")
             with LocalCluster(serve) as cluster:
                 out[mode] = asyncio.run(_drive(cfg, cluster.http_base_url, alpha_prompt, flood))
+            print(f"kvmesh bench tenants: {mode}: {json.dumps(out[mode])}", file=sys.stderr)
     if "fair" in out and "unfair" in out and out["unfair"]["output_tok_s"]:
         out["fair"]["throughput_ratio"] = out["fair"]["output_tok_s"] / out["unfair"]["output_tok_s"]
     return out
@@ -138,10 +141,11 @@ class _Done:
 
 
 async def _drive(cfg: TenantsConfig, base_url: str, alpha_prompt: list[int], flood: list[list[int]]) -> dict[str, Any]:
-    from openai import AsyncOpenAI   # imported here: only the live benches need it
+    from openai import AsyncOpenAI  # imported here: only the live benches need it
 
     alpha = AsyncOpenAI(base_url=base_url, api_key=_KEYS["alpha"], max_retries=3, timeout=900)
     beta = AsyncOpenAI(base_url=base_url, api_key=_KEYS["beta"], max_retries=3, timeout=900)
+    _RETRIES[0] = 0
     try:
         await _complete(alpha, cfg.model, alpha_prompt, 2, False)          # warm-up: caches the prefix
         alone = await _alpha_loop(cfg, alpha, alpha_prompt, asyncio.sleep(cfg.alone_s))
@@ -166,7 +170,7 @@ async def _drive(cfg: TenantsConfig, base_url: str, alpha_prompt: list[int], flo
         "alpha_cached_frac_ratio": d["cached_frac"] / a["cached_frac"] if a["cached_frac"] else None,
         "output_tok_s": (sum(x.completion_tokens for x in beta_done + during)) / wall,
         "beta_ttft_p50_s": _quantile(sorted(x.ttft_s for x in beta_done), 0.5),
-        "flood_wall_s": wall,
+        "flood_wall_s": wall, "unavailable_retries": _RETRIES[0],
     }
 
 
@@ -182,12 +186,25 @@ async def _alpha_loop(cfg: TenantsConfig, client: Any, prompt: list[int], until:
 
 
 async def _complete(client: Any, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool) -> _Done:
+    from openai import InternalServerError
+
     t0 = time.perf_counter()
     first: float | None = None
     usage = None
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": ignore_eos})
+    for attempt in range(_UNAVAILABLE_RETRIES + 1):
+        try:
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0.0, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": ignore_eos})
+            break
+        except InternalServerError as e:
+            # 503: the router sees no ready worker for a moment (its health probes time out on a
+            # saturated machine); the wait counts in this request's TTFT
+            if e.status_code != 503 or attempt == _UNAVAILABLE_RETRIES:
+                raise
+            _RETRIES[0] += 1
+            await asyncio.sleep(1.0)
     async for chunk in stream:
         if chunk.choices and first is None:
             first = time.perf_counter()

@@ -43,3 +43,16 @@ def test_the_bench_runs_both_modes_on_real_clusters() -> None:
         assert r["alpha_ttft_p90_ratio"] > 0 and r["output_tok_s"] > 0
         assert r["alone"]["cached_frac"] > 0      # the warm-up cached alpha's prompt
     assert out["fair"]["throughput_ratio"] > 0
+
+
+def test_the_docs_render_its_figures() -> None:
+    from kvmesh.bench.docs_figures import bench_of, figures_of
+
+    mode = {"alone": {"ttft_p90_s": 0.5, "cached_frac": 0.96}, "flood": {"ttft_p90_s": 1.0, "cached_frac": 0.96},
+            "alpha_ttft_p90_ratio": 2.0, "alpha_cached_frac_ratio": 1.0, "output_tok_s": 30.0}
+    result = {"unfair": mode, "fair": mode | {"throughput_ratio": 0.95}}
+    assert bench_of({}, result) == "tenants"
+    _, figures = figures_of("tenants", result)
+    rows = {f.name: f for f in figures}
+    assert rows["fair: alpha TTFT p90 during the flood"].versus == "2.00x"
+    assert rows["fair ÷ unfair output tok/s"].value == "0.95x"
