@@ -64,6 +64,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -108,8 +109,10 @@ class DiskSpec(NamedTuple):
     fingerprint: bytes
 
 
-class TimeHistogram(NamedTuple):
-    """Cumulative counts per upper bound in `bounds` (then +Inf), with the sum and count."""
+@dataclass(frozen=True, slots=True)
+class TimeHistogram:
+    """Cumulative counts per upper bound in `bounds` (then +Inf), with the sum and count. A dataclass,
+    not a NamedTuple: its `count` field would shadow `tuple.count`."""
 
     buckets: tuple[int, ...]
     sum_s: float
@@ -497,7 +500,7 @@ class DiskTier:
                 self._writes.task_done()
 
     def _write(self, key: DiskKey, block: torch.Tensor) -> None:
-        payload = memoryview(block.view(torch.uint8).numpy()).cast("B")
+        payload = block.view(torch.uint8).numpy().data.cast("B")
         path = self._path(key)
         t0 = time.perf_counter()
         try:
@@ -544,7 +547,7 @@ class DiskTier:
             if not held:
                 break
             path = self._path(key)
-            row = memoryview(out[n].numpy()).cast("B")
+            row = out[n].numpy().data.cast("B")
             try:
                 size = self.io.read_into(path, header, row)
                 if size != self.record_bytes:
