@@ -12,8 +12,9 @@ RUFF := $(VENV)/bin/ruff
 MYPY_PATHS ?= contracts kvstore router/routing router/index
 # `ruff format --check` joins `make lint` once the tree is formatted (then: FORMAT_CHECK ?= 1).
 FORMAT_CHECK ?= 0
-# The fast tier: no child processes, no servers, no Redis (tests/integration/ is all real processes).
-FAST_MARKERS := not slow and not multiproc and not redis and not server
+# The fast tier: no child processes, no servers, no Redis (tests/integration/ is all real processes), and
+# not the real SmolLM2 weights (seconds per test; tiny random models stand in for them).
+FAST_MARKERS := not slow and not multiproc and not redis and not server and not smollm2
 
 .PHONY: setup lint test test-fast test-all demo clean proto
 

@@ -16,6 +16,14 @@ import torch
 # Fixtures from the shared harnesses, available to every test without an import.
 pytest_plugins = ["tests.support.redis_server"]
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the real SmolLM2 weights (the `smollm2_dir` fixture) is marked `smollm2`:
+    seconds per test, so `make test-fast` leaves them out."""
+    for item in items:
+        if "smollm2_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.smollm2)
+
 TINY_KINDS: tuple[str, ...] = (
     "llama-mha", "llama-gqa", "llama-mqa", "llama3-rope", "mistral-swa", "qwen2-bias",
 )

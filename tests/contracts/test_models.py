@@ -64,6 +64,7 @@ def test_router_loads_the_tokenizer_without_torch(smollm2_dir: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.multiproc
 def test_router_converts_in_a_child_and_reports_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unconverted GGUF makes the router run `python -m worker.model.loader prepare` in a child;
     the child's error (here: not a GGUF) becomes the router's start error on --model."""

@@ -70,6 +70,7 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
 
 
+@pytest.mark.multiproc
 def test_bench_profile(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Both sides run in their own process: the native kernels loaded on one, off on the other."""
     r = run_bench("profile", tiny, tmp_path, capsys)

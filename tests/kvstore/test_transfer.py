@@ -186,6 +186,7 @@ def test_config_validation_and_backend_choice() -> None:
     assert str(PeerId("w-0", 7)) == "w-0#7"
 
 
+@pytest.mark.server
 def test_a_pair_nobody_joins_fails_within_the_connect_timeout() -> None:
     """Forming is bounded on both sides: the receiver waiting at its store, the sender at a
     store nobody serves, the sender at a store where the receiver never forms."""
