@@ -64,6 +64,7 @@ class RouterConfig:
     migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
+    metrics_tenant_names: bool = False      # an open /metrics shows tenant names (default: opaque ids)
     # Cluster authentication (router/security/attest.py): TLS of both fronts and to the workers, and the
     # token workers must prove they hold before they are admitted (and that every call to them carries).
     tls: TlsConfig = PLAINTEXT

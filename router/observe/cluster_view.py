@@ -6,6 +6,12 @@ clients saw it. The router: requests by worker/policy/outcome, predicted vs serv
 requests per tenant, the block index's event stream (with Redis), and the hottest prompt
 prefixes with the workers that hold them (block index) and the workers they were routed to.
 
+Scoped to the caller (`Authenticator.viewer`): without API keys, and for a key flagged `admin`,
+every tenant, with a text preview of each hot prefix; for any other key only its own tenant's
+requests, tenant counts and prefixes (their hashes are salted per tenant), without text
+previews. The per-worker figures are cluster-wide totals that name no tenant and no prompt
+(docs/threat-model.md).
+
 Owner: `RouterMetrics` (router/observe/metrics.py) builds one, feeds `TtftWindow` and `HotPrefixes`
 from the core's observer calls and registers the route. It changes nothing. torch-free.
 """
@@ -15,7 +21,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from aiohttp import web
@@ -23,12 +29,13 @@ from aiohttp import web
 from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import authenticator_for
+from router.security.auth import ApiKey, TenantId, authenticator_for, unauthorized_response
 from router.routing.core import Router
 from router.workers.registry import WorkerEntry
 from router.routing.types import RouteRequest
 
 Json = dict[str, Any]
+RequestKey = tuple[TenantId, str, str, str]     # (tenant, worker_id, policy, outcome)
 _LOAD_TIMEOUT_S = 2.0
 WINDOW_S = 60.0            # TTFT percentiles over this many seconds
 PREFIX_BLOCKS = 2          # a "prefix" is a prompt's first (up to) this many full blocks (a system prompt)
@@ -65,21 +72,37 @@ class TtftWindow:
         return [s for _, s in samples]
 
 
+class HotPrefix(NamedTuple):
+    """One tracked prefix: the tenant that sent it, its name (the chained hash of its last
+    block), requests, block hashes, token ids and requests routed per worker."""
+
+    tenant: TenantId
+    key: BlockHash
+    requests: int
+    hashes: tuple[BlockHash, ...]
+    tokens: tuple[int, ...]
+    routed: dict[str, int]
+
+
+PrefixKey = tuple[TenantId, BlockHash]
+
+
 class HotPrefixes:
-    """Requests per prompt prefix (its first `PREFIX_BLOCKS` full blocks, named by the chained
-    hash of the last of them) and the workers each was routed to."""
+    """Requests per (tenant, prompt prefix) — a prefix is its first `PREFIX_BLOCKS` full blocks,
+    named by the chained hash of the last of them — and the workers each was routed to. Two
+    tenants sending one prefix with one explicit salt are two entries."""
 
     def __init__(self) -> None:
-        self._count: dict[BlockHash, int] = {}
-        self._hashes: dict[BlockHash, tuple[BlockHash, ...]] = {}
-        self._tokens: dict[BlockHash, tuple[int, ...]] = {}
-        self._routed: dict[BlockHash, dict[str, int]] = {}
+        self._count: dict[PrefixKey, int] = {}
+        self._hashes: dict[PrefixKey, tuple[BlockHash, ...]] = {}
+        self._tokens: dict[PrefixKey, tuple[int, ...]] = {}
+        self._routed: dict[PrefixKey, dict[str, int]] = {}
 
-    def add(self, route: RouteRequest, worker_id: str, block_size: int) -> None:
+    def add(self, route: RouteRequest, worker_id: str, block_size: int, tenant: TenantId) -> None:
         hashes = route.block_hashes[:PREFIX_BLOCKS]
         if not hashes or block_size <= 0:
             return
-        key = hashes[-1]
+        key = (tenant, hashes[-1])
         if key not in self._count and len(self._count) >= _MAX_TRACKED:
             self._forget_coldest()
         self._count[key] = self._count.get(key, 0) + 1
@@ -88,11 +111,12 @@ class HotPrefixes:
         routed = self._routed.setdefault(key, {})
         routed[worker_id] = routed.get(worker_id, 0) + 1
 
-    def top(self, n: int = HOT_PREFIXES) -> list[tuple[BlockHash, int, tuple[BlockHash, ...], tuple[int, ...],
-                                                       dict[str, int]]]:
-        """The `n` most requested: (key, requests, block hashes, token ids, routed per worker)."""
-        keys = sorted(self._count, key=lambda k: (-self._count[k], k))[:n]
-        return [(k, self._count[k], self._hashes[k], self._tokens[k], dict(self._routed[k])) for k in keys]
+    def top(self, n: int = HOT_PREFIXES, tenant: TenantId | None = None) -> list[HotPrefix]:
+        """The `n` most requested, of `tenant` only (None: of every tenant)."""
+        keys = sorted((k for k in self._count if tenant is None or k[0] == tenant),
+                      key=lambda k: (-self._count[k], k[1], k[0]))[:n]
+        return [HotPrefix(k[0], k[1], self._count[k], self._hashes[k], self._tokens[k], dict(self._routed[k]))
+                for k in keys]
 
     def _forget_coldest(self) -> None:
         for key in sorted(self._count, key=self._count.__getitem__)[:len(self._count) // 2]:
@@ -101,36 +125,49 @@ class HotPrefixes:
 
 
 class ClusterView:
-    """Builds the `/v1/cluster` document; `requests` maps (worker_id, policy, outcome) to a count."""
+    """Builds the `/v1/cluster` document; `requests` maps (tenant, worker_id, policy, outcome)
+    to a count."""
 
-    def __init__(self, router: Router, requests: Mapping[tuple[str, str, str], int]) -> None:
+    def __init__(self, router: Router, requests: Mapping[RequestKey, int]) -> None:
         self._router = router
         self._requests = requests
         self.ttft = TtftWindow()
         self.prefixes = HotPrefixes()
 
     async def handle(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.document())
+        viewer = authenticator_for(self._router).viewer(request)
+        if viewer is None:        # the auth middleware lets none through; kept for a route added elsewhere
+            return unauthorized_response()
+        return web.json_response(await self.document(viewer))
 
-    async def document(self) -> Json:
+    async def document(self, viewer: ApiKey) -> Json:
+        """The document as `viewer` may see it: every tenant for an `admin` key (ANONYMOUS
+        without keys is one), else only `viewer.tenant`'s requests, counts and prefixes."""
+        only = None if viewer.admin else viewer.tenant
         entries = [w for w in self._router.registry.live() if w.info is not None]
         workers = await asyncio.gather(*(self._worker(w) for w in entries))
         s = self._router.stats
         limiter = authenticator_for(self._router).limiter
+        requests: dict[tuple[str, str, str], int] = {}
+        for (tenant, w, p, o), n in self._requests.items():
+            if only is None or tenant == only:
+                requests[(w, p, o)] = requests.get((w, p, o), 0) + n
+        tenants = sorted(t for t in set(limiter.admitted) | set(limiter.rejected) if only is None or t == only)
         return {
             "object": "kvmesh.cluster", "time": time.time(), "window_s": self.ttft.window_s,
             "policy": self._router.cfg.routing_policy.value,
+            "scope": {"tenant": only, "admin": viewer.admin},
             "workers": sorted(workers, key=lambda w: str(w["worker_id"])),
             "router": {
                 "requests": [{"worker_id": w, "policy": p, "outcome": o, "count": n}
-                             for (w, p, o), n in sorted(self._requests.items())],
+                             for (w, p, o), n in sorted(requests.items())],
                 "predicted_hit_tokens": s.routed_hit_tokens, "served_hit_tokens": s.actual_hit_tokens,
                 "hit_mismatches": s.mismatches, "peer_hints": s.peer_hints,
                 "tenants": [{"tenant": t, "admitted": limiter.admitted.get(t, 0), "rejected": limiter.rejected.get(t, 0)}
-                            for t in sorted(set(limiter.admitted) | set(limiter.rejected))],
+                            for t in tenants],
                 "kv_events": self._kv_events(),
             },
-            "hot_prefixes": self._hot_prefixes([str(w["worker_id"]) for w in workers]),
+            "hot_prefixes": self._hot_prefixes([str(w["worker_id"]) for w in workers], only, viewer.admin),
         }
 
     def _kv_events(self) -> Json | None:
@@ -141,15 +178,18 @@ class ClusterView:
         return {"degraded": c.degraded, "entries": c.entries, "gaps": c.gaps, "resyncs": c.resyncs_requested,
                 "redis_restarts": c.redis_restarts}
 
-    def _hot_prefixes(self, worker_ids: list[str]) -> list[Json]:
+    def _hot_prefixes(self, worker_ids: list[str], tenant: TenantId | None, text: bool) -> list[Json]:
+        """The hottest prefixes of `tenant` (None: of all); `text`: with the decoded preview
+        (else `text` is null)."""
         index, tok = self._router.registry.index, self._router.tokenizer
         out = []
-        for key, count, hashes, tokens, routed in self.prefixes.top():
-            held = index.match_prefix(hashes, [WorkerId(w) for w in worker_ids])
-            out.append({"prefix": f"{key:032x}"[:16], "requests": count, "num_blocks": len(hashes),
-                        "text": tok.decode(tokens) if tok is not None else "",
+        for p in self.prefixes.top(tenant=tenant):
+            held = index.match_prefix(p.hashes, [WorkerId(w) for w in worker_ids])
+            preview = (tok.decode(p.tokens) if tok is not None else "") if text else None
+            out.append({"prefix": f"{p.key:032x}"[:16], "tenant": p.tenant, "requests": p.requests,
+                        "num_blocks": len(p.hashes), "text": preview,
                         "held_blocks": {w: int(held.get(WorkerId(w), 0)) for w in worker_ids} if index.fed else None,
-                        "routed": routed})
+                        "routed": p.routed})
         return out
 
     async def _worker(self, w: WorkerEntry) -> Json:

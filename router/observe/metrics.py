@@ -4,9 +4,17 @@ Owner: `RouterServer` builds one `RouterMetrics` per router (its own `CollectorR
 globals), sets it as the core's `observer` (router/routing/core.py `RouteObserver`: the core calls it
 on each decision, pick, first response, finish and failure) and adds the `/metrics` and
 `/v1/cluster` routes to the HTTP app. What the core already keeps (`RoutingStats`, live
-workers), the tenant limiter's counts (router/security/auth.py) and the Redis event consumer's counters
-are read at scrape time; each scrape also asks Redis how far the block index lags behind each
-worker's event stream. torch-free.
+workers), the tenant limiter's counts (router/security/auth.py), the HTTP front's client-error counts
+(router/fronts/openai/client_errors.py) and the Redis event consumer's counters are read at scrape
+time; each scrape also asks Redis how far the block index lags behind each worker's event stream.
+
+Tenants on `/metrics` (`kvmesh:router_tenant_requests_total{tenant,outcome}`), by who scrapes:
+without API keys the one tenant `default`; an `admin` key: every tenant by name; another key:
+its own tenant only, by name; no key (an open /metrics): every tenant by an opaque id
+(`TenantSalts.label_for`: t-<16 hex>, a keyed hash of the name), or by name with
+`--metrics-tenant-names`. No other router metric carries a tenant. docs/threat-model.md.
+A request the client gives up on (cancelled, disconnected before it finished) counts as
+`kvmesh:router_requests_total{outcome="abort"}` with one INFO line naming its id. torch-free.
 """
 from __future__ import annotations
 
@@ -23,8 +31,9 @@ from prometheus_client.registry import Collector
 from contracts.wire import FINISH_REASON_NAMES
 from kvstore.metadata.registry import MetadataError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import authenticator_for
-from router.observe.cluster_view import ClusterView
+from router.fronts.openai.client_errors import CLIENT_ERRORS, ClientErrors
+from router.security.auth import ANONYMOUS, ApiKey, TenantId, authenticator_for
+from router.observe.cluster_view import ClusterView, RequestKey
 from router.routing.core import RouteObserver, Router
 from router.observe.dashboard import add_dashboard_routes
 from router.routing.types import RouteRequest
@@ -62,7 +71,7 @@ class RouterMetrics(RouteObserver):
         self.migrations = Counter("kvmesh:router_migrations", "Requests moved to another worker mid-stream "
                                   "(their worker died or became unreachable)", ("worker_id",), registry=r)
         r.register(_CoreCollector(router))
-        self.request_counts: dict[tuple[str, str, str], int] = {}   # (worker_id, policy, outcome), for /v1/cluster
+        self.request_counts: dict[RequestKey, int] = {}   # (tenant, worker_id, policy, outcome), for /v1/cluster
         self.cluster = ClusterView(router, self.request_counts)
         self._router = router
 
@@ -70,9 +79,10 @@ class RouterMetrics(RouteObserver):
     def decided(self, seconds: float) -> None:
         self.decision.observe(seconds)
 
-    def picked(self, route: RouteRequest, worker_id: str) -> None:
+    def picked(self, request_id: str, route: RouteRequest, worker_id: str) -> None:
         info = self._router.model_info
-        self.cluster.prefixes.add(route, worker_id, info.block_size if info is not None else 0)
+        self.cluster.prefixes.add(route, worker_id, info.block_size if info is not None else 0,
+                                  self._tenant(request_id))
 
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         self.ttft.labels(worker_id).observe(seconds)
@@ -82,14 +92,20 @@ class RouterMetrics(RouteObserver):
                  total_s: float) -> None:
         """Count it, and write the request's one access-log line."""
         reason = FINISH_REASON_NAMES.get(final.finish_reason, "unknown")
-        self._count(worker_id, reason)
+        self._count(request_id, worker_id, reason)
         self.prompt_tokens.labels(worker_id).inc(final.prompt_tokens)
         log.info("request %s finished on %s: prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
                  "ttft_s=%.4f total_s=%.4f finish_reason=%s", request_id, worker_id, final.prompt_tokens,
                  final.cached_tokens, final.completion_tokens, ttft_s, total_s, reason)
 
     def failed(self, request_id: str, worker_id: str) -> None:
-        self._count(worker_id, "error")
+        self._count(request_id, worker_id, "error")
+
+    def aborted(self, request_id: str, worker_id: str | None, tokens: int) -> None:
+        """Count it as outcome `abort`, and write the request's one access-log line."""
+        self._count(request_id, worker_id or "none", "abort")
+        log.info("request %s aborted on %s: the client went away after %d tokens", request_id,
+                 worker_id or "no worker", tokens)
 
     def hit_predicted(self, worker_id: str, error: float) -> None:
         self.prediction_error.labels(worker_id).observe(abs(error))
@@ -97,15 +113,23 @@ class RouterMetrics(RouteObserver):
     def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
         self.migrations.labels(worker_id).inc()
 
-    def _count(self, worker_id: str, outcome: str) -> None:
+    def _tenant(self, request_id: str) -> TenantId:
+        tenant = self._router.tenant_of(request_id)
+        return tenant if tenant is not None else ANONYMOUS.tenant
+
+    def _count(self, request_id: str, worker_id: str, outcome: str) -> None:
         self.requests.labels(worker_id, self.policy, outcome).inc()
-        key = (worker_id, self.policy, outcome)
+        key = (self._tenant(request_id), worker_id, self.policy, outcome)
         self.request_counts[key] = self.request_counts.get(key, 0) + 1
 
     # -- HTTP -----------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.Response:
+        """The registry, then the tenant family as this scraper may see it (module docstring)."""
         await self._refresh_event_lag()
-        body = generate_latest(self.registry)
+        auth = authenticator_for(self._router)
+        tenants = CollectorRegistry()
+        tenants.register(_TenantCollector(self._router, auth.viewer(request)))
+        body = generate_latest(self.registry) + generate_latest(tenants)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _refresh_event_lag(self) -> None:
@@ -121,8 +145,13 @@ class RouterMetrics(RouteObserver):
             self.event_lag.labels(worker_id).set(seconds)
 
     def add_routes(self, app: web.Application) -> None:
+        """`/metrics`, `/v1/cluster` and `/dashboard` on the HTTP front's `app`, and its
+        client-error counts (`CLIENT_ERRORS`) in this registry."""
         app.add_routes([web.get("/metrics", self.handle), web.get("/v1/cluster", self.cluster.handle)])
         add_dashboard_routes(app)
+        errors = app.get(CLIENT_ERRORS)
+        if errors is not None:
+            self.registry.register(_ClientErrorCollector(errors))
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -165,14 +194,6 @@ class _CoreCollector(Collector):
         for worker_id in sorted(self._seen):
             up.add_metric([worker_id], 1.0 if worker_id in live else 0.0)
         yield up
-        limiter = authenticator_for(self._router).limiter
-        tenants = CounterMetricFamily("kvmesh:router_tenant_requests",
-                                      "Generating requests per tenant (API keys file), admitted or rejected by "
-                                      "--max-concurrent-per-tenant", labels=["tenant", "outcome"])
-        for outcome, counts in (("admitted", limiter.admitted), ("rejected", limiter.rejected)):
-            for tenant, n in sorted(counts.items()):
-                tenants.add_metric([tenant, outcome], n)
-        yield tenants
         yield from self._kv_events()
 
     def _kv_events(self) -> Iterator[Metric]:
@@ -190,3 +211,41 @@ class _CoreCollector(Collector):
         yield GaugeMetricFamily("kvmesh:router_block_index_degraded",
                                 "1 while Redis is unreachable (routing on the last known index)",
                                 value=1.0 if c.degraded else 0.0)
+
+
+class _TenantCollector(Collector):
+    """Requests per tenant as `viewer` may see them (module docstring); built per scrape."""
+
+    def __init__(self, router: Router, viewer: ApiKey | None) -> None:
+        self._router, self._viewer = router, viewer
+
+    def collect(self) -> Iterator[Metric]:
+        auth = authenticator_for(self._router)
+        viewer, limiter = self._viewer, auth.limiter
+        tenants = CounterMetricFamily("kvmesh:router_tenant_requests",
+                                      "Generating requests per tenant (API keys file), admitted or rejected by "
+                                      "--max-concurrent-per-tenant; an unauthenticated scrape sees opaque tenant "
+                                      "ids unless --metrics-tenant-names", labels=["tenant", "outcome"])
+        names = viewer is not None or self._router.cfg.metrics_tenant_names
+        for outcome, counts in (("admitted", limiter.admitted), ("rejected", limiter.rejected)):
+            for tenant, n in sorted(counts.items()):
+                if viewer is not None and not viewer.admin and tenant != viewer.tenant:
+                    continue
+                tenants.add_metric([tenant if names else self._router.salts.label_for(tenant), outcome], n)
+        yield tenants
+
+
+class _ClientErrorCollector(Collector):
+    """Client-caused HTTP errors (malformed framing, a client gone mid-response) by kind."""
+
+    def __init__(self, errors: ClientErrors) -> None:
+        self._errors = errors
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("kvmesh:router_client_errors",
+                                     "HTTP requests the client broke (bad framing, over-long lines, an incomplete "
+                                     "body, a disconnect while the response was written), by kind",
+                                     labels=["kind"])
+        for kind, n in sorted(self._errors.counts.items()):
+            family.add_metric([kind], n)
+        yield family

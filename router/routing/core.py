@@ -27,6 +27,7 @@ from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.security.auth import ANONYMOUS, ApiKey, TenantId
+from router.security.bounds import PromptBounds
 from router.config import RouterConfig
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.inflight import InFlightPrefills
@@ -85,8 +86,12 @@ class RouteObserver:
     def decided(self, seconds: float) -> None:
         """A pick took `seconds`."""
 
-    def picked(self, route: RouteRequest, worker_id: str) -> None:
+    def picked(self, request_id: str, route: RouteRequest, worker_id: str) -> None:
         """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/observe/cluster_view.py)."""
+
+    def aborted(self, request_id: str, worker_id: str | None, tokens: int) -> None:
+        """The client went away (cancelled, disconnected) after `tokens` streamed tokens, before
+        the request finished; `worker_id` is the worker it ran on (None: not picked yet)."""
 
     def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
         """The first response from `worker_id` came `seconds` after `generate` began."""
@@ -127,6 +132,7 @@ class Router:
         self._inflight: dict[str, WorkerEntry | None] = {}
         self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
         self.salts = TenantSalts(cfg.api_keys)
+        self.bounds = PromptBounds()         # the prompt bound and the tokenization pool (router/security/bounds.py)
         self.draining = False
         self.prefills = InFlightPrefills()   # pending blocks and prefill queues
         self.predictions = HitPredictions()  # predicted vs served hits per worker; corrects the index
@@ -145,8 +151,9 @@ class Router:
         return [w.info for w in self.registry.live() if w.info is not None]
 
     async def prepare(self, inp: GenerateInput, caller: ApiKey = ANONYMOUS) -> Prepared:
-        """Tokenize (in a thread: a 4 MiB prompt takes seconds) and validate; raises
-        BadRequest, or NoWorkerAvailable before any worker has told the router its model.
+        """Refuse a prompt longer in characters than the context can hold (router/security/bounds.py),
+        tokenize on the bounded pool beside the loop and validate; raises BadRequest, or
+        NoWorkerAvailable before any worker has told the router its model.
         `caller` (the authenticated key) decides the default cache_salt (router/security/tenancy.py)."""
         info, tok = self.model_info, self.tokenizer
         if self.draining:
@@ -155,12 +162,13 @@ class Router:
             raise NoWorkerAvailable("no worker is ready")
         if tok is None:
             raise TokenizerNotLoaded()
+        await self.bounds.check(inp, info.max_model_len, tok)     # before tokenizing
         try:
             if inp.text is not None:
-                ids = await asyncio.to_thread(tok.encode, inp.text)
+                ids = await self.bounds.run(tok.encode, inp.text)
             elif inp.chat is not None:
                 messages = [{"role": m.role, "content": m.content} for m in inp.chat]
-                ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+                ids = await self.bounds.run(tok.apply_chat_template, messages)
             else:
                 ids = list(inp.token_ids or ())
                 bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
@@ -204,16 +212,19 @@ class Router:
         # The model the request was prepared for; the registry may forget it while no worker is
         # ready (a router whose tokenizer comes from the workers), e.g. while its only worker restarts.
         prepared_for = self.model_info
+        worker_id: WorkerId | None = None
+        finished = False
         try:
             while True:
                 pick = await self._pick_next(route, tried, progress, deadline)
                 assert pick.worker.info is not None
                 worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
-                self.observer.picked(route, worker_id)
+                self.observer.picked(rid, route, worker_id)
                 try:
                     async with contextlib.aclosing(self._attempt(rid, request, route, pick, deadline, progress)) as attempt:
                         async for response in attempt:
+                            finished = response.finished
                             yield response
                     return
                 except _Failed as f:
@@ -227,9 +238,17 @@ class Router:
                 if info is None:
                     raise NoWorkerAvailable("no worker is ready")
                 request, route = progress.resubmit(info.block_size, bytes.fromhex(info.hash_salt_hex))
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:          # the client cancelled or disconnected mid-request
+                self.observer.aborted(rid, worker_id, len(progress.generated))
+            raise
         finally:
             self._inflight.pop(rid, None)
             self._owners.pop(rid, None)
+
+    def tenant_of(self, request_id: str) -> TenantId | None:
+        """The tenant that sent `request_id` while it is in flight (None: not in flight)."""
+        return self._owners.get(request_id)
 
     async def _pick_next(self, route: RouteRequest, tried: set[WorkerId], progress: Progress,
                          deadline: float) -> Pick:

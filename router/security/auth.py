@@ -7,7 +7,9 @@ aiohttp middleware (401 with an OpenAI-style body) and the gRPC server intercept
 (UNAUTHENTICATED). With no keys configured every request passes (loopback default);
 `warn_if_open` logs loudly when such a router binds a non-loopback host. The probes (`/health`,
 `/readyz`, `/live`, `/livez`) and gRPC health/reflection stay open; `/metrics` too unless
-`--metrics-require-key`. Torch-free.
+`--metrics-require-key` (an open `/metrics` labels tenants by an opaque id unless
+`--metrics-tenant-names`: router/observe/metrics.py). `viewer` says whose view a request of the
+cluster state gets. docs/threat-model.md says what each caller can learn where. Torch-free.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ KEYS_FILE_ENV = "KVMESH_API_KEYS_FILE"
 PRIORITY_DENIED = "priority: this tenant may not set priority (the keys file marks the tenants that may)"
 DEFAULT_TENANT = TenantId("default")
 PRIORITY_FLAG = "priority"
-ADMIN_FLAG = "admin"        # may call admin endpoints (POST /reset_prefix_cache)
+# admin: may call POST /reset_prefix_cache, sees every tenant in /v1/cluster, the dashboard and
+# /metrics (names, prompt previews); a key without it sees only its own tenant there
+ADMIN_FLAG = "admin"
 SALT_OPTION = "salt="                             # keys file: the tenant's explicit cache_salt
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
 # the probes, and /dashboard (a page without data)
@@ -138,9 +142,13 @@ def add_auth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this client key (repeatable; tenant 'default')")
     p.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
-                   help=f"'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}]' per line (default: ${KEYS_FILE_ENV} if set)")
+                   help=f"'KEY TENANT [{PRIORITY_FLAG}] [{ADMIN_FLAG}] [{SALT_OPTION}SALT]' per line (default: "
+                        f"${KEYS_FILE_ENV} if set); {ADMIN_FLAG}: every tenant's view of /v1/cluster and /metrics")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="/metrics needs an API key like /v1 (default: open, like /health)")
+    p.add_argument("--metrics-tenant-names", action="store_true",
+                   help="an open /metrics scraped without a key labels tenants by name (default: by an "
+                        "opaque id, t-<hex>, stable for a key set; an admin key always sees names)")
     p.add_argument("--max-concurrent-per-tenant", type=int, default=None, metavar="N",
                    help="requests in flight per tenant (429 / RESOURCE_EXHAUSTED beyond; without keys: all "
                         "clients are one tenant); default unlimited")
@@ -218,6 +226,15 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
+
+    def viewer(self, request: web.Request) -> ApiKey | None:
+        """Whose view of the cluster state `request` gets: ANONYMOUS (everything) without keys;
+        the key the middleware accepted; on an open path (an open /metrics) the key presented,
+        if valid; else None (an unauthenticated caller)."""
+        if not self.enabled:
+            return ANONYMOUS
+        key = request.get(TENANT_KEY)
+        return key if key is not None else self.check(request.headers.get("Authorization"))
 
     def check(self, authorization: str | None) -> ApiKey | None:
         """The key named by an `Authorization` value (`Bearer KEY`), or None."""

@@ -34,6 +34,8 @@ from router.security.auth import ANONYMOUS, ApiKey, Authenticator
 
 _SECRET_PERSON = b"kvmesh-tenantsec"          # blake2b personalisation (16 bytes)
 TENANT_SALT_PREFIX = "tenant:"
+TENANT_LABEL_PREFIX = "t-"
+_LABEL_DOMAIN = b"kvmesh metrics tenant label\0"   # keeps labels apart from salts (same secret)
 
 
 class TenantSalts:
@@ -58,6 +60,14 @@ class TenantSalts:
     def salt_for(self, caller: ApiKey, requested: str) -> str:
         """The salt a request of `caller` is hashed with: its own `cache_salt`, else the default."""
         return requested or self.default_for(caller)
+
+    def label_for(self, tenant: str) -> str:
+        """The opaque metrics label of `tenant` (`t-` + 16 hex digits): an HMAC of its name with
+        the same server secret as the salts but another message, so the label tells neither the
+        name nor the salt. Stable across restarts and replicas with the same keys; it changes
+        when the key set does."""
+        digest = hmac.new(self._secret, _LABEL_DOMAIN + tenant.encode("utf-8"), hashlib.sha256).hexdigest()
+        return TENANT_LABEL_PREFIX + digest[:16]
 
 
 def grpc_caller(auth: Authenticator, context: grpc.aio.ServicerContext) -> ApiKey:

@@ -86,6 +86,7 @@ def same_numbers(page: dict[str, str], doc: dict[str, Any]) -> list[str]:
             if page.get(k) is None or (v is None and page[k] != "null") or (v is not None and float(page[k]) != v)]
 
 
+@pytest.mark.server
 def test_dashboard_shows_cluster_json_and_updates(web: Cluster, browser: Any, tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{web.http_port}"
     complete(web.http_port, LONG_PREFIX + "What is the capital of Austria?")
@@ -104,6 +105,9 @@ def test_dashboard_shows_cluster_json_and_updates(web: Cluster, browser: Any, tm
              lambda: not same_numbers(page_values(browser), doc))
     hot = doc["hot_prefixes"][0]
     assert hot["requests"] >= 2 and hot["routed"] == {"worker-0": hot["requests"]}
+    # without API keys the one tenant sees everything, previews included (tests/router/test_tenant_views.py: keys)
+    assert doc["scope"] == {"tenant": None, "admin": True} and hot["tenant"] == "default"
+    assert page_values(browser)["scope"] == "*"
     assert hot["text"] and LONG_PREFIX.startswith(hot["text"].lstrip())
     cells = page_values(browser)
     assert float(cells[f"prefix.{hot['prefix']}.worker-0"]) == 1.0     # every request of it went there
@@ -119,6 +123,7 @@ def test_dashboard_shows_cluster_json_and_updates(web: Cluster, browser: Any, tm
     print(f"dashboard screenshot: {shot}")
 
 
+@pytest.mark.server
 def test_dashboard_page_is_self_contained(web: Cluster) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{web.http_port}/dashboard", timeout=10) as resp:
         assert resp.headers["Content-Type"].startswith("text/html")

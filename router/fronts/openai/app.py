@@ -31,6 +31,7 @@ from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.security.auth import ANONYMOUS, TENANT_KEY, authenticator_for
 from router.routing.core import Router
+from router.fronts.openai.client_errors import CLIENT_ERRORS, ClientErrors
 from router.fronts.openai.guard import guard_middleware
 from router.fronts.openai.choices import ChoiceSet, choice_options
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
@@ -49,8 +50,11 @@ class HttpFrontend:
         self._active: set[asyncio.Task[Any]] = set()
         self._unknown_fields = UnknownFieldLog()
         middlewares = [authenticator_for(router).http_middleware(),
-                       guard_middleware(router.cfg.http_read_timeout_s), self._track, _errors]
+                       guard_middleware(router.cfg.http_read_timeout_s, router), self._track, _errors]
         app = web.Application(client_max_size=router.cfg.max_message_bytes, middlewares=middlewares)
+        # aiohttp's server logger: client-caused framing errors and disconnects are counted and
+        # logged as one rate-limited WARNING, not an ERROR traceback each
+        self.client_errors = app[CLIENT_ERRORS] = ClientErrors()
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -58,7 +62,7 @@ class HttpFrontend:
                         web.get("/livez", self.live)])
         add_utility_routes(app, router)  # /tokenize, /detokenize, /version
         # A client that disconnects cancels its handler, which cancels the upstream call.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=self.client_errors,
                                      keepalive_timeout=router.cfg.http_idle_timeout_s)
 
     @property
@@ -104,6 +108,18 @@ class HttpFrontend:
             raise TokenizerNotLoaded()
         return tok
 
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text`'s ids, tokenized on the core's bounded pool once its length is checked against
+        the context (router/security/bounds.py); BadRequest for a prompt too long by its characters."""
+        tok, info = self._tokenizer(), self.router.model_info
+        if info is None:
+            raise NoWorkerAvailable("no worker is ready")
+        max_chars = info.max_model_len * await self.router.bounds.token_bytes(tok)
+        if len(text) > max_chars:
+            raise BadRequest(f"prompt: the prompt has {len(text)} characters; this model takes at most "
+                             f"{info.max_model_len - 1} tokens, which is at most {max_chars} characters")
+        return await self.router.bounds.run(tok.encode, text, add_special_tokens)
+
     @property
     def default_temperature(self) -> float:
         """vLLM's default: the model's generation_config.json (set with the tokenizer)."""
@@ -141,7 +157,7 @@ class HttpFrontend:
             add = body["add_special_tokens"]  # vLLM: default True for completions
             if not isinstance(add, bool):
                 raise HttpError(400, f"add_special_tokens: must be a boolean, got {add!r}", "add_special_tokens")
-            ids = await asyncio.to_thread(self._tokenizer().encode, prompt, add)
+            ids = await self._encode(prompt, add)
             set_field(lambda: msg.token_ids.ids.extend(ids), "prompt")
         elif isinstance(prompt, str):
             msg.text = prompt
@@ -166,7 +182,7 @@ class HttpFrontend:
                 text = tok.render_chat([{"role": m.role, "content": m.content} for m in chat])
             except TokenizerError as e:
                 raise HttpError(400, f"messages: {e}", "messages") from None
-            msg.token_ids.ids.extend(await asyncio.to_thread(tok.encode, text, True))
+            msg.token_ids.ids.extend(await self._encode(text, True))
         else:
             msg.chat.messages.extend(chat)
         if body.get("max_completion_tokens") is not None:

@@ -2,6 +2,10 @@
 4xx with an OpenAI-style JSON body, never a 5xx or a hung connection.
 
 Owns one aiohttp middleware (`guard_middleware`), placed right after authentication, that
+- bounds the body by the model: at most `router/security/bounds.py` `body_limit` bytes
+  (max_model_len x the tokenizer's bytes per token, JSON-escaped; the router's
+  `max_message_bytes` before a worker is ready), a longer one is a 413 before it is read
+  (by its Content-Length, or as it arrives when chunked);
 - reads the body up front with a deadline (`http_read_timeout_s`): a body shorter than its
   Content-Length is a 408 instead of a handler waiting forever (aiohttp caches the bytes, so
   the handlers' own `request.read()` returns them);
@@ -23,7 +27,9 @@ from typing import Any
 
 from aiohttp import web
 
+from router.routing.core import Router
 from router.security.auth import PRIORITY_DENIED, TENANT_KEY
+from router.security.bounds import body_limit
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -39,13 +45,29 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
     return web.json_response(body, status=status, headers=headers)
 
 
-def guard_middleware(read_timeout_s: float) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The middleware; `read_timeout_s` bounds reading one request body."""
+async def max_body_bytes(router: Router) -> int:
+    """The body bound now: by the model once a worker and the tokenizer are there, else the
+    router's `max_message_bytes`."""
+    info, tok, cap = router.model_info, router.tokenizer, router.cfg.max_message_bytes
+    if info is None or tok is None:
+        return cap
+    return body_limit(info.max_model_len, await router.bounds.token_bytes(tok), cap)
+
+
+def guard_middleware(read_timeout_s: float, router: Router) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The middleware; `read_timeout_s` bounds reading one request body, `router`'s model its size."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             if request.body_exists:
+                limit = await max_body_bytes(router)
+                length = request.content_length
+                if length is not None and length > limit:
+                    return openai_error(413, f"request body of {length} bytes exceeds {limit} bytes (the longest "
+                                        "prompt this model's context can hold)", code="request_too_large",
+                                        headers={"Connection": "close"})
+                request = request.clone(client_max_size=limit)     # a chunked body stops at the limit
                 try:
                     await asyncio.wait_for(request.read(), read_timeout_s)
                 except TimeoutError:
