@@ -12,9 +12,11 @@ base time (`Decay.weight`: 2^((at − base) / half-life)), and a read scales the
 2^(−(now − base) / half-life) once. No timer walks the index; the base moves (every tally
 rebuilt, O(entries)) only once the weights would grow past 2^`_REBASE_HALF_LIVES`.
 
-`ASK_HALF_LIFE`, the default, is measured: the routing simulation's shift scenario
-(`kvmesh bench router` sizes it on routing-live --quick) swept over half-lives; see
-`kvmesh.bench.routing.sweep_ask_half_life` for the command and the figures.
+`ASK_HALF_LIFE`, the default, is measured: kv_aware over the simulated routing-live scenarios
+(no pressure, pressure, shift; quick and default sizes) at half-lives 0.5 … ∞, with
+`kvmesh.bench.routing.sweep_ask_half_life` (its docstring has the command; docs/routing.md the
+figures): 4 pool-fulls had the fewest cold requests and the lowest imbalance in the default
+shift and cost pressure next to nothing; shorter ones cost the pressure scenario hits.
 """
 from __future__ import annotations
 
