@@ -15,6 +15,10 @@ FORMAT_CHECK ?= 0
 # The fast tier: no child processes, no servers, no Redis (tests/integration/ is all real processes), and
 # not the real SmolLM2 weights (seconds per test; tiny random models stand in for them).
 FAST_MARKERS := not slow and not multiproc and not redis and not server and not smollm2
+# and not the files whose tests take seconds each on CPU: HF transformers as the oracle, the Triton
+# interpreter, the engine benches, an engine run per KV dtype (make test runs them all).
+FAST_IGNORE := tests/integration tests/worker/test_engine_equivalence.py tests/worker/test_triton_kernels.py \
+	tests/worker/test_triton_backend.py tests/kvmesh/test_bench_engine.py tests/worker/test_disk_engine.py
 
 .PHONY: setup lint test test-fast test-all demo clean proto
 
@@ -83,9 +87,9 @@ endif
 test: setup lint
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_layering.py --durations=20 $(PYTEST_ARGS)
 
-# Unit tests only (FAST_MARKERS, no tests/integration/): under 2 minutes on 2 cores.
+# Unit tests only (FAST_MARKERS, FAST_IGNORE): under 2 minutes on 2 cores.
 test-fast: setup
-	$(PY) -m pytest -q -m "$(FAST_MARKERS)" --ignore=tests/integration --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(FAST_IGNORE:%=--ignore=%) --durations=20 $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
