@@ -15,6 +15,7 @@ from kvmesh.bench import chaos as bench_chaos
 from kvmesh.bench import docs as bench_docs
 from kvmesh.bench import engine as bench
 from kvmesh.bench import routing as router_bench
+from kvmesh.bench import scale as bench_scale
 from kvmesh.bench import tenants as bench_tenants
 from kvmesh.bench import transfer as bench_transfer
 from kvmesh.serve import cli as serve_cli
@@ -46,6 +47,7 @@ def _bench(sub: argparse._SubParsersAction) -> None:
     bench_chaos.register(bsub)
     bench_docs.register(bsub)
     bench_tenants.register(bsub)
+    bench_scale.register(bsub)
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:

@@ -85,6 +85,7 @@ class BlockIndex:
         self._applied = 0
         self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
         self._requests: dict[str, _Pending] = {}
+        self._requests_on: dict[WorkerId, int] = {}   # records in `_requests` per worker (none: no pending)
         self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
         self._asked: dict[BlockHash, Ask] = {}
         self._held_asks: dict[WorkerId, Tally] = {}   # each worker's blocks by their asks
@@ -181,6 +182,7 @@ class BlockIndex:
         if not retry:
             self._count_asks(hashes, resubmitted)
         self._requests[request_id] = _Pending(worker_id, todo, expires_at)
+        self._requests_on[worker_id] = self._requests_on.get(worker_id, 0) + 1
         for h in todo:
             self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
         heapq.heappush(self._expiry, (expires_at, request_id))
@@ -198,6 +200,10 @@ class BlockIndex:
         p = self._requests.pop(request_id, None)
         if p is None:
             return
+        if self._requests_on[p.worker_id] == 1:
+            del self._requests_on[p.worker_id]
+        else:
+            self._requests_on[p.worker_id] -= 1
         for h in p.hashes:
             computing = self._pending.get(h)
             rids = computing.get(p.worker_id) if computing is not None else None
@@ -225,6 +231,8 @@ class BlockIndex:
         """The requests whose pending blocks on `worker_id` cover any of `block_hashes` that
         it does not hold yet (those a request for this prefix would wait on there)."""
         out: set[str] = set()
+        if worker_id not in self._requests_on:     # most workers of a large pool: O(1)
+            return out
         for h in block_hashes:
             rids = self._pending.get(h, {}).get(worker_id)
             if rids:
@@ -378,6 +386,10 @@ class BlockIndex:
         self._any_asks.check(any_asks, "the distinct blocks")
         for h in self._asked:
             assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
+        on: dict[WorkerId, int] = {}
+        for record in self._requests.values():
+            on[record.worker_id] = on.get(record.worker_id, 0) + 1
+        assert on == self._requests_on, f"requests per worker {self._requests_on} != {on} recorded"
         for h, computing in self._pending.items():
             for w, rids in computing.items():
                 assert rids, f"pending block {h:032x} on {w} has no request"

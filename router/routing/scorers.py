@@ -228,8 +228,11 @@ class PrefillCostScorer:
         if not 0.0 <= self.room_frac < 1.0:
             raise ValueError(f"room_frac={self.room_frac!r} must be in [0, 1)")
 
-    def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0) -> float:
-        """The cost on `worker_id`; its sustained load counts above `fair_share` only."""
+    def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0,
+             most_cached: int | None = None) -> float:
+        """The cost on `worker_id`; its sustained load counts above `fair_share` only.
+        `most_cached`: the largest of `state.cached_blocks` (None: taken here; `score` takes it
+        once for the pool, so a pick stays linear in the workers)."""
         bs, total = state.block_size, len(request.token_ids)
         own = max(0, state.cached_blocks.get(worker_id, 0))
         cached = min(total, bs * own)
@@ -238,7 +241,9 @@ class PrefillCostScorer:
         queued = max(0, state.queued_tokens.get(worker_id, 0))
         load = state.load(worker_id)
         # blocks another worker holds or computes: placed here they are a second copy
-        copies = min(total - cached, bs * max(0, max(state.cached_blocks.values(), default=0) - own))
+        if most_cached is None:
+            most_cached = max(state.cached_blocks.values(), default=0)
+        copies = min(total - cached, bs * max(0, most_cached - own))
         displaced = _cascade_past(load.committed, self.room_frac)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
@@ -249,7 +254,8 @@ class PrefillCostScorer:
 
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         share = fair_share(pool, state)
-        costs = {w.worker_id: self.cost(w.worker_id, request, state, share) for w in pool}
+        most = max(state.cached_blocks.values(), default=0)
+        costs = {w.worker_id: self.cost(w.worker_id, request, state, share, most) for w in pool}
         top = max(costs.values(), default=0.0)
         return {wid: 1.0 - c / top if top > 0 else 1.0 for wid, c in costs.items()}
 

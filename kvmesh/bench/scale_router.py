@@ -1,0 +1,300 @@
+"""The router side of `kvmesh bench scale`, in the bench's own process (one asyncio loop, as
+the router runs it): the router's real `EventConsumer` (kvstore/metadata/streams.py) feeding
+its real block index through the registry's `GatedIndex`, the real `WorkerRegistry` entries and
+the real `Router.pick` (router/routing/core.py: the kv_aware policy's filter → scorers → pick
+over the live workers, the index and the in-flight table). What is not the router's: no gRPC
+worker answers — each worker the consumer finds in the Redis registry is marked ready as a
+probe would mark it (`WorkerEntry.info`, its pool size), and a routed request is not sent:
+its prediction is recorded (`InFlightPrefills.dispatched`) and it ends `service_s` later.
+
+One pass: a fresh consumer finds every worker for the first time, so it asks each for an
+inventory (as after a router restart) — the fill; then `steady_s` of the fleet's traffic with
+decisions at `decision_rate`; then the fleet pauses, the index catches up and is compared with
+what the fleet holds (the oracle) and measured by a size walk.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import time
+import types
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from kvstore.events import IndexSink, WireEvent, WorkerId
+from kvstore.metadata.registry import RedisConfig, connect_async
+from kvstore.metadata.streams import EventConsumer
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.config import RouterConfig
+from router.index.blocks import BlockIndex
+from router.index.compact import CompactBlockIndex
+from router.index.gate import GatedIndex
+from router.routing.core import Router
+from router.routing.types import RouteRequest, WorkerInfo
+from router.workers.registry import WorkerEntry, WorkerRegistry
+
+INDEXES: dict[str, Callable[[], BlockIndex]] = {"legacy": BlockIndex, "compact": CompactBlockIndex}
+# the consumer's read_interval_s per structure: `legacy` is the router before the changes this
+# bench showed (reads back to back), `compact` the router as it is (batched reads, the default)
+READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact": None}
+DECISION_DUTY = 0.5     # the most of the loop's time picks may take
+
+
+@dataclass(frozen=True, slots=True)
+class PassConfig:
+    redis: RedisConfig
+    index: str                      # a key of INDEXES
+    expected_entries: int           # what the fleet holds: the fill is done at 99% of it
+    steady_s: float
+    decision_rate: float            # decisions per second during the steady phase
+    service_s: float                # how long a routed request stays in flight
+    pool_blocks: int
+    block_size: int
+    fill_timeout_s: float
+
+
+class PassResult(NamedTuple):
+    decision_ms: list[float]
+    lag_ms: list[float]             # steady phase only
+    hash_events: int                # stored/removed hashes applied, steady phase
+    entries: int                    # stream entries applied, steady phase
+    ingest_cpu_s: float             # process CPU less the decisions' thread CPU, steady phase
+    decision_cpu_s: float
+    wall_s: float
+    fill_s: float
+    fill_hash_events: int
+    fill_cpu_s: float
+    redis_cpu_s: float              # used_cpu_sys + used_cpu_user, steady phase
+    redis_mem_bytes: int
+    index_entries: int
+    index_blocks: int
+    index_bytes: int
+    consumer_gaps: int
+    decision_parts_ms: dict[str, float]
+    held: int                       # what the fleet holds once paused (the oracle)
+    decisions_shed: int
+
+
+class CountingSink:
+    """The consumer's sink: the registry's `GatedIndex`, counting hashes applied."""
+
+    def __init__(self, inner: IndexSink) -> None:
+        self.inner = inner
+        self.hashes = 0
+
+    def apply(self, worker_id: WorkerId, event: WireEvent, generation: int | None = None) -> None:
+        self.hashes += len(event.hashes)
+        self.inner.apply(worker_id, event, generation)
+
+    def clear_worker(self, worker_id: WorkerId) -> None:
+        self.inner.clear_worker(worker_id)
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        self.inner.remove_worker(worker_id)
+
+
+async def _noop(ready: bool) -> None:
+    return None
+
+
+class RouterPass:
+    def __init__(self, cfg: PassConfig, trace: Sequence[RouteRequest]) -> None:
+        self.cfg = cfg
+        self.trace = trace
+        self.index = INDEXES[cfg.index]()
+        self.registry = WorkerRegistry(RouterConfig(redis_url=cfg.redis.url, cluster_name=cfg.redis.cluster_name,
+                                                    http_port=None), _noop)
+        self.registry.index = self.index
+        self.registry.model_info = pb.ModelInfo(model="scale-model", block_size=cfg.block_size,
+                                                hash_salt_hex="5ca1e", vocab_size=50000, max_model_len=8192)
+        self.router = Router(self.registry.cfg, self.registry)
+        self.lags: list[float] = []
+        self.sink = CountingSink(GatedIndex(self.index))
+        self.consumer = EventConsumer(cfg.redis, self.sink, lag_observer=self.lags.append,
+                                      read_interval_s=READ_INTERVAL_S[cfg.index])
+        self._stop = asyncio.Event()
+        self._known: set[str] = set()
+        self._flights: dict[str, WorkerEntry] = {}
+        self.shed = 0                   # decisions due while the loop was the consumer's
+
+    async def _consume(self) -> None:
+        """The registry's consume loop: a poll, then its membership follows the Redis registry."""
+        while not self._stop.is_set():
+            await self.consumer.poll()
+            records = self.consumer.workers
+            ids = {r.address: r.worker_id for r in records.values()}
+            if set(ids) != self._known:
+                self.registry.set_workers(ids, probe=False, worker_ids=ids)
+                for address, wid in ids.items():
+                    entry = self.registry.entry(address)
+                    if entry.info is None:        # what a probe that found it SERVING sets
+                        entry.info = WorkerInfo(wid, address)
+                        entry.num_blocks = self.cfg.pool_blocks
+                self._known = set(ids)
+
+    async def run(self, pause_fleet: Callable[[], int], fleet_alive: Callable[[], bool]) -> PassResult:
+        """`pause_fleet()` stops the fleet's traffic and returns the blocks it holds."""
+        cfg = self.cfg
+        task = asyncio.create_task(self._consume())
+        t0, cpu0 = time.monotonic(), time.process_time()
+        while (self.index.stats().num_entries < 0.99 * cfg.expected_entries
+               and time.monotonic() - t0 < cfg.fill_timeout_s):
+            if not fleet_alive():
+                raise RuntimeError("the worker fleet exited during the fill")
+            await asyncio.sleep(0.05)
+        fill_s, fill_cpu = time.monotonic() - t0, time.process_time() - cpu0
+        fill_hashes = self.sink.hashes
+        print(f"kvmesh bench scale: {cfg.index} index filled to {self.index.stats().num_entries} entries "
+              f"in {fill_s:.1f} s", file=sys.stderr, flush=True)
+        await asyncio.sleep(0.5)                 # the tail of the inventories
+        self.lags.clear()
+        admin = connect_async(cfg.redis)
+        redis_cpu0 = _redis_cpu(await admin.info("cpu"))
+        hashes0, entries0 = self.sink.hashes, self.consumer.stats().entries
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        decision_ms, decision_cpu = await self._decide(cfg.steady_s)
+        wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
+        redis_cpu = _redis_cpu(await admin.info("cpu")) - redis_cpu0
+        hashes, entries = self.sink.hashes - hashes0, self.consumer.stats().entries - entries0
+        lags = [x * 1000 for x in self.lags]
+        held = await asyncio.to_thread(pause_fleet)
+        await self._settle(held)
+        self._stop.set()
+        await task
+        mem = int((await admin.info("memory"))["used_memory"])
+        await admin.aclose()
+        parts = self._parts()
+        stats = self.index.stats()
+        result = PassResult(decision_ms, lags, hashes, entries, max(0.0, cpu - decision_cpu), decision_cpu, wall,
+                            fill_s, fill_hashes, fill_cpu, redis_cpu, mem, stats.num_entries, stats.num_blocks,
+                            deep_size(self.index), self.consumer.stats().gaps, parts, held, self.shed)
+        await self.consumer.aclose()
+        await self.registry.stop()
+        return result
+
+    async def _decide(self, seconds: float) -> tuple[list[float], float]:
+        """Route trace requests at `decision_rate` for `seconds`: the time of each `pick`. Picks
+        take at most `DECISION_DUTY` of the loop: after a pick of t seconds the loop is the
+        consumer's for t × (1 − duty) / duty (decisions due meanwhile are shed, counted in
+        `shed`), so that ingest is measured while a pick is slower than the rate allows."""
+        cfg, router, index = self.cfg, self.router, self.index
+        times: list[float] = []
+        cpu = 0.0
+        in_flight: deque[tuple[float, str]] = deque()
+        start = time.monotonic()
+        i = 0
+        free_at = start
+        while (now := time.monotonic()) - start < seconds:
+            while in_flight and in_flight[0][0] <= now:
+                _, rid = in_flight.popleft()
+                self._end(rid)
+            due = max(start + (i + self.shed) / cfg.decision_rate, free_at)
+            if due > now:
+                await asyncio.sleep(due - now)
+                continue
+            behind = int((now - start) * cfg.decision_rate) - i - self.shed
+            if behind > 0:          # due while the loop was the consumer's: not routed
+                self.shed += behind
+            route = self.trace[i % len(self.trace)]
+            rid = f"scale-{i}"
+            c0, t0 = time.thread_time(), time.perf_counter()
+            pick = router.pick(route, set())
+            took = time.perf_counter() - t0
+            times.append(took * 1000)
+            free_at = time.monotonic() + took * (1 - DECISION_DUTY) / DECISION_DUTY
+            router.prefills.dispatched(index, rid, pick.worker.info.worker_id,  # type: ignore[union-attr]
+                                       route, pick.predicted_tokens)
+            pick.worker.in_flight += 1
+            self._flights[rid] = pick.worker
+            cpu += time.thread_time() - c0
+            in_flight.append((now + cfg.service_s, rid))
+            i += 1
+            await asyncio.sleep(0)      # let the consumer in between decisions, as requests do
+        for _, rid in in_flight:
+            self._end(rid)
+        return times, cpu
+
+    def _end(self, rid: str) -> None:
+        worker = self._flights.pop(rid)
+        worker.in_flight -= 1
+        self.router.prefills.done(self.index, rid, streamed=True)
+
+    async def _settle(self, held: int, timeout_s: float = 60.0) -> None:
+        """Until the index holds what the fleet holds (or nothing has arrived for 2 s)."""
+        deadline = time.monotonic() + timeout_s
+        last, quiet = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            n = self.consumer.stats().entries
+            if self.index.stats().num_entries == held and n == last:
+                return
+            if n != last:
+                last, quiet = n, time.monotonic()
+            elif time.monotonic() - quiet > 2.0:
+                return
+            await asyncio.sleep(0.2)
+
+    def _parts(self, samples: int = 20) -> dict[str, float]:
+        """Mean ms of the pick's parts on a few trace requests (each part timed alone)."""
+        router, index = self.router, self.index
+        live = router.live_workers()
+        ids = [w.worker_id for w in live]
+        out = dict.fromkeys(("match_prefix_x2", "shared_blocks", "queued_tokens", "routing_state", "policy"), 0.0)
+        for route in self.trace[:samples]:
+            t = time.perf_counter()
+            index.match_prefix(route.block_hashes, ids)
+            index.match_prefix(route.block_hashes, ids, pending=False)
+            out["match_prefix_x2"] += time.perf_counter() - t
+            t = time.perf_counter()
+            for w in ids:
+                index.shared_blocks(w)
+            out["shared_blocks"] += time.perf_counter() - t
+            t = time.perf_counter()
+            router.prefills.queued_tokens(index, ids, route)
+            out["queued_tokens"] += time.perf_counter() - t
+            t = time.perf_counter()
+            state = router.routing_state(route)
+            out["routing_state"] += time.perf_counter() - t
+            t = time.perf_counter()
+            router.policy.pick(live, route, state)
+            out["policy"] += time.perf_counter() - t
+        return {k: round(v * 1000 / samples, 3) for k, v in out.items()}
+
+
+def _redis_cpu(info: dict[str, Any]) -> float:
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+_NOT_FOLLOWED = (type, types.FunctionType, types.MethodType, types.ModuleType, types.BuiltinFunctionType)
+
+
+def deep_size(root: object) -> int:
+    """Bytes of every object reachable from `root` (sys.getsizeof, each object once; types,
+    functions and modules are not followed). Canonical ints shared by many entries count once."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    gc.collect()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, deque)):
+            stack.extend(obj)
+        elif isinstance(obj, (int, float, str, bytes, bool)) or obj is None:
+            continue
+        else:
+            if hasattr(obj, "__dict__"):
+                stack.append(vars(obj))
+            for cls in type(obj).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if hasattr(obj, name):
+                        stack.append(getattr(obj, name))
+    return total

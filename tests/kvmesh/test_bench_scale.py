@@ -1,0 +1,76 @@
+"""`kvmesh bench scale`: its flags, and a tiny real run (redis-server, a worker fleet child, the
+router's consumer and index in the test process) whose figures are checked against an oracle."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from contracts.cli import CLIError
+from kvmesh.bench.scale import ScaleConfig, config_from_args, register
+from kvmesh.bench.scale_router import deep_size
+from kvmesh.cli import main
+from tests.support.redis_server import REDIS_SERVER
+
+RUN_KEYS = {"workers", "blocks", "decision_p50_ms", "decision_p99_ms", "event_lag_p99_ms", "index_bytes_per_entry",
+            "events_per_s_per_core", "redis_cpu_frac", "redis_mem_bytes"}
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    return p.parse_args(["scale", *argv])
+
+
+def test_flags_and_their_errors() -> None:
+    cfg = config_from_args(_parse("--quick", "--workers", "4,8", "--steady-s", "1.5"))
+    assert (cfg.workers, cfg.steady_s, cfg.decision_rate, cfg.indexes) == ((4, 8), 1.5, 20.0, ("legacy", "compact"))
+    assert config_from_args(_parse()).workers == ScaleConfig().workers == (16, 128, 1000)
+    with pytest.raises(CLIError, match="indexes"):
+        config_from_args(_parse("--index", "legacy,btree"))
+    with pytest.raises(CLIError, match="pool_blocks"):
+        config_from_args(_parse("--pool-blocks", "10"))
+    with pytest.raises(SystemExit):
+        _parse("--workers", "4,many")
+
+
+def test_the_size_walk_counts_shared_objects_once() -> None:
+    key = 2**100
+    d = {key: 1}
+    assert deep_size((d, key)) == deep_size((d,)) + 8      # one more tuple slot; the key again costs nothing
+    assert deep_size({key: [1, 2]}) > deep_size(d)
+
+
+@pytest.mark.redis
+@pytest.mark.multiproc
+def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_path: Path) -> None:
+    if not Path(REDIS_SERVER).exists():
+        pytest.skip("redis-server is not installed")
+    out = tmp_path / "scale.json"
+    assert main(["bench", "scale", "--quick", "--workers", "4,8", "--pool-blocks", "100", "--steady-s", "1.5",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "machine" in result["meta"]
+    assert isinstance(result["bottleneck"], str) and result["bottleneck"]
+    for runs in (result["runs"], result["baseline"]["legacy"]):
+        assert [r["workers"] for r in runs] == [4, 8]
+        for r in runs:
+            assert set(r) == RUN_KEYS
+            assert 0 < r["blocks"] <= r["workers"] * 100
+            assert 0 < r["decision_p50_ms"] <= r["decision_p99_ms"] < 10_000
+            assert 0 <= r["event_lag_p99_ms"] < 60_000
+            assert 50 < r["index_bytes_per_entry"] < 20_000
+            assert r["events_per_s_per_core"] > 0 and r["redis_mem_bytes"] > 0
+            assert 0 <= r["redis_cpu_frac"] <= 2.0
+    for d in result["details"]:
+        fleet = d["fleet"]
+        # the oracle: every worker's pool is full, so what it published (its inventory, then
+        # stored minus removed) adds up to the pool size; the index holds exactly that
+        assert fleet["stored"] == fleet["removed"] > 0
+        assert d["index_entries"] == d["oracle_held"] == fleet["held"] == d["workers"] * 100
+        assert d["decisions"] > 0 and d["consumer_gaps"] == 0
+    by = {(d["workers"], d["index"]): d for d in result["details"]}
+    for n in (4, 8):
+        assert by[n, "compact"]["index_bytes"] < by[n, "legacy"]["index_bytes"]
