@@ -147,9 +147,10 @@ class RouterPass:
             await asyncio.sleep(0.05)
         fill_s, fill_cpu = time.monotonic() - t0, time.process_time() - cpu0
         fill_hashes = self.sink.hashes
+        drained = await self._drain()
         print(f"kvmesh bench scale: {cfg.index} index filled to {self.index.stats().num_entries} entries "
-              f"in {fill_s:.1f} s", file=sys.stderr, flush=True)
-        await asyncio.sleep(0.5)                 # the tail of the inventories
+              f"in {fill_s:.1f} s, its streams read to {drained:.2f} s of their heads",
+              file=sys.stderr, flush=True)
         self.lags.clear()
         admin = connect_async(cfg.redis)
         redis_cpu0 = _redis_cpu(await admin.info("cpu"))
@@ -174,6 +175,17 @@ class RouterPass:
         await self.consumer.aclose()
         await self.registry.stop()
         return result
+
+    async def _drain(self, timeout_s: float = 60.0) -> float:
+        """Until every stream is read to within 0.5 s of its head (the inventories' tail and the
+        traffic that came meanwhile), so the steady phase starts without a backlog; returns the
+        largest lag last seen (`EventConsumer.lag_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            worst = max((await self.consumer.lag_s()).values(), default=0.0)
+            if worst < 0.5 or time.monotonic() > deadline:
+                return worst
+            await asyncio.sleep(0.5)
 
     async def _decide(self, seconds: float) -> tuple[list[float], float]:
         """Route trace requests at `decision_rate` for `seconds`: the time of each `pick`. Picks
