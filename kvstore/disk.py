@@ -8,32 +8,10 @@ device pool and the host tier finds the rest with `match_prefix`; `read_ahead` h
 thread read it back, the engine thread picks the blocks up with `take_reads` and stages them
 into the host tier, and the admission onloads them from there like any host hit.
 
-Layout on disk, one file per block:
-
-    DIR/v1-<fingerprint: 32 hex>/<first 2 hex of the hash>/<hash: 32 hex>-<salt root: 32 hex | 0>.kvb
-    DIR/v1-<fingerprint>/lock        flock'ed by the process using the tier
-
-One file per block rather than an append log with an index: a file is written under a
-temporary name and renamed into place, so a process killed mid-write leaves at most a `.tmp`
-file, which the next open deletes; the LRU evicts one block by unlinking one file (a log would
-need segments and compaction to give space back in LRU order); a reopen rebuilds the LRU from
-the files' mtimes, i.e. in write order (hits are not recorded on disk: no metadata write on a
-read). The price is a few syscalls per block
-(open, write, rename, close), small beside a block's bytes (~0.7 MB for SmolLM2 in fp32).
-
-Each record is a 72-byte header and the block's bytes as the host tier holds them:
-
-    magic b"KVMB" | format version u16 | flags u16 (bit 0: salted) | fingerprint 16 B
-    | block hash 16 B | salt root 16 B | payload length u64 | checksum u64
-
-The checksum is xxh3-64 over the header's first 64 bytes and the payload. The fingerprint is
-the caller's digest of the model, the KV layout and the KV dtype (`fingerprint_of`): records
-of another fingerprint live in another directory and are never read (said once at open). The
-salt root (`kvstore.keys.cache_salt_root` of the request's cache_salt) is part of the key:
-`match_prefix` and `read_ahead` find a block only under the root the asking request has, and
-a read checks the header's root, hash and fingerprint as well as the checksum. A record that
-fails any check (a torn write, flipped bytes, a truncated file) is never served: it is deleted
-and counted (`dropped_checksum`).
+Records: one checksummed file per block (`kvstore/disk_record.py`: file layout, record format);
+another fingerprint's records are never read (said once at open). `match_prefix` and `read_ahead`
+find a block only under the salt root the asking request has. A record that fails any check (a
+torn write, flipped bytes, a truncated file) is never served: deleted and counted (`dropped_checksum`).
 
 Reopen: a tier opened on a directory that holds records of its fingerprint reads every
 record's header (72 bytes, not its payload): name, size, magic, version, fingerprint and key
@@ -55,88 +33,35 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import xxhash
 
+from kvstore.disk_record import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    DiskKey,
+    FileIO,
+    RecordError,
+    encode_header,
+    read_record,
+    record_name,
+    scan_records,
+)
+from kvstore.disk_stats import DiskTierStats, Histogram
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("kvmesh.disk")
-
-FORMAT_VERSION = 1
-_MAGIC = b"KVMB"
-_HEAD = struct.Struct("<4sHH16s16s16sQ")      # everything the checksum covers before the payload
-_SUM = struct.Struct("<Q")
-HEADER_BYTES = _HEAD.size + _SUM.size          # 72
-_SALTED = 1
-# seconds; read/write of one block (or one read-ahead run)
-TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-DiskKey = tuple[BlockHash | None, BlockHash]   # (salt root, block hash)
-
-
-def fingerprint_of(salt: bytes, layout: KVLayout) -> bytes:
-    """16 bytes naming what makes two workers' blocks interchangeable: the hash salt (model,
-    tokenizer, KV dtype, block size, codec) and the KV layout (layers, heads, head dim, dtype)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"kvmesh-disk-v1")
-    h.update(salt)
-    h.update(repr((layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
-                   layout.kv_cache_dtype, layout.bytes_per_block)).encode())
-    return h.digest()
-
-
-class DiskSpec(NamedTuple):
-    """What a `KVStore` opens its disk tier from: a directory, a size bound (bytes of
-    records) and the fingerprint of the blocks it may hold (`fingerprint_of`)."""
-
-    path: str
-    num_bytes: int
-    fingerprint: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class TimeHistogram:
-    """Cumulative counts per upper bound in `bounds` (then +Inf), with the sum and count. A dataclass,
-    not a NamedTuple: its `count` field would shadow `tuple.count`."""
-
-    buckets: tuple[int, ...]
-    sum_s: float
-    count: int
-    bounds: tuple[float, ...] = TIME_BUCKETS
-
-
-class DiskTierStats(NamedTuple):
-    """Counters since the tier was opened (blocks) and its size now."""
-
-    enabled: bool
-    capacity_bytes: int
-    used_bytes: int
-    num_blocks: int
-    written: int
-    read: int
-    dropped_checksum: int      # records that failed a check (torn, flipped, truncated, wrong key)
-    dropped_queue_full: int    # writes dropped because the write-behind queue was full
-    dropped_fingerprint: int   # records of other fingerprints found beside this tier's (ignored, kept)
-    evicted: int               # records deleted by the tier's LRU
-    reopened: int              # records found valid at open
-    write_seconds: TimeHistogram
-    read_seconds: TimeHistogram
-
 
 class DiskRead(NamedTuple):
     """A finished `read_ahead`: the leading `keys` that were read, their blocks
@@ -145,90 +70,6 @@ class DiskRead(NamedTuple):
     asked: tuple[DiskKey, ...]
     keys: tuple[DiskKey, ...]
     blocks: torch.Tensor | None
-
-
-class _Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * (len(TIME_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.sum += seconds
-        for i, bound in enumerate(TIME_BUCKETS):
-            if seconds <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
-
-    def snapshot(self) -> TimeHistogram:
-        out, total = [], 0
-        for c in self.counts:
-            total += c
-            out.append(total)
-        return TimeHistogram(tuple(out), self.sum, total)
-
-
-class RecordError(Exception):
-    """A record failed a check (said how); never escapes the tier."""
-
-
-def encode_header(fingerprint: bytes, key: DiskKey, payload: memoryview) -> bytes:
-    root, block_hash = key
-    head = _HEAD.pack(_MAGIC, FORMAT_VERSION, _SALTED if root is not None else 0, fingerprint,
-                      block_hash.to_bytes(16, "big"), (root or 0).to_bytes(16, "big"), len(payload))
-    h = xxhash.xxh3_64(head)
-    h.update(payload)
-    return head + _SUM.pack(h.intdigest())
-
-
-def check_header(raw: bytes, fingerprint: bytes, key: DiskKey, payload_bytes: int) -> int:
-    """The record's checksum, after checking every header field against what it must be."""
-    if len(raw) < HEADER_BYTES:
-        raise RecordError(f"header of {len(raw)} bytes")
-    magic, version, flags, fp, block_hash, root, length = _HEAD.unpack_from(raw)
-    if magic != _MAGIC or version != FORMAT_VERSION:
-        raise RecordError(f"magic {magic!r} version {version}")
-    if fp != fingerprint:
-        raise RecordError("fingerprint")
-    want_root, want_hash = key
-    if int.from_bytes(block_hash, "big") != want_hash or bool(flags & _SALTED) != (want_root is not None) \
-            or int.from_bytes(root, "big") != (want_root or 0):
-        raise RecordError("block hash or salt root differs from the record's name")
-    if length != payload_bytes:
-        raise RecordError(f"payload of {length} bytes, want {payload_bytes}")
-    return int(_SUM.unpack_from(raw, _HEAD.size)[0])
-
-
-class FileIO:
-    """The tier's edge to the file system (tests swap in one that fails like a full disk)."""
-
-    def write(self, path: str, parts: Sequence[bytes | memoryview]) -> None:
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-
-    def read_into(self, path: str, header: bytearray, payload: memoryview) -> int:
-        """Fill `header` then `payload` from the file; returns the bytes read (short: truncated)."""
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            n = os.readv(fd, [header, payload])
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        return n if size == n else -1
-
-    def unlink(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 class DiskTier:
@@ -259,7 +100,7 @@ class DiskTier:
         self._record = False
         self._counts = dict.fromkeys(("written", "read", "checksum", "queue_full", "fingerprint",
                                       "evicted", "reopened"), 0)
-        self._write_s, self._read_s = _Histogram(), _Histogram()
+        self._write_s, self._read_s = Histogram(), Histogram()
         self._lock_fd: int | None = None
         self._threads: list[threading.Thread] = []
 
@@ -429,8 +270,7 @@ class DiskTier:
 
     # -- internals: open ------------------------------------------------------------------
     def _path(self, key: DiskKey) -> str:
-        root, h = key
-        name = f"{h:032x}-{'0' if root is None else f'{root:032x}'}.kvb"
+        name = record_name(key)
         return f"{self._dir_s}/{name[:2]}/{name}"
 
     def _open(self) -> None:
@@ -448,36 +288,8 @@ class DiskTier:
             log.warning("KV disk tier %s: %d record(s) of another model/KV layout fingerprint or format version "
                         "ignored (%s)", self.root_dir, self._counts["fingerprint"],
                         ", ".join(sorted(p.name for p in others)))
-        found: list[tuple[float, DiskKey]] = []
-        header = bytearray(HEADER_BYTES)
-        subdirs = sorted(e.path for e in os.scandir(self.dir) if e.is_dir())
-        for sub in subdirs:
-            for entry in os.scandir(sub):
-                path = entry.path
-                if path.endswith(".tmp"):               # a write cut short (the process died)
-                    self.io.unlink(path)
-                    continue
-                key = _key_of(entry.name)
-                if key is None:
-                    continue
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        n = os.readv(fd, [header])
-                        st = os.fstat(fd)
-                    finally:
-                        os.close(fd)
-                    if n != HEADER_BYTES or st.st_size != self.record_bytes:
-                        raise RecordError(f"{st.st_size} bytes, want {self.record_bytes}")
-                    check_header(bytes(header), self.fingerprint, key, self.payload_bytes)
-                except RecordError as e:   # in this fingerprint's directory: torn or corrupted
-                    self._counts["checksum"] += 1
-                    log.debug("dropping disk record %s: %s", path, e)
-                    self.io.unlink(path)
-                    continue
-                found.append((st.st_mtime, key))
-        found.sort(key=lambda f: f[0])
-        self._index.update((key, None) for _, key in found)
+        found = scan_records(self.dir, self.fingerprint, self.payload_bytes, self.io, self._count_bad)
+        self._index.update((key, None) for key in found)
         self._counts["reopened"] = len(found)
         self._evict_to(0)
         if found:
@@ -549,14 +361,7 @@ class DiskTier:
             path = self._path(key)
             row = out[n].numpy().data.cast("B")
             try:
-                size = self.io.read_into(path, header, row)
-                if size != self.record_bytes:
-                    raise RecordError(f"record of {size} bytes, want {self.record_bytes}")
-                want = check_header(bytes(header), self.fingerprint, key, self.payload_bytes)
-                h = xxhash.xxh3_64(memoryview(header)[:_HEAD.size])
-                h.update(row)
-                if h.intdigest() != want:
-                    raise RecordError("checksum mismatch")
+                read_record(self.io, path, header, row, self.fingerprint, key)
             except FileNotFoundError:
                 with self._lock:
                     self._drop(key, None)
@@ -599,6 +404,9 @@ class DiskTier:
             except OSError:
                 pass   # the read already failed its check: it is out of the index either way
 
+    def _count_bad(self) -> None:
+        self._counts["checksum"] += 1
+
     def _turn_off(self, what: str, error: OSError) -> None:
         with self._lock:
             if not self.enabled:
@@ -612,13 +420,3 @@ class DiskTier:
         if self._record:
             self._events.append(event)
 
-
-def _key_of(name: str) -> DiskKey | None:
-    """The key a record's file name gives (None: not a record name)."""
-    if not name.endswith(".kvb") or name[32:33] != "-" or len(name) not in (69, 38):
-        return None
-    root = name[33:-4]
-    try:
-        return (None if root == "0" else BlockHash(int(root, 16))), BlockHash(int(name[:32], 16))
-    except ValueError:
-        return None

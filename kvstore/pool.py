@@ -37,7 +37,9 @@ from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
 from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue
+from kvstore.hash_index import HashIndex, NullHashIndex
 from kvstore.keys import BlockHash
+from kvstore.pool_check import check_pool_integrity
 from kvstore.quota import CachedQuota, Owner, OwnerUsage
 
 
@@ -87,27 +89,6 @@ class BlockInfo(NamedTuple):
     block_hash: BlockHash | None
 
 
-class _HashIndex:
-    """hash → id of the block that caches it (read `map`, write through `add`)."""
-
-    def __init__(self) -> None:
-        self.map: dict[BlockHash, BlockId] = {}
-
-    def add(self, block_hash: BlockHash, block_id: BlockId) -> bool:
-        """Map `block_hash` to `block_id` unless it already maps somewhere; True if added."""
-        if block_hash in self.map:
-            return False
-        self.map[block_hash] = block_id
-        return True
-
-
-class _NullHashIndex(_HashIndex):
-    """Prefix caching off: nothing is ever added, so nothing is ever found or evicted."""
-
-    def add(self, block_hash: BlockHash, block_id: BlockId) -> bool:
-        return False
-
-
 class BlockPool:
     """Ref-counted blocks `0..num_blocks-1` with a segmented LRU free queue (probation, then
     protected: see the module docstring) and a prefix cache.
@@ -137,7 +118,7 @@ class BlockPool:
         self._max_protected = int(protected_frac * num_blocks)
         self._num_reused = 0
         self._quota = CachedQuota(num_blocks, max_cached_frac)
-        self._index: _HashIndex = _HashIndex() if enable_prefix_caching else _NullHashIndex()
+        self._index: HashIndex = HashIndex() if enable_prefix_caching else NullHashIndex()
         self._on_evict = on_evict
         self._record_events = enable_kv_cache_events
         self._events: list[KVEvent] = []
@@ -387,42 +368,8 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
-        n = len(self._blocks)
-        forward: list[_Block] = []
-        for name, queue in (("probation free", self._free), ("protected free", self._protected)):
-            walk = queue.walk(forward=True, limit=n + 1)  # n + 1: a cycle shows
-            backward = queue.walk(forward=False, limit=n + 1)
-            assert len(walk) <= n, f"{name} queue has a cycle (forward walk)"
-            assert len(walk) == len(queue), f"{name} queue length {len(queue)} != {len(walk)} linked blocks"
-            assert walk == backward[::-1], f"{name} queue forward and backward walks disagree"
-            assert all(b.protected == (queue is self._protected) for b in walk), \
-                f"a block's protected flag disagrees with its place in the {name} queue"
-            forward += walk
-        assert len(self._protected) <= self._max_protected, "protected queue over its cap"
-        assert all(b.reused and b.block_hash is not None for b in self._protected.walk(True, n)), \
-            "the protected queue holds a block that caches nothing or was never reused"
-        assert all(b.block_hash is not None or not b.reused for b in self._blocks), \
-            "an uncached block is marked reused"
-        assert self._num_reused == sum(b.reused for b in self._blocks), "reused-block count is off"
-        free_ids = {b.block_id for b in forward}
-        assert len(free_ids) == len(forward), "a block appears twice in the free queue"
-        for block in self._blocks:
-            is_free = block.block_id in free_ids
-            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            assert (block.ref_cnt == 0) == is_free, f"block {block.block_id} has ref_cnt " \
-                f"{block.ref_cnt} but is {'' if is_free else 'not '}in the free queue"
-            assert is_free or block.prev is None and block.next is None, \
-                f"used block {block.block_id} still has free-queue links"
-        used = sum(b.ref_cnt > 0 for b in self._blocks)
-        assert len(forward) + used == n, f"{len(forward)} free + {used} used != {n} blocks"
-        for block_hash, block_id in self._index.map.items():
-            assert self._blocks[block_id].block_hash == block_hash, \
-                f"hash map sends {block_hash:032x} to block {block_id}, which caches another"
-        cached = sum(b.block_hash is not None for b in self._blocks)
-        assert cached == len(self._index.map), \
-            f"{cached} blocks carry a hash but the hash map has {len(self._index.map)}"
-        self._quota.check_integrity([b.block_hash is not None for b in self._blocks],
-                                    [(b.block_id, b.protected) for b in forward])
+        check_pool_integrity(self._blocks, self._free, self._protected, self._max_protected, self._num_reused,
+                             self._index.map, self._quota)
 
     def _lookup(self, block_ids: Sequence[BlockId]) -> list[_Block]:
         n = len(self._blocks)

@@ -8,12 +8,12 @@ and the event log behind one typed API.
   copied into it (the store wires that; nobody else sees the callback), or a staging tier
   attached later (`ensure_host_tier`) that only receives blocks staged from a peer,
 - an optional `DiskTier` (`kvstore.disk`) below the host tier: blocks the host tier's LRU
-  drops are copied out and written behind on the disk tier's thread (`_spill`); a waiting
+  drops are copied out and written behind on the disk tier's thread (`DiskStaging.spill`); a waiting
   admission whose prefix goes on on disk asks for it with `read_ahead` and waits; `poll_disk`
   (the scheduler, each step) stages what was read into the host tier, where `lookup` finds it
   and `take` onloads it: disk → host → device. The disk key includes the salt root of the
   request that cached the block (`cache(..., salt_root)`), kept here per hash while the
-  block is on the device or in host memory,
+  block is on the device or in host memory (`kvstore.store_disk.DiskStaging`),
 - one event log: what the pool and the tiers record, tagged with their `Tier`, in the
   order it happened (an eviction that offloads reads: host stored, then device removed).
 
@@ -31,64 +31,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 import torch
 
-from kvstore.disk import DiskSpec, DiskTier, DiskTierStats
-from kvstore.errors import KVStoreError, OutOfBlocks
+from kvstore.disk import DiskTier
+from kvstore.disk_record import DiskSpec
+from kvstore.disk_stats import DiskTierStats
+from kvstore.errors import OutOfBlocks
 from kvstore.events import Tier, TieredEvent
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockPool
 from kvstore.quota import Owner
+from kvstore.store_disk import DiskStaging
+from kvstore.store_types import HeldBlocks, Match, NoHostTier, StoreUsage
 from kvstore.tensors import KVTensors
 from kvstore.tiers import BlockCopy, HostTier
-
-
-class Match(NamedTuple):
-    """Where the leading blocks of a hash chain are: `device` are the pool's blocks caching
-    the first `len(device)` hashes (not referenced by the lookup: `take` them before the
-    next allocation, which may evict them), then `num_host` more are in the host tier, then
-    `num_disk` more on disk (not usable by `take` until `read_ahead` brought them to the host)."""
-
-    device: tuple[BlockId, ...]
-    num_host: int
-    num_disk: int = 0
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.device) + self.num_host
-
-
-class HeldBlocks(NamedTuple):
-    """A copy of the leading run of asked blocks held here: `[L, 2, n, bs, H, D | bytes]`."""
-
-    num_blocks: int
-    blocks: torch.Tensor | None
-
-
-class StoreUsage(NamedTuple):
-    """A snapshot of the store. `prefix_*_blocks`: hashes asked / device blocks found by
-    admissions (`take`); `num_onloaded_blocks`: blocks admissions copied from the host tier."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    host_num_blocks: int
-    num_host_blocks: int
-    prefix_queries: int
-    prefix_query_blocks: int
-    prefix_hit_blocks: int
-    num_onloaded_blocks: int
-    num_protected_blocks: int = 0    # free, caching a reused prefix: evicted last
-    num_reused_blocks: int = 0       # cached and reused by a later request (in use or free)
-    num_disk_staged_blocks: int = 0  # blocks read back from the disk tier into the host tier
-
-
-class NoHostTier(KVStoreError):
-    """Blocks were staged into a store that has no host tier."""
 
 
 class KVStore:
@@ -108,10 +66,7 @@ class KVStore:
         self.kv = KVTensors(layout, num_blocks, device)
         self.device = self.kv.device
         self.disk: DiskTier | None = None
-        self._roots: dict[BlockHash, BlockHash] = {}      # salted hashes on device / host -> salt root
-        self._staged: dict[BlockHash, int] = {}           # hash -> times staged from disk, not yet taken
-        self._pinned: list[BlockHash] = []                # staged by the last poll_disk, pinned in host
-        self._disk_staged = 0
+        self._staging: DiskStaging | None = None
         self.host: HostTier | None = None
         if offload_bytes:
             self.host = HostTier.for_budget(layout, offload_bytes, pin_memory=self.device.type == "cuda",
@@ -123,6 +78,9 @@ class KVStore:
         self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching,
                               on_evict=self._offload if self.host is not None else None,
                               enable_kv_cache_events=False, max_cached_frac=max_cached_frac)
+        if self.disk is not None:
+            assert self.host is not None
+            self._staging = DiskStaging(self.disk, self.host, self.pool, self.kv)
         self._events: list[TieredEvent] = []
         self._recording = False
         self._queries = self._query_blocks = self._hit_blocks = self._onloaded = 0
@@ -160,7 +118,7 @@ class KVStore:
         return StoreUsage(p.num_blocks, p.num_free_blocks, p.num_used_blocks, p.num_cached_blocks,
                           h.num_blocks if h else 0, h.num_used_blocks if h else 0, self._queries,
                           self._query_blocks, self._hit_blocks, self._onloaded, p.num_protected_blocks,
-                          p.num_reused_blocks, self._disk_staged)
+                          p.num_reused_blocks, self._staging.num_staged if self._staging else 0)
 
     def disk_stats(self) -> DiskTierStats | None:
         return self.disk.stats() if self.disk is not None else None
@@ -192,8 +150,8 @@ class KVStore:
         self.pool.touch(cached)
         loaded_hashes = list(block_hashes[len(cached):match.num_blocks])
         loaded = self._onload(loaded_hashes)
-        for h in loaded_hashes:
-            self._staged.pop(h, None)
+        if self._staging is not None:
+            self._staging.taken(loaded_hashes)
         if loaded:
             self.pool.cache_full_blocks(loaded, loaded_hashes,
                                         parent_hash=block_hashes[len(cached) - 1] if cached else None,
@@ -228,8 +186,8 @@ class KVStore:
         `salt_root`: their chain's `cache_salt_root` (kept for the disk tier's key); newly
         cached blocks belong to `owner` (a tenant; its cap: `set_owner_cap`, kvstore.quota)."""
         self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash, owner)
-        if salt_root is not None and self.disk is not None:
-            self._roots.update(dict.fromkeys(block_hashes, salt_root))
+        if salt_root is not None and self._staging is not None:
+            self._staging.roots.update(dict.fromkeys(block_hashes, salt_root))
         self._drain()
 
     def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:
@@ -270,38 +228,16 @@ class KVStore:
         when the caller should wait for it (`poll_disk` stages it into the host tier). A run is
         cut to the host tier's size, and a block already staged twice without being taken (the
         host tier dropped it again) is not read a third time: False, compute it instead."""
-        if self.disk is None or self.host is None or not block_hashes:
-            return False
-        if self._staged.get(block_hashes[0], 0) >= 2:
-            return False
-        return self.disk.read_ahead([(salt_root, h) for h in block_hashes[:self.host.num_blocks]])
+        return self._staging is not None and self._staging.read_ahead(block_hashes, salt_root)
 
     def poll_disk(self) -> int:
         """Stage the disk tier's finished reads into the host tier (engine thread), as many
         leading blocks of each as there is room for; returns how many were staged. Staged
         blocks stay pinned in the host tier until the next call, so that the admissions of
         the scheduling pass that follows find them (their allocations offload into it)."""
-        if self.disk is None or self.host is None:
+        if self._staging is None:
             return 0
-        self.host.unpin(self._pinned)
-        self._pinned = []
-        staged = 0
-        for done in self.disk.take_reads():
-            if done.blocks is None:
-                continue
-            room = self.host.num_blocks - self.host.num_pinned_blocks
-            keys = [k for k in done.keys[:room]]
-            hashes = [h for _, h in keys]
-            for root, h in keys:
-                if root is not None:
-                    self._roots[h] = root
-                self._staged[h] = self._staged.get(h, 0) + 1
-            staged += self.host.store(hashes, done.blocks[:, :, :len(keys)])
-            self.host.pin(hashes)
-            self._pinned.extend(hashes)
-        if len(self._staged) > 4 * self.host.num_blocks:
-            self._staged.clear()
-        self._disk_staged += staged
+        staged = self._staging.poll()
         self._drain()
         return staged
 
@@ -443,31 +379,14 @@ class KVStore:
         self._drain()                      # what the pool recorded before comes first
         self.host.offload(self.kv, block_ids, block_hashes)
         dropped = [i for i, h in enumerate(block_hashes) if h not in self.host]
-        if dropped and self.disk is not None:   # no room in host memory: straight to the disk tier
-            keys = [(self._roots.get(block_hashes[i]), block_hashes[i]) for i in dropped]
-            want = [k for k, key in enumerate(keys) if self.disk.wants(key)]
-            if want:
-                data = self.kv.gather_blocks([int(block_ids[dropped[k]]) for k in want]).movedim(2, 0)
-                data = data.to("cpu").contiguous()                              # [n, L, 2, bs, H, D]
-                for row, k in enumerate(want):
-                    self.disk.write_behind(keys[k], data[row])
-        for i in dropped:
-            self._roots.pop(block_hashes[i], None)
+        if dropped and self._staging is not None:   # no room in host memory: straight to the disk tier
+            self._staging.offload_dropped(block_ids, block_hashes, dropped)
         self._drain()
 
     def _spill(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
-        """The host tier's eviction callback: copy the dropped blocks the disk tier wants and
-        queue them for its writer (a full queue drops them there)."""
-        assert self.host is not None and self.disk is not None
-        keys = [(self._roots.get(h), h) for h in block_hashes]
-        want = [i for i, key in enumerate(keys) if self.disk.wants(key)]
-        if want:
-            data = self.host.data[torch.tensor([slots[i] for i in want], dtype=torch.long)]  # [n, L, 2, bs, H, D]
-            for row, i in enumerate(want):
-                self.disk.write_behind(keys[i], data[row])
-        for h in block_hashes:
-            if self.pool.get_cached_block(h) is None:
-                self._roots.pop(h, None)
+        """The host tier's eviction callback (the disk tier's writer takes what it wants)."""
+        assert self._staging is not None
+        self._staging.spill(block_hashes, slots)
 
     def _drain(self) -> None:
         if not self._recording:

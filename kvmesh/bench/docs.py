@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from contracts.cli import CLIError
-from kvmesh.bench.docs_figures import BENCHES, Figure, bench_of, figures_of
+from kvmesh.bench.docs_figures import BENCHES, bench_of, figures_of
+from kvmesh.bench.docs_figures_fmt import Figure
 
 __all__ = ["Section", "load_sections", "render_page", "render_headline", "update_readme", "register"]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.disk import HEADER_BYTES, DiskTier, FileIO
+from kvstore.disk import DiskTier
+from kvstore.disk_record import HEADER_BYTES, FileIO
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockRemoved, BlockStored

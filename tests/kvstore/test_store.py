@@ -14,7 +14,8 @@ from kvstore.events import EventType, Tier, TieredEvent, from_tiered_events
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockRemoved, BlockStored
-from kvstore.store import KVStore, Match, NoHostTier
+from kvstore.store import KVStore
+from kvstore.store_types import Match, NoHostTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, kv_cache_dtype="fp32")
 CPU = torch.device("cpu")

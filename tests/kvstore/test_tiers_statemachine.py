@@ -15,7 +15,7 @@ import tempfile
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.disk import DiskSpec
+from kvstore.disk_record import DiskSpec
 from kvstore.errors import OutOfBlocks
 from kvstore.events import Tier
 from kvstore.keys import BlockHash

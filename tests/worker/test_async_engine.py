@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.store import NoHostTier
+from kvstore.store_types import NoHostTier
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.commands import AbortRequest, CountHeld, ListRequests, ReadBlocks, Snapshot, StageBlocks, Tokenize
 from worker.engine.engine import Engine, EngineConfig

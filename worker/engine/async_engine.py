@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.keys import BlockHash
-    from kvstore.store import HeldBlocks
+    from kvstore.store_types import HeldBlocks
 
 log = logging.getLogger("kvmesh.engine")
 

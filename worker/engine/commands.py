@@ -28,7 +28,7 @@ from kvstore.keys import BlockHash
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.store import HeldBlocks
+    from kvstore.store_types import HeldBlocks
     from worker.engine.config import EngineStats
 
 R = TypeVar("R")

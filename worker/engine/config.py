@@ -8,7 +8,7 @@ from worker.engine.eviction import EvictionConfig, EvictionPolicy
 from worker.kernels.backend import parse_backend
 
 if TYPE_CHECKING:
-    from kvstore.disk import DiskTierStats
+    from kvstore.disk_stats import DiskTierStats
 
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from contracts.tokenizer import ModelTokenizer
-from kvstore.disk import DiskSpec, fingerprint_of
+from kvstore.disk_record import DiskSpec, fingerprint_of
 from kvstore.keys import HashSalt
 from kvstore.layout import KVLayout, KVQuant, resolve_kv_cache_dtype
 from kvstore.store import KVStore

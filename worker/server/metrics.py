@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from worker.engine.commands import Snapshot
 
 if TYPE_CHECKING:
-    from kvstore.disk import DiskTierStats
+    from kvstore.disk_stats import DiskTierStats
     from worker.engine.async_engine import AsyncEngine
     from worker.engine.engine import Engine
     from worker.engine.config import EngineStats
@@ -246,7 +246,7 @@ class _StatsCollector(Collector):
 
 
 def _disk_metrics(disk: DiskTierStats, lv: list[str]) -> Iterator[Metric]:
-    """The disk tier's figures (kvstore.disk.DiskTierStats) as metrics."""
+    """The disk tier's figures (kvstore.disk_stats.DiskTierStats) as metrics."""
     def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))
         g.add_metric(lv, value)

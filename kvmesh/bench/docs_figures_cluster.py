@@ -1,0 +1,151 @@
+"""Figure extractors of the benches on a cluster (router, service, routing-live, chaos, tenants):
+each takes a result and returns (the baseline in words, the headline figures)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.bench.docs_figures_fmt import Extract, Figure, _at, _g, _num, _ratio, _x
+
+
+def _router(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    sim = r.get("simulation", {})
+    out = []
+    by = sim.get("by_workers", {})
+    for n in sorted(by, key=int):
+        row = by[n]
+        for policy in ("kv_aware", "prefix_hash", "least_loaded", "round_robin"):
+            p = row.get(policy)
+            if isinstance(p, dict):
+                out.append(
+                    Figure(
+                        f"{n} workers, {policy}: hit rate (imbalance {_g(p.get('imbalance'))})",
+                        _g(p.get("hit_rate")),
+                        _g(row.get("oracle_hit_rate")) + " (oracle)",
+                        f"{_g(p.get('hit_rate_vs_oracle'))} of oracle",
+                    )
+                )
+    for scenario, rows in (sim.get("live_scenarios") or {}).items():
+        if scenario == "config" or not isinstance(rows, dict):
+            continue
+        kv, rr = rows.get("kv_aware", {}), rows.get("round_robin", {})
+        out.append(
+            Figure(
+                f"routing-live's {scenario} simulated: kv_aware cold requests "
+                f"(minimum {kv.get('min_cold_requests', '?')})",
+                _g(kv.get("cold_requests")),
+                _g(rr.get("cold_requests")) + " (round_robin)",
+                f"hit rate {_g(kv.get('hit_rate'))} vs {_g(rr.get('hit_rate'))}",
+            )
+        )
+    live = r.get("live") or {}
+    rr_live = _at(live, "round_robin", "cached_token_frac")
+    for policy, row in live.items():
+        if policy != "config" and isinstance(row, dict):
+            out.append(
+                Figure(
+                    f"live, {policy}: cached prompt-token fraction",
+                    _g(row.get("cached_token_frac")),
+                    _g(rr_live) + " (round_robin)",
+                    _x(_ratio(row.get("cached_token_frac"), rr_live)),
+                )
+            )
+    return "an oracle pool holding every prefix, and round robin, on the same trace", out
+
+
+def _service(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    a, b = r.get("router_2_workers", {}), r.get("direct_1_worker", {})
+    return "the same load straight to one worker, same run", [
+        Figure(
+            "requests/s through the router (2 workers)",
+            _g(a.get("requests_per_s")),
+            _g(b.get("requests_per_s")) + " (direct)",
+            _x(_ratio(a.get("requests_per_s"), b.get("requests_per_s"))),
+        ),
+        Figure(
+            "TTFT p50",
+            _g(a.get("ttft_p50_s"), "s"),
+            _g(b.get("ttft_p50_s"), "s (direct)"),
+            _x(_ratio(a.get("ttft_p50_s"), b.get("ttft_p50_s"))),
+        ),
+        Figure(
+            "TTFT p99",
+            _g(a.get("ttft_p99_s"), "s"),
+            _g(b.get("ttft_p99_s"), "s (direct)"),
+            _x(_ratio(a.get("ttft_p99_s"), b.get("ttft_p99_s"))),
+        ),
+    ]
+
+
+def _routing_live(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    def cell(p: dict[str, Any]) -> str:
+        return (
+            f"TTFT p50 {_g(p.get('ttft_p50_s'), 's')}, {_g(p.get('req_s'))} req/s, "
+            f"cached {_g(p.get('cached_token_frac'))}, "
+            f"cold {_g(p.get('cold_requests'))} (min {_g(p.get('min_cold_requests'))})"
+        )
+
+    out = []
+    for scenario in ("no_pressure", "pressure"):
+        rows = r.get(scenario) or {}
+        rr = rows.get("round_robin", {})
+        for policy, p in rows.items():
+            if policy == "round_robin" or not isinstance(p, dict):
+                continue
+            cached = _num(p.get("cached_token_frac"))
+            cached_rr = _num(rr.get("cached_token_frac"))
+            points = (
+                f"{(cached - cached_rr) * 100:+.1f} points cached"
+                if cached is not None and cached_rr is not None
+                else "—"
+            )
+            out.append(
+                Figure(
+                    f"{scenario.replace('_', ' ')}: {policy}",
+                    cell(p),
+                    cell(rr) if rr else "—",
+                    f"req/s {_x(_ratio(p.get('req_s'), rr.get('req_s')))}, "
+                    f"TTFT p50 {_x(_ratio(p.get('ttft_p50_s'), rr.get('ttft_p50_s')))}, {points}",
+                )
+            )
+    return "round robin on the same workload, same run", out
+
+
+def _chaos(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    out = [
+        Figure(
+            "requests completed",
+            _g(r.get("completed")),
+            _g(r.get("requests")) + " sent",
+            f"failed {_g(r.get('failed'))}, hung {_g(r.get('hung'))}, migrated {_g(r.get('migrated'))}",
+        ),
+        Figure("outputs equal to the fault-free run", _g(r.get("outputs_equal_frac")), "1 (fault-free)", ""),
+    ]
+    for fault, rec in (r.get("recovery_s") or {}).items():
+        if isinstance(rec, dict):
+            out.append(Figure(f"recovery: {fault}", ", ".join(f"{k} {_g(v, 's')}" for k, v in rec.items()), "", ""))
+    return "each prompt once through the same cluster before any fault", out
+
+
+def _tenants(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    out = []
+    for mode in ("fair", "unfair"):
+        m = r.get(mode) or {}
+        alone, flood = m.get("alone") or {}, m.get("flood") or {}
+        out.append(Figure(f"{mode}: alpha TTFT p90 during the flood", _g(flood.get("ttft_p90_s"), "s"),
+                          _g(alone.get("ttft_p90_s"), "s") + " alone", _x(m.get("alpha_ttft_p90_ratio"))))
+        out.append(Figure(f"{mode}: alpha cached fraction during the flood", _g(flood.get("cached_frac")),
+                          _g(alone.get("cached_frac")) + " alone", _x(m.get("alpha_cached_frac_ratio"))))
+        out.append(Figure(f"{mode}: output tok/s (both tenants)", _g(m.get("output_tok_s")), "", ""))
+    fair = r.get("fair") or {}
+    out.append(Figure("fair ÷ unfair output tok/s", _x(fair.get("throughput_ratio")), "1 (unfair)", ""))
+    return "alpha alone on the same cluster; the unfair cluster for throughput", out
+
+
+CLUSTER_EXTRACT: dict[str, Extract] = {
+    "router": _router,
+    "service": _service,
+    "routing-live": _routing_live,
+    "chaos": _chaos,
+    "tenants": _tenants,
+}

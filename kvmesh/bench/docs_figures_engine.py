@@ -1,0 +1,182 @@
+"""Figure extractors of the benches on one engine (engine, profile, prefix, memory, accuracy,
+transfer): each takes a result and returns (the baseline in words, the headline figures)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.bench.docs_figures_fmt import Extract, Figure, _at, _g, _pct, _ratio, _x
+
+
+def _engine(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    out = []
+    for batch, label in (("batch1", "batch 1"), ("batch16", "batch 16")):
+        row = r.get(batch, {})
+        out.append(
+            Figure(
+                f"{label} decode vs HF",
+                _g(row.get("kvmesh_tok_s"), "tok/s"),
+                _g(row.get("hf_tok_s"), "tok/s (HF)"),
+                _x(row.get("speedup")),
+            )
+        )
+        out.append(
+            Figure(
+                f"{label} vs roofline",
+                _g(row.get("kvmesh_tok_s"), "tok/s"),
+                _g(row.get("roofline_tok_s"), "tok/s (roofline)"),
+                f"{_g(row.get('roofline_frac'))} of roofline",
+            )
+        )
+    pre = r.get("prefill", {})
+    out.append(
+        Figure(
+            "cold prefill vs matmul peak",
+            _g(pre.get("gflop_s"), "GFLOP/s"),
+            _g(_at(r, "roofline", "matmul_gflop_s"), "GFLOP/s (peak)"),
+            f"{_g(pre.get('peak_frac'))} of peak",
+        )
+    )
+    mc = r.get("metrics_cost", {})
+    out.append(
+        Figure(
+            "batch 16 with metrics on vs off",
+            _g(mc.get("on_tok_s"), "tok/s"),
+            _g(mc.get("off_tok_s"), "tok/s (off)"),
+            _x(mc.get("on_vs_off")),
+        )
+    )
+    return "HF transformers and the measured rooflines, same run", out
+
+
+def _profile(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    n, t, s = r.get("native", {}), r.get("torch", {}), r.get("speedup", {})
+    return "the torch path (`KVMESH_NATIVE_KERNELS=0`), same run", [
+        Figure(
+            "batch-1 decode step",
+            _g(n.get("step_ms"), "ms"),
+            _g(t.get("step_ms"), "ms (torch)"),
+            _x(s.get("step"), "faster"),
+        ),
+        Figure(
+            "linear layers",
+            _g(n.get("linear_ms"), "ms"),
+            _g(t.get("linear_ms"), "ms (torch)"),
+            _x(s.get("linear"), "faster"),
+        ),
+        Figure(
+            "weight stream of the linear layers",
+            _g(n.get("linear_gb_s"), "GB/s"),
+            _g(t.get("linear_gb_s"), "GB/s (torch)"),
+            _x(_ratio(n.get("linear_gb_s"), t.get("linear_gb_s"))),
+        ),
+        Figure(
+            "rest of the step",
+            _g(n.get("rest_ms"), "ms"),
+            _g(t.get("rest_ms"), "ms (torch)"),
+            _x(s.get("rest"), "faster"),
+        ),
+    ]
+
+
+def _prefix(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    prefix = _at(r, "config", "prefix_tokens")
+    return "the same prompts cold (prefix cache reset), same run", [
+        Figure(
+            f"TTFT, {prefix or '?'}-token cached prefix",
+            _g(r.get("warm_ttft_s"), "s"),
+            _g(r.get("cold_ttft_s"), "s (cold)"),
+            _x(r.get("speedup"), "faster"),
+        )
+    ]
+
+
+def _memory(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    out = [
+        Figure(
+            "KV slots wasted",
+            _pct(r.get("paged_waste_frac")).lstrip("+"),
+            _pct(r.get("contiguous_waste_frac")).lstrip("+") + " (contiguous)",
+            "paged vs contiguous",
+        ),
+        Figure(
+            "sequences in the budget",
+            _g(r.get("paged_max_seqs")),
+            _g(r.get("contiguous_max_seqs")) + " (contiguous)",
+            _x(r.get("capacity_gain")),
+        ),
+    ]
+    for dtype, row in (r.get("per_dtype") or {}).items():
+        out.append(
+            Figure(
+                f"sequences in the budget, {dtype} KV",
+                _g(row.get("max_seqs")),
+                _g(_at(r, "per_dtype", "fp16", "max_seqs")) + " (fp16)",
+                _x(row.get("capacity_vs_fp16")),
+            )
+        )
+    return "a contiguous allocator reserving the full length; fp16 KV for the dtype rows", out
+
+
+def _accuracy(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    rows = {k: v for k, v in r.items() if isinstance(v, dict) and "ppl" in v}
+    names = list(rows)
+    base = names[0] if names else "fp32"
+    out = []
+    for name in names[1:]:
+        v = rows[name]
+        out.append(
+            Figure(
+                f"{name}: perplexity",
+                _g(v.get("ppl"), digits=5),
+                _g(rows[base].get("ppl"), digits=5) + f" ({base})",
+                f"{_pct(v.get('ppl_delta_frac'))}, agreement {_g(v.get('token_agreement'))}",
+            )
+        )
+    return f"the {base} KV cache, same model and text, same run; " + str(_at(r, "notes", "text") or ""), out
+
+
+def _transfer(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    off, peer, ttft = r.get("offload", {}), r.get("peer", {}), r.get("ttft", {})
+    return "a raw copy / raw `torch.distributed` send of the same bytes; the prefix recomputed; same run", [
+        Figure(
+            "offload to the host tier",
+            _g(off.get("offload_gb_s"), "GB/s"),
+            _g(off.get("memcpy_gb_s"), "GB/s (memcpy)"),
+            _x(off.get("offload_vs_memcpy")),
+        ),
+        Figure(
+            "onload from the host tier",
+            _g(off.get("onload_gb_s"), "GB/s"),
+            _g(off.get("memcpy_gb_s"), "GB/s (memcpy)"),
+            _x(off.get("onload_vs_memcpy")),
+        ),
+        Figure(
+            "peer transfer",
+            _g(peer.get("peer_gb_s"), "GB/s"),
+            _g(peer.get("raw_gb_s"), "GB/s (raw send)"),
+            _x(peer.get("peer_vs_raw")),
+        ),
+        Figure(
+            f"TTFT, {ttft.get('prefix_tokens', '?')}-token peer-held prefix fetched",
+            _g(ttft.get("fetched_s"), "s"),
+            _g(ttft.get("recomputed_s"), "s (recomputed)"),
+            _x(_ratio(ttft.get("recomputed_s"), ttft.get("fetched_s")), "faster"),
+        ),
+        Figure(
+            "TTFT, the same prefix as a local hit",
+            _g(ttft.get("local_hit_s"), "s"),
+            _g(ttft.get("recomputed_s"), "s (recomputed)"),
+            _x(_ratio(ttft.get("recomputed_s"), ttft.get("local_hit_s")), "faster"),
+        ),
+    ]
+
+
+ENGINE_EXTRACT: dict[str, Extract] = {
+    "engine": _engine,
+    "profile": _profile,
+    "prefix": _prefix,
+    "memory": _memory,
+    "accuracy": _accuracy,
+    "transfer": _transfer,
+}
