@@ -126,11 +126,15 @@ class RouterMetrics(RouteObserver):
     async def handle(self, request: web.Request) -> web.Response:
         """The registry, then the tenant family as this scraper may see it (module docstring)."""
         await self._refresh_event_lag()
-        auth = authenticator_for(self._router)
-        tenants = CollectorRegistry()
-        tenants.register(_TenantCollector(self._router, auth.viewer(request)))
-        body = generate_latest(self.registry) + generate_latest(tenants)
+        viewer = authenticator_for(self._router).viewer(request)
+        body = generate_latest(self.registry) + generate_latest(self.tenant_registry(viewer))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def tenant_registry(self, viewer: ApiKey | None) -> CollectorRegistry:
+        """The per-tenant family as `viewer` may see it (None: an unauthenticated scrape)."""
+        tenants = CollectorRegistry()
+        tenants.register(_TenantCollector(self._router, viewer))
+        return tenants
 
     async def _refresh_event_lag(self) -> None:
         consumer = self._router.registry.consumer

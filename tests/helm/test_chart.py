@@ -47,6 +47,7 @@ ALL_VALUES: Doc = {
     "engine": {"model": "/models/llama-3-8b", "device": "cuda:1", "dtype": "bf16", "blockSize": 32,
                "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
+               "fairShare": "off", "fairStepTokens": 64, "tenantMaxCachedFrac": 0.25,
                "kvDiskGib": 7, "kvDisk": {"mountPath": "/data/kv", "volume": "pvc", "hostPath": "/mnt/kv",
                                           "storageClassName": "fast", "size": "20Gi"},
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
@@ -57,7 +58,7 @@ ALL_VALUES: Doc = {
                "liveness": {"timeoutS": 45.5, "maxStepFailures": 7}},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
-               "maxConcurrentPerTenant": 7, "maxTokensLimit": 512, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
+               "maxConcurrentPerTenant": 7, "metricsTenantNames": True, "maxTokensLimit": 512, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
                "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local"},
 }
 # Values whose flag is spelled differently from the camelCase rule.

@@ -61,7 +61,7 @@ def exported_names() -> set[str]:
     registry.consumer = Consumer()  # type: ignore[assignment]
     rm = RouterMetrics(router)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    return {fam.name + suffix for reg in (w.registry, rm.registry) for fam in reg.collect()
+    return {fam.name + suffix for reg in (w.registry, rm.registry, rm.tenant_registry(None)) for fam in reg.collect()
             for suffix in suffixes[fam.type]}
 
 
