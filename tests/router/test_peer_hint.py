@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts.requests import PeerHint
+from contracts.tokenizer import ModelTokenizer
 from kvstore.events import Tier
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
@@ -25,6 +26,7 @@ from router.routing.core import Router, best_peer_hint
 from router.routing.types import WorkerId
 from router.server import RouterServer
 from router.workers.registry import WORKER_SERVICE
+from tests.support.fake_worker import tiny_tokenizer_files
 
 W0, W1, W2 = WorkerId("w0"), WorkerId("w1"), WorkerId("w2")
 PEERS = {W0: "h:1", W1: "h:2", W2: "h:3"}
@@ -93,7 +95,8 @@ async def _route(policy: str, peer_planes: tuple[bool, bool], counts: Mapping[st
     fakes = [FakeWorker("w0", peer_planes[0], counts["w0"]), FakeWorker("w1", peer_planes[1], counts["w1"])]
     addresses = [await f.start() for f in fakes]
     server = RouterServer(RouterConfig(worker_addresses=tuple(addresses), http_port=None, routing_policy=policy,
-                                       health_interval_s=0.2), tokenizer=object())  # type: ignore[arg-type]
+                                       health_interval_s=0.2),
+                          tokenizer=ModelTokenizer.from_files(tiny_tokenizer_files()))
     router = server.core
     results = []
     try:
