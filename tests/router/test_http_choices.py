@@ -110,7 +110,10 @@ def test_chat_logprobs_sdk_stream_and_not(client: openai.OpenAI) -> None:
                                                  temperature=0, logprobs=True, top_logprobs=2, stream=True))
     streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs and choice.logprobs.content
                 for c in choice.logprobs.content]
-    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    # The same tokens; the logprobs within fp32 rounding (the streamed request reuses the cached
+    # prompt prefix, so its logits come from a different summation order).
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(abs(s.logprob - c.logprob) <= 1e-3 for s, c in zip(streamed, content, strict=True))
     plain = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs is None
     # Completions, streamed: the chunks' logprobs concatenate to the whole response's.
