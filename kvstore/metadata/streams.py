@@ -237,14 +237,18 @@ class EventConsumer:
     workers, and while any of them publishes, reads back to back would each return a handful of
     entries. Consecutive reads start at least `read_interval_s` apart (None: 20 µs per followed
     stream, at most 50 ms: 20 ms at 1,000 workers — `kvmesh bench scale` measures it; 0: back to
-    back), which bounds the per-read cost a second and adds at most that to the lag.
+    back), which bounds the per-read cost a second and adds at most that to the lag. One read
+    returns at most about `max_entries_per_read` entries (COUNT per stream: that over the
+    streams, at least 1, at most `count`): redis-py parses a whole reply within the socket
+    timeout, and a reply of `count` entries from each of 1,000 streams (a backlog after a
+    restart) takes longer than that to parse, so every read would time out again.
     """
 
     def __init__(self, config: RedisConfig, index: IndexSink, *, block_ms: int = 100,
                  count: int = 1000, max_backoff_s: float = 2.0,
                  client: redis.asyncio.Redis | None = None,
                  lag_observer: Callable[[float], None] | None = None,
-                 read_interval_s: float | None = None) -> None:
+                 read_interval_s: float | None = None, max_entries_per_read: int = 2000) -> None:
         if block_ms <= 0 or count <= 0:
             raise ValueError(f"block_ms={block_ms!r} and count={count!r} must be > 0")
         self.config, self.index = config, index
@@ -252,6 +256,9 @@ class EventConsumer:
         if read_interval_s is not None and not read_interval_s >= 0:
             raise ValueError(f"read_interval_s={read_interval_s!r} must be >= 0 (or None: by the streams)")
         self._read_interval_s = read_interval_s
+        if max_entries_per_read <= 0:
+            raise ValueError(f"max_entries_per_read={max_entries_per_read!r} must be > 0")
+        self._max_entries = max_entries_per_read
         self._read_at = 0.0
         self._block_ms, self._count, self._max_backoff_s = block_ms, count, max_backoff_s
         self._r = client if client is not None else connect_async(config, block_ms / 1000)
@@ -401,7 +408,8 @@ class EventConsumer:
         self._read_at = time.monotonic()
         by_key = {self._keys.events(w): w for w in self._cursors}
         streams: dict[KeyT, StreamIdT] = {k: self._cursors[w].last_id for k, w in by_key.items()}
-        reply = cast(XReadReply, await self._r.xread(streams, count=self._count, block=self._block_ms))
+        count = max(1, min(self._count, self._max_entries // len(streams)))
+        reply = cast(XReadReply, await self._r.xread(streams, count=count, block=self._block_ms))
         resync: set[WorkerId] = set()
         applied = 0
         for key, entries in reply or ():
