@@ -18,7 +18,8 @@ if TYPE_CHECKING:   # imports torch: the CLI imports it when a command builds an
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2", help="'smollm2' (the default, shipped in a wheel), an HF model dir, or a .gguf file")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the default, shipped in a wheel), an HF model dir, or a .gguf file")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     g.add_argument("--block-size", type=int, default=16)
@@ -63,14 +64,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from worker.engine.engine import EngineConfig   # torch: only when a command builds an engine
+    from worker.engine.engine import EngineConfig  # torch: only when a command builds an engine
     try:
         return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
                             num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, fair_share=args.fair_share == "on",
-                            fair_step_tokens=args.fair_step_tokens, tenant_max_cached_frac=args.tenant_max_cached_frac, kv_offload_gib=args.kv_offload_gib,
+                            fair_step_tokens=args.fair_step_tokens,
+                            tenant_max_cached_frac=args.tenant_max_cached_frac, kv_offload_gib=args.kv_offload_gib,
                             kv_disk_path=args.kv_disk_path, kv_disk_gib=args.kv_disk_gib,
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
                             attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay,
@@ -117,7 +119,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from worker.engine.engine import Engine, InvalidRequest   # torch: only when the command runs
+    from worker.engine.engine import Engine, InvalidRequest  # torch: only when the command runs
     if args.prompt_file is not None:
         try:
             prompt = args.prompt_file.read_text()

@@ -28,8 +28,9 @@ from kvstore.keys import BlockHash
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.store_types import HeldBlocks
-    from worker.engine.config import EngineStats
+    # named in string forward references of the generic bases below (Command["HeldBlocks"])
+    from kvstore.store_types import HeldBlocks  # noqa: F401
+    from worker.engine.config import EngineStats  # noqa: F401
 
 R = TypeVar("R")
 

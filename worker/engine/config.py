@@ -42,7 +42,7 @@ class EngineConfig:
     kv_calibration: bool = True           # int4: per-channel key scales and shift from a calibration text
     attention_backend: str = "auto"       # auto | torch | native | triton (worker.kernels.backend)
     enforce_eager: bool = False           # CUDA: no decode CUDA graphs (vLLM's flag; worker.model.cuda_graph)
-    threads: int = 0                      # CPU threads for the engine's ops (torch.set_num_threads); 0 = torch's default
+    threads: int = 0                      # CPU threads for the engine's ops (torch.set_num_threads); 0: torch's
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:

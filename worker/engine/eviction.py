@@ -47,8 +47,8 @@ import torch
 
 from kvstore.pool import BlockPool
 from kvstore.tensors import KVTensors
-from worker.kernels.reference import query_weights
 from worker.engine.request import Request
+from worker.kernels.reference import query_weights
 
 
 class EvictionPolicy(enum.Enum):

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-
 from worker.engine.request import Request, TokenLogprob
 
 
@@ -73,7 +72,8 @@ def record_sampled_logprobs(reqs: Sequence[Request], logits: torch.Tensor, token
     if not rows:
         return
     sub = logits if len(rows) == len(reqs) else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-    for i, lp in zip(rows, token_logprobs(sub, [tokens[i] for i in rows], [reqs[i].params.logprobs or 0 for i in rows])):
+    chosen = token_logprobs(sub, [tokens[i] for i in rows], [reqs[i].params.logprobs or 0 for i in rows])
+    for i, lp in zip(rows, chosen):
         reqs[i].logprobs.append(lp)
         reqs[i].cumulative_logprob += lp.logprob
 

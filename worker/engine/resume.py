@@ -8,7 +8,8 @@ from contracts.tokenizer import ModelTokenizer
 from worker.engine.request import Request
 
 
-def resume(req: Request, resumed: list[int], tokenizer: ModelTokenizer | None, vocab_size: int, device: torch.device) -> None:
+def resume(req: Request, resumed: list[int], tokenizer: ModelTokenizer | None, vocab_size: int,
+           device: torch.device) -> None:
     """Make `req` look as if it had generated `resumed` and reported them: output tokens
     (penalties, min/max_tokens, usage), the text already sent (stop strings that span the
     seam are still found), and a seeded generator advanced by one draw per token (each

@@ -37,7 +37,6 @@ from kvstore.store import KVStore
 from worker.engine.fairness import FairShare
 from worker.engine.request import NO_BLOCK, FinishReason, Request, RequestStatus
 
-
 _WAITS_FOR_PREFIX = -1   # `Scheduler._admit`: put off, another request computes its next block
 _WAITS_FOR_DISK = -2     # `Scheduler._admit`: put off, its prefix is being read back from disk
 

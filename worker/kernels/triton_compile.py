@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.compiler import compile as triton_compile
+from triton.compiler import ASTSource, compile as triton_compile
 
 from worker.kernels import triton_decode, triton_kv_write, triton_prefill
 
@@ -100,7 +99,8 @@ def compile_variant(v: Variant, arch: int) -> dict[str, Any]:
         text = r.stdout + r.stderr
         regs = re.search(r"Used (\d+) registers", text)
         spills = re.search(r"(\d+) bytes spill stores", text)
-        row |= {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spills.group(1)) if spills else None}
+        row |= {"registers": int(regs.group(1)) if regs else None,
+                "spill_bytes": int(spills.group(1)) if spills else None}
     return row
 
 

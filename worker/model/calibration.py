@@ -57,8 +57,8 @@ import torch
 from kvstore.layout import KVLayout
 from kvstore.tensors import KVTensors
 from worker.kernels.reference import AttnMetadata
-from worker.model.loader import cache_root
 from worker.model.llama import LlamaModel
+from worker.model.loader import cache_root
 
 log = logging.getLogger(__name__)
 

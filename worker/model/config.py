@@ -9,8 +9,9 @@ time, rather than producing different tokens later.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.quant import KVCache
-from worker.model.config import ModelConfig
 from worker.kernels import native
 from worker.kernels.backend import AttentionBackend, AttentionOps, attention_ops
 from worker.kernels.reference import AttnMetadata
+from worker.model.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -19,14 +19,24 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tqdm import tqdm
 
 from contracts.models import (
-    CONVERTED_MARKER, CONVERTER_VERSION, MODEL_ALIASES, GgufPackage, ModelLocateError, cache_root, converted_dir,
-    gguf_in_package, locate_model, read_json, safetensors_files,
+    CONVERTED_MARKER,
+    CONVERTER_VERSION,
+    MODEL_ALIASES,
+    GgufPackage,
+    ModelLocateError,
+    cache_root,
+    converted_dir,
+    gguf_in_package,
+    locate_model,
+    read_json,
+    safetensors_files,
 )
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from worker.model.config import ModelConfig, ModelLoadError

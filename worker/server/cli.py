@@ -60,7 +60,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-id", default="worker-0")
     g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
     g.add_argument("--redis-url", default=None,
-                   help=f"metadata Redis (worker registry; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
+                   help=f"metadata Redis (worker registry; default: ${REDIS_URL_ENV}, "
+                        "which keeps a password out of ps)")
     g.add_argument("--cluster-name", default="kvmesh")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics port (default: --port + 1000, or a free one when --port is 0; "
@@ -77,7 +78,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     add_log_format_argument(g)
     g = p.add_argument_group("peer transfer (pairs of workers formed on demand)")
     g.add_argument("--peer-transfer", action="store_true",
-                   help="fetch hinted prefixes from peers and send to them (default: $KVMESH_PEER_TRANSFER=1, else off)")
+                   help="fetch hinted prefixes from peers and send to them "
+                        "(default: $KVMESH_PEER_TRANSFER=1, else off)")
     g.add_argument("--transfer-port", type=int, default=None,
                    help="port of this worker's pair rendezvous store (default: $KVMESH_TRANSFER_PORT, else a free one)")
     add_engine_arguments(p)

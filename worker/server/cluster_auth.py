@@ -25,8 +25,7 @@ import grpc
 from contracts.cluster_token import NONCE_BYTES, attestation_mac
 from contracts.grpc_auth import ClusterTokenGuard, token_interceptors
 from contracts.wire import to_send_blocks_request
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from worker.peer.errors import PeerUnavailable
 from worker.server.config import WorkerServerConfig
 

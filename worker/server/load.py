@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from contracts.tokenizer import TokenizerError, read_tokenizer_files, tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from worker.server.responses import tokenizer_response
 from worker.server.config import WorkerServerConfig
+from worker.server.responses import tokenizer_response
 
 if TYPE_CHECKING:
     from worker.engine.engine import Engine

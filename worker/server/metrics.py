@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from worker.engine.commands import Snapshot
@@ -36,12 +36,12 @@ from worker.engine.commands import Snapshot
 if TYPE_CHECKING:
     from kvstore.disk_stats import DiskTierStats
     from worker.engine.async_engine import AsyncEngine
-    from worker.engine.engine import Engine
     from worker.engine.config import EngineStats
-    from worker.peer.config import PeerCounters
-    from worker.peer.plane import PeerPlane
+    from worker.engine.engine import Engine
     from worker.engine.request import RequestOutput
     from worker.engine.sampling import SamplingParams
+    from worker.peer.config import PeerCounters
+    from worker.peer.plane import PeerPlane
 
 LABELS = ("model_name", "worker_id")
 # vLLM's buckets for request-level latencies (seconds)
@@ -333,7 +333,7 @@ def generate_metered(engine: Engine, prompts: list[list[int]], params: list[Samp
     """Run `prompts` to completion as one batch, feeding `metrics` (None: no metrics) as the
     server does: every output to its request's `TokenGaps`, every final one to
     `observe_finished`, an engine snapshot every `refresh_s`. Returns (seconds, tokens made)."""
-    from worker.engine.request import prompt_input   # torch: only when an engine runs
+    from worker.engine.request import prompt_input  # torch: only when an engine runs
     t0 = last = time.perf_counter()
     ids = [engine.add_request(prompt_input(p, sp)) for p, sp in zip(prompts, params)]
     gaps = {rid: metrics.token_gaps() for rid in ids} if metrics is not None else {}

@@ -13,8 +13,8 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineStats
-    from worker.peer.config import PeerFigures
     from worker.engine.request import RequestOutput, TokenLogprob
+    from worker.peer.config import PeerFigures
 
 
 def stream_response(out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
