@@ -11,16 +11,17 @@ from collections.abc import Callable, Sequence
 
 from contracts.cli import CLIError
 from kvmesh import client, plan
-from kvmesh.bench import chaos as bench_chaos
-from kvmesh.bench import docs as bench_docs
-from kvmesh.bench import engine as bench
-from kvmesh.bench import routing as router_bench
-from kvmesh.bench import scale as bench_scale
-from kvmesh.bench import tenants as bench_tenants
-from kvmesh.bench import transfer as bench_transfer
+from kvmesh.bench import (
+    chaos as bench_chaos,
+    docs as bench_docs,
+    engine as bench,
+    routing as router_bench,
+    scale as bench_scale,
+    tenants as bench_tenants,
+    transfer as bench_transfer,
+)
 from kvmesh.serve import cli as serve_cli
-from router import flags as router_flags
-from router import server
+from router import flags as router_flags, server
 from worker import cli as wcli
 from worker.server import cli as server_cli
 
@@ -79,7 +80,8 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_plan, _ge
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh — a distributed KV-cache service for LLM inference")
+    parser = argparse.ArgumentParser(prog="kvmesh",
+                                     description="kvmesh — a distributed KV-cache service for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 from contracts.cluster_token import check_token
 from contracts.tls import PLAINTEXT, TlsConfig
-
-from router.security.auth import ApiKey
 from router.routing.scorers import DEFAULT_LOAD_FACTOR, check_load_factor
 from router.routing.types import RoutingPolicy
+from router.security.auth import ApiKey
 
 
 class TokenizerSource(enum.Enum):

@@ -23,17 +23,17 @@ from collections.abc import Iterable
 from contracts.logs import configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from router.security.auth import warn_if_open
 from router.config import RouterConfig, TokenizerSource
 from router.flags import router_config_from_args
-from router.routing.core import Router
-from router.routing.errors import RouterStartError
 from router.fronts.grpc_front import GrpcFront
 from router.fronts.openai.app import HttpFrontend
-from router.observe.metrics import RouterMetrics
 from router.fronts.openai.openapi import add_openapi_route
-from router.workers.registry import WorkerRegistry
 from router.fronts.openai.vllm_fields import generation_default_temperature
+from router.observe.metrics import RouterMetrics
+from router.routing.core import Router
+from router.routing.errors import RouterStartError
+from router.security.auth import warn_if_open
+from router.workers.registry import WorkerRegistry
 from router.workers.tokenizer import LoadedTokenizer, WorkerTokenizer, resolve_tokenizer_source
 
 log = logging.getLogger("kvmesh.router")
@@ -177,7 +177,8 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         cfg = router_config_from_args(args)
     except ValueError as e:
-        raise CLIError(flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")) from None
+        message = flagify(str(e)).replace("--worker-addresses", "--worker").replace("--api-keys:", "--api-key:")
+        raise CLIError(message) from None
     configure_logging(args.log_format)
     warn_if_open(cfg.host, cfg.api_keys)
     return asyncio.run(_serve_until_signal(cfg))

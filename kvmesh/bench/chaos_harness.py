@@ -137,7 +137,8 @@ class ServeProcess:
         while "Ctrl-C stops everything" not in self.out.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"kvmesh serve did not come up:\n{self.out.read_text()}\n{self.err.read_text()[-3000:]}")
+                raise RuntimeError(f"kvmesh serve did not come up:\n{self.out.read_text()}\n"
+                                   f"{self.err.read_text()[-3000:]}")
             time.sleep(0.2)
         text = self.out.read_text()
         self.grpc_target = _field(text, "gRPC")
@@ -151,7 +152,8 @@ class ServeProcess:
 
     def pid(self, name: str) -> int:
         """The current pid of part `name` (redis, worker-<i>, router), restarts included."""
-        restarted = re.findall(rf"^kvmesh serve: restarted {re.escape(name)} \(pid (\d+)\)$", self.err.read_text(), re.M)
+        restarted = re.findall(rf"^kvmesh serve: restarted {re.escape(name)} \(pid (\d+)\)$",
+                               self.err.read_text(), re.M)
         return int(restarted[-1]) if restarted else int(self._pids[name])
 
     def restarts(self, name: str) -> int:

@@ -34,7 +34,8 @@ from router.config import RouterConfig
 from router.routing.types import RoutingPolicy
 from router.server import RouterServer
 
-POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
+POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH,
+                RoutingPolicy.KV_AWARE)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -127,7 +128,8 @@ def run_simulation(quick: bool, seed: int) -> dict[str, Any]:
     out["kv_aware_load_factor_sweep"] = {}
     for c in (1.25, 1.5, 2.0):
         r = simulate(RoutingPolicy.KV_AWARE, replace(cfg8, load_factor=c), trace8)
-        out["kv_aware_load_factor_sweep"][str(c)] = {"hit_rate_vs_oracle": r.hit_rate / oracle8, "imbalance": r.imbalance}
+        out["kv_aware_load_factor_sweep"][str(c)] = {"hit_rate_vs_oracle": r.hit_rate / oracle8,
+                                                     "imbalance": r.imbalance}
     out["live_scenarios"] = simulate_live_scenarios(quick)
     head = out["by_workers"]["8"]
     out.update({p.value: {k: head[p.value][k] for k in ("hit_rate", "imbalance", "ttft_p50", "hit_rate_vs_oracle")}

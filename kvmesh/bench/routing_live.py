@@ -41,7 +41,8 @@ from kvmesh.serve.local import LocalCluster, ServeConfig
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.routing.types import RoutingPolicy
 
-POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH, RoutingPolicy.KV_AWARE)
+POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH,
+                RoutingPolicy.KV_AWARE)
 _BLOCK_SIZE = 16
 SCENARIOS = ("no_pressure", "pressure", "shift")
 _TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model (49,152 ids)
@@ -149,7 +150,8 @@ def make_workload(cfg: LiveConfig, num_prefixes: int, phase: int = 0) -> Workloa
     """`cfg.requests` requests over `num_prefixes` prefixes; each `phase` draws its own prefixes."""
     rng = random.Random(cfg.seed * 1000 + num_prefixes + 100_003 * phase)
     prefixes = tuple(tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.prefix_tokens)) for _ in range(num_prefixes))
-    requests = tuple((rng.randrange(num_prefixes), tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.question_tokens)))
+    requests = tuple((rng.randrange(num_prefixes),
+                      tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.question_tokens)))
                      for _ in range(cfg.requests))
     return Workload(prefixes, requests)
 
@@ -158,7 +160,8 @@ def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, .
                engine_argv: tuple[str, ...]) -> dict[str, Any]:
     """`phases` one after another on one fresh cluster; the figures of the last."""
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
-                        startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value), cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
+                        startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value),
+                        cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
     with LocalCluster(serve) as cluster:
         return asyncio.run(_drive(cfg, phases, cluster))
 
@@ -241,7 +244,8 @@ async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]
     if usage is None or not stamps:
         raise RuntimeError(f"a completion ended without tokens or usage (worker {worker_id!r})")
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return _Served(prefix, worker_id, t0, time.perf_counter(), stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])],
+    return _Served(prefix, worker_id, t0, time.perf_counter(), stamps[0] - t0,
+                   [b - a for a, b in zip(stamps, stamps[1:])],
                    usage.prompt_tokens, cached or 0, usage.completion_tokens)
 
 
@@ -266,7 +270,8 @@ def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s:
         "cached_token_frac": sum(s.cached_tokens for s in served) / prompt if prompt else 0.0,
         "cold_requests": sum(s.cached_tokens < full_prefix for s in served),
         "min_cold_requests": num_prefixes,
-        "requests_per_worker_per_prefix": {k: dict(sorted(v.items())) for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
+        "requests_per_worker_per_prefix": {k: dict(sorted(v.items()))
+                                           for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
         "requests_per_worker": dict(sorted(totals.items())),
         "mismatch_rate": int(router.get("hit_mismatches", 0)) / requests,
         "wall_s": wall_s, "requests": len(served),

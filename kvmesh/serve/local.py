@@ -41,9 +41,8 @@ class LocalPlacement:
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
         self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.workers)]
         for i in range(cfg.workers):
-            self._workers.append(spawn(log_dir, f"worker-{i}", _worker_argv(cfg, f"worker-{i}", 0, self.metrics_ports[i],
-                                                                            _peer_argv(cfg.workers)),
-                                       env=cfg.child_env(redis_url)))
+            argv = _worker_argv(cfg, f"worker-{i}", 0, self.metrics_ports[i], _peer_argv(cfg.workers))
+            self._workers.append(spawn(log_dir, f"worker-{i}", argv, env=cfg.child_env(redis_url)))
         addresses = []
         for w in self._workers:
             m = w.wait_line(_WORKER_LINE, deadline, cfg.startup_timeout_s)

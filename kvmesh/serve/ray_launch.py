@@ -122,8 +122,8 @@ class WorkerActor:
         host = self.host(spec.loopback)
         peer = peer_flags_from_env(os.environ)   # KVMESH_PEER_TRANSFER, from spec.env
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
-            host=host, port=spec.port, worker_id=spec.worker_id, redis_url=spec.redis_url, cluster_name=spec.cluster_name,
-            peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
+            host=host, port=spec.port, worker_id=spec.worker_id, redis_url=spec.redis_url,
+            cluster_name=spec.cluster_name, peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
             cluster_token=token_from(None), tls=spec.tls))   # KVMESH_CLUSTER_TOKEN, from spec.env
 
         async def go() -> int:
@@ -235,7 +235,8 @@ class RayPlacement:
         try:
             ray.get(self._actors[index].start.remote(spec), timeout=cfg.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            raise LaunchError(f"{name}: the replacement actor did not start: {str(e).strip().splitlines()[-1]}") from None
+            raise LaunchError(f"{name}: the replacement actor did not start: "
+                              f"{str(e).strip().splitlines()[-1]}") from None
 
     def _new_actor(self, index: int) -> Any:
         """A WorkerActor named worker-<index> in bundle `index` of the placement group."""

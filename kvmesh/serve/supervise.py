@@ -272,7 +272,8 @@ class Cluster:
         cfg = self.cfg
         for flag, port in (("--grpc-port", cfg.grpc_port), ("--http-port", cfg.http_port)):
             if port and not port_free(cfg.host, port):
-                raise LaunchError(f"{flag}: {cfg.host}:{port} is already in use (pick another port, or 0 for a free one)")
+                raise LaunchError(f"{flag}: {cfg.host}:{port} is already in use "
+                                  "(pick another port, or 0 for a free one)")
         deadline = time.monotonic() + cfg.startup_timeout_s
         if cfg.log_dir is None:
             self._temp_dir = self._log_dir = Path(tempfile.mkdtemp(prefix=f"kvmesh-{cfg.cluster_name}-"))

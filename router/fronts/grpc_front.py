@@ -19,9 +19,9 @@ from contracts.health import LIVENESS_SERVICE
 from contracts.requests import BadRequest
 from contracts.wire import ParsedRequest, parse_generate_request, to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import authenticator_for
 from router.routing.core import Router
 from router.routing.errors import NoWorkerAvailable, RouterError, UpstreamError
+from router.security.auth import authenticator_for
 from router.security.tenancy import grpc_caller
 
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name

@@ -29,10 +29,10 @@ from aiohttp import web
 from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import ApiKey, TenantId, authenticator_for, unauthorized_response
 from router.routing.core import Router
-from router.workers.registry import WorkerEntry
 from router.routing.types import RouteRequest
+from router.security.auth import ApiKey, TenantId, authenticator_for, unauthorized_response
+from router.workers.registry import WorkerEntry
 
 Json = dict[str, Any]
 RequestKey = tuple[TenantId, str, str, str]     # (tenant, worker_id, policy, outcome)
@@ -163,7 +163,8 @@ class ClusterView:
                              for (w, p, o), n in sorted(requests.items())],
                 "predicted_hit_tokens": s.routed_hit_tokens, "served_hit_tokens": s.actual_hit_tokens,
                 "hit_mismatches": s.mismatches, "peer_hints": s.peer_hints,
-                "tenants": [{"tenant": t, "admitted": limiter.admitted.get(t, 0), "rejected": limiter.rejected.get(t, 0)}
+                "tenants": [{"tenant": t, "admitted": limiter.admitted.get(t, 0),
+                             "rejected": limiter.rejected.get(t, 0)}
                             for t in tenants],
                 "kv_events": self._kv_events(),
             },

@@ -24,19 +24,19 @@ from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from contracts.wire import FINISH_REASON_NAMES
 from kvstore.metadata.registry import MetadataError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.fronts.openai.client_errors import CLIENT_ERRORS, ClientErrors
-from router.security.auth import ANONYMOUS, ApiKey, TenantId, authenticator_for
 from router.observe.cluster_view import ClusterView, RequestKey
-from router.routing.core import RouteObserver, Router
 from router.observe.dashboard import add_dashboard_routes
+from router.routing.core import RouteObserver, Router
 from router.routing.types import RouteRequest
+from router.security.auth import ANONYMOUS, ApiKey, TenantId, authenticator_for
 
 log = logging.getLogger("kvmesh.router")
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -54,7 +54,8 @@ class RouterMetrics(RouteObserver):
         self.requests = Counter("kvmesh:router_requests", "Requests by worker, routing policy and outcome",
                                 ("worker_id", "policy", "outcome"), registry=r)
         self.prompt_tokens = Counter("kvmesh:router_prompt_tokens", "Prompt tokens of finished requests, by worker "
-                                     "(router_served_hit_tokens_total / this: the hit rate)", ("worker_id",), registry=r)
+                                     "(router_served_hit_tokens_total / this: the hit rate)",
+                                     ("worker_id",), registry=r)
         self.decision = Histogram("kvmesh:router_routing_decision_seconds", "Time to pick a worker",
                                   buckets=_DECISION_BUCKETS, registry=r)
         self.ttft = Histogram("kvmesh:router_time_to_first_token_seconds",

@@ -26,18 +26,24 @@ from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import ANONYMOUS, ApiKey, TenantId
-from router.security.bounds import PromptBounds
 from router.config import RouterConfig
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.inflight import InFlightPrefills
-from router.routing.migrate import MAX_WAIT_FOR_WORKER_S, Progress, WorkerLost, is_migratable, log_migration, read_until_lost
+from router.routing.migrate import (
+    MAX_WAIT_FOR_WORKER_S,
+    Progress,
+    WorkerLost,
+    is_migratable,
+    log_migration,
+    read_until_lost,
+)
 from router.routing.policy import Policy, make_policy
 from router.routing.predictions import HitPredictions
-from router.workers.registry import WorkerEntry, WorkerRegistry
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.security.auth import ANONYMOUS, ApiKey, TenantId
+from router.security.bounds import PromptBounds
 from router.security.tenancy import TenantSalts, bound_max_tokens
-
+from router.workers.registry import WorkerEntry, WorkerRegistry
 
 log = logging.getLogger("kvmesh.router")
 
@@ -222,7 +228,8 @@ class Router:
                 tried.add(worker_id)
                 self.observer.picked(rid, route, worker_id)
                 try:
-                    async with contextlib.aclosing(self._attempt(rid, request, route, pick, deadline, progress)) as attempt:
+                    attempt_stream = self._attempt(rid, request, route, pick, deadline, progress)
+                    async with contextlib.aclosing(attempt_stream) as attempt:
                         async for response in attempt:
                             finished = response.finished
                             yield response

@@ -23,9 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from router.routing.scorers import (
+    DEFAULT_LOAD_FACTOR,
+    BoundedLoadFilter,
+    InverseLoadScorer,
+    PrefillCostScorer,
+    RingScorer,
+    RotationScorer,
+    check_load_factor,
+)
 from router.routing.types import Filter, RouteRequest, RoutingPolicy, RoutingState, Scorer, WorkerId, WorkerInfo
-from router.routing.scorers import (DEFAULT_LOAD_FACTOR, BoundedLoadFilter, InverseLoadScorer, PrefillCostScorer,
-                                    RingScorer, RotationScorer, check_load_factor)
 
 # Scores are rounded before comparing so float noise cannot beat the tie-break.
 _DIGITS = 9

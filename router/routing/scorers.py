@@ -247,7 +247,8 @@ class PrefillCostScorer:
         displaced = _cascade_past(load.committed, self.room_frac)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
-                                       + max(displaced, _cascade_past(state.cluster_committed, self.room_frac)) * copies)
+                                       + max(displaced, _cascade_past(state.cluster_committed, self.room_frac))
+                                       * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 

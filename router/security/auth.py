@@ -83,7 +83,8 @@ ANONYMOUS = ApiKey("anonymous", DEFAULT_TENANT, priority=True, admin=True)
 def parse_keys_file(path: Path) -> tuple[ApiKey, ...]:
     """`key tenant [priority] [admin] [salt=SALT] [weight=W] [max_cached_blocks=N]` per line
     (weight: the tenant's share of a worker's compute; max_cached_blocks: its cap on a worker's
-    cached blocks); blank lines and `#` comments ignored. Raises ValueError naming the file and line (never echoing a key)."""
+    cached blocks); blank lines and `#` comments ignored. Raises ValueError naming the file and
+    line (never echoing a key)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -33,8 +33,8 @@ from contracts.models import ModelLocateError, cache_root, locate_model
 from contracts.tokenizer import ModelTokenizer, TokenizerError, tokenizer_files_digest
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig, TokenizerSource
-from router.workers.registry import WorkerRegistry
 from router.fronts.openai.vllm_fields import read_default_temperature
+from router.workers.registry import WorkerRegistry
 
 log = logging.getLogger("kvmesh.router")
 

@@ -44,7 +44,8 @@ def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-def render(helm: Path, out_dir: Path, values: Doc | None = None, *files: Path, api_versions: tuple[str, ...] = ()) -> Render:
+def render(helm: Path, out_dir: Path, values: Doc | None = None, *files: Path,
+           api_versions: tuple[str, ...] = ()) -> Render:
     """`helm template` into out_dir; fails the test with helm's stderr if rendering fails."""
     out_dir.mkdir(parents=True, exist_ok=True)
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
@@ -117,7 +118,9 @@ def env_value(c: Doc, name: str) -> str | None:
 
 
 def pod_labels(workload: Doc) -> dict[str, str]:
-    return workload["spec"]["template"]["metadata"]["labels"] if "template" in workload["spec"] else workload["metadata"]["labels"]
+    if "template" in workload["spec"]:
+        return workload["spec"]["template"]["metadata"]["labels"]
+    return workload["metadata"]["labels"]
 
 
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -147,7 +150,8 @@ def check_references(docs: list[Doc]) -> None:
         if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject"):
             ref = d["spec"]["scaleTargetRef"]
             assert (ref["kind"], ref["name"]) in by_kind_name
-            assert "replicas" not in by_kind_name[(ref["kind"], ref["name"])]["spec"], "an autoscaler and a fixed replica count"
+            assert "replicas" not in by_kind_name[(ref["kind"], ref["name"])]["spec"], \
+                "an autoscaler and a fixed replica count"
     for w in [*workloads, *[d for d in docs if d["kind"] == "Pod"]]:
         spec = w["spec"]["template"]["spec"] if "template" in w["spec"] else w["spec"]
         c = container(w)

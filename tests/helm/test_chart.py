@@ -58,7 +58,8 @@ ALL_VALUES: Doc = {
                "liveness": {"timeoutS": 45.5, "maxStepFailures": 7}},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
-               "maxConcurrentPerTenant": 7, "metricsTenantNames": True, "maxTokensLimit": 512, "logFormat": "json", "migrationLimit": 5, "drainTimeoutS": 17.5,
+               "maxConcurrentPerTenant": 7, "metricsTenantNames": True, "maxTokensLimit": 512, "logFormat": "json",
+               "migrationLimit": 5, "drainTimeoutS": 17.5,
                "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local"},
 }
 # Values whose flag is spelled differently from the camelCase rule.
@@ -75,11 +76,13 @@ VALUE_SETS: dict[str, Doc] = {
     "cpu-pool": {"engine": {"device": "cpu"}, "worker": {"gpu": {"count": 0}, "replicas": 1},
                  "modelCache": {"type": "hostPath", "hostPath": "/srv/models"}, "networkPolicy": {"enabled": False}},
     "external-redis": {"redis": {"enabled": False, "external": {
-        "url": "rediss://redis.example.internal:6380/2", "existingSecret": "kv-redis", "existingSecretPasswordKey": "pw"}}},
+        "url": "rediss://redis.example.internal:6380/2", "existingSecret": "kv-redis",
+        "existingSecretPasswordKey": "pw"}}},
     "redis-auth-persistent": {"redis": {"auth": {"enabled": True, "existingSecret": "kv-redis"},
                                         "persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
-                              "networkPolicy": {"routerIngressFrom": [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}],
-                                                "metricsIngressFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}]}},
+                              "networkPolicy": {
+                                  "routerIngressFrom": [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}],
+                                  "metricsIngressFrom": [{"podSelector": {"matchLabels": {"app": "prom"}}}]}},
     "all-values": ALL_VALUES,
 }
 

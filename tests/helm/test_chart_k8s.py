@@ -117,7 +117,8 @@ def test_router_mounts_no_model_volume(helm: Path, tmp_path: Path) -> None:
     assert {"configMapRef": {"name": f"{RELEASE}-kvmesh-env"}} in c["envFrom"]
     assert spec["nodeSelector"] == {"pool": "cpu"} and "tolerations" not in spec   # its own, not the GPU ones
     worker = _pod_spec(one(r.docs, "StatefulSet", "worker"))
-    assert next(v for v in worker["volumes"] if v["name"] == "models")["persistentVolumeClaim"]["claimName"] == "llm-models"
+    models = next(v for v in worker["volumes"] if v["name"] == "models")
+    assert models["persistentVolumeClaim"]["claimName"] == "llm-models"
     local = render(helm, tmp_path / "local", {**values, "router": {"tokenizerSource": "local"}})
     router = one(local.docs, "Deployment", "router")
     assert parse_cli(container(router)).tokenizer_source == "local"
@@ -171,7 +172,8 @@ def test_tls_probes_use_the_plain_http_metrics_port(helm: Path, tmp_path: Path) 
     ({"worker": {"liveness": {"timeoutS": 60, "maxStepFailures": 0}}}, "/worker/liveness/maxStepFailures"),
     ({"router": {"tokenizerSource": "remote"}}, "/router/tokenizerSource"),
 ])
-def test_schema_rejects_bad_liveness_and_tokenizer_values(helm: Path, tmp_path: Path, values: Doc, message: str) -> None:
+def test_schema_rejects_bad_liveness_and_tokenizer_values(helm: Path, tmp_path: Path, values: Doc,
+                                                          message: str) -> None:
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(values))
     assert message in _fails(helm, "-f", str(f))
@@ -189,22 +191,26 @@ def test_workers_spread_softly_by_default(helm: Path, tmp_path: Path) -> None:
     assert {k: spread[k] for k in ("maxSkew", "topologyKey", "whenUnsatisfiable")} == {
         "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
     assert matches(spread["labelSelector"]["matchLabels"], pod_labels(sts))
-    assert matches(spread["labelSelector"]["matchLabels"], {**pod_labels(sts), "app.kubernetes.io/component": "x"}) is False
-    none = _pod_spec(one(render(helm, tmp_path / "none", {"worker": {"topologySpread": "none"}}).docs, "StatefulSet", "worker"))
+    other = {**pod_labels(sts), "app.kubernetes.io/component": "x"}
+    assert matches(spread["labelSelector"]["matchLabels"], other) is False
+    none = _pod_spec(one(render(helm, tmp_path / "none", {"worker": {"topologySpread": "none"}}).docs,
+                         "StatefulSet", "worker"))
     assert "topologySpreadConstraints" not in none
     own = [{"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
             "labelSelector": {"matchLabels": {"a": "b"}}}]
     custom = _pod_spec(one(render(helm, tmp_path / "own", {"worker": {"topologySpreadConstraints": own}}).docs,
                            "StatefulSet", "worker"))
     assert custom["topologySpreadConstraints"] == own
-    hard = _pod_spec(one(render(helm, tmp_path / "hard", {"worker": {"podAntiAffinity": "hard"}}).docs, "StatefulSet", "worker"))
+    hard = _pod_spec(one(render(helm, tmp_path / "hard", {"worker": {"podAntiAffinity": "hard"}}).docs,
+                         "StatefulSet", "worker"))
     assert hard["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
 
 
 @pytest.mark.multiproc
 def test_runtime_class_scheduler_and_priority(helm: Path, tmp_path: Path) -> None:
     fields = ("runtimeClassName", "schedulerName", "priorityClassName")
-    values: Doc = {"worker": {"runtimeClassName": "nvidia", "schedulerName": "volcano", "priorityClassName": "gpu-high"},
+    values: Doc = {"worker": {"runtimeClassName": "nvidia", "schedulerName": "volcano",
+                              "priorityClassName": "gpu-high"},
                    "router": {"runtimeClassName": "runc", "schedulerName": "default-scheduler",
                               "priorityClassName": "serving"}}
     r = render(helm, tmp_path, values)
@@ -262,7 +268,8 @@ def check_scaled_object(docs: list[Doc]) -> Doc:
                          "advanced", "triggers", "idleReplicaCount", "fallback"}
     assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": WORKER_STS}
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
-    assert all(isinstance(spec[k], int) for k in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod"))
+    assert all(isinstance(spec[k], int)
+               for k in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod"))
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert isinstance(behavior["scaleDown"]["stabilizationWindowSeconds"], int)
     (trigger,) = spec["triggers"]
@@ -295,7 +302,8 @@ def test_keda_scaled_object_only_with_its_api(helm: Path, tmp_path: Path) -> Non
     without = render(helm, tmp_path / "no-api", on)
     assert not [d for d in without.docs if d["kind"] == "ScaledObject"]
     assert one(without.docs, "StatefulSet", "worker")["spec"]["replicas"] == 3
-    notes = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set", "worker.autoscaling.keda.enabled=true")
+    notes = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client",
+                     "--set", "worker.autoscaling.keda.enabled=true")
     assert "no ScaledObject was created" in notes.stdout
     kv = render(helm, tmp_path / "kv", {"worker": {"autoscaling": {"metric": "kv_cache_usage_perc", "target": 0.75,
                                                                   "keda": {"enabled": True}}}}, api_versions=(KEDA,))
@@ -319,7 +327,8 @@ def test_hpa_alternative_on_a_pods_metric(helm: Path, tmp_path: Path) -> None:
     assert "kvmesh:num_requests_waiting" in exported_names()     # the series prometheus-adapter renames
     assert "replicas" not in one(r.docs, "StatefulSet", "worker")["spec"]
     assert not [d for d in r.docs if d["kind"] == "ScaledObject"]
-    notes = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set", "worker.autoscaling.hpa.enabled=true")
+    notes = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client",
+                     "--set", "worker.autoscaling.hpa.enabled=true")
     assert "no custom.metrics.k8s.io" in notes.stdout
 
 

@@ -105,7 +105,8 @@ def _check_tls_pods(docs: list[Doc], secret: str) -> None:
         assert next(v for v in spec["volumes"] if v["name"] == "tls")["secret"]["secretName"] == secret
         assert str(ns.tls_ca) == f"{mount['mountPath']}/ca.crt"
         if kind != "Pod":
-            assert (str(ns.tls_cert), str(ns.tls_key)) == (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+            assert (str(ns.tls_cert), str(ns.tls_key)) == (f"{mount['mountPath']}/tls.crt",
+                                                           f"{mount['mountPath']}/tls.key")
     # The kubelet's gRPC probes speak no TLS: the workers' plain-HTTP metrics port answers them.
     worker, router = container(one(docs, "StatefulSet", "worker")), container(one(docs, "Deployment", "router"))
     assert {p: probe_spec(worker, p) for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {
@@ -139,7 +140,8 @@ def test_tls_from_cert_manager_only_with_its_api(helm: Path, tmp_path: Path) -> 
     assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
     names = cert["spec"]["dnsNames"]
     worker = container(one(r.docs, "StatefulSet", "worker"))
-    advertised = parse_cli(worker).advertise_address.replace("$(POD_NAME)", f"{RELEASE}-kvmesh-worker-0").rsplit(":", 1)[0]
+    advertised = parse_cli(worker).advertise_address.replace("$(POD_NAME)",
+                                                             f"{RELEASE}-kvmesh-worker-0").rsplit(":", 1)[0]
     assert any(n.startswith("*.") and advertised.endswith(n[1:]) for n in names)   # what the router dials
     assert f"{RELEASE}-kvmesh-router.{NAMESPACE}.svc.cluster.local" in names       # what clients dial
     _check_tls_pods(r.docs, secret)
@@ -157,7 +159,8 @@ def test_router_ingress_defaults_to_a_named_label(helm: Path, tmp_path: Path) ->
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("values,message", [
-    ({"security": {"tls": {"certManager": {"issuerRef": {"kind": "Cluster"}}}}}, "/security/tls/certManager/issuerRef/kind"),
+    ({"security": {"tls": {"certManager": {"issuerRef": {"kind": "Cluster"}}}}},
+     "/security/tls/certManager/issuerRef/kind"),
     ({"security": {"clusterToken": {"existingSecretKey": ""}}}, "/security/clusterToken/existingSecretKey"),
     ({"security": {"apiKey": {}}}, "additional properties 'apiKey' not allowed"),
 ])

@@ -12,7 +12,8 @@ from tests.support.podspec import expand, render_chart
 
 @pytest.mark.parametrize(("text", "want"), [
     ("$(A)", "1"), ("x$(A)y$(B)", "x1y2"), ("$$(A)", "$(A)"), ("$$$(A)", "$1"), ("$(MISSING)", "$(MISSING)"),
-    ("$A", "$A"), ("a$", "a$"), ("$(A", "$(A"), ("$()", "$()"), ("$(A)$(A)", "11"), ("$(A $$", "$(A $"), ("100$$", "100$"),
+    ("$A", "$A"), ("a$", "a$"), ("$(A", "$(A"), ("$()", "$()"), ("$(A)$(A)", "11"), ("$(A $$", "$(A $"),
+    ("100$$", "100$"),
 ])
 def test_expand_follows_kubernetes(text: str, want: str) -> None:
     assert expand(text, {"A": "1", "B": "2"}) == want

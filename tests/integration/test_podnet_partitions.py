@@ -84,7 +84,8 @@ def test_worker_redis_partition_keeps_serving_and_the_index_is_exact_after_heal(
     for ids in cut_prompts:
         reply = via_router(cl, ids)
         assert reply.final.worker_id == w and reply.final.cached_tokens == FULL, reply.final
-    print(f"3 requests served in {base_s:.1f} s before the cut, in {served_s:.1f} s during it; index exact {waited:.1f} s after heal; "
+    print(f"3 requests served in {base_s:.1f} s before the cut, in {served_s:.1f} s during it; "
+          f"index exact {waited:.1f} s after heal; "
           f"router view {cluster_doc(cl)['router']['kv_events']}")
 
 

@@ -37,7 +37,8 @@ def test_ray_flags_become_config() -> None:
                                       "--gpus-per-worker", "2", "--placement-strategy", "SPREAD",
                                       "--cluster-name", "c1", "--num-blocks", "64"])
     cfg = ray_config_from_args(args)
-    assert (cfg.address, cfg.gpus_per_worker, cfg.placement_strategy, cfg.namespace) == ("auto", 2.0, "SPREAD", "kvmesh-c1")
+    assert (cfg.address, cfg.gpus_per_worker, cfg.placement_strategy, cfg.namespace) == (
+        "auto", 2.0, "SPREAD", "kvmesh-c1")
     assert (cfg.serve.workers, cfg.serve.engine_argv) == (3, ("--num-blocks", "64"))
     for bad in (dict(gpus_per_worker=0), dict(placement_strategy="pack"), dict(address=""),
                 dict(object_store_memory=2**20)):
@@ -71,7 +72,8 @@ def test_stop_without_ray_is_a_usage_error() -> None:
                        text=True, timeout=30)
     assert r.returncode == 2 and "--stop: only with --ray" in r.stderr
     assert "ray" not in subprocess.run([sys.executable, "-c", "import kvmesh.serve.local, kvmesh.cli, sys; "
-                                        "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')))"],
+                                        "print(' '.join(m for m in sys.modules "
+                                        "if m.split('.')[0] in ('ray', 'torch')))"],
                                        cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
 
 

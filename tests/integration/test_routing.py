@@ -122,7 +122,8 @@ async def _prepare(router: RouterServer, req: pb.GenerateRequest) -> Prepared:
     return await router.core.prepare(to_generate_input(req))
 
 
-async def _run(router: RouterServer, prepared: Prepared, timeout: float = 60.0) -> tuple[list[int], pb.GenerateResponse]:
+async def _run(router: RouterServer, prepared: Prepared,
+               timeout: float = 60.0) -> tuple[list[int], pb.GenerateResponse]:
     """Run one request to its end; returns every streamed token id and the final response."""
     ids: list[int] = []
     last = None
@@ -140,7 +141,8 @@ async def _generate(router: RouterServer, prepared: Prepared, timeout: float = 6
 
 def _picks(router: RouterServer, prepared: Prepared) -> str | None:
     """The worker id the router's policy picks for `prepared` now (the policy is a pure function)."""
-    chosen = router.core.policy.pick(router.core.live_workers(), prepared.route, router.core.routing_state(prepared.route))
+    chosen = router.core.policy.pick(router.core.live_workers(), prepared.route,
+                                     router.core.routing_state(prepared.route))
     return None if chosen is None else chosen.worker_id
 
 
@@ -308,7 +310,8 @@ def test_retry_before_first_token_and_unavailable_mid_stream(cluster: LocalClust
             try:
                 for router in (mid, stale):
                     assert _live(router) == {"w-victim", "worker-0", "worker-1"}
-                long_req = await _prompt_for(mid, "w-victim", "long", max_tokens=800, ignore_eos=True)   # fits the context
+                # fits the context
+                long_req = await _prompt_for(mid, "w-victim", "long", max_tokens=800, ignore_eos=True)
                 retried = await _prompt_for(stale, "w-victim", "retried")
 
                 async def stream_then_kill() -> None:
@@ -385,7 +388,8 @@ def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) 
                 assert seen.loads["w-solo"].shared_blocks >= shared
                 assert 0 < seen.cluster_committed == pytest.approx(
                     router.registry.index.distinct_shared_blocks() / seen.loads["w-solo"].num_blocks)
-                assert (router.core.stats.routed_hit_tokens - routed0, router.core.stats.mismatches) == (expected, mismatches0)
+                assert (router.core.stats.routed_hit_tokens - routed0, router.core.stats.mismatches) == (
+                    expected, mismatches0)
                 # Blocks stored while Redis is down cannot reach the index yet.
                 b = await _prepare(router, _chat(SYSTEM_B, "Which wind blows in the Bay of Biscay?"))
                 await _generate(router, b)

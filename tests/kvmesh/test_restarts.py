@@ -25,8 +25,10 @@ def test_policies() -> None:
     on_failure = RestartTracker(RestartConfig(policy=RestartPolicy.ON_FAILURE))
     assert on_failure.on_exit("router", 0, 0.0).verdict is Verdict.LEAVE
     assert on_failure.on_exit("router", None, 1.0).verdict is Verdict.RESTART
-    assert RestartTracker(RestartConfig(policy=RestartPolicy.ALWAYS)).on_exit("router", 0, 0.0).verdict is Verdict.RESTART
-    assert RestartTracker(RestartConfig(policy=RestartPolicy.NEVER)).on_exit("router", -9, 0.0).verdict is Verdict.END_RUN
+    always = RestartTracker(RestartConfig(policy=RestartPolicy.ALWAYS))
+    assert always.on_exit("router", 0, 0.0).verdict is Verdict.RESTART
+    never = RestartTracker(RestartConfig(policy=RestartPolicy.NEVER))
+    assert never.on_exit("router", -9, 0.0).verdict is Verdict.END_RUN
 
 
 def test_config_rejects_bad_values() -> None:

@@ -64,7 +64,8 @@ def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure(
     for scenario in ("no_pressure", "pressure"):
         for policy in RoutingPolicy:
             row = out[scenario][policy.value]
-            assert 0.0 <= row["hit_rate"] <= 1.0 and row["cold_requests"] >= row["min_cold_requests"], (scenario, policy)
+            assert 0.0 <= row["hit_rate"] <= 1.0 and row["cold_requests"] >= row["min_cold_requests"], (
+                scenario, policy)
     press = out["pressure"]
     # Partitioning the prefixes beats thrashing both pools (the live target: +10 points).
     assert press["kv_aware"]["hit_rate"] >= press["round_robin"]["hit_rate"] + 0.10

@@ -38,7 +38,8 @@ def peer(mode: str, timeout_s: float = 10.0, checksum_kernel: ChecksumKernel | N
     proc = subprocess.Popen([sys.executable, "-m", "tests.kvstore.transfer_peer", store.address(), mode], cwd=REPO)
     cfg = TransferConfig(timeout_s=timeout_s, connect_timeout_s=30.0)
     pairs: dict[str, PairGroup] = {}
-    transfer = BlockTransfer(timeout_s, on_broken=lambda pair, why: transfer.retire(pair), checksum_kernel=checksum_kernel)
+    transfer = BlockTransfer(timeout_s, on_broken=lambda pair, why: transfer.retire(pair),
+                             checksum_kernel=checksum_kernel)
     try:
         for key in mode.split("+"):
             pairs[key] = PairGroup.form(key, store.store, 0, PeerId(f"peer-{key}", 1), "cpu", cfg)
@@ -88,7 +89,8 @@ def test_corrupted_block_is_marked_bad_and_only_that_block() -> None:
 def check_corrupted_block(checksum_kernel: ChecksumKernel | None = None) -> None:
     with peer("corrupt", checksum_kernel=checksum_kernel) as (transfer, pairs, proc):
         out = torch.zeros(_spec("fp32").shape(len(SEND_IDS)))  # a reused staging buffer
-        got = transfer.recv(pairs["corrupt"], TRANSFER_IDS["corrupt"], len(SEND_IDS), _spec("fp32"), out=out).result(timeout=20)
+        got = transfer.recv(pairs["corrupt"], TRANSFER_IDS["corrupt"], len(SEND_IDS), _spec("fp32"),
+                            out=out).result(timeout=20)
         expected = make_pool("fp32", seed=3).gather_blocks(SEND_IDS)
         assert got.blocks.data_ptr() == out.data_ptr()
         assert got.bad_indices == [CORRUPT_INDEX]

@@ -35,7 +35,8 @@ LAYOUTS = {
     "fp32": KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_cache_dtype="fp32"),
     "int8": KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_cache_dtype="int8"),
 }
-TRANSFER_IDS = {"fp32": 11, "int8": 12, "reverse": 13, "corrupt": 14, "die": 15, "silent": 16, "late": 17, "mismatch": 18}
+TRANSFER_IDS = {"fp32": 11, "int8": 12, "reverse": 13, "corrupt": 14, "die": 15, "silent": 16, "late": 17,
+                "mismatch": 18}
 
 
 def make_pool(kind: str, seed: int, num_blocks: int = 8) -> KVTensors:

@@ -242,7 +242,8 @@ def test_worker_needs_a_client_certificate_then_the_token(secured: Secured) -> N
         rogue = pb.SendBlocksRequest(block_hashes=[bytes([i]) * 16 for i in range(8)])
         for call in (lambda: list(stub.Generate(hinted, timeout=10)), lambda: stub.SendBlocks(rogue, timeout=10),
                      lambda: stub.GetLoad(pb.LoadRequest(), timeout=10),
-                     lambda: stub.GetLoad(pb.LoadRequest(), timeout=10, metadata=((TOKEN_METADATA, TOKEN[:-1] + "x"),))):
+                     lambda: stub.GetLoad(pb.LoadRequest(), timeout=10,
+                                          metadata=((TOKEN_METADATA, TOKEN[:-1] + "x"),))):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()

@@ -81,7 +81,8 @@ def test_kv_aware_follows_the_cache_until_the_cap():
 def test_equal_scores_do_not_burst_to_one_worker():
     """Cold index, different prompts: ties follow the ring, so prompts spread over workers."""
     workers = _workers(4)
-    counts = Counter(make_policy(RoutingPolicy.KV_AWARE).pick(workers, _route(p), RoutingState()).worker_id for p in range(400))
+    kv_aware = make_policy(RoutingPolicy.KV_AWARE)
+    counts = Counter(kv_aware.pick(workers, _route(p), RoutingState()).worker_id for p in range(400))
     assert len(counts) == 4 and max(counts.values()) < 0.4 * 400
 
 
@@ -101,4 +102,5 @@ def test_round_robin_and_least_loaded():
     assert [rr.pick(workers, _route(1), RoutingState()).worker_id for _ in range(6)] == ["w0", "w1", "w2"] * 2
     loads = {"w0": WorkerLoad(3), "w1": WorkerLoad(1), "w2": WorkerLoad(2)}
     assert make_policy(RoutingPolicy.LEAST_LOADED).pick(workers, _route(1), RoutingState(loads)).worker_id == "w1"
-    assert make_policy(RoutingPolicy.LEAST_LOADED).pick(workers, _route(1), RoutingState(), exclude={"w0", "w1", "w2"}) is None
+    assert make_policy(RoutingPolicy.LEAST_LOADED).pick(workers, _route(1), RoutingState(),
+                                                        exclude={"w0", "w1", "w2"}) is None

@@ -197,7 +197,8 @@ def test_same_prefix_same_worker_and_cached(cluster: Cluster, router_channel: gr
     ids = cluster.router.core.tokenizer.encode(LONG_PREFIX + "x")  # type: ignore[union-attr]
     route = RouteRequest(tuple(ids), tuple(block_hashes(ids, info.block_size, bytes.fromhex(info.hash_salt_hex))))
     state = cluster.router.core.routing_state(route)
-    assert cluster.router.core.policy.pick(cluster.router.core.live_workers(), route, state).worker_id == lasts[0].worker_id
+    chosen = cluster.router.core.policy.pick(cluster.router.core.live_workers(), route, state)
+    assert chosen.worker_id == lasts[0].worker_id
 
 
 @pytest.mark.server
@@ -278,7 +279,8 @@ def _raw(text: str = "hi") -> bytes:
 
 
 BAD_REQUESTS: dict[str, tuple[bytes, grpc.StatusCode]] = {
-    "empty text": (pb.GenerateRequest(text="", sampling=greedy()).SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT),
+    "empty text": (pb.GenerateRequest(text="", sampling=greedy()).SerializeToString(),
+                   grpc.StatusCode.INVALID_ARGUMENT),
     "no input": (pb.GenerateRequest(sampling=greedy()).SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT),
     "empty token_ids": (b"\x1a\x00",
                         grpc.StatusCode.INVALID_ARGUMENT),
@@ -294,19 +296,23 @@ BAD_REQUESTS: dict[str, tuple[bytes, grpc.StatusCode]] = {
                      grpc.StatusCode.INVALID_ARGUMENT),
     "max_tokens -3": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=-3)).SerializeToString(),
                       grpc.StatusCode.INVALID_ARGUMENT),
-    "NaN temperature": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))).SerializeToString(),
+    "NaN temperature": (pb.GenerateRequest(text="hi",
+                                           sampling=pb.SamplingParams(temperature=float("nan"))).SerializeToString(),
                         grpc.StatusCode.INVALID_ARGUMENT),
-    "negative temperature": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)).SerializeToString(),
+    "negative temperature": (pb.GenerateRequest(text="hi",
+                                                sampling=pb.SamplingParams(temperature=-1)).SerializeToString(),
                              grpc.StatusCode.INVALID_ARGUMENT),
     "top_p 0": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)).SerializeToString(),
                 grpc.StatusCode.INVALID_ARGUMENT),
-    "bad chat role": (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="x")])).SerializeToString(),
+    "bad chat role": (pb.GenerateRequest(chat=pb.ChatMessages(
+                          messages=[pb.ChatMessage(role="tool", content="x")])).SerializeToString(),
                       grpc.StatusCode.INVALID_ARGUMENT),
     "unknown field": (_raw() + b"\x98\x06\x01", grpc.StatusCode.INVALID_ARGUMENT),
     "invalid utf-8": (b"\x12\x02\xff\xfe", grpc.StatusCode.INVALID_ARGUMENT),
     "10 MB message": (_raw("x" * (10 * 2**20)), grpc.StatusCode.RESOURCE_EXHAUSTED),
     # Rejected by the worker (a stop token id outside the vocabulary): passed through.
-    "worker rejects": (pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])).SerializeToString(),
+    "worker rejects": (pb.GenerateRequest(text="hi",
+                                          sampling=pb.SamplingParams(stop_token_ids=[10**6])).SerializeToString(),
                        grpc.StatusCode.INVALID_ARGUMENT),
 }
 

@@ -102,7 +102,8 @@ def test_bad_parameters_are_value_errors():
                  lambda: RingScorer(num_prefix_blocks=0), lambda: Weighted(InverseLoadScorer(), -1.0),
                  lambda: make_policy("fastest"), lambda: make_policy(RoutingPolicy.KV_AWARE, 0.5),
                  lambda: PrefillCostScorer(running_cost_tokens=-1.0), lambda: PrefillCostScorer(prefill_weight=0.5),
-                 lambda: PrefillCostScorer(sustained_cost_tokens=-1.0), lambda: BoundedLoadFilter(1.25, holder_factor=0.5)):
+                 lambda: PrefillCostScorer(sustained_cost_tokens=-1.0),
+                 lambda: BoundedLoadFilter(1.25, holder_factor=0.5)):
         with pytest.raises(ValueError):
             make()
 
@@ -156,7 +157,8 @@ def test_router_config_takes_the_cli_spelling_and_stores_the_member():
 def test_router_core_and_fronts_import_no_torch():
     import subprocess
     import sys
-    code = ("import sys, router.routing.core, router.workers.registry, router.fronts.grpc_front, router.fronts.openai.app, router.server, "
+    code = ("import sys, router.routing.core, router.workers.registry, router.fronts.grpc_front, "
+            "router.fronts.openai.app, router.server, "
             "router.routing.policy, router.routing.scorers; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -24,7 +24,8 @@ def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int, eos_ids: Seq
               ignore_eos: bool = False) -> list[int]:
     """HF `generate` greedy continuation; with ignore_eos it always runs max_new_tokens."""
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = hf_model.generate(torch.tensor([list(prompt)]),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=max_new_tokens, do_sample=False,
                                 min_new_tokens=max_new_tokens if ignore_eos else None,
                                 eos_token_id=list(eos_ids) or None, pad_token_id=(list(eos_ids) or [0])[0])

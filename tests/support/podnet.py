@@ -1,8 +1,9 @@
 """A pod network for process tests: the rendered chart run as local processes, one network
 namespace per pod.
 
-Network (`PodNet`, tests/support/podnet_ns.py): a "cluster" namespace holding a Linux bridge; one namespace per pod, joined
-to the bridge by a veth pair, with its own loopback and IP (10.77.S.N/24, S random per run);
+Network (`PodNet`, tests/support/podnet_ns.py): a "cluster" namespace holding a Linux bridge;
+one namespace per pod, joined to the bridge by a veth pair, with its own loopback and IP
+(10.77.S.N/24, S random per run);
 the test process (root namespace) reaches pods through one more veth into the bridge
 (10.77.S.254). Each pod namespace gets /etc/netns/<ns>/hosts, which `ip netns exec` mounts
 over /etc/hosts: it stands in for cluster DNS, mapping every name the manifests use (worker
@@ -263,8 +264,8 @@ class PodCluster:
     def tx_bytes(self, pod: str) -> int:
         """Bytes `pod` has sent on its eth0."""
         assert self.net is not None
-        return int(subprocess.run(["ip", "netns", "exec", self.net.ns[pod], "cat", "/sys/class/net/eth0/statistics/tx_bytes"],
-                                  capture_output=True, text=True, check=True, timeout=30).stdout)
+        argv = ["ip", "netns", "exec", self.net.ns[pod], "cat", "/sys/class/net/eth0/statistics/tx_bytes"]
+        return int(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout)
 
     def close(self) -> None:
         """SIGTERM every pod (SIGKILL after 20 s), then remove the network. Idempotent."""

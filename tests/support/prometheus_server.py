@@ -82,7 +82,8 @@ class Prometheus:
                 return got
             if time.monotonic() > deadline:
                 doc = self._get("/api/v1/targets")
-                health = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in doc["data"]["activeTargets"]] if doc else []
+                health = ([(t["scrapeUrl"], t["health"], t["lastError"]) for t in doc["data"]["activeTargets"]]
+                          if doc else [])
                 raise AssertionError(f"prometheus: {what} within {timeout_s} s (last: {got!r}); targets {health}; "
                                      f"log:\n{self.log.read_text()[-2000:]}")
             time.sleep(0.2)

@@ -35,7 +35,7 @@ def test_bad_requests_raise_and_engine_keeps_serving(tiny):
     # A long request is running while the bad ones arrive; it must be unaffected.
     rid = tiny.add_request(prompt_input([3] * 10, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
     tiny.step()
-    for name, (prompt, params) in bad.items():
+    for _, (prompt, params) in bad.items():
         with pytest.raises(InvalidRequest):
             tiny.add_request(prompt_input(prompt, params))
     outs = {}
@@ -104,7 +104,8 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_streaming_deltas_add_up_and_stop_strings(smol):
-    prompt = smol.apply_chat_template([{"role": "user", "content": "Write a short story about a cat who learns to fly."}])
+    prompt = smol.apply_chat_template(
+        [{"role": "user", "content": "Write a short story about a cat who learns to fly."}])
     params = SamplingParams(max_tokens=40, temperature=0.0)
     final = smol.generate(prompt, params)[0]
     text, ids = "", []

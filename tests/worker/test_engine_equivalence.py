@@ -1,4 +1,5 @@
-"""Greedy tokens of the engine equal HF transformers, on every cache path (docs/ARCHITECTURE.md, "The correctness bar")."""
+"""Greedy tokens of the engine equal HF transformers, on every cache path
+(docs/ARCHITECTURE.md, "The correctness bar")."""
 from __future__ import annotations
 
 import random

@@ -168,8 +168,8 @@ def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
         engine = Engine(EngineConfig(model=path, device=DEVICE.type, dtype="fp32", block_size=4, num_blocks=64,
                                      max_num_seqs=4, attention_backend="triton", enforce_eager=True))
         if padded:
-            engine.runner.cuda_graphs = CudaGraphRunner(engine.runner.model, engine.runner.kv_caches, 4, engine.max_model_len, 4,
-                                                 capture=False)
+            engine.runner.cuda_graphs = CudaGraphRunner(engine.runner.model, engine.runner.kv_caches, 4,
+                                                        engine.max_model_len, 4, capture=False)
         outs[padded] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs[True] == outs[False]
 

@@ -29,16 +29,28 @@ from contracts.sampling import is_int
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import ANONYMOUS, TENANT_KEY, authenticator_for
-from router.routing.core import Router
+from router.fronts.openai.body import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    STREAM_OPTIONS,
+    UNSUPPORTED,
+    HttpError,
+    Json,
+    bad_request,
+    chat_message,
+    http_error,
+    parse_sampling,
+    set_field,
+)
+from router.fronts.openai.choices import ChoiceSet, choice_options
 from router.fronts.openai.client_errors import CLIENT_ERRORS, ClientErrors
 from router.fronts.openai.guard import guard_middleware
-from router.fronts.openai.choices import ChoiceSet, choice_options
-from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.fronts.openai.utility_routes import add_utility_routes
-from router.fronts.openai.body import (CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS, UNSUPPORTED, HttpError, Json,
-                              bad_request, chat_message, http_error, parse_sampling, set_field)
 from router.fronts.openai.vllm_fields import FieldError, UnknownFieldLog, apply_vllm_fields
+from router.routing.core import Router
+from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
+from router.security.auth import ANONYMOUS, TENANT_KEY, authenticator_for
+
 
 class HttpFrontend:
     """The aiohttp app over one routing core; started and stopped by its RouterServer
@@ -73,7 +85,8 @@ class HttpFrontend:
     async def start(self, host: str, port: int) -> int:
         await self._runner.setup()
         tls = self.router.cfg.tls
-        await web.TCPSite(self._runner, host, port, ssl_context=tls.http_ssl_context() if tls.serves_tls else None).start()
+        ssl_context = tls.http_ssl_context() if tls.serves_tls else None
+        await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
         return int(self._runner.addresses[0][1])
 
     async def drain(self, grace: float | None) -> None:

@@ -4,6 +4,7 @@ sampling numbers and chat messages, and the one OpenAI-style error shape with it
 (`http_error`: the only place HTTP statuses are chosen)."""
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +12,8 @@ from typing import Any
 from contracts.requests import BadRequest
 from contracts.sampling import is_int, is_real
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.fronts.openai.vllm_fields import VLLM_FIELDS
+from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 
 Json = dict[str, Any]
 
@@ -87,7 +88,7 @@ def parse_sampling(body: Json, sp: pb.SamplingParams) -> None:
         if value is not None:
             if not is_int(value):
                 raise HttpError(400, f"{name}: must be an integer, got {value!r}", name)
-            set_field(lambda: setattr(sp, name, value), name)
+            set_field(functools.partial(setattr, sp, name, value), name)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop

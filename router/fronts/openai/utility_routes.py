@@ -27,9 +27,9 @@ from contracts.sampling import is_int
 from contracts.tokenizer import ModelTokenizer, TokenizerError
 from kvstore.events import Tier
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from router.security.auth import ANONYMOUS, TENANT_KEY
 from router.routing.core import Router
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded
+from router.security.auth import ANONYMOUS, TENANT_KEY
 
 log = logging.getLogger("kvmesh.router.http")
 

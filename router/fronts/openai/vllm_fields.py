@@ -8,6 +8,7 @@ is the same 400 through HTTP and gRPC. Type errors are caught here, naming the f
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -57,7 +58,7 @@ def apply_vllm_fields(body: Json, msg: pb.GenerateRequest) -> None:
         value = body.get(name)
         if value is not None:
             _check(name, value, is_int, "an integer")
-            _set(name, lambda: setattr(sp, name, value))
+            _set(name, functools.partial(setattr, sp, name, value))
     for name in _REAL_FIELDS:
         value = body.get(name)
         if value is not None:
