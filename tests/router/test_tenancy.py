@@ -1,4 +1,5 @@
-"""Tenant isolation of the prefix cache, Abort ownership and bounded requests, met the way clients meet them: the `openai` SDK on HTTP, grpcio on gRPC.
+"""Tenant isolation of the prefix cache, Abort ownership and bounded requests, met the way clients
+meet them: the `openai` SDK on HTTP, grpcio on gRPC.
 
 One real worker (SmolLM2, its gRPC idle timeout short) behind two routers on one loop: one
 with a keys file of four tenants (c and d configured with the same `salt=`), one open with
@@ -24,8 +25,7 @@ from contracts.grpc_options import grpc_server_options
 from contracts.requests import BadRequest, ChatMessage, GenerateInput
 from contracts.sampling import SamplingParams
 from kvstore.keys import block_hashes, cache_salt_root
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.security.auth import ANONYMOUS, ApiKey, TenantId, parse_keys_file
 from router.security.tenancy import TenantSalts, bound_max_tokens
