@@ -237,7 +237,8 @@ class EventConsumer:
     workers, and while any of them publishes, reads back to back would each return a handful of
     entries. Consecutive reads start at least `read_interval_s` apart (None: 20 µs per followed
     stream, at most 50 ms: 20 ms at 1,000 workers — `kvmesh bench scale` measures it; 0: back to
-    back), which bounds the per-read cost a second and adds at most that to the lag. One read
+    back; a read after one that filled some stream's COUNT does not wait: that stream has a
+    backlog), which bounds the per-read cost a second and adds at most that to the lag. One read
     returns at most about `max_entries_per_read` entries (COUNT per stream: that over the
     streams, at least 1, at most `count`): redis-py parses a whole reply within the socket
     timeout, and a reply of `count` entries from each of 1,000 streams (a backlog after a
@@ -260,6 +261,7 @@ class EventConsumer:
             raise ValueError(f"max_entries_per_read={max_entries_per_read!r} must be > 0")
         self._max_entries = max_entries_per_read
         self._read_at = 0.0
+        self._backlog = False       # the last read filled some stream's COUNT
         self._block_ms, self._count, self._max_backoff_s = block_ms, count, max_backoff_s
         self._r = client if client is not None else connect_async(config, block_ms / 1000)
         self._keys = config.keys
@@ -403,13 +405,14 @@ class EventConsumer:
         if interval is None:
             interval = min(0.05, 20e-6 * len(self._cursors))
         wait = self._read_at + interval - time.monotonic()
-        if wait > 0:
+        if wait > 0 and not self._backlog:
             await asyncio.sleep(wait)
         self._read_at = time.monotonic()
         by_key = {self._keys.events(w): w for w in self._cursors}
         streams: dict[KeyT, StreamIdT] = {k: self._cursors[w].last_id for k, w in by_key.items()}
         count = max(1, min(self._count, self._max_entries // len(streams)))
         reply = cast(XReadReply, await self._r.xread(streams, count=count, block=self._block_ms))
+        self._backlog = any(len(entries) >= count for _, entries in reply or ())
         resync: set[WorkerId] = set()
         applied = 0
         for key, entries in reply or ():
