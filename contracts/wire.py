@@ -17,8 +17,17 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError, Message
 
-from contracts.requests import (MAX_CACHE_SALT_CHARS, MAX_PAIR_KEY, MAX_SEND_BLOCKS, BadRequest, ChatMessage, GenerateInput,
-                               PeerHint, SendBlocksInput, TenantShare)
+from contracts.requests import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_PAIR_KEY,
+    MAX_SEND_BLOCKS,
+    BadRequest,
+    ChatMessage,
+    GenerateInput,
+    PeerHint,
+    SendBlocksInput,
+    TenantShare,
+)
 from contracts.sampling import SamplingParams, SamplingParamsError
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 

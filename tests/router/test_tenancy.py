@@ -116,6 +116,7 @@ def key_of(ten: Tenancy, tenant: str) -> ApiKey:
     return next(k for k in ten.keyed.cfg.api_keys if k.key == KEYS[tenant])
 
 
+@pytest.mark.server
 def test_tenants_do_not_see_each_others_prefix(ten: Tenancy) -> None:
     assert chat(ten, "a", "What is the signal code for fog?") == 0
     assert chat(ten, "a", "Who keeps the rota?") > 32           # A's own prefix hits
@@ -138,6 +139,7 @@ def test_tenants_do_not_see_each_others_prefix(ten: Tenancy) -> None:
         assert out[-1].finished and out[-1].cached_tokens > 32
 
 
+@pytest.mark.server
 def test_equal_explicit_salt_shares_across_tenants(ten: Tenancy) -> None:
     assert chat(ten, "a", "Which lamp is brightest?", cache_salt="guild-shared") == 0
     assert chat(ten, "b", "Which tower is oldest?", cache_salt="guild-shared") > 32
@@ -206,6 +208,7 @@ def test_max_tokens_limit_flag() -> None:
         RouterConfig(max_tokens_limit=0)
 
 
+@pytest.mark.server
 def test_abort_only_own_tenant(ten: Tenancy) -> None:
     auth = {t: (("authorization", f"Bearer {k}"),) for t, k in KEYS.items()}
     req = pb.GenerateRequest(request_id="tenancy-abort-1", text="Count to a thousand:",
@@ -222,6 +225,7 @@ def test_abort_only_own_tenant(ten: Tenancy) -> None:
         assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORT and last.completion_tokens < 2000
 
 
+@pytest.mark.server
 def test_max_tokens_beyond_context(ten: Tenancy) -> None:
     info = ten.keyed.core.model_info
     assert info is not None
@@ -241,6 +245,7 @@ def test_max_tokens_beyond_context(ten: Tenancy) -> None:
             assert "max_tokens" in (g.value.details() or "") and "maximum context length" in (g.value.details() or "")
 
 
+@pytest.mark.server
 def test_max_tokens_limit_default_and_cap(ten: Tenancy) -> None:
     client = sdk(ten.limited_http)
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Tell a long story."}],
@@ -311,6 +316,7 @@ def _goes_idle_and_reconnects(port: int, call: Callable[[grpc.Channel], object])
         call(ch)
 
 
+@pytest.mark.server
 def test_grpc_idle_connections_are_closed(ten: Tenancy, idle_worker: int) -> None:
     metadata = (("authorization", f"Bearer {KEYS['a']}"),)
     _goes_idle_and_reconnects(ten.limited_grpc, lambda ch: pb_grpc.RouterStub(ch).GetModelInfo(

@@ -150,6 +150,7 @@ async def _until(predicate: Any, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.server
 def test_not_ready_until_a_worker_sent_its_tokenizer_then_serves(cache_in_tmp: Path) -> None:
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -205,6 +206,7 @@ def test_not_ready_until_a_worker_sent_its_tokenizer_then_serves(cache_in_tmp: P
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_cached_files_are_reused_after_their_digest_is_checked(cache_in_tmp: Path) -> None:
     async def start_and_stop(worker: FakeWorker) -> None:
         router = RouterServer(_cfg(worker, http_port=None))
@@ -231,6 +233,7 @@ def test_cached_files_are_reused_after_their_digest_is_checked(cache_in_tmp: Pat
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_workers_with_bad_files_or_another_tokenizer_are_refused(caplog: pytest.LogCaptureFixture) -> None:
     async def run() -> None:
         files = tiny_tokenizer_files()
@@ -259,6 +262,7 @@ def test_workers_with_bad_files_or_another_tokenizer_are_refused(caplog: pytest.
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_a_worker_without_the_digest_is_refused_when_the_router_needs_it() -> None:
     async def run() -> None:
         old = FakeWorker("old", sha256="")
@@ -272,6 +276,7 @@ def test_a_worker_without_the_digest_is_refused_when_the_router_needs_it() -> No
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_an_unwritable_cache_keeps_the_router_not_ready_and_says_why(
         cache_in_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache_in_tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -294,6 +299,7 @@ def test_an_unwritable_cache_keeps_the_router_not_ready_and_says_why(
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_probes_need_no_api_key_and_are_in_the_openapi_document() -> None:
     from router.security.auth import ApiKey
 
@@ -318,6 +324,7 @@ def test_probes_need_no_api_key_and_are_in_the_openapi_document() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_a_roll_to_another_model_completes_once_no_old_worker_is_ready(cache_in_tmp: Path) -> None:
     """The router has no model of its own: when the last worker of the old model stops being
     ready, the next ready worker sets the model (and the tokenizer) again; workers refused for
@@ -352,6 +359,7 @@ def test_a_roll_to_another_model_completes_once_no_old_worker_is_ready(cache_in_
     asyncio.run(run())
 
 
+@pytest.mark.server
 def test_a_stream_cut_on_the_only_worker_resumes_after_the_model_was_forgotten() -> None:
     """Its only worker lost mid-stream, the router forgets the model (no worker is ready); the
     request still moves on, with the model it was prepared for, once the worker is back."""
