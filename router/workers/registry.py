@@ -30,6 +30,7 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.security.attest import Admitter, Verdict, worker_channel
 from router.config import RouterConfig
 from router.index.blocks import BlockIndex
+from router.index.compact import CompactBlockIndex
 from router.index.gate import GatedIndex
 from router.routing.types import WorkerId, WorkerInfo, WorkerLoad
 
@@ -75,7 +76,8 @@ class WorkerRegistry:
     def __init__(self, cfg: RouterConfig, on_ready: Callable[[bool], Awaitable[None]]) -> None:
         self.cfg = cfg
         # The block index; the Redis event streams feed it (with no metadata Redis it stays empty).
-        self.index = BlockIndex(fed=cfg.redis_url is not None)
+        # (the compact holder table: ~120 bytes per (block, worker) entry, `kvmesh bench scale`)
+        self.index: BlockIndex = CompactBlockIndex(fed=cfg.redis_url is not None)
         self.model_info: pb.ModelInfo | None = None  # what the ready workers serve
         self.consumer: EventConsumer | None = None
         self.gate: GatedIndex | None = None          # the consumer's sink over `index`
