@@ -27,12 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.metadata.registry import MetadataError, RedisConfig, redis_errors
 from kvstore.metadata.streams import EventConsumer
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
-from router.security.attest import Admitter, Verdict, worker_channel
 from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.index.compact import CompactBlockIndex
 from router.index.gate import GatedIndex
 from router.routing.types import WorkerId, WorkerInfo, WorkerLoad
+from router.security.attest import Admitter, Verdict, worker_channel
 
 log = logging.getLogger("kvmesh.router")
 
@@ -224,12 +224,6 @@ class WorkerRegistry:
     def _rejoin_index(self, worker_id: WorkerId) -> None:
         """`worker_id` serves again: let its events in and ask for its inventory."""
         if self.gate is not None and self.consumer is not None and self.gate.reopen(worker_id):
-            self._spawn(self._request_inventory(self.consumer, worker_id))
-
-    def request_inventory(self, worker_id: WorkerId) -> None:
-        """Ask `worker_id` for a full inventory of its blocks (the router found its index entries
-        stale, router/routing/predictions.py); nothing without a metadata Redis."""
-        if self.consumer is not None:
             self._spawn(self._request_inventory(self.consumer, worker_id))
 
     def request_inventory(self, worker_id: WorkerId) -> None:
