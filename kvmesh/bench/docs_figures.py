@@ -35,6 +35,8 @@ BENCHES: dict[str, str] = {
     "before any fault",
     "tenants": "alpha's short shared prompt every 0.3 s while beta floods long distinct prompts, on a 2-worker "
     "`kvmesh serve --api-keys-file`, with fair share and KV caps vs without, each vs alpha alone in the same run",
+    "scale": "N synthetic workers publishing real registry records and KV event streams to a real Redis, the "
+    "router's real consumer, block index and policy in one process; the legacy index in the same run",
 }
 
 
@@ -60,6 +62,7 @@ def bench_of(meta: dict[str, Any], result: dict[str, Any]) -> str:
         ("service", {"router_2_workers"}),
         ("chaos", {"outputs_equal_frac"}),
         ("tenants", {"fair", "unfair"}),
+        ("scale", {"runs", "bottleneck"}),
     ):
         if need <= keys:
             return bench

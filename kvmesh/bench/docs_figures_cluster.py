@@ -142,10 +142,30 @@ def _tenants(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     return "alpha alone on the same cluster; the unfair cluster for throughput", out
 
 
+def _scale(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    legacy = {run.get("workers"): run for run in (r.get("baseline") or {}).get("legacy", [])}
+    out = []
+    for run in r.get("runs", []):
+        n, old = run.get("workers"), legacy.get(run.get("workers"), {})
+        out.append(Figure(f"{n} workers ({_g(run.get('blocks'))} blocks): decision p50 / p99",
+                          f"{_g(run.get('decision_p50_ms'))} / {_g(run.get('decision_p99_ms'))} ms",
+                          f"{_g(old.get('decision_p99_ms'))} ms p99 (legacy index)", "target p99 <= 2 ms"))
+        out.append(Figure(f"{n} workers: event lag p99; index bytes per (block, worker) entry",
+                          f"{_g(run.get('event_lag_p99_ms'))} ms; {_g(run.get('index_bytes_per_entry'))} B",
+                          f"{_g(old.get('index_bytes_per_entry'))} B (legacy index)",
+                          _x(_ratio(run.get("index_bytes_per_entry"), old.get("index_bytes_per_entry")))))
+        out.append(Figure(f"{n} workers: events/s per router core; Redis CPU, memory",
+                          f"{_g(run.get('events_per_s_per_core'))}; {_g(run.get('redis_cpu_frac'))}, "
+                          f"{_g((_num(run.get('redis_mem_bytes')) or 0) / 2**20)} MiB", "", ""))
+    out.append(Figure(f"first bottleneck: {r.get('bottleneck', '—')}", "", "", ""))
+    return "the same run with the legacy (dict-per-block) index", out
+
+
 CLUSTER_EXTRACT: dict[str, Extract] = {
     "router": _router,
     "service": _service,
     "routing-live": _routing_live,
     "chaos": _chaos,
     "tenants": _tenants,
+    "scale": _scale,
 }
