@@ -63,14 +63,14 @@ def test_scales_find_lopsided_channels_and_cut_int4_error(tiny_model_dir, tmp_pa
     _lopsided_keys(tiny_model_dir("llama-gqa"), path, 64.0, (3, 11), q_gain=8.0)
     ref = engine(path, "fp32").logits(IDS)
     scaled, plain = engine(path, "int4"), engine(path, "int4", kv_calibration=False)
-    scales = scaled.model.key_scales
+    scales = scaled.runner.model.key_scales
     assert scales is not None and plain.runner.model.key_scales is None
     # s ~ (E q^2 / E k^2)^(1/4): channels 64x larger in k and 64x smaller in q get ~1/64 of
     # the others (powers of two; the others sit around 1)
     log2 = scales.log2()
     others = [c for c in range(16) if c not in (3, 11)]
     assert (log2[..., [3, 11]] - log2[..., others].median(-1, keepdim=True).values <= -3).all()
-    scaled.model.set_key_scales(scales)         # the scales alone, no shift
+    scaled.runner.model.set_key_scales(scales)         # the scales alone, no shift
     err_scaled = (scaled.logits(IDS) - ref).abs().mean()
     err_plain = (plain.logits(IDS) - ref).abs().mean()
     # measured 0.52 (what is left is mostly the values' int4 error, which scales do not touch)
@@ -169,8 +169,8 @@ def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) 
     second = engine(path, "int4")
     assert len(measured) == 1, "the second start measured again"
     assert second.salt == first.salt
-    assert torch.equal(second.model.key_scales, first.model.key_scales)
-    assert torch.equal(second.model.key_shift, first.model.key_shift)
+    assert torch.equal(second.runner.model.key_scales, first.runner.model.key_scales)
+    assert torch.equal(second.runner.model.key_shift, first.runner.model.key_shift)
     prompt = [5, 9, 200, 31, 7, 66, 1, 42]
     assert torch.equal(second.logits(prompt), first.logits(prompt))
 
@@ -190,8 +190,8 @@ def test_calibration_cache(tiny_model_dir, tmp_path: Path, monkeypatch, caplog) 
     assert len(measured) == 3 and fourth.salt != first.salt
     assert len(list((tmp_path / "cal").glob("*.pt"))) == 2
     toks = calibration_tokens(None, 256, 512)
-    assert (calibration.calibration_cache_key(fourth.model, path, toks, 16)
-            != calibration.calibration_cache_key(fourth.model, path, toks[:-1], 16))
+    assert (calibration.calibration_cache_key(fourth.runner.model, path, toks, 16)
+            != calibration.calibration_cache_key(fourth.runner.model, path, toks[:-1], 16))
 
 
 def cached_digest(eng: Engine) -> str:
