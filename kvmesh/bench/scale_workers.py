@@ -1,7 +1,7 @@
 """The synthetic worker fleet of `kvmesh bench scale`: N workers in one child process, each
 publishing what a real worker publishes (worker/server/metadata_hook.py) through the real
 classes — its `WorkerRecord` via `WorkerRegistry.register` and heartbeats, its KV events via an
-`EventPublisher` (kvstore/metadata/streams.py: `BlockStored`/`BlockRemoved` pool events →
+`EventPublisher` (kvstore/metadata/publisher.py: `BlockStored`/`BlockRemoved` pool events →
 `from_pool_events` → one MULTI/EXEC of XADDs per publish), its inventory when the router asks
 (`poll`: GETDEL of its resync key) — with no model and no gRPC server behind them.
 
@@ -34,8 +34,8 @@ from queue import Empty, SimpleQueue
 from kvmesh.bench.sim import SimConfig, make_trace
 from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
+from kvstore.metadata.publisher import EventPublisher
 from kvstore.metadata.registry import MetadataError, RedisConfig, WorkerRecord, WorkerRegistry, connect
-from kvstore.metadata.streams import EventPublisher
 from kvstore.pool import BlockId, BlockRemoved, BlockStored, KVEvent
 
 TICK_S = 0.05

@@ -31,6 +31,7 @@ from kvstore.events import (
     inventory_events,
 )
 from kvstore.keys import BlockHash, HashSalt, block_hashes
+from kvstore.metadata.publisher import EventPublisher
 from kvstore.metadata.registry import (
     Heartbeater,
     MetadataError,
@@ -40,7 +41,7 @@ from kvstore.metadata.registry import (
     WorkerRegistry,
     parse_redis_url,
 )
-from kvstore.metadata.streams import EventConsumer, EventPublisher
+from kvstore.metadata.streams import EventConsumer
 from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, BlockStored
 from router.index.blocks import BlockIndex
 from tests.support.redis_server import RedisServer

@@ -21,8 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from contracts.tokenizer import tokenizer_files_digest
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
+from kvstore.metadata.publisher import EventPublisher
 from kvstore.metadata.registry import RedisConfig, WorkerRecord, WorkerRegistry
-from kvstore.metadata.streams import EventPublisher
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
 WORKER = "kvmesh.v1.Worker"

@@ -13,8 +13,9 @@ import pytest
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, from_pool_events
 from kvstore.keys import BlockHash, HashSalt, block_hashes
+from kvstore.metadata.publisher import EventPublisher
 from kvstore.metadata.registry import RedisConfig
-from kvstore.metadata.streams import EventConsumer, EventPublisher
+from kvstore.metadata.streams import EventConsumer
 from kvstore.pool import BlockPool
 from router.index.blocks import BlockIndex
 from tests.support.redis_server import RedisServer

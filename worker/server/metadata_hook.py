@@ -22,7 +22,7 @@ from kvstore.events import EventType, Tier, WireEvent, WorkerId as EventWorkerId
 from kvstore.keys import BlockHash
 
 if TYPE_CHECKING:
-    from kvstore.metadata.streams import EventPublisher
+    from kvstore.metadata.publisher import EventPublisher
     from worker.engine.engine import Engine
 
 log = logging.getLogger("kvmesh.worker")
@@ -125,8 +125,8 @@ class WorkerMetadata:
     POLL_INTERVAL_S = 0.05
 
     def __init__(self, cfg: MetadataConfig, address: str, engine: Engine) -> None:
+        from kvstore.metadata.publisher import EventPublisher
         from kvstore.metadata.registry import Heartbeater, RedisConfig, WorkerRecord, WorkerRegistry
-        from kvstore.metadata.streams import EventPublisher
 
         assert cfg.redis_url is not None
         rcfg = RedisConfig(url=cfg.redis_url, cluster_name=cfg.cluster_name)
