@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 ASK_HALF_LIFE = 4.0        # pool-fulls of routed prompt blocks; chosen by the sweep (module docstring)
-_REBASE_HALF_LIVES = 256.0
+# Base-relative weights stay within 2^_REBASE_HALF_LIVES so the running sums keep every block's
+# part (float64 carries 53 bits: a wider range would lose a small weight beside a large one).
+_REBASE_HALF_LIVES = 20.0
 
 
 class Ask(NamedTuple):

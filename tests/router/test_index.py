@@ -260,3 +260,18 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
+
+
+def test_a_held_blocks_evidence_survives_a_far_newer_ask_being_dropped() -> None:
+    """Weights one pool-full apart at half-life 0.01 differ by 2^100: the running sums keep both
+    (the base moves before they span more than float64 holds), so dropping the newer block
+    leaves the older one's part, as a recount from the blocks says."""
+    index = BlockIndex(ask_half_life=0.01)
+    a = WorkerId("a")
+    for event in inventory_events({Tier.DEVICE: [BlockHash(4097)], Tier.HOST: [BlockHash(4096)]}):
+        index.apply(a, event)
+    index.set_capacity(1)
+    index.add_pending("r0", a, [BlockHash(4096)], expires_at=0.0)
+    index.add_pending("r1", a, [BlockHash(4097)], expires_at=1.0)
+    index.apply(a, WireEvent(EventType.CLEARED, tier=Tier.DEVICE))
+    index.check_integrity()
