@@ -319,7 +319,7 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, 
 @pytest.mark.server
 def test_rogue_send_blocks_breaks_one_pair_and_the_next_fetch_forms_a_new_one(tiny_model_dir: Any,
                                                                               two_workers: Any) -> None:
-    """The attack of issue 17: SendBlocks for 8 blocks A holds with nobody to receive them —
+    """A rogue sender: SendBlocks for 8 blocks A holds with nobody to receive them —
     on B's live pair with A (its key read from B: the worst case), and on a new key at B's
     store that B never joins. A's sends time out; only that pair breaks; B's next hinted
     fetch finds its pair unknown, forms a new one and gets every block."""
