@@ -61,6 +61,7 @@ class RouterConfig:
     max_tokens_limit: int | None = None     # --max-tokens-limit: default and cap of max_tokens; None = the context
     grpc_idle_timeout_s: float = 300.0      # a gRPC connection with no call is closed after this
     migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
+    share_pending: bool = False             # replicas: share pending blocks through Redis (router/routing/replicas.py)
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
     metrics_tenant_names: bool = False      # an open /metrics shows tenant names (default: opaque ids)

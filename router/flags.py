@@ -56,6 +56,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=_DEFAULTS["migration_limit"],
                    help="re-submit a request to another worker at most N times when its worker dies or "
                         "becomes unreachable mid-stream; the client's stream continues (0 = off)")
+    p.add_argument("--share-pending", action="store_true", default=_DEFAULTS["share_pending"],
+                   help="for router replicas behind one Service: share each request's pending blocks with the "
+                        "other routers through Redis, so that all predict as one (docs/operations.md)")
     add_auth_arguments(p)
     add_limit_arguments(p)
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from contracts.logs import configure_logging
 from contracts.models import ModelLocateError, ModelNotPrepared, find_model_dir
 from contracts.tokenizer import ModelTokenizer, TokenizerError
+from kvstore.metadata.registry import RedisConfig
 from router.config import RouterConfig, TokenizerSource
 from router.flags import router_config_from_args
 from router.fronts.grpc_front import GrpcFront
@@ -32,6 +33,7 @@ from router.fronts.openai.vllm_fields import generation_default_temperature
 from router.observe.metrics import RouterMetrics
 from router.routing.core import Router
 from router.routing.errors import RouterStartError
+from router.routing.replicas import SharedPending
 from router.security.auth import warn_if_open
 from router.workers.registry import WorkerRegistry
 from router.workers.tokenizer import LoadedTokenizer, WorkerTokenizer, resolve_tokenizer_source
@@ -54,6 +56,7 @@ class RouterServer:
         self._grpc = GrpcFront(self.core)
         self._http: HttpFrontend | None = None
         self._stopped = False
+        self.shared: SharedPending | None = None     # --share-pending (router/routing/replicas.py)
         self.tokenizer_source = resolve_tokenizer_source(cfg.tokenizer_source, cfg.model)
         self._fetch: WorkerTokenizer | None = None
         self._tokenizer_ready = asyncio.Event()
@@ -90,6 +93,10 @@ class RouterServer:
             errors = await self.registry.start()
             if errors:
                 raise RouterStartError("; ".join(errors), "worker_addresses")
+            if self.cfg.share_pending and self.cfg.redis_url is not None:
+                self.shared = SharedPending(RedisConfig(url=self.cfg.redis_url, cluster_name=self.cfg.cluster_name),
+                                            self.core.prefills, self.registry.index)
+                self.shared.start()
         except BaseException:
             await self.stop(0)
             raise
@@ -118,6 +125,8 @@ class RouterServer:
             await self._http.stop(0)
         if self._fetch is not None:
             await self._fetch.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         await self.registry.stop()
 
     def set_workers(self, addresses: Iterable[str]) -> None:

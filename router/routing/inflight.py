@@ -15,6 +15,11 @@ could not be evicted, however late the events come when the machine is loaded). 
 attempts averaged over the last `load_window_s` (an exponentially weighted time average), the
 long-run imbalance that the instantaneous count hides. The policy reads `queued_tokens` and
 `mean_in_flight` through `RoutingState`. On the router's loop only; torch-free.
+
+Router replicas (router/routing/replicas.py): a `listener` hears each of this router's own
+attempts (`sent`, `prefilled`, `done`), and `joined` enters another router's attempt, which
+then counts here as this router's own do (pending blocks, queue, sustained load, a leader to
+wait for) until its `prefilled` and `done` come.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from router.index.blocks import BlockIndex
 from router.routing.types import RouteRequest, WorkerId
@@ -50,6 +55,16 @@ class _Queued(NamedTuple):
     started: asyncio.Event          # set at the first response, or when the attempt ends
 
 
+class PrefillListener(Protocol):
+    """Hears this router's own attempts (not those entered by `joined`)."""
+
+    def sent(self, request_id: str, worker_id: WorkerId, route: RouteRequest, queued_tokens: int) -> None: ...
+
+    def prefilled(self, request_id: str) -> None: ...
+
+    def done(self, request_id: str, streamed: bool) -> None: ...
+
+
 class InFlightPrefills:
     """See the module docstring. The `index` of every call is the router's block index (one
     that is not `fed` records no pending blocks: then only the queue is tracked)."""
@@ -65,6 +80,8 @@ class InFlightPrefills:
         self._mean_at = clock()
         self.waits = 0                              # requests held for another's prefill
         self.wait_s = 0.0
+        self.listener: PrefillListener | None = None
+        self._joined: set[str] = set()              # request ids of other routers' attempts
 
     def dispatched(self, index: BlockIndex, request_id: str, worker_id: WorkerId, route: RouteRequest,
                    predicted_tokens: int, resubmitted: bool = False) -> None:
@@ -78,8 +95,21 @@ class InFlightPrefills:
         self._leaders[request_id] = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
         index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
                           resubmitted)
-        self._queued[request_id] = _Queued(worker_id, max(0, len(route.token_ids) - predicted_tokens),
-                                           asyncio.Event())
+        queued = max(0, len(route.token_ids) - predicted_tokens)
+        self._queued[request_id] = _Queued(worker_id, queued, asyncio.Event())
+        if self.listener is not None:
+            self.listener.sent(request_id, worker_id, route, queued)
+
+    def joined(self, index: BlockIndex, request_id: str, worker_id: WorkerId, route: RouteRequest,
+               queued_tokens: int) -> None:
+        """Another router sent `request_id` (an id unique across routers) to `worker_id`, which
+        computes `queued_tokens` of its prompt: counted as if this router had sent it."""
+        self.done(index, request_id, streamed=False)
+        self._joined.add(request_id)
+        self._count(worker_id, +1)
+        self._attempts[request_id] = worker_id
+        index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s)
+        self._queued[request_id] = _Queued(worker_id, max(0, queued_tokens), asyncio.Event())
 
     async def wait_for_leaders(self, request_id: str, timeout_s: float) -> None:
         """Until every request computing this one's prefix on its worker has started
@@ -104,6 +134,8 @@ class InFlightPrefills:
         self._leaders.pop(request_id, None)
         if q is not None:
             q.started.set()
+        if self.listener is not None and request_id not in self._joined:
+            self.listener.prefilled(request_id)
 
     def done(self, index: BlockIndex, request_id: str, streamed: bool) -> None:
         """The attempt ended; one that never streamed (failed, aborted) drops its prediction,
@@ -115,6 +147,9 @@ class InFlightPrefills:
         worker_id = self._attempts.pop(request_id, None)
         if worker_id is not None:
             self._count(worker_id, -1)
+            if self.listener is not None and request_id not in self._joined:
+                self.listener.done(request_id, streamed)
+        self._joined.discard(request_id)
         if streamed:
             index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
         else:
