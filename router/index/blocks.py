@@ -41,9 +41,9 @@ from typing import NamedTuple
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
 from router.index.asks import ASK_HALF_LIFE, Ask, Decay, Tally
+from router.index.check import ALL_TIERS, Pending, check_holders, check_pending
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
-_ALL_TIERS = (1 << len(Tier)) - 1
 _DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
 
 
@@ -55,14 +55,6 @@ class IndexStats(NamedTuple):
     num_workers: int
     events_applied: int
     num_pending: int = 0      # (hash, worker) pairs predicted and not yet confirmed
-
-
-class _Pending(NamedTuple):
-    """One request's prediction: the blocks it computes on `worker_id`, until `expires_at`."""
-
-    worker_id: WorkerId
-    hashes: tuple[BlockHash, ...]
-    expires_at: float
 
 
 def _tiers(mask: int) -> frozenset[Tier]:
@@ -84,7 +76,7 @@ class BlockIndex:
         self.num_stale_events = 0
         self._applied = 0
         self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
-        self._requests: dict[str, _Pending] = {}
+        self._requests: dict[str, Pending] = {}
         self._requests_on: dict[WorkerId, int] = {}   # records in `_requests` per worker (none: no pending)
         self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
         self._asked: dict[BlockHash, Ask] = {}
@@ -147,16 +139,16 @@ class BlockIndex:
         """`worker_id` evidently no longer holds `hashes` in any tier (it served less than they
         promised, router/routing/predictions.py): drop those entries; its events or an
         inventory bring back what it does hold."""
-        self._drop(worker_id, hashes, _ALL_TIERS)
+        self._drop(worker_id, hashes, ALL_TIERS)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Forget every block of `worker_id`; it stays known (with no blocks)."""
-        self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
+        self._drop(worker_id, self._by_worker.get(worker_id, ()), ALL_TIERS)
         self._by_worker[worker_id] = set()
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """Forget `worker_id` altogether (it left routing), with its pending blocks."""
-        self._drop(worker_id, self._by_worker.get(worker_id, ()), _ALL_TIERS)
+        self._drop(worker_id, self._by_worker.get(worker_id, ()), ALL_TIERS)
         self._by_worker.pop(worker_id, None)
         self._held_asks.pop(worker_id, None)
         for rid in [r for r, p in self._requests.items() if p.worker_id == worker_id]:
@@ -181,7 +173,7 @@ class BlockIndex:
         todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
         if not retry:
             self._count_asks(hashes, resubmitted)
-        self._requests[request_id] = _Pending(worker_id, todo, expires_at)
+        self._requests[request_id] = Pending(worker_id, todo, expires_at)
         self._requests_on[worker_id] = self._requests_on.get(worker_id, 0) + 1
         for h in todo:
             self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
@@ -336,7 +328,7 @@ class BlockIndex:
         num_matched = 0
         no_pending: dict[WorkerId, set[str]] = {}
         for h in block_hashes:
-            holders = self._blocks.get(h, {})
+            holders = self._holders(h)
             computing = self._pending.get(h, no_pending) if pending else no_pending
             if not holders and not computing:
                 break
@@ -353,11 +345,11 @@ class BlockIndex:
 
     def locate(self, block_hash: BlockHash) -> dict[WorkerId, frozenset[Tier]]:
         """The workers holding `block_hash`, each with the tiers it holds it in."""
-        return {w: _tiers(mask) for w, mask in self._blocks.get(block_hash, {}).items()}
+        return {w: _tiers(mask) for w, mask in self._masks(block_hash).items()}
 
     def holdings(self, worker_id: WorkerId) -> dict[BlockHash, frozenset[Tier]]:
         """Everything the index believes `worker_id` holds (a copy)."""
-        return {h: _tiers(self._blocks[h][worker_id]) for h in self._by_worker.get(worker_id, ())}
+        return {h: _tiers(self._masks(h)[worker_id]) for h in self._by_worker.get(worker_id, ())}
 
     def workers(self) -> list[WorkerId]:
         """Known workers, sorted (including those with no blocks)."""
@@ -369,39 +361,22 @@ class BlockIndex:
 
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
-        num_entries = 0
-        for h, w, mask in self._entries():
-            assert 0 < mask <= _ALL_TIERS, f"block {h:032x} on {w} has tier mask {mask}"
-            assert h in self._by_worker.get(w, ()), \
-                f"block {h:032x} lists {w} but {w}'s set lacks it"
-            num_entries += 1
-        for w, held in self._by_worker.items():
-            for h in held:
-                assert w in self._holders(h), f"{w}'s set has {h:032x} but the map does not"
-        by_worker = sum(len(held) for held in self._by_worker.values())
-        assert num_entries == by_worker, f"{num_entries} map entries != {by_worker} in worker sets"
+        check_holders(self._entries(), self._by_worker, self._holders)
         held_asks, any_asks = self._recount()
         for w, tally in held_asks.items():
             self._held_asks.get(w, Tally()).check(tally, w)
         self._any_asks.check(any_asks, "the distinct blocks")
         for h in self._asked:
             assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
-        on: dict[WorkerId, int] = {}
-        for record in self._requests.values():
-            on[record.worker_id] = on.get(record.worker_id, 0) + 1
-        assert on == self._requests_on, f"requests per worker {self._requests_on} != {on} recorded"
-        for h, computing in self._pending.items():
-            for w, rids in computing.items():
-                assert rids, f"pending block {h:032x} on {w} has no request"
-                assert w not in self._holders(h), f"block {h:032x} is both stored and pending on {w}"
-                for rid in rids:
-                    p = self._requests.get(rid)
-                    assert p is not None and p.worker_id == w and h in p.hashes, \
-                        f"pending block {h:032x} on {w} names {rid}, which does not predict it"
+        check_pending(self._pending, self._requests, self._requests_on, self._holders)
 
     def _holders(self, h: BlockHash) -> Collection[WorkerId]:
         """The workers holding `h` in any tier (the storage's own view: do not mutate)."""
         return self._blocks.get(h, ())
+
+    def _masks(self, h: BlockHash) -> dict[WorkerId, int]:
+        """{worker: tier mask} of the workers holding `h` (the storage's own view: do not mutate)."""
+        return self._blocks.get(h, {})
 
     def _entries(self) -> Iterator[tuple[BlockHash, WorkerId, int]]:
         """Every (block, worker, tier mask) entry of the map."""

@@ -15,7 +15,7 @@ thread-safe, like the base class.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator
 
 from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
@@ -89,34 +89,6 @@ class CompactBlockIndex(BlockIndex):
         if slot is not None:          # no packed value names it any more: its blocks are gone
             self._slot_ids[slot] = None
             self._free_slots.append(slot)
-
-    def match_prefix(self, block_hashes: Sequence[BlockHash],
-                     workers: Iterable[WorkerId] | None = None, *, pending: bool = True) -> dict[WorkerId, int]:
-        counts: dict[WorkerId, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
-        matching = set(counts)
-        num_matched = 0
-        no_pending: dict[WorkerId, set[str]] = {}
-        for h in block_hashes:
-            holders = self._holders(h)
-            computing = self._pending.get(h, no_pending) if pending else no_pending
-            if not holders and not computing:
-                break
-            missing = [w for w in matching if w not in holders and w not in computing]
-            for w in missing:
-                counts[w] = num_matched
-                matching.discard(w)
-            if not matching:
-                break
-            num_matched += 1
-        for w in matching:
-            counts[w] = num_matched
-        return counts
-
-    def locate(self, block_hash: BlockHash) -> dict[WorkerId, frozenset[Tier]]:
-        return {w: _tiers(mask) for w, mask in self._masks(block_hash).items()}
-
-    def holdings(self, worker_id: WorkerId) -> dict[BlockHash, frozenset[Tier]]:
-        return {h: _tiers(self._masks(h)[worker_id]) for h in self._by_worker.get(worker_id, ())}
 
     def _masks(self, h: BlockHash) -> dict[WorkerId, int]:
         v = self._blocks.get(h)

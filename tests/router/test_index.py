@@ -1,4 +1,4 @@
-"""BlockIndex: examples, then a hypothesis state machine against a dict model."""
+"""BlockIndex: examples, then a hypothesis state machine against a dict model (for both storages)."""
 from __future__ import annotations
 
 import subprocess
@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, inventory_events
 from kvstore.keys import BlockHash
 from router.index.blocks import BlockIndex, IndexStats
+from router.index.compact import CompactBlockIndex
 
 H = [BlockHash(0x1000 + i) for i in range(8)]
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
@@ -260,6 +261,19 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
+
+
+class CompactIndexMachine(IndexMachine):
+    """The same model against `CompactBlockIndex` (the registry's index): one-holder blocks packed
+    into ints, turning back into dicts and ints as holders come and go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = CompactBlockIndex(ask_half_life=0.01)
+
+
+CompactIndexMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
+TestCompactIndexMachine = CompactIndexMachine.TestCase
 
 
 def test_a_held_blocks_evidence_survives_a_far_newer_ask_being_dropped() -> None:
