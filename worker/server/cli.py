@@ -23,6 +23,7 @@ from contracts.logs import add_log_format_argument, configure_logging
 from contracts.tls import tls_from_args
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.model.config import ModelLoadError
+from worker.server.affinity import parse_cpu_list, pin_process
 from worker.server.service import WorkerServer, WorkerServerConfig
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "loop has made no progress for this long")
     g.add_argument("--max-step-failures", type=int, default=3,
                    help="not live once this many engine steps in a row raised")
+    g.add_argument("--cpu-affinity", default=None, metavar="CPUS",
+                   help="pin the worker to these CPUs (e.g. 0 or 0-1,3) before its engine starts; the engine "
+                        "then runs one thread per CPU unless --threads is set")
     add_cluster_auth_arguments(p, "worker",
                                "the secret shared with the router and peers: every Worker RPC then needs it")
     add_log_format_argument(g)
@@ -96,6 +100,14 @@ def metrics_port_for(port: int, metrics_port: int | None) -> int | None:
 def run_worker(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then drain. Prints one line to stdout once serving:
     `kvmesh worker <id> serving on <host>:<port>`; logs go to stderr."""
+    if args.cpu_affinity is not None:   # before torch starts its threads: they inherit the mask
+        try:
+            cpus = parse_cpu_list(args.cpu_affinity)
+            pin_process(cpus)
+        except ValueError as e:
+            raise CLIError(flagify(str(e))) from None
+        if not args.threads:
+            args.threads = len(cpus)
     engine_cfg = engine_config_from_args(args)
     try:
         peer = peer_flags(args, os.environ)
