@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from contracts.cli import CLIError
 from kvmesh import client, plan
 from kvmesh.bench import (
     chaos as bench_chaos,
+    disagg as bench_disagg,
     docs as bench_docs,
     engine as bench,
     routing as router_bench,
@@ -26,65 +28,45 @@ from worker import cli as wcli
 from worker.server import cli as server_cli
 
 
-def _plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="KV-cache capacity planner (the primer's formula)")
-    plan.add_arguments(p)
-    p.set_defaults(run=plan.main)
+class _Command(NamedTuple):
+    """One subcommand: its name, help line, the function adding its flags and the one running it."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int | None]
 
 
-def _generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with one local engine")
-    wcli.add_generate_arguments(p)
-    p.set_defaults(run=wcli.run_generate)
+COMMANDS: tuple[_Command, ...] = (
+    _Command("plan", "KV-cache capacity planner (the primer's formula)", plan.add_arguments, plan.main),
+    _Command("generate", "generate text with one local engine", wcli.add_generate_arguments, wcli.run_generate),
+    _Command("worker", "serve one engine over gRPC (kvmesh.v1.Worker) until SIGTERM",
+             server_cli.add_worker_arguments, server_cli.run_worker),
+    _Command("router", "serve the router: gRPC + OpenAI HTTP in front of workers",
+             router_flags.add_router_arguments, server.run_router),
+    _Command("client", "gRPC client of a router or worker", client.add_client_arguments, client.run_client),
+    _Command("serve", "run redis, N workers and a router as local processes (the embedded default)",
+             serve_cli.add_serve_arguments, serve_cli.run_serve_args),
+)
 
-
-def _bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run")
-    bsub = p.add_subparsers(dest="bench", required=True,
-                            metavar="{engine,prefix,memory,accuracy,transfer,router,service}")
-    bench.register(bsub)
-    bench_transfer.register(bsub)
-    router_bench.register(bsub)
-    bench_chaos.register(bsub)
-    bench_docs.register(bsub)
-    bench_tenants.register(bsub)
-    bench_scale.register(bsub)
-
-
-def _worker(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="serve one engine over gRPC (kvmesh.v1.Worker) until SIGTERM")
-    server_cli.add_worker_arguments(p)
-    p.set_defaults(run=server_cli.run_worker)
-
-
-def _router(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("router", help="serve the router: gRPC + OpenAI HTTP in front of workers")
-    router_flags.add_router_arguments(p)
-    p.set_defaults(run=server.run_router)
-
-
-def _client(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("client", help="gRPC client of a router or worker")
-    client.add_client_arguments(p)
-    p.set_defaults(run=client.run_client)
-
-
-def _serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run redis, N workers and a router as local processes (the embedded default)")
-    serve_cli.add_serve_arguments(p)
-    p.set_defaults(run=serve_cli.run_serve_args)
-
-
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_plan, _generate, _bench, _worker,
-                                                                      _router, _client, _serve)
+# Each bench module adds its `kvmesh bench` subcommands with `register(subparsers)`.
+BENCHES: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    bench.register, bench_transfer.register, router_bench.register, bench_chaos.register, bench_docs.register,
+    bench_tenants.register, bench_scale.register, bench_disagg.register)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh",
                                      description="kvmesh — a distributed KV-cache service for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in COMMANDS:
-        add(sub)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    p = sub.add_parser("bench", help="benchmarks against a baseline measured in the same run")
+    benches = p.add_subparsers(dest="bench", required=True)
+    for register in BENCHES:
+        register(benches)
     return parser
 
 
