@@ -41,6 +41,7 @@ from router.config import RouterConfig
 from router.security.attest import Admitter, Verdict
 from router.server import RouterServer
 from tests.router.test_router import NUM_BLOCKS
+from tests.support.fake_worker import WORKER, worker_handlers
 from tests.support.loop_thread import LoopThread
 from tests.support.redis_server import RedisServer
 
@@ -53,7 +54,6 @@ ACL = {"kvmesh-router": "+ping +info +multi +exec +smembers +srem +hgetall +get 
        "kvmesh-worker": "+ping +info +multi +exec +get +set +getdel +del +incrby +hset +hgetall +sadd +srem +smembers "
                         "+pexpire +xadd +eval"}
 PROMPT = "The capital of France is"
-WORKER = "kvmesh.v1.Worker"
 
 
 @dataclass
@@ -118,16 +118,10 @@ class FakeWorker:
             async with grpc.aio.secure_channel(self.relay_to, self.certs.client_credentials(True)) as ch:
                 return await pb_grpc.WorkerStub(ch).Attest(req, timeout=5)
 
-        def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                       response_serializer=resp.SerializeToString)
-        handlers = grpc.method_handlers_generic_handler(WORKER, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                generate, request_deserializer=pb.GenerateRequest.FromString,
-                response_serializer=pb.GenerateResponse.SerializeToString),
-            "GetLoad": unary(get_load, pb.LoadRequest, pb.Load),
-            "GetModelInfo": unary(get_model_info, pb.ModelInfoRequest, pb.ModelInfo),
-            "Attest": unary(attest, pb.AttestRequest, pb.AttestResponse)})
+        handlers = worker_handlers(generate, {
+            "GetLoad": (get_load, pb.LoadRequest, pb.Load),
+            "GetModelInfo": (get_model_info, pb.ModelInfoRequest, pb.ModelInfo),
+            "Attest": (attest, pb.AttestRequest, pb.AttestResponse)})
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers((handlers,))
         health_servicer = health.aio.HealthServicer()

@@ -26,6 +26,18 @@ from kvstore.metadata.registry import RedisConfig, WorkerRecord, WorkerRegistry
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 
 WORKER = "kvmesh.v1.Worker"
+
+
+def worker_handlers(generate: Any, unary: dict[str, tuple[Any, Any, Any]]) -> grpc.GenericRpcHandler:
+    """A `kvmesh.v1.Worker` service of hand-written methods: `generate` (request → stream of
+    GenerateResponse) and `unary` (method name → (handler, request type, response type))."""
+    methods = {name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+                                                         response_serializer=resp.SerializeToString)
+               for name, (fn, req, resp) in unary.items()}
+    methods["Generate"] = grpc.unary_stream_rpc_method_handler(
+        generate, request_deserializer=pb.GenerateRequest.FromString,
+        response_serializer=pb.GenerateResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(WORKER, methods)
 WORDS = ("hello", "world", "the", "capital", "of", "france", "is", "paris", "user", "assistant", ":", "a", "b")
 
 
@@ -57,6 +69,7 @@ class FakeWorker:
     sent_files: dict[str, bytes] | None = None   # what GetTokenizer sends; None: `files`
     tokenizer_gate: asyncio.Event | None = None  # GetTokenizer waits for it when set
     cut_streams: int = 0                    # this many Generate calls stream a token, then UNAVAILABLE
+    delay_s: float = 0.0                    # each Generate takes this long before its finished response
     calls: dict[str, int] = field(default_factory=dict)
     prompts: list[list[int]] = field(default_factory=list)
     blocks: list[BlockHash] = field(default_factory=list)     # its device blocks (inventory)
@@ -108,20 +121,16 @@ class FakeWorker:
                 yield pb.GenerateResponse(request_id=req.request_id, token_ids=[9], text="paris",
                                           worker_id=self.worker_id)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "engine restarting (test)")
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
             yield pb.GenerateResponse(request_id=req.request_id, token_ids=[9], text="paris", finished=True,
                                       finish_reason=pb.FINISH_REASON_STOP, prompt_tokens=len(req.token_ids.ids),
                                       completion_tokens=1, worker_id=self.worker_id)
 
-        def unary(fn: Any, req: Any, resp: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
-                                                       response_serializer=resp.SerializeToString)
-        handlers = grpc.method_handlers_generic_handler(WORKER, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                generate, request_deserializer=pb.GenerateRequest.FromString,
-                response_serializer=pb.GenerateResponse.SerializeToString),
-            "GetLoad": unary(get_load, pb.LoadRequest, pb.Load),
-            "GetModelInfo": unary(get_model_info, pb.ModelInfoRequest, pb.ModelInfo),
-            "GetTokenizer": unary(get_tokenizer, pb.TokenizerRequest, pb.TokenizerFiles)})
+        handlers = worker_handlers(generate, {
+            "GetLoad": (get_load, pb.LoadRequest, pb.Load),
+            "GetModelInfo": (get_model_info, pb.ModelInfoRequest, pb.ModelInfo),
+            "GetTokenizer": (get_tokenizer, pb.TokenizerRequest, pb.TokenizerFiles)})
         self.server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20)])
         self.server.add_generic_rpc_handlers((handlers,))
         self._health = health.aio.HealthServicer()
