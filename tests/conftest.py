@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # Fixtures from the shared harnesses, available to every test without an import.
-pytest_plugins = ["tests.support.redis_server"]
+pytest_plugins = ["tests.support.redis_server", "tests.support.redis_topologies"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,9 +12,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-import redis
-import redis.asyncio
-
 from kvstore.events import (
     Tier,
     WireEvent,
@@ -24,11 +21,12 @@ from kvstore.events import (
     inventory_events,
 )
 from kvstore.keys import BlockHash
+from kvstore.metadata.connection import SyncClient
 from kvstore.metadata.registry import (
     MetadataError,
     RedisConfig,
     check_worker_id,
-    connect,
+    link,
     redis_errors,
 )
 from kvstore.pool import KVEvent
@@ -37,11 +35,6 @@ log = logging.getLogger("kvmesh.streams")
 
 
 InventoryFn = Callable[[], Mapping[Tier, Sequence[BlockHash]]]
-# Stream replies on a decode_responses client: an entry is (entry id, {field: value}); XREAD's
-# reply is [(stream key, [entry, ...])]. redis-py types them with bytes in every position.
-XEntry = tuple[str, dict[str, str]]
-XReadReply = list[tuple[str, list[XEntry]]]
-
 
 
 class PublisherStats(NamedTuple):
@@ -67,21 +60,21 @@ class EventPublisher:
     restart, and when the router asks (`poll`). Thread-safe; `inventory_fn` runs under
     the publisher's lock and must not call back into the publisher.
 
-    Entries are written in one MULTI/EXEC per call. If a write fails it is retried with
-    the same `seq`s; should the failed one have landed after all, the consumer sees the
-    repeat as a gap and asks for an inventory.
+    Entries are written in one MULTI/EXEC per call (one key: one node of a cluster). If a write
+    fails it is retried with the same `seq`s; should the failed one have landed after all, the
+    consumer sees the repeat as a gap and asks for an inventory.
     """
 
     def __init__(self, config: RedisConfig, worker_id: WorkerId, epoch: int,
                  inventory_fn: InventoryFn, *, max_pending: int = 10_000,
-                 max_backoff_s: float = 1.0, client: redis.Redis | None = None) -> None:
+                 max_backoff_s: float = 1.0, client: SyncClient | None = None) -> None:
         check_worker_id(worker_id)
         if max_pending <= 0:
             raise ValueError(f"max_pending={max_pending!r} must be > 0")
         self.config, self.worker_id, self.epoch = config, worker_id, epoch
         self._inventory_fn = inventory_fn
         self._max_pending, self._max_backoff_s = max_pending, max_backoff_s
-        self._r = client if client is not None else connect(config)
+        self._link = link(config, client)
         self._stream = config.keys.events(worker_id)
         self._resync_key = config.keys.resync(worker_id)
         self._lock = threading.RLock()
@@ -121,7 +114,7 @@ class EventPublisher:
                 return False
             try:
                 with redis_errors("poll"):
-                    if self._r.getdel(self._resync_key) is not None:
+                    if self._link.client.getdel(self._resync_key) is not None:
                         self._needs_inventory = True
                     if now >= self._next_check:
                         self._check_run_id()
@@ -137,12 +130,12 @@ class EventPublisher:
                                   self._inventories, self._failures, self._retry_at == 0.0)
 
     def close(self) -> None:
-        self._r.close()
+        self._link.close()
 
     def _check_run_id(self) -> None:
-        run_id = str(self._r.info("server")["run_id"])
+        run_id = self._link.server_id(self._stream)
         if self._run_id is not None and run_id != self._run_id:
-            log.warning("worker %s: Redis restarted; republishing the inventory", self.worker_id)
+            log.warning("worker %s: Redis restarted or failed over; republishing the inventory", self.worker_id)
             self._needs_inventory = True
         self._run_id = run_id
 
@@ -157,7 +150,7 @@ class EventPublisher:
                     inventory = inventory_events(self._inventory_fn())
                 batch = inventory if inventory is not None else self._pending
                 if batch:
-                    p = self._r.pipeline(transaction=True)
+                    p = self._link.client.pipeline(transaction=True)
                     for i, event in enumerate(batch):
                         fields = encode_event(event, self.epoch, self._next_seq + i)
                         p.xadd(self._stream, fields,  # type: ignore[arg-type]

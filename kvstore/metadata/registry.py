@@ -1,110 +1,59 @@
 """Redis metadata: the worker registry with heartbeats, and per-worker KV event streams.
 
-Every key lives under `kvmesh:{cluster_name}:`, so two clusters can share one Redis:
+Every key lives under `kvmesh:<cluster_name>:`, so two clusters can share one Redis; a worker's
+keys carry the hash tag `{w:<worker_id>}`, so on a Redis Cluster they share one slot (a worker's
+writes are one MULTI/EXEC on one node) and the workers spread over the primaries:
 
-    workers        SET     ids of registered workers (pruned once a record has expired)
-    worker:{id}    HASH    the `WorkerRecord` fields; expires `record_ttl_s` after the
-                           last heartbeat
-    alive:{id}     STRING  the worker's load; expires `heartbeat_ttl_s` after the last
-                           heartbeat. A worker is live (routable) iff this key exists.
-    epoch:{id}     STRING  INCRed once per worker start: a restarted worker has a new epoch
-    events:{id}    STREAM  the worker's KV events (`kvstore.events` wire format), each
-                           entry with the next `seq` of its epoch; MAXLEN ~ stream_maxlen
-    resync:{id}    STRING  set by the router to ask the worker for a full inventory; the
-                           worker takes it with GETDEL
+    workers              SET     ids of registered workers (pruned once a record has expired)
+    {w:<id>}:worker      HASH    the `WorkerRecord` fields; expires `record_ttl_s` after the
+                                 last heartbeat
+    {w:<id>}:alive       STRING  the worker's load; expires `heartbeat_ttl_s` after the last
+                                 heartbeat. A worker is live (routable) iff this key exists.
+    {w:<id>}:epoch       STRING  INCRed once per worker start: a restarted worker has a new epoch
+    {w:<id>}:events      STREAM  the worker's KV events (`kvstore.events` wire format), each
+                                 entry with the next `seq` of its epoch; MAXLEN ~ stream_maxlen
+    {w:<id>}:resync      STRING  set by the router to ask the worker for a full inventory; the
+                                 worker takes it with GETDEL
 
-This module: the config (`RedisConfig`, `parse_redis_url`), the key names (`Keys`), the
-registry (`WorkerRegistry`, sync redis-py) and the worker's `Heartbeater` thread. The event
-streams are in `kvstore.metadata.streams`: `EventPublisher` (worker, sync) and `EventConsumer`
-(router, redis.asyncio); their entry format is in `kvstore.events`.
+This module: the config (`RedisConfig`), the key names (`Keys`), the registry (`WorkerRegistry`,
+sync redis-py) and the worker's `Heartbeater` thread. The URL forms (one Redis, a Redis Cluster,
+Sentinel) and the clients are in `kvstore.metadata.connection`; the event streams are
+`kvstore.metadata.publisher.EventPublisher` (worker, sync) and
+`kvstore.metadata.streams.EventConsumer` (router, redis.asyncio), in the `kvstore.events` format.
 
-Redis restarts are recognised by the server's `run_id` (INFO server): the pooled
-connection of redis-py reconnects on its own, so a quick restart may raise no error.
+Redis restarts and failovers are recognised by the server's `run_id` (INFO server; of every
+primary on a cluster): the pooled connection of redis-py reconnects on its own, so a quick
+restart may raise no error.
 """
 from __future__ import annotations
 
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, cast
-from urllib.parse import parse_qs, unquote, urlsplit
 
-import redis
-import redis.asyncio
-import redis.asyncio.retry
-from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
 from redis.typing import EncodableT, FieldT
 
-from kvstore.errors import KVStoreError
 from kvstore.events import WorkerId
+from kvstore.metadata.connection import (
+    AsyncClient,
+    ClientOptions,
+    MetadataError,
+    MetadataUnavailable,
+    RedisURL,
+    SyncClient,
+    SyncLink,
+    connect_async as _connect_async,
+    parse_redis_url,
+    redis_errors,
+)
 
 log = logging.getLogger("kvmesh.metadata")
 
 _CLUSTER_NAME = re.compile(r"[a-z0-9-]+")
-_URL_OPTIONS = frozenset({"ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile",
-                          "ssl_check_hostname"})
-
-
-class MetadataError(KVStoreError):
-    """Redis refused an operation (bad credentials, missing permission, wrong key type)."""
-
-
-class MetadataUnavailable(MetadataError):
-    """Redis cannot be reached, timed out, or is still loading: retry later."""
-
-
-class RedisURL(NamedTuple):
-    """A parsed `--redis-url`; `password` is never shown by `redacted`."""
-
-    tls: bool
-    host: str
-    port: int
-    db: int
-    username: str | None
-    password: str | None
-
-    def redacted(self) -> str:
-        auth = f"{self.username or ''}{':***' if self.password else ''}"
-        return f"{'rediss' if self.tls else 'redis'}://{auth + '@' if auth else ''}" \
-               f"{self.host}:{self.port}/{self.db}"
-
-
-def _redact(url: str) -> str:
-    return re.sub(r"(//[^/@]*?:)[^/@]*@", r"\1***@", url)
-
-
-def parse_redis_url(url: str) -> RedisURL:
-    """Validate `redis://[user:password@]host[:port][/db][?ssl_...]` (or `rediss://` for TLS).
-
-    Raises ValueError naming --redis-url (with the password masked) for anything else.
-    """
-    if not isinstance(url, str):
-        raise ValueError(f"--redis-url {url!r} must be a string")
-    shown = _redact(url)
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"--redis-url {shown}: {e}") from None
-    if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"--redis-url {shown}: the scheme must be redis:// or rediss:// "
-                         f"(with TLS), not {parts.scheme + '://' if parts.scheme else 'none'}")
-    if not parts.hostname:
-        raise ValueError(f"--redis-url {shown}: no host")
-    path = parts.path.lstrip("/")
-    if path and not path.isdigit():
-        raise ValueError(f"--redis-url {shown}: the path must be a database number, not {path!r}")
-    unknown = set(parse_qs(parts.query, keep_blank_values=True)) - _URL_OPTIONS
-    if unknown:
-        raise ValueError(f"--redis-url {shown}: unknown options {sorted(unknown)}; "
-                         f"allowed: {sorted(_URL_OPTIONS)}")
-    return RedisURL(parts.scheme == "rediss", parts.hostname, port or 6379, int(path or 0),
-                    unquote(parts.username) if parts.username else None,
-                    unquote(parts.password) if parts.password else None)
+__all__ = ["MetadataError", "MetadataUnavailable", "RedisURL", "parse_redis_url", "redis_errors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,50 +105,38 @@ class Keys(NamedTuple):
         return self.prefix + "workers"
 
     def record(self, worker_id: str) -> str:
-        return f"{self.prefix}worker:{worker_id}"
+        return f"{self.prefix}{{w:{worker_id}}}:worker"
 
     def alive(self, worker_id: str) -> str:
-        return f"{self.prefix}alive:{worker_id}"
+        return f"{self.prefix}{{w:{worker_id}}}:alive"
 
     def epoch(self, worker_id: str) -> str:
-        return f"{self.prefix}epoch:{worker_id}"
+        return f"{self.prefix}{{w:{worker_id}}}:epoch"
 
     def events(self, worker_id: str) -> str:
-        return f"{self.prefix}events:{worker_id}"
+        return f"{self.prefix}{{w:{worker_id}}}:events"
 
     def resync(self, worker_id: str) -> str:
-        return f"{self.prefix}resync:{worker_id}"
+        return f"{self.prefix}{{w:{worker_id}}}:resync"
 
 
-def connect(config: RedisConfig) -> redis.Redis:
-    """A sync client: str replies, bounded timeouts, no silent retries (failures surface)."""
-    return redis.Redis.from_url(config.url, decode_responses=True,
-                                socket_timeout=config.socket_timeout_s,
-                                socket_connect_timeout=config.socket_timeout_s,
-                                retry=redis.retry.Retry(NoBackoff(), 0))
+def link(config: RedisConfig, client: SyncClient | None = None) -> SyncLink:
+    """The sync client of `config`, built (one Redis, a cluster, or Sentinel) at first use."""
+    return SyncLink(config.url, ClientOptions(config.socket_timeout_s), client)
 
 
-def connect_async(config: RedisConfig, read_timeout_s: float = 0.0) -> redis.asyncio.Redis:
-    """The asyncio twin of `connect`; `read_timeout_s` is added to the socket timeout
+def connect(config: RedisConfig) -> SyncClient:
+    """A sync client: str replies, bounded timeouts, no silent retries (failures surface). Detects
+    a cluster now (raises MetadataUnavailable when Redis does not answer)."""
+    with redis_errors("connect"):
+        return link(config).client
+
+
+def connect_async(config: RedisConfig, read_timeout_s: float = 0.0) -> AsyncClient:
+    """The asyncio twin of `connect` for one Redis or Sentinel (no cluster detection: see
+    `kvstore.metadata.connection.AsyncLink`); `read_timeout_s` is added to the socket timeout
     (blocking XREADs must return before it)."""
-    return redis.asyncio.Redis.from_url(
-        config.url, decode_responses=True,
-        socket_timeout=config.socket_timeout_s + read_timeout_s,
-        socket_connect_timeout=config.socket_timeout_s,
-        retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
-
-
-@contextmanager
-def redis_errors(what: str) -> Iterator[None]:
-    """Turn redis-py and socket errors into MetadataUnavailable / MetadataError."""
-    try:
-        yield
-    except (AuthenticationError, AuthorizationError) as e:
-        raise MetadataError(f"{what}: Redis refused the credentials: {e}") from e
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
-        raise MetadataUnavailable(f"{what}: Redis is unavailable: {e}") from e
-    except RedisError as e:
-        raise MetadataError(f"{what}: {e}") from e
+    return _connect_async(config.url, ClientOptions(config.socket_timeout_s, read_timeout_s))
 
 
 def check_worker_id(worker_id: str) -> None:
@@ -282,37 +219,38 @@ class WorkerRegistry:
     """Register / heartbeat / list workers. Every method raises MetadataUnavailable while
     Redis is down and MetadataError when Redis refuses. Thread-safe (redis-py's pool)."""
 
-    def __init__(self, config: RedisConfig, client: redis.Redis | None = None) -> None:
+    def __init__(self, config: RedisConfig, client: SyncClient | None = None) -> None:
         self.config = config
         self.keys = config.keys
-        self._r = client if client is not None else connect(config)
+        self._link = link(config, client)
 
     def new_epoch(self, worker_id: WorkerId) -> int:
         """The epoch of a worker that is starting: one more than any epoch it had before."""
         check_worker_id(worker_id)
         with redis_errors("new_epoch"):
-            return int(self._r.incr(self.keys.epoch(worker_id)))
+            return int(self._link.client.incr(self.keys.epoch(worker_id)))
 
     def register(self, record: WorkerRecord) -> None:
         """Write the record, mark the worker live, and keep the epoch counter >= its epoch
         (after a Redis restart the counter is gone; the next start must still go higher)."""
         k, w, cfg = self.keys, record.worker_id, self.config
         with redis_errors("register"):
-            p = self._r.pipeline(transaction=True)
+            r = self._link.client
+            p = r.pipeline(transaction=True)    # the worker's own keys: one hash slot
             p.delete(k.record(w))
             p.hset(k.record(w), mapping=cast("Mapping[FieldT, EncodableT]", record.to_fields()))
             p.pexpire(k.record(w), int(cfg.record_ttl_s * 1000))
             p.set(k.alive(w), repr(float(record.load)), px=int(cfg.heartbeat_ttl_s * 1000))
-            p.sadd(k.workers, w)
-            p.eval(_MAX_EPOCH, 1, k.epoch(w), str(record.epoch))
-            p.execute()
+            p.execute_command("EVAL", _MAX_EPOCH, 1, k.epoch(w), str(record.epoch))    # (a cluster
+            p.execute()                                             # pipeline has no .eval)
+            r.sadd(k.workers, w)    # a set of its own slot; until it lands the worker is not listed
 
     def heartbeat(self, worker_id: WorkerId, load: float = 0.0) -> bool:
         """Refresh the worker's liveness; False if its record is gone (expired, deregistered,
         or Redis restarted): then it must `register` again."""
         k, cfg = self.keys, self.config
         with redis_errors("heartbeat"):
-            p = self._r.pipeline(transaction=True)
+            p = self._link.client.pipeline(transaction=True)
             p.pexpire(k.record(worker_id), int(cfg.record_ttl_s * 1000))
             p.set(k.alive(worker_id), repr(float(load)), px=int(cfg.heartbeat_ttl_s * 1000))
             exists, _ = p.execute()
@@ -322,26 +260,27 @@ class WorkerRegistry:
         """Remove the worker from routing at once, with its stream and pending requests."""
         k = self.keys
         with redis_errors("deregister"):
-            self._r.delete(k.alive(worker_id), k.record(worker_id), k.events(worker_id),
-                           k.resync(worker_id))
-            self._r.srem(k.workers, worker_id)
+            r = self._link.client
+            r.delete(k.alive(worker_id), k.record(worker_id), k.events(worker_id), k.resync(worker_id))
+            r.srem(k.workers, worker_id)
 
     def live_workers(self) -> list[WorkerRecord]:
         """Workers whose liveness key exists, sorted by id. Prunes expired records' ids."""
         k = self.keys
         with redis_errors("live_workers"):
-            ids = sorted(texts(self._r.smembers(k.workers)))
-            p = self._r.pipeline(transaction=False)
+            r = self._link.client
+            ids = sorted(texts(r.smembers(k.workers)))
+            p = r.pipeline(transaction=False)
             for w in ids:
                 p.hgetall(k.record(w))
                 p.get(k.alive(w))
             live, gone = decode_live(ids, p.execute())
             if gone:
-                self._r.srem(k.workers, *gone)
+                r.srem(k.workers, *gone)
         return live
 
     def close(self) -> None:
-        self._r.close()
+        self._link.close()
 
 
 class Heartbeater:

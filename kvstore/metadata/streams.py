@@ -26,10 +26,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, cast
 
-import redis
-import redis.asyncio
-from redis.typing import KeyT, StreamIdT
-
 from kvstore.events import (
     EventDecodeError,
     EventType,
@@ -41,11 +37,11 @@ from kvstore.events import (
     decode_event,
 )
 from kvstore.keys import BlockHash
+from kvstore.metadata.connection import AsyncClient, AsyncLink, ClientOptions, XEntry
 from kvstore.metadata.registry import (
     MetadataError,
     RedisConfig,
     WorkerRecord,
-    connect_async,
     decode_live,
     redis_errors,
     texts,
@@ -55,11 +51,6 @@ log = logging.getLogger("kvmesh.streams")
 
 
 InventoryFn = Callable[[], Mapping[Tier, Sequence[BlockHash]]]
-# Stream replies on a decode_responses client: an entry is (entry id, {field: value}); XREAD's
-# reply is [(stream key, [entry, ...])]. redis-py types them with bytes in every position.
-XEntry = tuple[str, dict[str, str]]
-XReadReply = list[tuple[str, list[XEntry]]]
-
 
 
 
@@ -97,11 +88,17 @@ class EventConsumer:
     streams, at least 1, at most `count`): redis-py parses a whole reply within the socket
     timeout, and a reply of `count` entries from each of 1,000 streams (a backlog after a
     restart) takes longer than that to parse, so every read would time out again.
+
+    On a Redis Cluster (detected at the first poll, `kvstore.metadata.connection`) every shard is
+    read: the registry set lives on one node, each worker's stream on the node of its hash tag,
+    and a read is one XREAD per followed stream, pipelined (one round trip per primary); a
+    read that finds nothing waits the read interval (at least 10 ms) instead of blocking. A
+    change in any primary's `run_id` (a failover) is handled as a restart.
     """
 
     def __init__(self, config: RedisConfig, index: IndexSink, *, block_ms: int = 100,
                  count: int = 1000, max_backoff_s: float = 2.0,
-                 client: redis.asyncio.Redis | None = None,
+                 client: AsyncClient | None = None,
                  lag_observer: Callable[[float], None] | None = None,
                  read_interval_s: float | None = None, max_entries_per_read: int = 2000) -> None:
         if block_ms <= 0 or count <= 0:
@@ -117,7 +114,7 @@ class EventConsumer:
         self._read_at = 0.0
         self._backlog = False       # the last read filled some stream's COUNT
         self._block_ms, self._count, self._max_backoff_s = block_ms, count, max_backoff_s
-        self._r = client if client is not None else connect_async(config, block_ms / 1000)
+        self._link = AsyncLink(config.url, ClientOptions(config.socket_timeout_s, block_ms / 1000), client)
         self._keys = config.keys
         self._cursors: dict[WorkerId, WorkerCursor] = {}
         self._workers: dict[WorkerId, WorkerRecord] = {}
@@ -167,7 +164,7 @@ class EventConsumer:
         """Ask workers for a full inventory (they take the request on their next poll)."""
         if not worker_ids:
             return
-        p = self._r.pipeline(transaction=False)
+        p = (await self._link.client()).pipeline(transaction=False)
         for w in worker_ids:
             p.set(self._keys.resync(w), "1", px=int(self.config.record_ttl_s * 1000))
         await p.execute()
@@ -179,7 +176,7 @@ class EventConsumer:
         MetadataError when Redis does not answer."""
         workers = sorted(self._cursors)
         with redis_errors("read stream heads"):
-            p = self._r.pipeline(transaction=False)
+            p = (await self._link.client()).pipeline(transaction=False)
             for w in workers:
                 p.xrevrange(self._keys.events(w), count=1)
             heads = await p.execute()
@@ -192,33 +189,34 @@ class EventConsumer:
                              self._failures, self._stale)
 
     async def aclose(self) -> None:
-        await self._r.aclose()
+        await self._link.aclose()
 
     async def _refresh(self, now: float) -> None:
-        run_id = str((await self._r.info("server"))["run_id"])
+        r = await self._link.client()
+        run_id = await self._link.server_id()
         restarted = self._run_id is not None and run_id != self._run_id
         self._run_id = run_id
         resync: set[WorkerId] = set()
         if restarted:
-            log.warning("Redis restarted: rereading every stream, asking for inventories")
+            log.warning("Redis restarted or failed over: rereading every stream, asking for inventories")
             self._restarts += 1
             for reread in self._cursors.values():
                 reread.last_id = "0-0"
             resync.update(self._cursors)
         if restarted or self._degraded:
             self._grace_until = now + self.config.heartbeat_ttl_s + self.config.heartbeat_interval_s
-        ids = sorted(texts(await self._r.smembers(self._keys.workers)))
-        p = self._r.pipeline(transaction=False)
+        ids = sorted(texts(await r.smembers(self._keys.workers)))
+        p = r.pipeline(transaction=False)
         for w in ids:
             p.hgetall(self._keys.record(w))
             p.get(self._keys.alive(w))
         live, gone = decode_live(ids, await p.execute())
         if gone:
-            await self._r.srem(self._keys.workers, *gone)
+            await r.srem(self._keys.workers, *gone)
         new = [r.worker_id for r in live if r.worker_id not in self._cursors]
         heads: dict[WorkerId, list[XEntry]] = {}
         if new:     # each new stream's current end, in one round trip (a router start meets them all)
-            p = self._r.pipeline(transaction=False)
+            p = r.pipeline(transaction=False)
             for w in new:
                 p.xrevrange(self._keys.events(w), count=1)
             heads = dict(zip(new, cast("list[list[XEntry]]", await p.execute())))
@@ -263,13 +261,13 @@ class EventConsumer:
             await asyncio.sleep(wait)
         self._read_at = time.monotonic()
         by_key = {self._keys.events(w): w for w in self._cursors}
-        streams: dict[KeyT, StreamIdT] = {k: self._cursors[w].last_id for k, w in by_key.items()}
+        streams = {k: self._cursors[w].last_id for k, w in by_key.items()}
         count = max(1, min(self._count, self._max_entries // len(streams)))
-        reply = cast(XReadReply, await self._r.xread(streams, count=count, block=self._block_ms))
-        self._backlog = any(len(entries) >= count for _, entries in reply or ())
+        reply = await self._link.read_streams(streams, count, self._block_ms, interval)
+        self._backlog = any(len(entries) >= count for _, entries in reply)
         resync: set[WorkerId] = set()
         applied = 0
-        for key, entries in reply or ():
+        for key, entries in reply:
             w = by_key[key]
             cursor = self._cursors[w]
             for entry_id, fields in entries:

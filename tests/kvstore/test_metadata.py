@@ -84,7 +84,7 @@ def test_config_validation() -> None:
                       ({"stream_maxlen": 0}, "stream_maxlen"), ({"url": "unix:///s"}, "--redis-url")]:
         with pytest.raises(ValueError, match=field):
             RedisConfig(**({"url": "redis://h"} | kw))  # type: ignore[arg-type]
-    assert RedisConfig("redis://h", "c1").keys.events("w") == "kvmesh:c1:events:w"
+    assert RedisConfig("redis://h", "c1").keys.events("w") == "kvmesh:c1:{w:w}:events"   # hash tag: one slot per worker
 
 
 def test_pool_events_batch_into_chains() -> None:
