@@ -89,6 +89,7 @@ class DiskTier:
         self.enabled = False
         self._lock = threading.Lock()
         self._index: OrderedDict[DiskKey, None] = OrderedDict()   # the records held, oldest first
+        self._roots: dict[BlockHash, BlockHash | None] = {}       # block hash -> its record's salt root
         self._dir_s = str(self.dir)
         self._queued: set[DiskKey] = set()
         self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
@@ -150,6 +151,14 @@ class DiskTier:
                 n += 1
         return n
 
+    def key_of(self, block_hash: BlockHash) -> DiskKey | None:
+        """The key of the record holding `block_hash`, under whichever salt root (a hash is
+        chained from its root, so it names one); None when none is held."""
+        with self._lock:
+            if block_hash not in self._roots:
+                return None
+            return self._roots[block_hash], block_hash
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._index
@@ -210,6 +219,17 @@ class DiskTier:
             self._reading.update(todo)
         self._reads.put(todo)
         return True
+
+    def read_now(self, keys: Sequence[DiskKey]) -> tuple[tuple[DiskKey, ...], torch.Tensor | None]:
+        """Read the leading run of `keys` held here in the calling thread (a peer's copy):
+        the keys read and their blocks `[L, 2, n, bs, H, D]` (None when none was); a bad record
+        is dropped and counted as on a read-ahead."""
+        t0 = time.perf_counter()
+        got, blocks = self._read(tuple(keys))
+        if got:
+            with self._lock:
+                self._read_s.observe(time.perf_counter() - t0)
+        return got, blocks
 
     def take_reads(self) -> list[DiskRead]:
         """Finished read-aheads, oldest first (their keys are no longer in flight)."""
@@ -290,6 +310,7 @@ class DiskTier:
                         ", ".join(sorted(p.name for p in others)))
         found = scan_records(self.dir, self.fingerprint, self.payload_bytes, self.io, self._count_bad)
         self._index.update((key, None) for key in found)
+        self._roots.update((h, root) for root, h in found)
         self._counts["reopened"] = len(found)
         self._evict_to(0)
         if found:
@@ -333,6 +354,7 @@ class DiskTier:
                 return
             self._index[key] = None
             self._index.move_to_end(key)
+            self._roots[key[1]] = key[0]
             self._counts["written"] += 1
             self._emit(BlockStored(key[1], None, BlockId(0)))
 
@@ -390,6 +412,7 @@ class DiskTier:
     def _evict_to(self, room: int) -> None:
         while self._index and self.used_bytes + room > self.capacity_bytes:
             key, _ = self._index.popitem(last=False)
+            self._roots.pop(key[1], None)
             self._counts["evicted"] += 1
             self.io.unlink(self._path(key))
             self._emit(BlockRemoved(key[1], BlockId(0)))
@@ -397,6 +420,7 @@ class DiskTier:
     def _drop(self, key: DiskKey, path: str | None) -> None:
         if key in self._index:
             del self._index[key]
+            self._roots.pop(key[1], None)
             self._emit(BlockRemoved(key[1], BlockId(0)))
         if path is not None:
             try:
@@ -413,6 +437,7 @@ class DiskTier:
                 return
             self.enabled = False
             self._index.clear()
+            self._roots.clear()
             self._emit(AllBlocksCleared())
         log.error("KV disk tier off (serving goes on without it): %s: %s", what, error)
 

@@ -36,6 +36,11 @@ class DiskTierStats(NamedTuple):
     write_seconds: TimeHistogram
     read_seconds: TimeHistogram
 
+    def read_bytes_s(self, block_bytes: int) -> float:
+        """The measured read speed: payload bytes read back over the seconds reading them (0.0
+        before the first read). What the router's cost model prices a disk-held block by."""
+        return self.read * block_bytes / self.read_seconds.sum_s if self.read_seconds.sum_s > 0 else 0.0
+
 
 class Histogram:
     """Seconds observed, counted per `TIME_BUCKETS` bound (the tier's threads update it under its lock)."""

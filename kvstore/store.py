@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from kvstore.disk_record import DiskSpec
 from kvstore.disk_stats import DiskTierStats
 from kvstore.errors import OutOfBlocks
 from kvstore.events import Tier, TieredEvent
+from kvstore.hot import HitTracker
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockPool
@@ -81,6 +83,7 @@ class KVStore:
         if self.disk is not None:
             assert self.host is not None
             self._staging = DiskStaging(self.disk, self.host, self.pool, self.kv)
+        self.hot = HitTracker()    # prefix hits per hash (`take`): the hand-over's and warm start's order
         self._events: list[TieredEvent] = []
         self._recording = False
         self._queries = self._query_blocks = self._hit_blocks = self._onloaded = 0
@@ -156,6 +159,7 @@ class KVStore:
             self.pool.cache_full_blocks(loaded, loaded_hashes,
                                         parent_hash=block_hashes[len(cached) - 1] if cached else None,
                                         owner=owner)
+        self.hot.hit(block_hashes[:match.num_blocks])
         self._queries += 1
         self._query_blocks += len(block_hashes)
         self._hit_blocks += len(cached)
@@ -253,31 +257,54 @@ class KVStore:
 
     # -- blocks for peers -----------------------------------------------------------------
     def read(self, block_hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks:
-        """A copy on `device` of the leading run of `block_hashes` held in the device pool or the
-        host tier (host blocks become the tier's youngest). Nothing is referenced: the copy
-        is consistent because no step runs while the engine thread reads."""
-        runs: list[tuple[bool, list[int]]] = []     # (from the device pool?, block ids | hashes)
-        n = 0
+        """A copy on `device` of the leading run of `block_hashes` held in the device pool, the
+        host tier or the disk tier (host blocks become the tier's youngest; disk records are
+        read in this thread, under the salt root they were written with). Nothing is
+        referenced: the copy is consistent because no step runs while the engine thread reads."""
+        runs: list[tuple[Tier, list[Any]]] = []     # (tier, block ids | hashes | disk keys)
+        key: Any
         for h in block_hashes:
             block_id = self.pool.get_cached_block(h)
-            on_device = block_id is not None
-            if not on_device and (self.host is None or h not in self.host):
+            if block_id is not None:
+                tier, key = Tier.DEVICE, int(block_id)
+            elif self.host is not None and h in self.host:
+                tier, key = Tier.HOST, h
+            elif self.disk is not None and (disk_key := self.disk.key_of(h)) is not None:
+                tier, key = Tier.DISK, disk_key
+            else:
                 break
-            if not runs or runs[-1][0] != on_device:
-                runs.append((on_device, []))
-            runs[-1][1].append(int(block_id) if block_id is not None else h)
-            n += 1
+            if not runs or runs[-1][0] is not tier:
+                runs.append((tier, []))
+            runs[-1][1].append(key)
+        parts, n = [], 0
+        for tier, keys in runs:
+            if tier is Tier.DEVICE:
+                data = self.kv.gather_blocks(keys)
+            elif tier is Tier.HOST:
+                assert self.host is not None
+                data = self.host.read(keys)
+            else:
+                assert self.disk is not None
+                got, blocks = self.disk.read_now(keys)
+                self._drain()                                    # a bad record's removal
+                if blocks is None:
+                    break
+                data = blocks
+            parts.append(data.to(device))                        # [L, 2, run, bs, H, D]
+            n += data.shape[2]
+            if data.shape[2] < len(keys):
+                break
         if n == 0:
             return HeldBlocks(0, None)
-        parts = []
-        for on_device, keys in runs:
-            if on_device:
-                data = self.kv.gather_blocks(keys)
-            else:
-                assert self.host is not None
-                data = self.host.read([BlockHash(k) for k in keys])
-            parts.append(data.to(device))                        # [L, 2, run, bs, H, D]
         return HeldBlocks(n, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2).contiguous())
+
+    def hottest(self, max_blocks: int) -> list[BlockHash]:
+        """Up to `max_blocks` hashes held here (any tier), most hit recently first, parents
+        before children (`kvstore.hot.HitTracker.hottest`). A query."""
+        def held(h: BlockHash) -> bool:
+            return (self.pool.get_cached_block(h) is not None or (self.host is not None and h in self.host)
+                    or (self.disk is not None and self.disk.key_of(h) is not None))
+        return self.hot.hottest(held, max_blocks)
 
     def read_now(self, block_hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks | None:
         """`read` from a thread other than the engine's, without waiting for the step it may
@@ -286,11 +313,12 @@ class KVStore:
         step evicts a block, dropping its hash, before it writes into it; full cached blocks
         are never written otherwise). None where only `read` on the engine thread can answer:
         a pool off the CPU (its writes are queued on a stream), a run that goes on in the host
-        tier, or a first block evicted during the copy. Nothing is referenced or reordered."""
+        or disk tier, or a first block evicted during the copy. Nothing is referenced or reordered."""
         if self.kv.device.type != "cpu":
             return None
         match = self.lookup(block_hashes)                      # a query: safe beside a step
-        if match.num_host:
+        rest = block_hashes[len(match.device):]
+        if match.num_host or (rest and self.disk is not None and self.disk.key_of(rest[0]) is not None):
             return None
         ids = [int(b) for b in match.device]
         if not ids:

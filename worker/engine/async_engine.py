@@ -41,6 +41,7 @@ from worker.engine.commands import (
     ApplyChatTemplate,
     Command,
     CountHeld,
+    HottestBlocks,
     ListRequests,
     ReadBlocks,
     ResetPrefixCache,
@@ -216,6 +217,8 @@ class AsyncEngine:
                 return engine.store.lookup(hashes).num_blocks
             case ReadBlocks(hashes, device):
                 return engine.store.read(hashes, device)
+            case HottestBlocks(max_blocks):
+                return tuple(engine.store.hottest(max_blocks))
             case StageBlocks(hashes, data):
                 return engine.store.stage(hashes, data)
             case Snapshot():

@@ -12,6 +12,7 @@ the server builds them without loading the engine.
 | `ApplyChatTemplate` | token ids     | the server, before a peer fetch           |
 | `CountHeld`         | `int` blocks  | the peer plane's fetch plan               |
 | `ReadBlocks`        | `HeldBlocks`  | the peer plane's `SendBlocks` side        |
+| `HottestBlocks`     | block hashes  | HotBlocks (drain hand-over, warm start)   |
 | `StageBlocks`       | `int` written | (also inside `AddRequest`)                |
 | `Snapshot`          | `EngineStats` | GetLoad, tests                            |
 | `ListRequests`      | request ids   | the server's drain                        |
@@ -87,6 +88,13 @@ class ReadBlocks(Command["HeldBlocks"]):
 
     block_hashes: tuple[BlockHash, ...]
     device: torch.device
+
+
+@dataclass(frozen=True, slots=True)
+class HottestBlocks(Command[tuple[BlockHash, ...]]):
+    """Up to `max_blocks` hashes held here, most hit recently first (`KVStore.hottest`)."""
+
+    max_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

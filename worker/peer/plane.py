@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -217,6 +217,19 @@ class PeerPlane:
             return None
         keep, blocks = stored
         return Fetched(StageBlocks(tuple(keep), blocks), plan.num_local, len(keep))
+
+    async def pull(self, ae: AsyncEngine, hint: PeerHint, hashes: Sequence[BlockHash],
+                   ask: AskPeer) -> int:
+        """Fetch the leading run of `hashes` that `hint`'s worker holds, without weighing
+        recompute, and stage it into the host tier (a drain hand-over, a warm start); returns
+        how many blocks were stored (0 on any failure, counted as a fetch's)."""
+        plan = FetchPlan(Decision.FETCH, hint, tuple(hashes), 0, 0.0, 0.0)
+        stored = await self._pull(plan, hint, ask)
+        if stored is None or type(stored) is not tuple:    # nothing usable arrived (logged, counted)
+            return 0
+        keep, blocks = cast(tuple[list[BlockHash], torch.Tensor], stored)
+        await ae.run(StageBlocks(tuple(keep), blocks))
+        return len(keep)
 
     async def _pair_for(self, sender_id: str) -> tuple[Slot, bool]:
         """The live (or forming) pair with `sender_id`, else a new key: (slot, is_new)."""

@@ -86,6 +86,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $KVMESH_PEER_TRANSFER=1, else off)")
     g.add_argument("--transfer-port", type=int, default=None,
                    help="port of this worker's pair rendezvous store (default: $KVMESH_TRANSFER_PORT, else a free one)")
+    g.add_argument("--drain-handover", action=argparse.BooleanOptionalAction, default=True,
+                   help="on SIGTERM, hand the hottest KV blocks (by recent prefix hits) to peers with free host-tier "
+                        "room within --drain-timeout-s (with --peer-transfer and a Redis registry; default on)")
+    g.add_argument("--warm-start-mb-s", type=float, default=256.0,
+                   help="once ready, pull the peers' hottest KV blocks into free host-tier room in the background "
+                        "at most this many MB/s (with --peer-transfer and a Redis registry; 0 = off; default 256)")
     add_engine_arguments(p)
 
 
@@ -125,6 +131,7 @@ def run_worker(args: argparse.Namespace) -> int:
                                  liveness_timeout_s=args.liveness_timeout_s,
                                  max_step_failures=args.max_step_failures,
                                  stall_file=os.environ.get("KVMESH_TEST_STALL_FILE") or None,
+                                 drain_handover=args.drain_handover, warm_start_mb_s=args.warm_start_mb_s,
                                  cluster_token=token_from(args.cluster_token), tls=tls_from_args(args))
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None

@@ -39,6 +39,9 @@ class WorkerServerConfig:
     liveness_timeout_s: float = 120.0    # the engine loop's heartbeat older than this: not live
     max_step_failures: int = 3           # this many engine steps raising in a row: not live
     stall_file: str | None = None        # tests only: env KVMESH_TEST_STALL_FILE
+    # Scaling that keeps the cache (worker/server/scaling.py; needs redis_url and peer_transfer):
+    drain_handover: bool = True          # a draining worker hands its hottest blocks to peers with room
+    warm_start_mb_s: float = 256.0       # a new worker warms from its peers' hottest at most this (0: off)
     # Cluster authentication (worker/server/cluster_auth.py): the token every Worker RPC then needs, and TLS.
     cluster_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = PLAINTEXT
@@ -65,6 +68,8 @@ class WorkerServerConfig:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s} must be >= 0")
         if not self.grpc_idle_timeout_s > 0:
             raise ValueError(f"grpc_idle_timeout_s={self.grpc_idle_timeout_s!r} must be > 0")
+        if not self.warm_start_mb_s >= 0:
+            raise ValueError(f"warm_start_mb_s={self.warm_start_mb_s!r} must be >= 0 (0: no warm start)")
         if not self.liveness_timeout_s > 0:
             raise ValueError(f"liveness_timeout_s={self.liveness_timeout_s!r} must be > 0")
         if isinstance(self.max_step_failures, bool) or not isinstance(self.max_step_failures, int) \

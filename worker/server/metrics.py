@@ -104,6 +104,10 @@ class WorkerMetrics:
         self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
         self.peer_fetch = histogram("peer_fetch_seconds", "Duration of one peer fetch (plan to blocks staged)",
                                     _REQUEST_BUCKETS)
+        self.handed_over = counter("kv_blocks_handed_over", "KV blocks peers pulled from this worker while it "
+                                   "drained (its hottest, by recent prefix hits)")
+        self.warmed = counter("kv_blocks_warmed", "KV blocks this worker pulled from its peers' hottest after it "
+                              "turned ready (warm start)")
         self._itl_child = self.itl.labels(*self.labels)
         r.register(_StatsCollector(self))
 
@@ -119,6 +123,12 @@ class WorkerMetrics:
 
     def observe_peer_fetch(self, seconds: float) -> None:
         self.peer_fetch.labels(*self.labels).observe(seconds)
+
+    def observe_handed_over(self, num_blocks: int) -> None:
+        self.handed_over.labels(*self.labels).inc(num_blocks)
+
+    def observe_warmed(self, num_blocks: int) -> None:
+        self.warmed.labels(*self.labels).inc(num_blocks)
 
     def observe_finished(self, out: RequestOutput, completion_tokens: int | None = None) -> None:
         """Count one finished request (call once, with its final output; `completion_tokens`:

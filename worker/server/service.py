@@ -45,6 +45,7 @@ from worker.server.liveness import Liveness, watch
 from worker.server.load import model_info, read_tokenizer, start_peer
 from worker.server.metadata_hook import WorkerMetadata as _Metadata
 from worker.server.responses import load_response
+from worker.server.scaling import Scaling
 from worker.server.status import parse_or_none, status_for
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ class WorkerServer:
         self._peer: PeerPlane | None = None
         self._peer_calls = cluster_auth.PeerCalls(cfg)   # the control-plane calls of fetches
         self._gen = GenerateStreams(cfg.worker_id, self._peer_calls.ask)
+        self.scaling = Scaling(cfg)        # drain hand-over, warm start (worker/server/scaling.py)
+        self._warm_task: asyncio.Task[int] | None = None
         self.metrics: WorkerMetrics | None = None       # set once loaded, with cfg.metrics_port
         self._metrics_registry: CollectorRegistry | None = None   # what /metrics serves
         self._metrics_http: MetricsHTTP | None = None
@@ -176,8 +179,31 @@ class WorkerServer:
         if self._metrics_http is not None:
             self._start_metrics(engine, self._ae)
         await self._health.loaded()
+        if self._peer is not None and self._metadata is not None and self.cfg.warm_start_mb_s > 0:
+            self._warm_task = asyncio.create_task(self._warm(self._ae, self._peer, self._metadata, engine),
+                                                  name=f"warm-{self.cfg.worker_id}")
         log.info("worker %s serving %s (%d blocks of %d tokens)", self.cfg.worker_id, self._model_info.model,
                  engine.store.num_blocks, engine.cfg.block_size)
+
+    async def _warm(self, ae: AsyncEngine, peer: PeerPlane, metadata: _Metadata, engine: Engine) -> int:
+        stats = await ae.snapshot(LOAD_WAIT_S)
+        try:
+            return await self.scaling.warm(ae, peer, self._peer_calls.ask, metadata.registry, engine.salt.hex(),
+                                           stats.host_num_blocks - stats.num_host_blocks)
+        except Exception:  # noqa: BLE001 - a warm start that fails leaves a cold worker, serving
+            log.exception("worker %s: warm start failed", self.cfg.worker_id)
+            return 0
+
+    async def _hand_over(self, grace: float) -> int:
+        if not (self.cfg.drain_handover and self._ae is not None and self._peer is not None
+                and self._metadata is not None and self._engine is not None):
+            return 0
+        try:
+            return await self.scaling.hand_over(self._ae, self._metadata.registry, self._engine.salt.hex(),
+                                                self.address, asyncio.get_running_loop().time() + grace)
+        except Exception:  # noqa: BLE001 - the drain goes on without the hand-over
+            log.exception("worker %s: drain hand-over failed", self.cfg.worker_id)
+            return 0
 
     async def _watch(self) -> None:
         await watch(self._liveness)      # logs the reason once (Liveness.check)
@@ -209,6 +235,8 @@ class WorkerServer:
         self.metrics = self._gen.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id, self._metrics_registry)
         if self._peer is not None:
             self._peer.fetch_observer = self.metrics.observe_peer_fetch
+        self.scaling.on_handed_over = self.metrics.observe_handed_over
+        self.scaling.on_warmed = self.metrics.observe_warmed
         self._metrics_task = asyncio.create_task(refresh_forever(self.metrics, ae, self._peer),
                                                  name=f"metrics-{self.cfg.worker_id}")
 
@@ -221,11 +249,15 @@ class WorkerServer:
         grace = self.cfg.drain_timeout_s if grace is None else grace
         await self._health.draining()
         log.info("worker %s draining %d stream(s), up to %.1f s", self.cfg.worker_id, self._num_inflight, grace)
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+        handover = asyncio.ensure_future(self._hand_over(grace))   # beside the streams: same deadline
         try:
             await asyncio.wait_for(self._idle.wait(), grace)
         except TimeoutError:
             log.warning("worker %s: %d stream(s) still running after %.1f s; cancelling",
                         self.cfg.worker_id, self._num_inflight, grace)
+        await asyncio.gather(handover, return_exceptions=True)     # bounded by its own deadline
         await self._server.stop(None)
         for task in (self._metrics_task, self._watchdog):
             if task is not None:
@@ -253,6 +285,7 @@ class WorkerServer:
         if self._peer is not None:
             await asyncio.to_thread(self._peer.close)
         await self._peer_calls.close()
+        await self.scaling.close()
         log.info("worker %s stopped", self.cfg.worker_id)
 
     @staticmethod
@@ -280,6 +313,8 @@ class WorkerServer:
             "SendBlocks": grpc.unary_unary_rpc_method_handler(
                 self._send_blocks, request_deserializer=parse_send_blocks_request,
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
+            "HotBlocks": unary(self._hot_blocks, pb.HotBlocksRequest, pb.HotBlocksResponse),
+            "PullBlocks": unary(self._pull_blocks, pb.PullBlocksRequest, pb.PullBlocksResponse),
             "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
                                       pb.ResetPrefixCacheResponse),
             "Attest": unary(lambda r, c: cluster_auth.attest(self.cfg, self.address, r, c),
@@ -341,6 +376,28 @@ class WorkerServer:
         return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
                                      generation=self._peer.me.generation, pair_unknown=unknown)
 
+    async def _hot_blocks(self, request: pb.HotBlocksRequest,
+                          context: grpc.aio.ServicerContext) -> pb.HotBlocksResponse:
+        from worker.engine.commands import HottestBlocks
+        from worker.server.scaling import MAX_HOT_BLOCKS
+        ae = await self._ready(context)
+        hot = await self._guard(context, ae.run(HottestBlocks(max(0, min(request.max_blocks, MAX_HOT_BLOCKS)))))
+        return pb.HotBlocksResponse(block_hashes=[h.to_bytes(16, "big") for h in hot],
+                                    generation=self._peer.me.generation if self._peer is not None else 0)
+
+    async def _pull_blocks(self, request: pb.PullBlocksRequest,
+                           context: grpc.aio.ServicerContext) -> pb.PullBlocksResponse:
+        ae = await self._ready(context)
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is draining")
+        if self._peer is None:
+            await self._fail(context, PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off"))
+        assert self._peer is not None
+        stats = await ae.snapshot(LOAD_WAIT_S)
+        return await self._guard(context, self.scaling.serve_pull(
+            ae, self._peer, self._peer_calls.ask, request, stats.host_num_blocks - stats.num_host_blocks,
+            context.time_remaining()))
+
     async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
                                   context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
         ae = await self._ready(context)
@@ -364,8 +421,15 @@ class WorkerServer:
 
     async def _load_now(self, ae: AsyncEngine) -> pb.Load:
         stats = await ae.snapshot(LOAD_WAIT_S)
-        return load_response(self.cfg.worker_id, stats, self._gen.prompt_tokens, self._gen.cached_prompt_tokens,
+        load = load_response(self.cfg.worker_id, stats, self._gen.prompt_tokens, self._gen.cached_prompt_tokens,
                              self._peer.figures() if self._peer is not None else None)
+        load.blocks_handed_over = self.scaling.counters.blocks_handed_over
+        load.blocks_warmed = self.scaling.counters.blocks_warmed
+        disk = self._engine.store.disk if self._engine is not None else None
+        if disk is not None:
+            load.disk_read_bytes_s = disk.stats().read_bytes_s(disk.payload_bytes)
+        return load
+
 
     # -- errors ---------------------------------------------------------------------------
     async def _loaded(self, context: grpc.aio.ServicerContext) -> AsyncEngine:

@@ -250,7 +250,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks", "disk_read_bytes_s", "blocks_handed_over", "blocks_warmed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,9 @@ class Load(_message.Message):
     NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROTECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_BYTES_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WARMED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -289,7 +292,10 @@ class Load(_message.Message):
     num_offloaded_blocks: int
     num_protected_blocks: int
     num_reused_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ...) -> None: ...
+    disk_read_bytes_s: float
+    blocks_handed_over: int
+    blocks_warmed: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ..., disk_read_bytes_s: _Optional[float] = ..., blocks_handed_over: _Optional[int] = ..., blocks_warmed: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost", "worker_id")
@@ -396,6 +402,38 @@ class SendBlocksResponse(_message.Message):
     generation: int
     pair_unknown: bool
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., pair_unknown: _Optional[bool] = ...) -> None: ...
+
+class HotBlocksRequest(_message.Message):
+    __slots__ = ("max_blocks",)
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    max_blocks: int
+    def __init__(self, max_blocks: _Optional[int] = ...) -> None: ...
+
+class HotBlocksResponse(_message.Message):
+    __slots__ = ("block_hashes", "generation")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    generation: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class PullBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "sender_id", "sender_address")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    sender_id: str
+    sender_address: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., sender_id: _Optional[str] = ..., sender_address: _Optional[str] = ...) -> None: ...
+
+class PullBlocksResponse(_message.Message):
+    __slots__ = ("num_blocks", "reason")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    reason: str
+    def __init__(self, num_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,16 @@ class WorkerStub:
                 request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.SerializeToString,
                 response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.FromString,
                 _registered_method=True)
+        self.HotBlocks = channel.unary_unary(
+                '/kvmesh.v1.Worker/HotBlocks',
+                request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.HotBlocksRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.HotBlocksResponse.FromString,
+                _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/kvmesh.v1.Worker/PullBlocks',
+                request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.PullBlocksResponse.FromString,
+                _registered_method=True)
         self.ResetPrefixCache = channel.unary_unary(
                 '/kvmesh.v1.Worker/ResetPrefixCache',
                 request_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.ResetPrefixCacheRequest.SerializeToString,
@@ -104,6 +114,20 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SendBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HotBlocks(self, request, context):
+        """Cache-preserving scaling (worker/peer/handover.py): a worker's hottest blocks, and
+        "pull these from me", which a draining worker sends to a peer with room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,6 +181,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SendBlocks,
                     request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.FromString,
                     response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.SerializeToString,
+            ),
+            'HotBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.HotBlocks,
+                    request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.HotBlocksRequest.FromString,
+                    response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.HotBlocksResponse.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.PullBlocksRequest.FromString,
+                    response_serializer=proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.PullBlocksResponse.SerializeToString,
             ),
             'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetPrefixCache,
@@ -309,6 +343,60 @@ class Worker:
             '/kvmesh.v1.Worker/SendBlocks',
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksRequest.SerializeToString,
             proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.SendBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HotBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/HotBlocks',
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.HotBlocksRequest.SerializeToString,
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.HotBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/PullBlocks',
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.PullBlocksRequest.SerializeToString,
+            proto_dot_kvmesh_dot_v1_dot_kvmesh__pb2.PullBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
