@@ -23,11 +23,15 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class PeerHint:
-    """A peer that holds the first `num_blocks` blocks of the prompt (router -> worker)."""
+    """A peer that holds the first `num_blocks` blocks of the prompt (router -> worker).
+    `handoff`: the peer prefilled the prompt for this request (disaggregated serving): fetch
+    without weighing recompute, and give up after `timeout_s` (> 0)."""
 
     worker_id: str
     address: str
     num_blocks: int
+    handoff: bool = False
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,9 @@ class GenerateInput:
     `max_tokens_given` is False when `params.max_tokens` is the front's default, which the
     router may then shorten to fit the context instead of rejecting the request.
     `resume_tokens` > 0 (only with token_ids): the last that many ids are output already
-    generated (a migrated request). `tenant`: who sent it (set by the router)."""
+    generated (a migrated request). `tenant`: who sent it (set by the router).
+    `prefill_only`: compute the prompt, keep its full blocks cached, finish without sampling
+    (the prefill hop of disaggregated serving)."""
 
     request_id: str
     text: str | None
@@ -71,6 +77,7 @@ class GenerateInput:
     max_tokens_given: bool = True
     resume_tokens: int = 0
     tenant: TenantShare = NO_TENANT
+    prefill_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

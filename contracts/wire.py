@@ -96,7 +96,8 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
     return GenerateInput(msg.request_id, text, token_ids, chat,
                          to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
                          tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)),
-                         msg.cache_salt, msg.sampling.HasField("max_tokens"), resume, _tenant(msg.tenant))
+                         msg.cache_salt, msg.sampling.HasField("max_tokens"), resume, _tenant(msg.tenant),
+                         msg.prefill_only)
 
 
 def _tenant(t: pb.TenantShare) -> TenantShare:
@@ -122,11 +123,14 @@ def _peer_hint(i: int, h: pb.PeerHint) -> PeerHint:
         raise BadRequest(f"peer_hints[{i}].address: {h.address!r} is not HOST:PORT")
     if h.num_blocks < 0:
         raise BadRequest(f"peer_hints[{i}].num_blocks: {h.num_blocks} must be >= 0")
-    return PeerHint(h.worker_id, h.address, h.num_blocks)
+    if h.handoff and not (h.timeout_s > 0 and math.isfinite(h.timeout_s)):
+        raise BadRequest(f"peer_hints[{i}].timeout_s: {h.timeout_s} must be > 0 with handoff")
+    return PeerHint(h.worker_id, h.address, h.num_blocks, h.handoff, h.timeout_s if h.handoff else 0.0)
 
 
 def to_peer_hint(h: PeerHint) -> pb.PeerHint:
-    return pb.PeerHint(worker_id=h.worker_id, address=h.address, num_blocks=h.num_blocks)
+    return pb.PeerHint(worker_id=h.worker_id, address=h.address, num_blocks=h.num_blocks, handoff=h.handoff,
+                       timeout_s=h.timeout_s)
 
 
 def parse_send_blocks_request(raw: bytes) -> pb.SendBlocksRequest | str:

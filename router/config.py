@@ -61,6 +61,10 @@ class RouterConfig:
     max_tokens_limit: int | None = None     # --max-tokens-limit: default and cap of max_tokens; None = the context
     grpc_idle_timeout_s: float = 300.0      # a gRPC connection with no call is closed after this
     migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
+    # Disaggregated serving (router/routing/disagg.py): prompts with fewer uncached tokens on their decode
+    # worker skip the prefill hop; the hop (prefill + hand-off) takes at most the timeout.
+    disagg_min_prompt_tokens: int = 256
+    disagg_transfer_timeout_s: float = 10.0
     share_pending: bool = False             # replicas: share pending blocks through Redis (router/routing/replicas.py)
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)
@@ -88,6 +92,11 @@ class RouterConfig:
         if isinstance(self.migration_limit, bool) or not isinstance(self.migration_limit, int) \
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit={self.migration_limit!r} must be an integer >= 0")
+        d = self.disagg_min_prompt_tokens
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ValueError(f"disagg_min_prompt_tokens={d!r} must be an integer >= 0")
+        if not self.disagg_transfer_timeout_s > 0:
+            raise ValueError(f"disagg_transfer_timeout_s={self.disagg_transfer_timeout_s!r} must be > 0")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be >= 0")
         check_load_factor(self.load_factor)

@@ -59,6 +59,13 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-pending", action="store_true", default=_DEFAULTS["share_pending"],
                    help="for router replicas behind one Service: share each request's pending blocks with the "
                         "other routers through Redis, so that all predict as one (docs/operations.md)")
+    p.add_argument("--disagg-min-prompt-tokens", type=int, default=_DEFAULTS["disagg_min_prompt_tokens"],
+                   help="disaggregated serving (prefill and decode workers live): a prompt with fewer uncached "
+                        "tokens on its decode worker skips the prefill hop and is computed there")
+    p.add_argument("--disagg-transfer-timeout-s", type=float, default=_DEFAULTS["disagg_transfer_timeout_s"],
+                   help="disaggregated serving: the longest the prefill hop (the prefill worker computing the "
+                        "prompt, then the decode worker fetching its KV) may take; past it, or when the prefill "
+                        "worker dies, the decode worker computes the prompt itself")
     add_auth_arguments(p)
     add_limit_arguments(p)
 

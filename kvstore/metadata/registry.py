@@ -36,6 +36,7 @@ from typing import NamedTuple, cast
 
 from redis.typing import EncodableT, FieldT
 
+from contracts.roles import WorkerRole
 from kvstore.events import WorkerId
 from kvstore.metadata.connection import (
     AsyncClient,
@@ -148,7 +149,8 @@ def check_worker_id(worker_id: str) -> None:
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
     """What the router needs to route to a worker. `load` is not stored in the record: it
-    is the value of the worker's last heartbeat, filled in by `live_workers`."""
+    is the value of the worker's last heartbeat, filled in by `live_workers`. `role`: the
+    worker's `contracts.roles.WorkerRole` spelling (a record without one is "mixed")."""
 
     worker_id: WorkerId
     address: str
@@ -158,9 +160,11 @@ class WorkerRecord:
     hash_salt_hex: str
     epoch: int
     load: float = 0.0
+    role: str = WorkerRole.MIXED.value
 
     def __post_init__(self) -> None:
         check_worker_id(self.worker_id)
+        WorkerRole.parse(self.role)
         if not isinstance(self.address, str) or ":" not in self.address:
             raise ValueError(f"address={self.address!r} is not HOST:PORT")
         for name in ("block_size", "num_blocks", "epoch"):
@@ -175,7 +179,7 @@ class WorkerRecord:
     def to_fields(self) -> dict[str, str]:
         return {"worker_id": self.worker_id, "address": self.address, "model": self.model,
                 "block_size": str(self.block_size), "num_blocks": str(self.num_blocks),
-                "hash_salt_hex": self.hash_salt_hex, "epoch": str(self.epoch)}
+                "hash_salt_hex": self.hash_salt_hex, "epoch": str(self.epoch), "role": self.role}
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, str], load: float = 0.0) -> WorkerRecord:
@@ -183,7 +187,8 @@ class WorkerRecord:
         try:
             return cls(WorkerId(fields["worker_id"]), fields["address"], fields["model"],
                        int(fields["block_size"]), int(fields["num_blocks"]),
-                       fields["hash_salt_hex"], int(fields["epoch"]), load)
+                       fields["hash_salt_hex"], int(fields["epoch"]), load,
+                       WorkerRole.parse(fields.get("role", "")).value)
         except (KeyError, ValueError) as e:
             raise MetadataError(f"bad worker record {dict(fields)!r}: {e}") from None
 

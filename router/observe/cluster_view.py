@@ -1,10 +1,12 @@
 """`GET /v1/cluster`: the cluster at a glance as JSON, for people and for the
 dashboard (router/observe/dashboard.py). Per worker (one `GetLoad` per live worker at request time):
-device pool and host-tier usage, blocks by tier, running/waiting, prompt and cached tokens and
-hit rate, preemptions, peer fetches, and its TTFT p50/p99 over the last minute as the router's
-clients saw it. The router: requests by worker/policy/outcome, predicted vs served hit tokens,
-requests per tenant, the block index's event stream (with Redis), and the hottest prompt
-prefixes with the workers that hold them (block index) and the workers they were routed to.
+its role (prefill | decode | mixed), device pool and host-tier usage, blocks by tier,
+running/waiting, prompt and cached tokens and hit rate, preemptions, peer fetches, and its TTFT
+p50/p99 over the last minute as the router's clients saw it. The router: requests by
+worker/policy/outcome, predicted vs served hit tokens, prefill hops (disaggregated serving:
+handed off, skipped, failed), requests per tenant, the block index's event stream (with Redis),
+and the hottest prompt prefixes with the workers that hold them (block index) and the workers
+they were routed to.
 
 Scoped to the caller (`Authenticator.viewer`): without API keys, and for a key flagged `admin`,
 every tenant, with a text preview of each hot prefix; for any other key only its own tenant's
@@ -163,6 +165,8 @@ class ClusterView:
                              for (w, p, o), n in sorted(requests.items())],
                 "predicted_hit_tokens": s.routed_hit_tokens, "served_hit_tokens": s.actual_hit_tokens,
                 "hit_mismatches": s.mismatches, "peer_hints": s.peer_hints,
+                "disagg": {"handoffs": self._router.disagg.handoffs, "skipped": self._router.disagg.skips,
+                           "failures": self._router.disagg.failures},
                 "tenants": [{"tenant": t, "admitted": limiter.admitted.get(t, 0),
                              "rejected": limiter.rejected.get(t, 0)}
                             for t in tenants],
@@ -197,7 +201,8 @@ class ClusterView:
         assert w.info is not None
         worker_id = w.info.worker_id
         recent = self.ttft.recent(worker_id)
-        out: Json = {"worker_id": worker_id, "address": w.address, "in_flight": w.in_flight,
+        out: Json = {"worker_id": worker_id, "address": w.address, "role": w.info.role.value,
+                     "in_flight": w.in_flight,
                      "ttft_p50_s": percentile(recent, 50), "ttft_p99_s": percentile(recent, 99),
                      "ttft_samples": len(recent), "index_blocks": self._index_blocks(worker_id),
                      "hit_prediction": self._router.predictions.shown(worker_id)._asdict()}

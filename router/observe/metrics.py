@@ -34,6 +34,7 @@ from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.fronts.openai.client_errors import CLIENT_ERRORS, ClientErrors
 from router.observe.cluster_view import ClusterView, RequestKey
 from router.observe.dashboard import add_dashboard_routes
+from router.observe.disagg_metrics import DisaggMetrics
 from router.routing.core import RouteObserver, Router
 from router.routing.types import RouteRequest
 from router.security.auth import ANONYMOUS, ApiKey, TenantId, authenticator_for
@@ -72,6 +73,8 @@ class RouterMetrics(RouteObserver):
         self.migrations = Counter("kvmesh:router_migrations", "Requests moved to another worker mid-stream "
                                   "(their worker died or became unreachable)", ("worker_id",), registry=r)
         r.register(_CoreCollector(router))
+        self.disagg = DisaggMetrics(router, r)   # the prefill hop's observer (router/routing/disagg.py)
+        router.disagg.observer = self.disagg
         self.request_counts: dict[RequestKey, int] = {}   # (tenant, worker_id, policy, outcome), for /v1/cluster
         self.cluster = ClusterView(router, self.request_counts)
         self._router = router

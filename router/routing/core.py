@@ -27,6 +27,7 @@ from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
+from router.routing.disagg import Disaggregation, decode_pool, is_active
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.inflight import InFlightPrefills
 from router.routing.migrate import (
@@ -142,6 +143,7 @@ class Router:
         self.draining = False
         self.prefills = InFlightPrefills()   # pending blocks and prefill queues
         self.predictions = HitPredictions()  # predicted vs served hits per worker; corrects the index
+        self.disagg = Disaggregation(registry, cfg.disagg_min_prompt_tokens, cfg.disagg_transfer_timeout_s)
 
     @property
     def model_info(self) -> pb.ModelInfo | None:
@@ -227,6 +229,8 @@ class Router:
                 worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
                 self.observer.picked(rid, route, worker_id)
+                if not progress.resubmits:
+                    pick = await self._hand_off(rid, request, route, pick, deadline)
                 try:
                     attempt_stream = self._attempt(rid, request, route, pick, deadline, progress)
                     async with contextlib.aclosing(attempt_stream) as attempt:
@@ -393,7 +397,7 @@ class Router:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
         cached, and the peer to hint when another live worker holds more of the prompt."""
         state, stored, peers = self._routing_view(route)
-        chosen = self.policy.pick(self.live_workers(), route, state, exclude=tried)
+        chosen = self.policy.pick(decode_pool(self.live_workers()), route, state, exclude=tried)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
         info = self.model_info
@@ -404,6 +408,23 @@ class Router:
         hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
         fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
         return Pick(self.registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
+
+    async def _hand_off(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
+                        deadline: float) -> Pick:
+        """In a disaggregated cluster, the prefill hop before `pick`'s decode worker streams
+        (router/routing/disagg.py): `pick` with a hand-off hint, or as it is (hop skipped or failed)."""
+        workers, info = self.live_workers(), self.model_info
+        if not is_active(workers) or pick.worker.info is None or info is None or not info.block_size:
+            return pick
+        state, _, peers = self._routing_view(route)
+        plan = self.disagg.plan(workers, self.policy, route, state, peers, pick.worker.info.worker_id,
+                                pick.predicted_tokens + pick.fetched_tokens,
+                                request.sampling.HasField("prompt_logprobs"), info.block_size)
+        hint = await self.disagg.prefill(rid, request, plan, deadline) if plan is not None else None
+        if hint is None:
+            return pick
+        fetched = max(0, hint.num_blocks * info.block_size - pick.predicted_tokens)
+        return pick._replace(hint=hint, fetched_tokens=fetched)
 
     def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
         if hint is None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from contracts.roles import WorkerRole
 from kvstore.events import WorkerId
 from kvstore.keys import BlockHash
 
@@ -40,10 +41,12 @@ class RoutingPolicy(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """A worker the router may send to: its id (from the worker) and gRPC address."""
+    """A worker the router may send to: its id (from the worker), gRPC address and role
+    (disaggregated serving, router/routing/disagg.py)."""
 
     worker_id: WorkerId
     address: str
+    role: WorkerRole = WorkerRole.MIXED
 
 
 @dataclass(frozen=True, slots=True)

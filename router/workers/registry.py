@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contracts.roles import WorkerRole
 from kvstore.metadata.registry import MetadataError, RedisConfig, redis_errors
 from kvstore.metadata.streams import EventConsumer
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
@@ -38,6 +39,7 @@ log = logging.getLogger("kvmesh.router")
 
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+_ROLES = frozenset(r.value for r in WorkerRole) | {""}
 LOST_AFTER_PROBES = 2   # unanswered probes in a row before a worker's open streams migrate
 
 
@@ -56,6 +58,7 @@ class WorkerEntry:
     num_blocks: int = 0
     reused_blocks: int = 0                  # cached blocks a later request reused
     peer_plane: bool = False                # it reported a peer plane (GetLoad's `peer`)
+    num_waiting: int = 0                    # its queue at its last GetLoad (requests waiting for admission)
     refused: str | None = None              # why it may never serve (logged once)
     lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/routing/migrate.py)
     failed_probes: int = 0                  # consecutive probes that got no answer
@@ -275,6 +278,10 @@ class WorkerRegistry:
                 w.free_blocks, w.num_blocks = load.num_free_blocks, load.num_blocks
                 w.reused_blocks = load.num_reused_blocks
                 w.peer_plane = load.HasField("peer")    # pairs of such workers form on demand
+                w.num_waiting = load.num_waiting
+                role = WorkerRole.parse(load.role) if load.role in _ROLES else WorkerRole.MIXED
+                if w.info is not None and w.info.role is not role:
+                    w.info = WorkerInfo(w.info.worker_id, w.address, role)
                 if w.info is not None:
                     return None
                 info = await w.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
@@ -288,7 +295,7 @@ class WorkerRegistry:
                 return w.refused
             if self.model_info is None:
                 self.model_info = info
-            w.info = WorkerInfo(WorkerId(load.worker_id), w.address)
+            w.info = WorkerInfo(WorkerId(load.worker_id), w.address, role)
             w.lost = asyncio.Event()
             self._rejoin_index(w.info.worker_id)
             log.info("kvmesh router: worker %s at %s is ready", load.worker_id, w.address)

@@ -197,3 +197,21 @@ def test_requests_of_one_new_prefix_arriving_together_compute_it_once(tiny_model
     for p in (a, b):
         plain.add_request(prompt_input(p, GREEDY))
     assert len(plain.step()) == 2 and plain.stats().num_prefix_waits == 0
+
+
+def test_a_prefill_only_request_caches_its_prompt_and_samples_nothing(tiny_model_dir):
+    from dataclasses import replace
+    e = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=128,
+                            max_num_batched_tokens=8, check_integrity=True))   # chunked: 3 prefill steps
+    prompt = [(5 * j) % 250 + 3 for j in range(21)]
+    rid = e.add_request(replace(prompt_input(prompt, GREEDY, request_id="pre"), prefill_only=True))
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    assert [(o.request_id, o.finished, o.token_ids) for o in outs] == [(rid, True, ())]
+    assert e.store.pool.num_used_blocks == 0
+    # the decode side of a hand-off: the whole prompt but its last token is a hit, the tokens are a cold run's
+    hit = e.generate(prompt, GREEDY)[0]
+    cold = Engine(EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=4, num_blocks=128)).generate(
+        prompt, GREEDY)[0]
+    assert hit.num_cached_tokens == 20 and hit.token_ids == cold.token_ids

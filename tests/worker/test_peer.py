@@ -67,6 +67,9 @@ def test_plan_fetch_weighs_link_against_prefill() -> None:
     assert plan_fetch(H, 2, 3, [_hint(0, 10)], _view()).block_hashes == tuple(H[2:5])
     assert plan_fetch(H[:6], 2, 100, [_hint(0, 10)], _view()).block_hashes == tuple(H[2:6])
     assert plan_fetch(H, 2, 100, [_hint(0, 4)], _view()).block_hashes == tuple(H[2:4])
+    # a hand-off (force): the blocks are fetched even where recomputing looks cheaper
+    forced = plan_fetch(H, 2, 100, [_hint(0, 10)], _view(bandwidth=5e7), force=True)
+    assert forced.decision is Decision.FETCH and forced.block_hashes == tuple(H[2:10])
 
 
 def test_plan_fetch_ignores_unusable_hints() -> None:

@@ -156,7 +156,7 @@ class Engine:
         if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
-                      cache_salt_root(spec.cache_salt), tenant=spec.tenant)
+                      cache_salt_root(spec.cache_salt), tenant=spec.tenant, prefill_only=spec.prefill_only)
         if resumed:
             resume(req, resumed, self.tokenizer, self.model_config.vocab_size, self.device)
         self.requests[request_id] = req
@@ -191,10 +191,11 @@ class Engine:
         forward = self._execute(batch)
         sample_reqs, logits = forward.sample_reqs, forward.logits
         outputs: list[RequestOutput] = []
-        if any(r.params.max_tokens == 0 for r in sample_reqs):   # prompt logprobs only (echo)
-            keep = [i for i, r in enumerate(sample_reqs) if r.params.max_tokens > 0]
+        # prompt logprobs only (echo), or a prefill-only request (disaggregated serving): no sampling
+        if any(r.params.max_tokens == 0 or r.prefill_only for r in sample_reqs):
+            keep = [i for i, r in enumerate(sample_reqs) if r.params.max_tokens > 0 and not r.prefill_only]
             for req in sample_reqs:
-                if req.params.max_tokens == 0:
+                if req.params.max_tokens == 0 or req.prefill_only:
                     self._finish(req, FinishReason.LENGTH)
                     outputs.append(self._output(req))
             sample_reqs, logits = [sample_reqs[i] for i in keep], logits[keep]

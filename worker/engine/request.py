@@ -119,6 +119,7 @@ class Request:
     sent_logprobs: int = 0
     sent_prompt_logprobs: bool = False
     tenant: TenantShare = NO_TENANT             # who sent it: fair share and cache cap (worker.engine.fairness)
+    prefill_only: bool = False                  # finishes once its prompt is computed, sampling nothing
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

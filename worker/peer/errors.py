@@ -2,6 +2,9 @@
 codes). Torch-free."""
 from __future__ import annotations
 
+import enum
+from typing import NamedTuple
+
 
 class PeerError(Exception):
     """Base of the peer-transfer errors a caller handles."""
@@ -17,3 +20,19 @@ class PeerTransferOff(PeerError):
 
 class PeerUnavailable(PeerError):
     """The peer's control plane did not answer (down, refused, timed out)."""
+
+
+class FetchCause(enum.Enum):
+    """Why a fetch that was tried brought nothing usable (the `cause` label of the worker's
+    hand-off failure metric)."""
+
+    UNAVAILABLE = "unavailable"     # the peer's control plane did not answer (down, refused, timed out)
+    NOT_HELD = "not_held"           # the peer holds none of the blocks (evicted, never computed)
+    TRANSFER = "transfer"           # forming the pair or the transfer itself failed (lost peer, timeout)
+    BAD_CHECKSUM = "bad_checksum"   # the first block arrived corrupted
+    TIMEOUT = "timeout"             # a hand-off's `timeout_s` ran out (worker/server/generate_stream.py)
+
+
+class FetchFailure(NamedTuple):
+    cause: FetchCause
+    why: str

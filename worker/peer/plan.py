@@ -80,10 +80,11 @@ class PlanView(NamedTuple):
 
 
 def plan_fetch(hashes: Sequence[BlockHash], num_local: int, host_capacity: int,
-               hints: Sequence[PeerHint], view: PlanView) -> FetchPlan:
+               hints: Sequence[PeerHint], view: PlanView, force: bool = False) -> FetchPlan:
     """Fetch or recompute the prompt blocks after the `num_local` held here? The hint with the
     most blocks among other workers; at most `host_capacity` blocks (what the host tier can
-    stage); the peer's measured link, else `ASSUMED_LINK`. Pure arithmetic."""
+    stage); the peer's measured link, else `ASSUMED_LINK`; `force` fetches whatever the cost
+    model says (a hand-off: the peer computed them for this request). Pure arithmetic."""
     usable = [h for h in hints if h.worker_id and h.worker_id != view.worker_id]
     if not usable:
         return FetchPlan(Decision.NO_PEER, None, (), num_local, 0.0, 0.0)
@@ -96,5 +97,5 @@ def plan_fetch(hashes: Sequence[BlockHash], num_local: int, host_capacity: int,
     extra = want - num_local
     fetch_s = cost.fetch_s(extra, view.bytes_per_block)
     recompute_s = cost.recompute_s(extra * view.block_size)
-    decision = Decision.FETCH if fetch_s < recompute_s else Decision.RECOMPUTE
+    decision = Decision.FETCH if force or fetch_s < recompute_s else Decision.RECOMPUTE
     return FetchPlan(decision, hint, tuple(hashes[num_local:want]), num_local, fetch_s, recompute_s)

@@ -56,7 +56,7 @@ from kvstore.transfer.pairs import Pairs, Slot
 from worker.engine.async_engine import AsyncEngine, CountHeld, StageBlocks
 from worker.kernels import native
 from worker.peer.config import AskPeer, Fetched, PeerConfig, PeerCounters, PeerFigures
-from worker.peer.errors import InvalidPeerRequest, PeerUnavailable
+from worker.peer.errors import FetchCause, FetchFailure, InvalidPeerRequest, PeerUnavailable
 from worker.peer.plan import Decision, FaultPlan, FetchPlan, PlanView, good_leading_run, plan_fetch
 
 if TYPE_CHECKING:
@@ -188,9 +188,12 @@ class PeerPlane:
                         self.spec.bytes_per_block, self.block_size)
 
     async def fetch(self, ae: AsyncEngine, token_ids: Sequence[int], hints: Sequence[PeerHint],
-                    ask: AskPeer, cache_salt: str = "") -> Fetched | None:
-        """Fetch what the cost model says to; None when nothing usable arrived (or was asked).
-        `cache_salt` is the request's (the hashes must be the ones its admission looks up)."""
+                    ask: AskPeer, cache_salt: str = "", force: bool = False,
+                    on_failed: Callable[[FetchFailure], None] | None = None) -> Fetched | None:
+        """Fetch what the cost model says to (everything the hint holds and this worker lacks
+        with `force`: a disaggregated hand-off); None when nothing usable arrived (or was
+        asked). `cache_salt` is the request's (the hashes must be the ones its admission looks
+        up). `on_failed` hears why a fetch that was tried brought nothing usable."""
         bs = self.block_size
         # admission recomputes at least the last prompt token: only blocks before it count
         hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, self.salt,
@@ -199,7 +202,7 @@ class PeerPlane:
         num_local = await ae.run(CountHeld(tuple(hashes)))
         # stage no more than the host tier holds beside this prompt's own blocks (which may
         # be there too): storing more would push the prompt's head out of its LRU
-        plan = plan_fetch(hashes, num_local, max(self.host_num_blocks - num_local, 0), hints, self.view())
+        plan = plan_fetch(hashes, num_local, max(self.host_num_blocks - num_local, 0), hints, self.view(), force)
         self._record_plan(plan)
         if plan.decision is not Decision.FETCH:
             return None
@@ -207,14 +210,16 @@ class PeerPlane:
         t0 = time.perf_counter()
         try:
             stored = await self._pull(plan, plan.hint, ask)
+            if isinstance(stored, FetchFailure):
+                if on_failed is not None:
+                    on_failed(stored)
+                return None
         finally:
             elapsed = time.perf_counter() - t0
             with self._lock:
                 self._c.fetch_seconds += elapsed
             if self.fetch_observer is not None:
                 self.fetch_observer(elapsed)
-        if stored is None:
-            return None
         keep, blocks = stored
         return Fetched(StageBlocks(tuple(keep), blocks), plan.num_local, len(keep))
 
@@ -243,7 +248,7 @@ class PeerPlane:
         return self.pairs.new_receiving(sender_id), True
 
     async def _ask(self, hint: PeerHint, plan: FetchPlan, transfer_id: int,
-                   ask: AskPeer) -> tuple[Slot, PairGroup, int] | str:
+                   ask: AskPeer) -> tuple[Slot, PairGroup, int] | FetchFailure:
         """Ask the peer to send on our pair with it (one retry on a new pair when it knows
         ours no more); the pair ready to receive on and the blocks coming, or why none."""
         for _ in range(2):
@@ -254,10 +259,14 @@ class PeerPlane:
                           sender_id=hint.worker_id, sender_generation=0 if old is None else old.peer.generation)
             try:
                 answer = await ask(hint.address, plan.block_hashes, transfer_id, fields)
+            except asyncio.CancelledError:   # a hand-off's deadline: a new slot must not stay forming
+                if new:
+                    self.pairs.abandon(slot)
+                raise
             except PeerUnavailable as e:
                 if new:
                     self.pairs.abandon(slot)
-                return f"SendBlocks to {hint.address}: {e}"
+                return FetchFailure(FetchCause.UNAVAILABLE, f"SendBlocks to {hint.address}: {e}")
             if answer.pair_unknown and not new:
                 assert old is not None
                 self._broken(old, f"{hint.worker_id} knows pair {slot.key} no more")
@@ -265,7 +274,8 @@ class PeerPlane:
             if answer.num_blocks <= 0:
                 if new:
                     self.pairs.abandon(slot)
-                return f"{hint.worker_id} sends none of the {len(plan.block_hashes)} blocks"
+                return FetchFailure(FetchCause.NOT_HELD,
+                                    f"{hint.worker_id} sends none of the {len(plan.block_hashes)} blocks")
             if not new:
                 assert old is not None
                 return slot, old, answer.num_blocks
@@ -273,15 +283,15 @@ class PeerPlane:
                 pair = await asyncio.to_thread(self.pairs.form_receiving, slot,
                                                PeerId(hint.worker_id, answer.generation))
             except TransferError as e:
-                return str(e)
+                return FetchFailure(FetchCause.TRANSFER, str(e))
             return slot, pair, answer.num_blocks
-        return f"{hint.worker_id} knows none of our pairs"
+        return FetchFailure(FetchCause.UNAVAILABLE, f"{hint.worker_id} knows none of our pairs")
 
     async def _pull(self, plan: FetchPlan, hint: PeerHint,
-                    ask: AskPeer) -> tuple[list[BlockHash], torch.Tensor] | None:
+                    ask: AskPeer) -> tuple[list[BlockHash], torch.Tensor] | FetchFailure:
         transfer_id = next(self._ids) % (MAX_TRANSFER_ID + 1)
         asked = await self._ask(hint, plan, transfer_id, ask)
-        if isinstance(asked, str):
+        if isinstance(asked, FetchFailure):
             return self._failed(asked)
         _, pair, n = asked
         # Post the receive at once and never cancel it: a send nobody receives breaks the pair.
@@ -289,7 +299,7 @@ class PeerPlane:
         try:
             got = await asyncio.shield(asyncio.wrap_future(future))
         except TransferError as e:
-            return self._failed(str(e))
+            return self._failed(FetchFailure(FetchCause.TRANSFER, str(e)))
         k = good_leading_run(got.block_hashes, got.ok, plan.block_hashes)
         with self._lock:
             self._c.blocks_bad += len(got.bad_indices)
@@ -299,14 +309,14 @@ class PeerPlane:
             log.warning("from %s: %d of %d blocks usable (bad: %s); recomputing the rest",
                         pair.peer, k, n, got.bad_indices)
         if k == 0:
-            return None
+            return FetchFailure(FetchCause.BAD_CHECKSUM, f"block 0 of {n} from {pair.peer} failed its check")
         return list(plan.block_hashes[:k]), got.blocks[:, :, :k]   # [L, 2, k, bs, H, D]
 
-    def _failed(self, why: str) -> None:
-        log.warning("fetch failed, recomputing: %s", why)
+    def _failed(self, failure: FetchFailure) -> FetchFailure:
+        log.warning("fetch failed (%s), recomputing: %s", failure.cause.value, failure.why)
         with self._lock:
             self._c.fetch_failures += 1
-        return None
+        return failure
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A real request computed `num_tokens` prompt tokens before its first token in

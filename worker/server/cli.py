@@ -74,6 +74,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "loop has made no progress for this long")
     g.add_argument("--max-step-failures", type=int, default=3,
                    help="not live once this many engine steps in a row raised")
+    g.add_argument("--role", default="mixed", choices=["prefill", "decode", "mixed"],
+                   help="disaggregated serving: prefill = computes prompts whose KV a decode worker fetches over "
+                        "the peer plane; decode = streams tokens of prompts a prefill worker computed; "
+                        "mixed (default) = both, for its own requests")
     g.add_argument("--cpu-affinity", default=None, metavar="CPUS",
                    help="pin the worker to these CPUs (e.g. 0 or 0-1,3) before its engine starts; the engine "
                         "then runs one thread per CPU unless --threads is set")
@@ -132,7 +136,8 @@ def run_worker(args: argparse.Namespace) -> int:
                                  max_step_failures=args.max_step_failures,
                                  stall_file=os.environ.get("KVMESH_TEST_STALL_FILE") or None,
                                  drain_handover=args.drain_handover, warm_start_mb_s=args.warm_start_mb_s,
-                                 cluster_token=token_from(args.cluster_token), tls=tls_from_args(args))
+                                 cluster_token=token_from(args.cluster_token), tls=tls_from_args(args),
+                                 role=args.role)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
     configure_logging(args.log_format)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from contracts.cluster_token import check_token
+from contracts.roles import WorkerRole
 from contracts.tls import PLAINTEXT, TlsConfig
 
 
@@ -20,7 +21,9 @@ class WorkerServerConfig:
     free port); `transfer_faults` is for tests only (worker.peer.config.PeerConfig).
     Liveness (worker/server/liveness.py): not live once the engine loop has not beaten for
     `liveness_timeout_s` or `max_step_failures` engine steps in a row raised; `stall_file` is
-    a test hook only (worker/engine/async_engine.py: the engine thread blocks while it exists)."""
+    a test hook only (worker/engine/async_engine.py: the engine thread blocks while it exists).
+    `role` (a `WorkerRole` or its spelling): what the router sends it (disaggregated serving);
+    it is in the worker's registry record, its GetLoad and its metrics."""
 
     host: str = "127.0.0.1"
     port: int = 0                        # 0 = a free port, returned by start()
@@ -45,9 +48,11 @@ class WorkerServerConfig:
     # Cluster authentication (worker/server/cluster_auth.py): the token every Worker RPC then needs, and TLS.
     cluster_token: str | None = field(default=None, repr=False)
     tls: TlsConfig = PLAINTEXT
+    role: WorkerRole = WorkerRole.MIXED
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transfer_faults", tuple(self.transfer_faults))
+        object.__setattr__(self, "role", WorkerRole.parse(self.role))
         if self.cluster_token is not None:
             check_token(self.cluster_token)
         if self.tls.ca is not None and not self.tls.serves_tls:

@@ -1,7 +1,13 @@
 """One `Generate` call on a worker: the message → the request spec (contracts `GenerateInput`,
 built once here and passed down to `Engine.add_request`) → a peer fetch of the hinted prefix
 (with peer transfer on) → the engine's outputs → `GenerateResponse` messages, the
-last with the usage figures. Feeds the worker's metrics and its running token totals (GetLoad).
+last with the usage figures.
+
+A hint with `handoff` set (disaggregated serving, router/routing/disagg.py) names the prefill
+worker that just computed this prompt: its blocks are fetched without asking the cost model,
+within the hint's `timeout_s` — past it, or when the fetch fails, the request computes what did
+not arrive here (the same tokens). A `prefill_only` request finishes once its prompt is
+computed (a final response with no tokens). Feeds the worker's metrics and its running token totals (GetLoad).
 worker/server/service.py owns the call (readiness, draining, liveness, status codes); this module only
 streams. Torch-free at import.
 """
@@ -20,10 +26,13 @@ from contracts.logs import REQUEST_ID, trace_id
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker.engine.commands import ApplyChatTemplate, Tokenize
+from worker.peer.errors import FetchCause, FetchFailure
 from worker.server.responses import stream_response
 
 if TYPE_CHECKING:
-    from contracts.requests import GenerateInput
+    from collections.abc import Sequence
+
+    from contracts.requests import GenerateInput, PeerHint
     from worker.engine.async_engine import AsyncEngine
     from worker.engine.request import RequestOutput
     from worker.peer.config import AskPeer, Fetched
@@ -46,6 +55,7 @@ class GenerateStreams:
         self.block_size = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.prefill_only_requests = 0
 
     async def run(self, ae: AsyncEngine, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Serve one Generate call to its end (errors propagate to the server, which maps them)."""
@@ -56,7 +66,11 @@ class GenerateStreams:
         if spec.peer_hints and self.peer is not None:
             spec = await _with_token_ids(ae, spec)   # the fetch plan hashes the prompt's blocks
             assert spec.token_ids is not None
-            fetched = await self.peer.fetch(ae, spec.token_ids, spec.peer_hints, self._ask, spec.cache_salt)
+            handoff = next((h for h in spec.peer_hints if h.handoff), None)
+            if handoff is not None:
+                fetched = await self._handoff(ae, self.peer, spec.token_ids, handoff, spec.cache_salt)
+            else:
+                fetched = await self.peer.fetch(ae, spec.token_ids, spec.peer_hints, self._ask, spec.cache_salt)
         outputs = ae.generate(spec, staged=fetched.staged if fetched is not None else None)
         t0, first = time.perf_counter(), True
         gaps = self.metrics.token_gaps() if self.metrics is not None else None
@@ -72,6 +86,10 @@ class GenerateStreams:
                 completion_tokens += out.completion_tokens if out.finished else 0
                 response = self.response(out, fetched, completion_tokens)
                 finished = response.finished
+                if finished and spec.prefill_only:
+                    self.prefill_only_requests += 1
+                    if self.metrics is not None:
+                        self.metrics.observe_prefill_only()
                 await context.write(response)
         except asyncio.CancelledError:
             if not finished:          # the caller cancelled mid-stream: counted as an abort, one line
@@ -83,6 +101,26 @@ class GenerateStreams:
             # Client cancelled or deadline passed (CancelledError here): closing the iterator
             # aborts the request and frees its blocks.
             await outputs.aclose()
+
+    async def _handoff(self, ae: AsyncEngine, peer: PeerPlane, token_ids: Sequence[int], hint: PeerHint,
+                       cache_salt: str) -> Fetched | None:
+        """Fetch the prompt's blocks from the prefill worker `hint` names, within its timeout."""
+        failures: list[FetchFailure] = []
+        t0 = time.perf_counter()
+        try:
+            fetched = await asyncio.wait_for(peer.fetch(ae, token_ids, (hint,), self._ask, cache_salt, force=True,
+                                                        on_failed=failures.append), hint.timeout_s)
+        except TimeoutError:
+            fetched = None
+            failures.append(FetchFailure(FetchCause.TIMEOUT, f"none from {hint.worker_id} in {hint.timeout_s:.1f} s"))
+            log.warning("hand-off from %s timed out after %.1f s; computing the prompt here", hint.worker_id,
+                        hint.timeout_s)
+        if self.metrics is not None:
+            if fetched is not None:
+                self.metrics.observe_handoff(fetched.num_blocks * peer.spec.bytes_per_block, time.perf_counter() - t0)
+            for failure in failures:
+                self.metrics.observe_handoff_failed(failure.cause.value)
+        return fetched
 
     def response(self, out: RequestOutput, fetched: Fetched | None = None,
                  completion_tokens: int = 0) -> pb.GenerateResponse:

@@ -135,7 +135,7 @@ class WorkerMetadata:
         epoch = self.registry.new_epoch(worker_id)
         record = WorkerRecord(worker_id=cfg.worker_id, address=address, model=engine.model_config.name,
                               block_size=engine.cfg.block_size, num_blocks=engine.store.num_blocks,
-                              hash_salt_hex=engine.salt.hex(), epoch=epoch)
+                              hash_salt_hex=engine.salt.hex(), epoch=epoch, role=cfg.role.value)
         sched = engine.scheduler
         self.heartbeater = Heartbeater(self.registry, record,
                                        load_fn=lambda: float(len(sched.running) + len(sched.waiting)))

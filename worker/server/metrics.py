@@ -10,6 +10,10 @@ Owner: `WorkerServer` builds one `WorkerMetrics` per process with its own `Colle
 - `token_gaps()`: one `TokenGaps` per request stream, fed every output: one inter-token
   latency observation per generated token after the first, as vLLM observes them per step;
 - `observe_peer_fetch(s)`: the duration of each peer fetch (the peer plane's `fetch_observer`);
+- `observe_handoff(...)` / `observe_handoff_failed(cause)` / `observe_prefill_only()`: the
+  disaggregated hand-off as the decode worker saw it (bytes, seconds, why one failed), and the
+  prefill-only requests a prefill worker finished; the worker's role is a label of
+  `kvmesh:worker_role_info` and `kvmesh:role_queue_length`;
 - `update_stats(stats, peer)`: the latest engine `Snapshot` (`EngineStats`) and peer-plane
   counters, read by a collector at scrape time (gauges, and counters the engine keeps cumulative).
 `MetricsHTTP` serves the registry on `/metrics` (prometheus_client's WSGI server in a thread),
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 LABELS = ("model_name", "worker_id")
 # vLLM's buckets for request-level latencies (seconds)
 _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_HANDOFF_BYTE_BUCKETS = tuple(float(2 ** k) for k in range(16, 34, 2))   # 64 KiB .. 8 GiB
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
@@ -71,12 +76,13 @@ class WorkerMetrics:
 
     def __init__(self, model_name: str, worker_id: str, kv_cache_dtype: str,
                  registry: CollectorRegistry | None = None, *, block_size: int = 16,
-                 eviction_policy: str = "none") -> None:
+                 eviction_policy: str = "none", role: str = "mixed") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.labels = (model_name, worker_id)
         self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         self.eviction_policy = eviction_policy   # the engine's kv_eviction (token eviction)
+        self.role = role                         # kvmesh worker --role
         self._lock = threading.Lock()
         self._stats: EngineStats | None = None
         self._peer: PeerTotals | None = None
@@ -104,6 +110,13 @@ class WorkerMetrics:
         self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
         self.peer_fetch = histogram("peer_fetch_seconds", "Duration of one peer fetch (plan to blocks staged)",
                                     _REQUEST_BUCKETS)
+        self.handoff_seconds = histogram("handoff_seconds", "Disaggregated hand-off on the decode worker: asking "
+                                         "the prefill worker to the prompt's blocks staged", _REQUEST_BUCKETS)
+        self.handoff_bytes = Histogram("kvmesh:handoff_bytes", "KV bytes one hand-off moved to this decode worker",
+                                       LABELS, buckets=_HANDOFF_BYTE_BUCKETS, registry=r)
+        self.handoff_failures = counter("handoff_failures", "Hand-offs that brought no usable block, by cause "
+                                        "(the request then computes its prompt here)", ("cause",))
+        self.prefill_only = counter("prefill_only_requests", "Prefill-only requests finished (prefill role)")
         self.handed_over = counter("kv_blocks_handed_over", "KV blocks peers pulled from this worker while it "
                                    "drained (its hottest, by recent prefix hits)")
         self.warmed = counter("kv_blocks_warmed", "KV blocks this worker pulled from its peers' hottest after it "
@@ -112,10 +125,11 @@ class WorkerMetrics:
         r.register(_StatsCollector(self))
 
     @classmethod
-    def for_engine(cls, engine: Engine, worker_id: str, registry: CollectorRegistry | None = None) -> WorkerMetrics:
+    def for_engine(cls, engine: Engine, worker_id: str, registry: CollectorRegistry | None = None,
+                   role: str = "mixed") -> WorkerMetrics:
         """The metrics of `engine` (its model, KV dtype, block size and eviction policy)."""
         return cls(engine.model_config.name, worker_id, engine.layout.kv_cache_dtype, registry,
-                   block_size=engine.cfg.block_size, eviction_policy=engine.cfg.kv_eviction)
+                   block_size=engine.cfg.block_size, eviction_policy=engine.cfg.kv_eviction, role=role)
 
     def token_gaps(self) -> TokenGaps:
         """The inter-token observer of one request stream (feed it every output)."""
@@ -124,11 +138,21 @@ class WorkerMetrics:
     def observe_peer_fetch(self, seconds: float) -> None:
         self.peer_fetch.labels(*self.labels).observe(seconds)
 
+    def observe_handoff(self, num_bytes: int, seconds: float) -> None:
+        self.handoff_bytes.labels(*self.labels).observe(num_bytes)
+        self.handoff_seconds.labels(*self.labels).observe(seconds)
+
+    def observe_handoff_failed(self, cause: str) -> None:
+        self.handoff_failures.labels(*self.labels, cause).inc()
+
     def observe_handed_over(self, num_blocks: int) -> None:
         self.handed_over.labels(*self.labels).inc(num_blocks)
 
     def observe_warmed(self, num_blocks: int) -> None:
         self.warmed.labels(*self.labels).inc(num_blocks)
+
+    def observe_prefill_only(self) -> None:
+        self.prefill_only.labels(*self.labels).inc()
 
     def observe_finished(self, out: RequestOutput, completion_tokens: int | None = None) -> None:
         """Count one finished request (call once, with its final output; `completion_tokens`:
@@ -202,9 +226,18 @@ class _StatsCollector(Collector):
                                  labels=[*LABELS, "kv_cache_dtype"])
         info.add_metric([*lv, m.kv_cache_dtype], 1.0)
         yield info
+        role = GaugeMetricFamily("kvmesh:worker_role_info", "The worker's role: prefill | decode | mixed (value 1)",
+                                 labels=[*LABELS, "role"])
+        role.add_metric([*lv, m.role], 1.0)
+        yield role
         stats, peer = m.snapshot()
         if stats is None:
             return
+        queue = GaugeMetricFamily("kvmesh:role_queue_length", "Requests waiting for admission, by the worker's "
+                                  "role (prefill workers: the prefill queue; decode workers: the decode queue)",
+                                  labels=[*LABELS, "role"])
+        queue.add_metric([*lv, m.role], stats.num_waiting)
+        yield queue
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"kvmesh:{name}", doc, labels=list(LABELS))

@@ -232,7 +232,8 @@ class WorkerServer:
 
     def _start_metrics(self, engine: Engine, ae: AsyncEngine) -> None:
         from worker.server.metrics import WorkerMetrics, refresh_forever
-        self.metrics = self._gen.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id, self._metrics_registry)
+        self.metrics = self._gen.metrics = WorkerMetrics.for_engine(engine, self.cfg.worker_id, self._metrics_registry,
+                                                                    role=self.cfg.role.value)
         if self._peer is not None:
             self._peer.fetch_observer = self.metrics.observe_peer_fetch
         self.scaling.on_handed_over = self.metrics.observe_handed_over
@@ -423,13 +424,13 @@ class WorkerServer:
         stats = await ae.snapshot(LOAD_WAIT_S)
         load = load_response(self.cfg.worker_id, stats, self._gen.prompt_tokens, self._gen.cached_prompt_tokens,
                              self._peer.figures() if self._peer is not None else None)
+        load.role, load.prefill_only_requests = self.cfg.role.value, self._gen.prefill_only_requests
         load.blocks_handed_over = self.scaling.counters.blocks_handed_over
         load.blocks_warmed = self.scaling.counters.blocks_warmed
         disk = self._engine.store.disk if self._engine is not None else None
         if disk is not None:
             load.disk_read_bytes_s = disk.stats().read_bytes_s(disk.payload_bytes)
         return load
-
 
     # -- errors ---------------------------------------------------------------------------
     async def _loaded(self, context: grpc.aio.ServicerContext) -> AsyncEngine:

@@ -103,16 +103,20 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class PeerHint(_message.Message):
-    __slots__ = ("worker_id", "address", "num_blocks", "rank")
+    __slots__ = ("worker_id", "address", "num_blocks", "rank", "handoff", "timeout_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_blocks: int
     rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    handoff: bool
+    timeout_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., handoff: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TenantShare(_message.Message):
     __slots__ = ("name", "weight", "max_cached_blocks")
@@ -125,7 +129,7 @@ class TenantShare(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., max_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt", "tenant", "resume_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt", "tenant", "resume_tokens", "prefill_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -146,7 +151,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     tenant: TenantShare
     resume_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[_Union[TenantShare, _Mapping]] = ..., resume_tokens: _Optional[int] = ...) -> None: ...
+    prefill_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[_Union[TenantShare, _Mapping]] = ..., resume_tokens: _Optional[int] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "index", "logprobs", "prompt_logprobs", "sequence_finished", "cumulative_logprob", "migrations")
@@ -250,7 +256,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks", "disk_read_bytes_s", "blocks_handed_over", "blocks_warmed")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks", "disk_read_bytes_s", "blocks_handed_over", "blocks_warmed", "role", "prefill_only_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +279,8 @@ class Load(_message.Message):
     DISK_READ_BYTES_S_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_WARMED_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -295,7 +303,9 @@ class Load(_message.Message):
     disk_read_bytes_s: float
     blocks_handed_over: int
     blocks_warmed: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ..., disk_read_bytes_s: _Optional[float] = ..., blocks_handed_over: _Optional[int] = ..., blocks_warmed: _Optional[int] = ...) -> None: ...
+    role: str
+    prefill_only_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ..., disk_read_bytes_s: _Optional[float] = ..., blocks_handed_over: _Optional[int] = ..., blocks_warmed: _Optional[int] = ..., role: _Optional[str] = ..., prefill_only_requests: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost", "worker_id")

@@ -1,0 +1,210 @@
+"""Disaggregated serving: a request's prompt computed on a prefill-role worker, its KV blocks
+handed to the decode worker over the peer plane, the tokens streamed by the decode worker.
+
+On whenever the live workers include both a prefill and a decode worker (`kvmesh worker
+--role`); a cluster of mixed workers routes exactly as without this module. Per request, after
+the core picked the decode worker (its pool: decode and mixed workers, `decode_pool`):
+
+1. `plan`: hop or skip. Skipped (and counted by reason, `SkipReason`): a prompt shorter than
+   `disagg_min_prompt_tokens`, a prompt whose uncached part on the decode worker is shorter
+   (it holds the rest, or a peer sends it), a request asking for prompt logprobs, and workers
+   without a peer plane. Otherwise the prefill worker is the routing policy's pick over the
+   prefill pool (prefix overlap and queue, the same scorers).
+2. `prefill`: the prefill worker gets the request as `prefill_only` (it computes the prompt,
+   keeps its full blocks cached, answers one final response and samples nothing), then the
+   decode worker gets the request with a `handoff` peer hint naming the prefill worker: it
+   fetches every full prompt block it lacks over their pair (authenticated, checksummed),
+   admits the request with them, computes the last prompt token and samples the first token
+   itself — one worker owns all sampling state (seeded generator, penalties, logprobs), and
+   the output is the mixed worker's, greedy or not.
+3. Bounds: from sending the prompt to the prefill worker until the decode worker holds its
+   blocks, at most `disagg_transfer_timeout_s`. The prefill call's deadline is that, and the
+   hint carries what is left of it as the decode worker's fetch timeout. A prefill worker that
+   dies (UNAVAILABLE: marked down), stalls (its deadline passes) or fails its hand-off leaves
+   the decode worker to compute the prompt itself: the request is never lost and never waits
+   longer than the bound for the hop.
+
+torch-free; the only gRPC here is the call to the prefill worker.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import grpc
+
+from contracts.logs import REQUEST_ID_HEADER
+from contracts.requests import PeerHint
+from contracts.roles import WorkerRole
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
+from router.routing.policy import Policy
+from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.workers.registry import WorkerEntry, WorkerRegistry
+
+log = logging.getLogger("kvmesh.router")
+
+MIN_FETCH_S = 0.05   # a hint with less of the hop's time left is not sent: the decode worker computes
+
+
+class SkipReason(enum.Enum):
+    """Why a request of a disaggregated cluster skipped the prefill hop (a metric label)."""
+
+    SHORT = "short"                     # prompt shorter than disagg_min_prompt_tokens
+    CACHED = "cached"                   # its uncached part on the decode worker is shorter than that
+    PROMPT_LOGPROBS = "prompt_logprobs"  # every prompt position's logits are wanted on the decode worker
+    NO_PEER_PLANE = "no_peer_plane"     # the decode worker or every prefill worker lacks a peer plane
+    NO_PREFILL_WORKER = "no_prefill_worker"   # the policy picked none (all excluded)
+
+
+class FailCause(enum.Enum):
+    """Why a prefill hop brought the decode worker nothing (a metric label); the decode worker
+    then computes the prompt."""
+
+    UNAVAILABLE = "unavailable"   # the prefill worker's call failed as unreachable (dead, restarting)
+    TIMEOUT = "timeout"           # its deadline (disagg_transfer_timeout_s) passed: stalled or too slow
+    ERROR = "error"               # it answered an error, or closed its stream unfinished
+    NO_TIME_LEFT = "no_time_left"  # prefilled, but too little of the hop's time remains for the fetch
+
+
+class DisaggObserver:
+    """What the hop tells a metrics layer (router/observe/metrics.py); this base is the null
+    observer. Called on the router's loop; must not block."""
+
+    def hop_skipped(self, reason: SkipReason) -> None:
+        """A request of a disaggregated cluster went to its decode worker without the hop."""
+
+    def hop_prefilled(self, prefill_worker_id: str, seconds: float) -> None:
+        """The prefill worker computed the prompt in `seconds` (the hand-off goes ahead)."""
+
+    def hop_failed(self, prefill_worker_id: str, cause: FailCause) -> None:
+        """The hop brought nothing; the decode worker computes the prompt."""
+
+
+class HopPlan(NamedTuple):
+    """A planned hop: the prefill worker and the full prompt blocks the decode worker is to
+    fetch from it (all but the last prompt token's, which the decode worker computes)."""
+
+    prefill: WorkerEntry
+    num_blocks: int
+
+
+def roles_present(workers: Sequence[WorkerInfo]) -> frozenset[WorkerRole]:
+    return frozenset(w.role for w in workers)
+
+
+def is_active(workers: Sequence[WorkerInfo]) -> bool:
+    """Disaggregated serving is on: the live workers include a prefill and a decode worker."""
+    roles = roles_present(workers)
+    return WorkerRole.PREFILL in roles and WorkerRole.DECODE in roles
+
+
+def decode_pool(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+    """The workers a request may decode on: all but the prefill-role ones, unless those are
+    all there is (a last resort: a prefill worker decodes like a mixed one)."""
+    pool = [w for w in workers if w.role is not WorkerRole.PREFILL]
+    return pool if pool else list(workers)
+
+
+def skip_reason(prompt_tokens: int, cached_tokens: int, min_prompt_tokens: int,
+                prompt_logprobs: bool) -> SkipReason | None:
+    """Why a request skips the hop on these figures (None: it takes it). `cached_tokens`: prompt
+    tokens the decode worker holds or will fetch from a peer anyway."""
+    if prompt_logprobs:
+        return SkipReason.PROMPT_LOGPROBS
+    if prompt_tokens < min_prompt_tokens:
+        return SkipReason.SHORT
+    if prompt_tokens - cached_tokens < min_prompt_tokens:
+        return SkipReason.CACHED
+    return None
+
+
+class Disaggregation:
+    """The prefill hop of one router (see the module docstring). `observer` is replaced by the
+    router's metrics."""
+
+    def __init__(self, registry: WorkerRegistry, min_prompt_tokens: int, transfer_timeout_s: float) -> None:
+        self.registry = registry
+        self.min_prompt_tokens = min_prompt_tokens
+        self.transfer_timeout_s = transfer_timeout_s
+        self.observer = DisaggObserver()
+        self.handoffs = 0          # hops whose hint went to the decode worker
+        self.skips = 0
+        self.failures = 0
+
+    def plan(self, workers: Sequence[WorkerInfo], policy: Policy, route: RouteRequest, state: RoutingState,
+             peers: Mapping[WorkerId, str], decode_id: WorkerId, cached_tokens: int, prompt_logprobs: bool,
+             block_size: int) -> HopPlan | None:
+        """The hop for a request whose decode worker is `decode_id` (holding or fetching anyway
+        `cached_tokens` of the prompt), or None: off (not a disaggregated cluster) or skipped
+        (counted). `peers`: the workers with a peer plane."""
+        if not is_active(workers):
+            return None
+        reason = skip_reason(len(route.token_ids), cached_tokens, self.min_prompt_tokens, prompt_logprobs)
+        pool = [w for w in workers if w.role is WorkerRole.PREFILL and w.worker_id in peers]
+        if reason is None and (decode_id not in peers or not pool):
+            reason = SkipReason.NO_PEER_PLANE
+        chosen = policy.pick(pool, route, state) if reason is None else None
+        if reason is None and chosen is None:
+            reason = SkipReason.NO_PREFILL_WORKER
+        if reason is not None or chosen is None:
+            self.skip(reason or SkipReason.NO_PREFILL_WORKER)
+            return None
+        return HopPlan(self.registry.entry(chosen.address), (len(route.token_ids) - 1) // block_size)
+
+    def skip(self, reason: SkipReason) -> None:
+        self.skips += 1
+        self.observer.hop_skipped(reason)
+
+    async def prefill(self, rid: str, request: pb.GenerateRequest, plan: HopPlan,
+                      deadline: float) -> PeerHint | None:
+        """Run the prompt on `plan.prefill` as prefill-only; the hand-off hint for the decode
+        worker, or None when the decode worker is to compute the prompt itself (counted)."""
+        entry = plan.prefill
+        assert entry.info is not None
+        prefill_id = entry.info.worker_id
+        started = time.monotonic()
+        hop_deadline = min(deadline, started + self.transfer_timeout_s)
+        message = pb.GenerateRequest()
+        message.CopyFrom(request)
+        message.request_id = f"{rid}:prefill"
+        message.prefill_only = True
+        del message.peer_hints[:]
+        cause: FailCause | None = None
+        call = None
+        entry.in_flight += 1
+        try:
+            call = entry.stub.Generate(message, timeout=max(hop_deadline - time.monotonic(), 0.001),
+                                       metadata=((REQUEST_ID_HEADER, rid),))
+            finished = False
+            async for response in call:
+                finished = finished or response.finished
+            if not finished:
+                cause = FailCause.ERROR
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                cause = FailCause.TIMEOUT
+            elif code is grpc.StatusCode.UNAVAILABLE:
+                cause = FailCause.UNAVAILABLE
+                self.registry.mark_down(entry, e.details() or "")
+            else:
+                cause = FailCause.ERROR
+            log.warning("request %s: prefill on %s failed (%s: %s); the decode worker computes the prompt",
+                        rid, prefill_id, code.name, e.details())
+        finally:
+            entry.in_flight -= 1
+            if call is not None:
+                call.cancel()       # the request went away mid-hop: the prefill worker aborts it
+        left = hop_deadline - time.monotonic()
+        if cause is None and left < MIN_FETCH_S:
+            cause = FailCause.NO_TIME_LEFT
+        if cause is not None:
+            self.failures += 1
+            self.observer.hop_failed(prefill_id, cause)
+            return None
+        self.handoffs += 1
+        self.observer.hop_prefilled(prefill_id, time.monotonic() - started)
+        return PeerHint(prefill_id, entry.address, plan.num_blocks, handoff=True, timeout_s=left)
