@@ -1,0 +1,97 @@
+"""The worker's side of disaggregated serving, for every KV cache dtype: a prefill-role
+WorkerServer computes a prompt as `prefill_only` (one final response, no tokens), a
+decode-role WorkerServer gets the request with a `handoff` hint naming it, fetches every full
+prompt block over their pair (gloo on loopback) and streams the tokens. The oracle is a
+cache-less engine of the same dtype (mixed serving, computed cold): the tokens must be equal.
+A hand-off hint to a prefill worker that never answers costs the request its `timeout_s`,
+then the decode worker computes the prompt (same tokens). The router's part and real
+processes: tests/integration/test_disagg.py."""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from tests.support.loop_thread import LoopThread
+from tests.worker.test_server import collect, request
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sampling import SamplingParams
+from worker.server.service import WorkerServer, WorkerServerConfig
+
+pytestmark = pytest.mark.server
+
+BLOCK = 4
+PROMPT = [(13 * i) % 200 + 3 for i in range(41)]      # 10 full blocks may be handed off
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _cfg(tiny_model_dir: Any, dtype: str, **kw: Any) -> EngineConfig:
+    return EngineConfig(model=str(tiny_model_dir("llama-gqa")), block_size=BLOCK, num_blocks=128,
+                        kv_cache_dtype=dtype, **kw)
+
+
+def _generate(stub: Any, req: pb.GenerateRequest) -> tuple[list[int], pb.GenerateResponse]:
+    ids, _, msgs = collect(stub.Generate(req, timeout=60))
+    return ids, msgs[-1]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8", "int8", "int4"])
+def test_a_handed_off_prompt_decodes_as_a_mixed_worker_would(tiny_model_dir: Any, dtype: str) -> None:
+    want = Engine(_cfg(tiny_model_dir, dtype, enable_prefix_caching=False)).generate(PROMPT, GREEDY)[0].token_ids
+    loop = LoopThread()
+    servers = [WorkerServer(_cfg(tiny_model_dir, dtype), WorkerServerConfig(worker_id=f"w-{role}", role=role,
+                                                                            peer_transfer=True))
+               for role in ("prefill", "decode")]
+    try:
+        ports = [loop.run(s.start()) for s in servers]
+        for s in servers:
+            loop.run(s.wait_ready(120))
+        with grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as cp, grpc.insecure_channel(f"127.0.0.1:{ports[1]}") as cd:
+            p, d = pb_grpc.WorkerStub(cp), pb_grpc.WorkerStub(cd)
+            pre = request(PROMPT, request_id="r:prefill", max_tokens=6, ignore_eos=True)
+            pre.prefill_only = True
+            ids, final = _generate(p, pre)
+            assert ids == [] and final.prompt_tokens == len(PROMPT)
+            assert p.GetLoad(pb.LoadRequest()).prefill_only_requests == 1
+            dec = request(PROMPT, request_id="r", max_tokens=6, ignore_eos=True)
+            dec.peer_hints.append(pb.PeerHint(worker_id="w-prefill", address=f"127.0.0.1:{ports[0]}",
+                                              num_blocks=10, handoff=True, timeout_s=30.0))
+            ids, final = _generate(d, dec)
+            assert tuple(ids) == want
+            assert (final.cached_tokens, final.peer_cached_tokens) == (40, 40)
+            load = d.GetLoad(pb.LoadRequest())
+            assert (load.role, load.peer.blocks_fetched, load.peer.blocks_bad) == ("decode", 10, 0)
+    finally:
+        for s in servers:
+            loop.run(s.stop(grace=1))
+        loop.close()
+
+
+def test_a_hand_off_from_a_silent_prefill_worker_costs_its_timeout(tiny_model_dir: Any) -> None:
+    want = Engine(_cfg(tiny_model_dir, "fp32", enable_prefix_caching=False)).generate(PROMPT, GREEDY)[0].token_ids
+    silent = socket.socket()     # accepts connections (the kernel's backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    loop = LoopThread()
+    server = WorkerServer(_cfg(tiny_model_dir, "fp32"), WorkerServerConfig(worker_id="w-decode", role="decode",
+                                                                           peer_transfer=True))
+    try:
+        port = loop.run(server.start())
+        loop.run(server.wait_ready(120))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as cd:
+            dec = request(PROMPT, max_tokens=6, ignore_eos=True)
+            dec.peer_hints.append(pb.PeerHint(worker_id="w-silent", address=f"127.0.0.1:{silent.getsockname()[1]}",
+                                              num_blocks=10, handoff=True, timeout_s=1.5))
+            t0 = time.monotonic()
+            ids, final = _generate(pb_grpc.WorkerStub(cd), dec)
+            elapsed = time.monotonic() - t0
+        assert tuple(ids) == want and final.peer_cached_tokens == 0
+        assert 1.4 < elapsed < 20
+    finally:
+        loop.run(server.stop(grace=1))
+        loop.close()
+        silent.close()
