@@ -19,6 +19,7 @@ from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from kvstore.metadata.streams import EventConsumer
 from router.index.blocks import BlockIndex
 from tests.kvstore.test_metadata import PoolWorker, cfg_for, run_scenario, synced
+from tests.support.redis_server import RedisServer
 from tests.support.redis_topologies import PASSWORD, RedisClusterNodes, RedisSentinelGroup
 
 # ---- URL forms (no Redis) -----------------------------------------------------------------
@@ -59,10 +60,10 @@ def worker_ids_on(cluster: RedisClusterNodes, cfg: RedisConfig, node: int, n: in
 
 @pytest.mark.redis
 def test_cluster_mode_is_detected_from_any_node(redis_cluster: RedisClusterNodes,
-                                                redis_server: object) -> None:
+                                                redis_server: RedisServer) -> None:
     for node in redis_cluster.primaries:
         assert SyncLink(node.url, ClientOptions(1.0)).cluster
-    assert not SyncLink(getattr(redis_server, "url"), ClientOptions(1.0)).cluster
+    assert not SyncLink(redis_server.url, ClientOptions(1.0)).cluster
 
     async def detect() -> bool:
         link = AsyncLink(redis_cluster.nodes[2].url, ClientOptions(1.0))
