@@ -8,7 +8,8 @@ the next request for that prefix to the same worker before the worker's `BlockSt
 arrive. Replicas behind one Service see different requests, so without sharing each predicts
 only its own. `PendingLog` carries three kinds of `PendingNote` per request attempt: SENT
 (worker, blocks, prompt tokens the worker computes), PREFILLED (its first response came) and
-DONE (it ended; `streamed` says whether it got as far as a response). The router side
+DONE (it ended; `streamed` says whether it got as far as a response); and ALIVE, a router's
+heartbeat, so that the others end the attempts of a router that died. The router side
 (router/routing/replicas.py) applies other routers' notes to its index and prefill queue.
 
 Entries carry no secrets; the stream is trimmed to about `maxlen` entries. A reader starts at
@@ -34,6 +35,7 @@ class NoteKind(enum.Enum):
     SENT = "sent"
     PREFILLED = "prefilled"
     DONE = "done"
+    ALIVE = "alive"
 
 
 class PendingNote(NamedTuple):

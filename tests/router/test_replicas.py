@@ -1,7 +1,7 @@
 """Router replicas that share pending blocks (router/routing/replicas.py over
 kvstore/metadata/pending.py) on a real redis-server: router A's attempt shows in router B's
 index as pending blocks, its prefill queue and sustained load, B's request for the same prefix
-waits for A's prefill, and A's DONE (or, for a router that died, the pending TTL) ends it.
+waits for A's prefill, and A's DONE ends it (for a router that died: its missed heartbeats).
 Without sharing B sees nothing of A's request (the gap `kvmesh bench routing-live --routers`
 measures)."""
 from __future__ import annotations
@@ -83,24 +83,34 @@ def test_one_routers_attempt_is_pending_in_the_others_index(redis_server: RedisS
     asyncio.run(go())
 
 
-def test_the_attempt_of_a_router_that_died_ends_after_the_pending_ttl(redis_server: RedisServer) -> None:
+def test_the_attempts_of_a_router_that_died_end_when_its_heartbeats_stop(redis_server: RedisServer) -> None:
     async def go() -> None:
         cfg = RedisConfig(url=redis_server.url, cluster_name="rep")
-        prefills, index = InFlightPrefills(InFlightConfig(pending_ttl_s=0.5)), CompactBlockIndex()
-        shared = SharedPending(cfg, prefills, index, router_id="b")
+        prefills, index = InFlightPrefills(InFlightConfig(pending_ttl_s=60.0)), CompactBlockIndex()
+        shared = SharedPending(cfg, prefills, index, router_id="b", alive_s=0.1, dead_after_s=1.0)
         shared.start()
+        alive = SharedPending(cfg, InFlightPrefills(), CompactBlockIndex(), router_id="a", alive_s=0.1)
+        alive.start()
         dead = PendingLog(cfg, "gone")
+        other = RouteRequest((), (BlockHash(0x900),))
         try:
             await asyncio.sleep(0.2)
             await dead.publish([PendingNote(NoteKind.SENT, "gone", "req-9", W1, ROUTE.block_hashes, 33)])
-            await _until(lambda: "gone/req-9" in index.pending_requests(), "the dead router's attempt")
+            alive.prefills.dispatched(alive.index, "req-1", W0, other, predicted_tokens=0)
+            await _until(lambda: {"gone/req-9", "a/req-1"} <= set(index.pending_requests()), "both attempts")
             assert prefills.queued_tokens(index, [W1], RouteRequest((), ()))[W1] == 33
-            await _until(lambda: prefills.queued_tokens(index, [W1], RouteRequest((), ()))[W1] == 0,
-                         "its end after the pending TTL", timeout=5.0)
-            prefills.expire(index)
+            # B waits on the dead router's prefill only until its heartbeats are missed
+            prefills.dispatched(index, "req-2", W1, ROUTE, predicted_tokens=32)
+            t0 = time.monotonic()
+            await asyncio.wait_for(prefills.wait_for_leaders("req-2", 30.0), 5.0)
+            assert time.monotonic() - t0 < 2.0
             assert "gone/req-9" not in index.pending_requests()
+            assert prefills.queued_tokens(index, [W1], RouteRequest((), ()))[W1] == 1
+            await asyncio.sleep(1.2)                    # the live router's attempt stays
+            assert "a/req-1" in index.pending_requests()
         finally:
             await dead.aclose()
+            await alive.stop()
             await shared.stop()
 
     asyncio.run(go())
