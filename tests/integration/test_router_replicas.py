@@ -4,9 +4,9 @@ balancer as behind a Kubernetes Service. Clients keep one gRPC channel each (one
 pinned to one router) and send requests back to back; one router is SIGKILLed under load.
 
 What a client sees: its requests in flight on the killed router end with UNAVAILABLE ("Stream
-removed (Socket closed)": the balancer cuts the connection); it retries, its channel reconnects through the balancer, which has taken
-the dead router out, and the survivor serves the request. No request is lost: every one
-completes within a few retries."""
+removed (Socket closed)": the balancer cuts the connection); it retries, its channel
+reconnects through the balancer, which has taken the dead router out, and the survivor serves
+the request. No request is lost: every one completes within a few retries."""
 from __future__ import annotations
 
 import re
