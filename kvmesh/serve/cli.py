@@ -26,7 +26,15 @@ from worker.cli import add_engine_arguments
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serve")
-    g.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    g.add_argument("--workers", type=int, default=None,
+                   help="number of mixed worker processes (default: 2, or 0 with --prefill-workers/--decode-workers)")
+    g.add_argument("--prefill-workers", type=int, default=0,
+                   help="workers started with --role prefill: they compute prompts and hand the KV to a decode worker")
+    g.add_argument("--decode-workers", type=int, default=0,
+                   help="workers started with --role decode: they take handed-off prompts and stream the tokens")
+    g.add_argument("--cpu-affinity-per-worker", action="store_true",
+                   help="pin each worker to its own share of the CPUs (kvmesh worker --cpu-affinity), one thread "
+                        "per CPU; with --ray, each share of its node's CPUs")
     add_address_arguments(g)
     g.add_argument("--redis-url", default=None, help="metadata Redis (default: start a redis-server child)")
     g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
@@ -77,7 +85,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     reads them (a bad value fails here, before anything starts) and handed to it as given."""
     try:
         routing_config(args)
-        return ServeConfig(workers=args.workers, model=args.model, host=args.host, grpc_port=args.grpc_port,
+        return ServeConfig(workers=_mixed_workers(args), prefill_workers=args.prefill_workers,
+                           decode_workers=args.decode_workers, cpu_affinity_per_worker=args.cpu_affinity_per_worker,
+                           model=args.model, host=args.host, grpc_port=args.grpc_port,
                            http_port=args.http_port, redis_url=args.redis_url, cluster_name=args.cluster_name,
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,
                            startup_timeout_s=args.startup_timeout_s,
@@ -87,6 +97,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                            log_format=args.log_format)
     except ValueError as e:
         raise CLIError(flagify(str(e)).replace("--api-keys:", "--api-key:")) from None
+
+
+def _mixed_workers(args: argparse.Namespace) -> int:
+    """--workers, defaulting to 2 mixed workers unless prefill or decode workers are asked for."""
+    if args.workers is not None:
+        return int(args.workers)
+    return 0 if args.prefill_workers or args.decode_workers else 2
 
 
 def ray_config_from_args(args: argparse.Namespace) -> RayServeConfig:

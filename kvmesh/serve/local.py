@@ -3,8 +3,10 @@
 `LocalCluster` is a `kvmesh.serve.supervise.Cluster` whose workers are `kvmesh worker` children of
 this process (`LocalPlacement`): started in parallel, each learning its port from the worker's
 stdout line; with N > 1 each runs with --peer-transfer (pairs of workers form on demand, so a
-restarted worker takes part again). Workers bind 127.0.0.1; Redis and the router are the
-cluster's (supervise.py).
+restarted worker takes part again). Each runs with its role (--role prefill|decode, none for a
+mixed one) and, with `cpu_affinity_per_worker`, --cpu-affinity on its own share of the CPUs this
+process may use (kvmesh.serve.roles); a restart keeps both. Workers bind 127.0.0.1; Redis and the
+router are the cluster's (supervise.py).
 
 This module imports no torch: the workers load their engines in their own processes.
 """
@@ -18,8 +20,10 @@ from pathlib import Path
 
 from contracts.cluster_token import masked
 from kvmesh.serve.processes import Child, LaunchError, free_port, spawn, terminate
+from kvmesh.serve.roles import affinity_argv, role_argv, split_cpus
 from kvmesh.serve.supervise import Cluster, PartExited, ServeConfig, Supervisor
 from kvstore.metadata.registry import parse_redis_url
+from worker.server.affinity import format_cpu_list
 
 __all__ = ["LaunchError", "LocalCluster", "LocalPlacement", "ServeConfig", "run_serve"]
 
@@ -33,15 +37,21 @@ class LocalPlacement:
     def __init__(self) -> None:
         self._workers: list[Child] = []
         self._ports: list[int] = []     # where each worker serves (and is restarted)
+        self.cpus: tuple[tuple[int, ...], ...] | None = None   # each worker's CPUs when pinned
         self.metrics_ports: list[int] = []   # each worker's Prometheus /metrics (worker/server/metrics.py)
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         return _LOOPBACK
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
-        self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.workers)]
-        for i in range(cfg.workers):
-            argv = _worker_argv(cfg, f"worker-{i}", 0, self.metrics_ports[i], _peer_argv(cfg.workers))
+        if cfg.cpu_affinity_per_worker:
+            try:
+                self.cpus = split_cpus(sorted(os.sched_getaffinity(0)), cfg.num_workers)
+            except ValueError as e:
+                raise LaunchError(f"--cpu-affinity-per-worker: {e}") from None
+        self.metrics_ports = [free_port(_LOOPBACK) for _ in range(cfg.num_workers)]
+        for i in range(cfg.num_workers):
+            argv = self._worker_argv(cfg, i, 0)
             self._workers.append(spawn(log_dir, f"worker-{i}", argv, env=cfg.child_env(redis_url)))
         addresses = []
         for w in self._workers:
@@ -57,12 +67,17 @@ class LocalPlacement:
         """`name` again on its port; with peer transfer, as a new peer (a new generation): its
         old pairs are gone, and the next fetch with it forms new ones."""
         i = next(i for i, w in enumerate(self._workers) if w.name == name)
-        self._workers[i] = spawn(log_dir, name, _worker_argv(cfg, name, self._ports[i], self.metrics_ports[i],
-                                             _peer_argv(cfg.workers)),
-                                 append=True, env=cfg.child_env(redis_url))
+        self._workers[i] = spawn(log_dir, name, self._worker_argv(cfg, i, self._ports[i]), append=True,
+                                 env=cfg.child_env(redis_url))
 
     def pids(self) -> dict[str, int]:
         return {w.name: w.proc.pid for w in self._workers}
+
+    def _worker_argv(self, cfg: ServeConfig, i: int, port: int) -> list[str]:
+        """Worker i's command line: its role, its CPUs when pinned, its ports."""
+        extra = [*_peer_argv(cfg.num_workers), *role_argv(cfg.roles[i]),
+                 *affinity_argv(self.cpus[i] if self.cpus is not None else None)]
+        return _worker_argv(cfg, f"worker-{i}", port, self.metrics_ports[i], extra)
 
     def stop(self, timeout_s: float) -> None:
         terminate(self._workers, timeout_s)
@@ -81,22 +96,23 @@ def _peer_argv(num_workers: int) -> list[str]:
     return ["--peer-transfer"] if num_workers > 1 else []
 
 
-def _worker_argv(cfg: ServeConfig, name: str, port: int, metrics_port: int, peer_argv: list[str]) -> list[str]:
+def _worker_argv(cfg: ServeConfig, name: str, port: int, metrics_port: int, extra: list[str]) -> list[str]:
     """One local worker's command line; its secrets (Redis URL, cluster token) go by environment."""
     return [cfg.python, "-m", "kvmesh.cli", "worker", "--host", _LOOPBACK, "--port", str(port),
             "--metrics-port", str(metrics_port), "--log-format", cfg.log_format, "--worker-id", name,
             "--cluster-name", cfg.cluster_name,
-            "--model", cfg.model, *peer_argv, *cfg.worker_tls_argv(), *_threads_argv(cfg), *cfg.engine_argv]
+            "--model", cfg.model, *extra, *cfg.worker_tls_argv(), *_threads_argv(cfg), *cfg.engine_argv]
 
 
 def _threads_argv(cfg: ServeConfig) -> list[str]:
     """Each local worker's share of the cores this process may use (`--threads`), unless the
-    engine flags set it: N workers each running every core's worth of threads would make
-    2N threads take turns on N cores, and a worker's prefill would stall the others' decode
-    (vLLM's CPU backend binds each worker to its own cores for the same reason)."""
-    if any(a.split("=", 1)[0] == "--threads" for a in cfg.engine_argv):
+    engine flags set it or the workers are pinned (a pinned worker runs one thread per CPU
+    it has): N workers each running every core's worth of threads would make 2N threads take
+    turns on N cores, and a worker's prefill would stall the others' decode (vLLM's CPU backend
+    binds each worker to its own cores for the same reason)."""
+    if cfg.cpu_affinity_per_worker or any(a.split("=", 1)[0] == "--threads" for a in cfg.engine_argv):
         return []
-    return ["--threads", str(max(1, len(os.sched_getaffinity(0)) // max(1, cfg.workers)))]
+    return ["--threads", str(max(1, len(os.sched_getaffinity(0)) // max(1, cfg.num_workers)))]
 
 
 
@@ -106,7 +122,7 @@ def run_serve(cfg: ServeConfig) -> int:
     exit 1); always stop every child."""
     cluster = LocalCluster(cfg)
     redis_note = "" if cfg.redis_url else " (embedded redis-server)"
-    print(f"kvmesh serve: starting redis, {cfg.workers} worker(s) on {cfg.model} and a router "
+    print(f"kvmesh serve: starting redis, {_workers_note(cfg)} on {cfg.model} and a router "
           "(loading takes a while)...", flush=True)
     return Supervisor(cluster, "serve", lambda: _print_addresses(cluster, redis_note), poll_s=0.5).run()
 
@@ -119,12 +135,16 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
     ca = cfg.tls.ca if cfg.tls.serves_tls else None
     ca_flag, ca_curl = (f" --tls-ca {ca}", f" --cacert {ca}") if ca is not None else ("", "")
     print("\n".join([
-        f"kvmesh serve: ready — {cfg.workers} worker(s), cluster {cfg.cluster_name}",
+        f"kvmesh serve: ready — {_workers_note(cfg)}, cluster {cfg.cluster_name}",
         f"  gRPC     {cluster.grpc_target}",
         f"  HTTP     {cluster.http_base_url}",
         f"  redis    {parse_redis_url(cluster.redis_url).redacted()}{redis_note}",
         f"  security {_security_note(cfg)}",
         f"  workers  {' '.join(cluster.worker_addresses)}",
+        *([f"  roles    {' '.join(f'worker-{i}={r.value}' for i, r in enumerate(cfg.roles))}"]
+          if cfg.prefill_workers or cfg.decode_workers else []),
+        *([f"  cpus     {' '.join(f'worker-{i}={format_cpu_list(c)}' for i, c in enumerate(cpus))}"]
+          if (cpus := cluster.local_placement.cpus) is not None else []),
         f"  dashboard {cluster.http_base_url.removesuffix('/v1')}/dashboard",
         f"  metrics  {cluster.http_base_url.removesuffix('/v1')}/metrics (router)",
         *(f"           http://{_LOOPBACK}:{port}/metrics (worker-{i})"
@@ -137,6 +157,14 @@ def _print_addresses(cluster: LocalCluster, redis_note: str) -> None:
         f"-d {shlex.quote(body)}",
         "  Ctrl-C stops everything.",
     ]), flush=True)
+
+
+def _workers_note(cfg: ServeConfig) -> str:
+    """'2 worker(s)', or '1 prefill + 1 decode worker(s)' (with the mixed ones when any)."""
+    if not (cfg.prefill_workers or cfg.decode_workers):
+        return f"{cfg.workers} worker(s)"
+    parts = [f"{cfg.prefill_workers} prefill", f"{cfg.decode_workers} decode"]
+    return " + ".join(parts + ([f"{cfg.workers} mixed"] if cfg.workers else [])) + " worker(s)"
 
 
 def _security_note(cfg: ServeConfig) -> str:

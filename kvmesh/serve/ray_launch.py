@@ -10,7 +10,9 @@ per bundle running a WorkerServer. Everything Ray-side lives in the namespace
 actors and the placement group there, nothing else.
 
 With more than one worker, each gets KVMESH_PEER_TRANSFER=1 in its environment before its
-engine is built (pairs of workers form on demand, as under `kvmesh serve`).
+engine is built (pairs of workers form on demand, as under `kvmesh serve`). Each actor serves
+with its role (kvmesh.serve.roles) and, with `cpu_affinity_per_worker`, pins itself to its share
+of its node's CPUs: the workers placed on one node split that node's CPUs between them.
 When every bundle lands on the driver's node, workers and redis bind 127.0.0.1; otherwise
 they bind their node's IP (Ray's node address) so the other nodes can reach them.
 
@@ -35,9 +37,11 @@ from typing import Any
 from contracts.cluster_token import TOKEN_ENV, token_from
 from contracts.tls import PLAINTEXT, TlsConfig
 from kvmesh.serve.processes import LaunchError
+from kvmesh.serve.roles import Role, split_cpus
 from kvmesh.serve.supervise import Cluster, PartExited, ServeConfig, Supervisor
 from kvstore.metadata.registry import parse_redis_url
 from worker.cli import add_engine_arguments, engine_config_from_args
+from worker.server.affinity import pin_process
 from worker.server.cli import peer_flags_from_env
 from worker.server.service import WorkerServer, WorkerServerConfig
 
@@ -97,6 +101,8 @@ class WorkerSpec:
     startup_timeout_s: float
     port: int = 0          # 0: a free port; a replacement actor serves where its predecessor did
     tls: TlsConfig = PLAINTEXT   # mutual TLS with --tls-ca (the files must exist on the actor's node)
+    role: Role = Role.MIXED
+    cpu_share: tuple[int, int] | None = None   # (i, n): pinned to share i of n of its node's CPUs
 
 
 class WorkerActor:
@@ -114,17 +120,23 @@ class WorkerActor:
         return _LOOPBACK if loopback else ray.util.get_node_ip_address()
 
     def start(self, spec: WorkerSpec) -> str:
-        """Set the env, load the engine, serve; returns the address the router dials."""
+        """Set the env (and the CPU affinity), load the engine, serve; returns the address the
+        router dials."""
         os.environ.update(dict(spec.env))
         parser = argparse.ArgumentParser(add_help=False)
         add_engine_arguments(parser)
-        engine_cfg = engine_config_from_args(parser.parse_args(["--model", spec.model, *spec.engine_argv]))
+        args = parser.parse_args(["--model", spec.model, *spec.engine_argv])
+        if spec.cpu_share is not None:
+            cpus = split_cpus(sorted(os.sched_getaffinity(0)), spec.cpu_share[1])[spec.cpu_share[0]]
+            pin_process(cpus)
+            args.threads = args.threads or len(cpus)
+        engine_cfg = engine_config_from_args(args)
         host = self.host(spec.loopback)
         peer = peer_flags_from_env(os.environ)   # KVMESH_PEER_TRANSFER, from spec.env
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
             host=host, port=spec.port, worker_id=spec.worker_id, redis_url=spec.redis_url,
             cluster_name=spec.cluster_name, peer_transfer=peer.peer_transfer, transfer_port=peer.transfer_port,
-            cluster_token=token_from(None), tls=spec.tls))   # KVMESH_CLUSTER_TOKEN, from spec.env
+            cluster_token=token_from(None), tls=spec.tls, role=spec.role))   # token: spec.env
 
         async def go() -> int:
             port = await server.start()
@@ -160,6 +172,7 @@ class RayPlacement:
         self._actors: list[Any] = []
         self._addresses: list[str] = []      # where each actor serves, by index
         self._specs: list[WorkerSpec] = []   # what each actor was started with, by index
+        self._nodes: dict[int, str] = {}     # bundle (worker) index -> Ray node id
 
     def prepare(self, cfg: ServeConfig, deadline: float) -> str:
         """Connect, reserve one bundle per worker; Redis binds loopback if every bundle is here."""
@@ -172,23 +185,24 @@ class RayPlacement:
                               f"--cluster-name {cfg.cluster_name}, or pick another --cluster-name)")
         self._gpu = ray.cluster_resources().get("GPU", 0) > 0
         bundle = {"GPU": self.cfg.gpus_per_worker} if self._gpu else {"CPU": self.cfg.cpus_per_worker}
-        self._pg = ray.util.placement_group([dict(bundle) for _ in range(cfg.workers)],
+        self._pg = ray.util.placement_group([dict(bundle) for _ in range(cfg.num_workers)],
                                             strategy=self.cfg.placement_strategy, name=namespace)
         try:
             ray.get(self._pg.ready(), timeout=max(deadline - time.monotonic(), 1.0))
         except ray.exceptions.GetTimeoutError:
-            raise LaunchError(f"placement group of {cfg.workers} x {bundle} ({self.cfg.placement_strategy}) not "
+            raise LaunchError(f"placement group of {cfg.num_workers} x {bundle} ({self.cfg.placement_strategy}) not "
                               f"placed within {cfg.startup_timeout_s:.0f} s; cluster has "
                               f"{ray.available_resources()}") from None
         here = ray.get_runtime_context().get_node_id()
-        self._loopback = set(ray.util.placement_group_table(self._pg)["bundles_to_node_id"].values()) == {here}
+        self._nodes = dict(ray.util.placement_group_table(self._pg)["bundles_to_node_id"])
+        self._loopback = set(self._nodes.values()) == {here}
         return _LOOPBACK if self._loopback else ray.util.get_node_ip_address()
 
     def start_workers(self, cfg: ServeConfig, redis_url: str, log_dir: Path, deadline: float) -> tuple[str, ...]:
         import ray
-        for index in range(cfg.workers):
+        for index in range(cfg.num_workers):
             self._actors.append(self._new_actor(index))
-        specs = worker_specs(cfg, redis_url, self._loopback)
+        specs = worker_specs(cfg, redis_url, self._loopback, self._nodes)
         self._specs = specs
         started = [a.start.remote(s) for a, s in zip(self._actors, specs)]
         try:
@@ -332,7 +346,7 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
     actor or redis goes (exit 1 — e.g. after `--stop` from elsewhere); always tear down."""
     cluster = RayCluster(cfg)
     serve = cfg.serve
-    print(f"kvmesh serve --ray: placing {serve.workers} worker(s) on {serve.model} "
+    print(f"kvmesh serve --ray: placing {serve.num_workers} worker(s) on {serve.model} "
           f"(namespace {cfg.namespace}; loading takes a while)...", flush=True)
 
     def banner() -> None:
@@ -340,14 +354,15 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
         gcs = ray.get_runtime_context().gcs_address
         local = "RAY_AUTH_MODE=disabled " if cfg.address is None and "RAY_ADDRESS" not in os.environ else ""
         print("\n".join([
-            f"kvmesh serve --ray: ready — {serve.workers} worker actor(s), cluster {serve.cluster_name}",
+            f"kvmesh serve --ray: ready — {serve.num_workers} worker actor(s), cluster {serve.cluster_name}",
             f"  gRPC       {cluster.grpc_target}",
             f"  HTTP       {cluster.http_base_url}",
             f"  redis      {parse_redis_url(cluster.redis_url).redacted()}"
             f"{'' if serve.redis_url else ' (embedded redis-server)'}",
             f"  workers    {' '.join(cluster.worker_addresses)}",
+            f"  roles      {' '.join(f'worker-{i}={r.value}' for i, r in enumerate(serve.roles))}",
             f"  ray        {gcs}{' (a local Ray started here)' if local else ''}",
-            f"  namespace  {cfg.namespace} (actors worker-0..{serve.workers - 1}, "
+            f"  namespace  {cfg.namespace} (actors worker-0..{serve.num_workers - 1}, "
             f"placement group {cfg.namespace})",
             f"  try:  kvmesh client generate --target {cluster.grpc_target} --chat \"What is a KV cache?\"",
             f"  Ctrl-C stops everything; from elsewhere: {local}kvmesh serve --ray --stop --ray-address {gcs} "
@@ -357,14 +372,24 @@ def run_ray_serve(cfg: RayServeConfig) -> int:
     return Supervisor(cluster, "serve --ray", banner, poll_s=1.0).run()
 
 
-def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool) -> list[WorkerSpec]:
+def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool,
+                 nodes: dict[int, str] | None = None) -> list[WorkerSpec]:
     """One spec per worker actor: the peer plane (with more than one worker) and the cluster
-    token by environment, and with --tls-ca the same TLS files as `kvmesh serve`'s local
-    workers (mutual TLS)."""
+    token by environment, with --tls-ca the same TLS files as `kvmesh serve`'s local workers
+    (mutual TLS), its role, and with `cpu_affinity_per_worker` its share of its node's CPUs
+    (`nodes`: worker index -> node id; the workers of one node split it, in index order)."""
     token = ((TOKEN_ENV, cfg.cluster_token),) if cfg.cluster_token is not None else ()
-    peer = (("KVMESH_PEER_TRANSFER", "1"),) if cfg.workers > 1 else ()
+    peer = (("KVMESH_PEER_TRANSFER", "1"),) if cfg.num_workers > 1 else ()
+    node_of = nodes if nodes is not None else dict.fromkeys(range(cfg.num_workers), "")
+    shares: list[tuple[int, int] | None] = [None] * cfg.num_workers
+    if cfg.cpu_affinity_per_worker:
+        for index in range(cfg.num_workers):
+            peers = sorted(i for i, n in node_of.items() if n == node_of[index])
+            shares[index] = (peers.index(index), len(peers))
     return [WorkerSpec(worker_id=f"worker-{index}", model=cfg.model, engine_argv=cfg.engine_argv,
                        redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=loopback,
                        env=(*peer, *token),
-                       startup_timeout_s=cfg.startup_timeout_s, tls=cfg.tls if cfg.tls.ca is not None else PLAINTEXT)
-            for index in range(cfg.workers)]
+                       startup_timeout_s=cfg.startup_timeout_s, tls=cfg.tls if cfg.tls.ca is not None else PLAINTEXT,
+                       role=cfg.roles[index], cpu_share=shares[index])
+            for index in range(cfg.num_workers)]
+

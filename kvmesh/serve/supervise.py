@@ -100,8 +100,11 @@ class ServeConfig:
                 raise ValueError(f"{name}={port!r} must be in [0, 65535] (0 = a free port)")
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ValueError(f"http_port={self.http_port} is also the grpc_port")
-        if self.redis_url is not None:
-            parse_redis_url(self.redis_url)   # redis://, rediss:// (one node or any cluster node), redis+sentinel://
+        if self.redis_url is not None:   # redis://, rediss:// (one node or any cluster node), redis+sentinel://
+            try:
+                parse_redis_url(self.redis_url)
+            except ValueError as e:
+                raise ValueError(f"redis_url: {e}") from None
         if not self.cluster_name or any(c.isspace() for c in self.cluster_name):
             raise ValueError(f"cluster_name={self.cluster_name!r} must be non-empty without spaces")
         owned = ("--model", "--worker-id", "--port", "--host", "--cluster-token", "--tls-cert", "--tls-key",

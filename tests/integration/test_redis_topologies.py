@@ -26,8 +26,10 @@ from typing import Any
 import openai
 import pytest
 
+from kvmesh.serve.local import LocalCluster
 from kvmesh.serve.processes import Child, spawn, terminate
-from kvstore.metadata.registry import RedisConfig
+from kvmesh.serve.supervise import ServeConfig
+from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from tests.kvstore.test_metadata_topologies import worker_ids_on
 from tests.support.redis_topologies import RedisClusterNodes, RedisSentinelGroup
 
@@ -186,3 +188,24 @@ def test_workers_and_router_through_sentinel_survive_a_failover(
     base = _start(tmp_path, children, {"w-a": redis_sentinel.url, "w-b": redis_sentinel.url},
                   router_url=redis_sentinel.url)
     _routes_and_survives_failover(base, redis_sentinel.kill_primary, children)
+
+
+def test_kvmesh_serve_on_a_redis_cluster(redis_cluster: RedisClusterNodes) -> None:
+    """`kvmesh serve --redis-url <a cluster node>` (LocalCluster, what the command runs): no embedded
+    redis-server; both workers register on the cluster, their keys on the primaries of their hash
+    tags; the router routes a repeated question to the worker that cached it."""
+    name = "serve-on-cluster"
+    cfg = ServeConfig(workers=2, grpc_port=0, http_port=0, cluster_name=name, redis_url=redis_cluster.nodes[1].url,
+                      engine_argv=("--num-blocks", "96"))
+    with LocalCluster(cfg) as served:
+        assert "redis" not in served.pids and served.redis_url == redis_cluster.nodes[1].url
+        base = served.http_base_url.removesuffix("/v1")
+        registry = WorkerRegistry(RedisConfig(redis_cluster.nodes[2].url, name))
+        try:
+            assert {r.worker_id for r in registry.live_workers()} == {"worker-0", "worker-1"}
+        finally:
+            registry.close()
+        _until("the router routes to both workers",
+               lambda: len([w for w in _cluster(base)["workers"] if w.get("up")]) == 2, 60, [])
+        _repeat_hits(base, "How long does customs clearance take?")
+        _until("the index matches the workers", lambda: _index_exact(base), 30, [])
