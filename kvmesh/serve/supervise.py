@@ -38,6 +38,7 @@ from contracts.logs import LogFormat
 from contracts.tls import PLAINTEXT, TlsConfig, tls_argv
 from kvmesh.serve.processes import Child, LaunchError, dial_host, port_free, spawn, start_redis, terminate
 from kvmesh.serve.restarts import RestartConfig, RestartPolicy, RestartTracker, Verdict
+from kvmesh.serve.roles import Role, worker_roles
 from kvstore.metadata.registry import parse_redis_url
 from router.flags import GRPC_PORT, HTTP_PORT
 
@@ -53,9 +54,14 @@ class ServeConfig:
     `engine_argv` are worker engine flags passed verbatim to every worker (e.g.
     ("--kv-cache-memory-gib", "0.25")); `model` goes to the workers and the router (its
     tokenizer). `redis_url=None` starts an embedded redis-server. `log_dir=None` keeps child
-    logs in a temp dir removed by stop()."""
+    logs in a temp dir removed by stop(). `workers` mixed workers, `prefill_workers` with
+    --role prefill and `decode_workers` with --role decode (kvmesh.serve.roles: the order);
+    `cpu_affinity_per_worker` pins each to its own share of the CPUs it is placed on."""
 
     workers: int = 2
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    cpu_affinity_per_worker: bool = False
     model: str = "smollm2"
     host: str = "127.0.0.1"
     grpc_port: int = GRPC_PORT
@@ -88,8 +94,15 @@ class ServeConfig:
             raise ValueError(f"log_format={self.log_format!r}; accepted: {', '.join(f.value for f in LogFormat)}")
         object.__setattr__(self, "engine_argv", tuple(self.engine_argv))
         object.__setattr__(self, "router_argv", tuple(self.router_argv))
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers={self.workers!r} must be >= 1")
+        for name in ("workers", "prefill_workers", "decode_workers"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) \
+                    or getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
+        if self.num_workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be >= 1 (with no --prefill-workers/--decode-workers)")
+        if self.prefill_workers and not (self.decode_workers or self.workers):
+            raise ValueError(f"prefill_workers={self.prefill_workers}: a prefill worker hands its requests to a "
+                             "decode (or mixed) worker; add --decode-workers")
         if not self.model:
             raise ValueError("model is empty")
         if not self.host:
@@ -108,13 +121,22 @@ class ServeConfig:
         if not self.cluster_name or any(c.isspace() for c in self.cluster_name):
             raise ValueError(f"cluster_name={self.cluster_name!r} must be non-empty without spaces")
         owned = ("--model", "--worker-id", "--port", "--host", "--cluster-token", "--tls-cert", "--tls-key",
-                 "--tls-ca", "--redis-url")
+                 "--tls-ca", "--redis-url", "--role", "--cpu-affinity")
         if any(a.split("=", 1)[0] in owned for a in self.engine_argv):
             raise ValueError(f"engine_argv={self.engine_argv!r} may not set {'/'.join(owned)}")
         for name in ("startup_timeout_s", "stop_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
 
+    @property
+    def num_workers(self) -> int:
+        """Workers of every role."""
+        return self.prefill_workers + self.decode_workers + self.workers
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The role of each worker, by index (worker-<i>)."""
+        return worker_roles(self.prefill_workers, self.decode_workers, self.workers)
 
     def child_env(self, redis_url: str) -> dict[str, str]:
         """The secrets a router or worker child gets, by environment (never argv)."""

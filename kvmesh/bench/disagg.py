@@ -1,0 +1,217 @@
+"""`kvmesh bench disagg`: prefill/decode disaggregation against mixed serving on the same cores.
+
+Two clusters, one after the other, each worker pinned to its own CPUs (`kvmesh serve
+--cpu-affinity-per-worker`): `mixed` (2 mixed workers) and `disaggregated` (1 prefill + 1 decode
+worker; the router's `--disagg-min-prompt-tokens` is `min_prompt_tokens`, so the long prompts
+take the prefill hop and the streams' short prompts skip it). The workload, through the router's
+gRPC API (greedy, ignore_eos): `streams` closed-loop streams decoding all the time (each a fresh
+`stream_prompt_tokens`-token prompt and `stream_output_tokens` tokens), while uncached prompts of
+`prompt_tokens` tokens (`long_output_tokens` tokens each) arrive at a steady `arrival_rate` per
+second for `window_s` seconds. Both modes see the same prompts (same seed).
+
+Per mode (kvmesh.bench.disagg_measure.Window): TTFT p50/p99 of the arriving long prompts, ITL
+p50/p99 over every request's token gaps, output tok/s and req/s over the window's wall time, and
+`handoff_s_mean`, the decode workers' hand-off seconds per handed-off request (their
+`kvmesh:handoff_seconds`; 0 when nothing was handed off), with the router's hop counters.
+
+The sweep runs a shorter window per (prompt length, arrival rate) on the same two clusters;
+`crossover` says, per rate, the shortest prompt at which disaggregation pays (ITL p99 below
+mixed's with output tok/s at least `min_tok_ratio` of mixed's), and the shortest that pays at
+every rate: what the router's `--disagg-min-prompt-tokens` default follows.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from contracts.cli import CLIError
+from kvmesh.bench.disagg_measure import Load, Window, run_window, warm_up
+from kvmesh.bench.report import emit
+from kvmesh.serve.local import LocalCluster, ServeConfig
+
+MODES = ("mixed", "disaggregated")
+KEYS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_tok_s", "req_s", "handoff_s_mean")
+TARGET_ITL_P99_RATIO = 0.5     # disaggregated ITL p99 <= 0.5x mixed
+TARGET_TOK_RATIO = 0.8         # with output tok/s >= 0.8x mixed
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    streams: int = 2
+    stream_prompt_tokens: int = 24
+    stream_output_tokens: int = 64
+    prompt_tokens: int = 2000
+    long_output_tokens: int = 8
+    arrival_rate: float = 0.2
+    window_s: float = 60.0
+    sweep_prompt_tokens: tuple[int, ...] = (256, 1000, 2000)
+    sweep_rates: tuple[float, ...] = (0.1, 0.3)
+    sweep_window_s: float = 30.0
+    min_prompt_tokens: int = 64          # the disaggregated router's --disagg-min-prompt-tokens
+    kv_cache_memory_gib: float = 0.5
+    min_tok_ratio: float = TARGET_TOK_RATIO
+    model: str = "smollm2"
+    seed: int = 0
+    modes: tuple[str, ...] = MODES
+
+    def __post_init__(self) -> None:
+        for name in ("streams", "stream_prompt_tokens", "stream_output_tokens", "prompt_tokens",
+                     "long_output_tokens", "min_prompt_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name in ("arrival_rate", "window_s", "sweep_window_s", "kv_cache_memory_gib", "min_tok_ratio"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if any(t < 1 for t in self.sweep_prompt_tokens) or any(not r > 0 for r in self.sweep_rates):
+            raise ValueError(f"sweep_prompt_tokens={self.sweep_prompt_tokens!r} / sweep_rates={self.sweep_rates!r} "
+                             "must be positive")
+        if self.stream_prompt_tokens >= self.min_prompt_tokens:
+            raise ValueError(f"stream_prompt_tokens={self.stream_prompt_tokens} must be below min_prompt_tokens="
+                             f"{self.min_prompt_tokens} (the streams skip the prefill hop)")
+        short = [t for t in (self.prompt_tokens, *self.sweep_prompt_tokens) if t < self.min_prompt_tokens]
+        if short:
+            raise ValueError(f"prompt_tokens={short[0]} is below min_prompt_tokens={self.min_prompt_tokens}: "
+                             "it would skip the prefill hop")
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"modes={','.join(self.modes)!r}; accepted: {', '.join(MODES)}")
+
+
+QUICK = DisaggConfig(stream_output_tokens=32, prompt_tokens=1000, arrival_rate=0.25, window_s=24.0,
+                     sweep_prompt_tokens=(128, 512, 1000), sweep_rates=(0.25,), sweep_window_s=12.0)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("disagg", help="prefill/decode disaggregation vs mixed workers on the same pinned cores: "
+                                      "TTFT, ITL, tok/s, hand-off seconds, and the crossover")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="a run of a few minutes (shorter windows, a smaller sweep)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="tokens of each arriving prompt")
+    p.add_argument("--arrival-rate", type=float, default=None, help="arriving prompts per second")
+    p.add_argument("--streams", type=int, default=None, help="streams decoding all the time")
+    p.add_argument("--window-s", type=float, default=None, help="seconds of arrivals per measurement")
+    p.add_argument("--sweep-prompt-tokens", default=None, help="comma-separated prompt lengths of the sweep")
+    p.add_argument("--sweep-rates", default=None, help="comma-separated arrival rates of the sweep ('' = no sweep)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> DisaggConfig:
+    base = QUICK if args.quick else DisaggConfig()
+    given: dict[str, Any] = {f: getattr(args, f) for f in ("prompt_tokens", "arrival_rate", "streams", "window_s")
+                             if getattr(args, f) is not None}
+    try:
+        if args.sweep_prompt_tokens is not None:
+            given["sweep_prompt_tokens"] = tuple(int(x) for x in args.sweep_prompt_tokens.split(",") if x.strip())
+        if args.sweep_rates is not None:
+            given["sweep_rates"] = tuple(float(x) for x in args.sweep_rates.split(",") if x.strip())
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        return replace(base, model=args.model, seed=args.seed, modes=modes, **given)
+    except ValueError as e:
+        raise CLIError(_flag_of(str(e))) from None
+
+
+def _flag_of(message: str) -> str:
+    field = message.split("=", 1)[0].split()[-1] if "=" in message else ""
+    return f"--{field.replace('_', '-')}: {message}" if field else message
+
+
+def run(args: argparse.Namespace) -> int:
+    return emit(run_disagg(config_from_args(args)), args.json)
+
+
+def run_disagg(cfg: DisaggConfig) -> dict[str, Any]:
+    """Every mode on a fresh cluster: its main window, then the sweep; the JSON of the module
+    docstring (`mixed`, `disaggregated`, `sweep`, `crossover`, `targets`, `config`)."""
+    print(f"kvmesh bench disagg: {json.dumps(asdict(cfg))}", file=sys.stderr)
+    loads = [("main", Load(cfg.prompt_tokens, cfg.arrival_rate, cfg.window_s))]
+    loads += [(f"sweep-{t}-{r:g}", Load(t, r, cfg.sweep_window_s))
+              for t in cfg.sweep_prompt_tokens for r in cfg.sweep_rates]
+    windows: dict[str, dict[str, Window]] = {}
+    for mode in cfg.modes:
+        with LocalCluster(serve_config(cfg, mode)) as cluster:
+            windows[mode] = asyncio.run(_measure(cfg, cluster, loads))
+    out: dict[str, Any] = {mode: windows[mode]["main"].summary() for mode in cfg.modes}
+    sweep = [_sweep_point(cfg, load, {m: windows[m][name] for m in cfg.modes})
+             for name, load in loads[1:]]
+    out["sweep"] = sweep
+    out["crossover"] = crossover(sweep, cfg.sweep_rates)
+    if set(MODES) <= set(cfg.modes):
+        out["targets"] = targets(out["mixed"], out["disaggregated"])
+        out["outputs_equal_frac"] = windows["mixed"]["main"].equal_frac(windows["disaggregated"]["main"])
+    out["config"] = asdict(cfg)
+    return out
+
+
+def serve_config(cfg: DisaggConfig, mode: str) -> ServeConfig:
+    """The cluster of one mode: two workers pinned to their own CPUs, mixed or prefill + decode."""
+    roles = dict(workers=2) if mode == "mixed" else dict(workers=0, prefill_workers=1, decode_workers=1)
+    return ServeConfig(**roles, cpu_affinity_per_worker=True, model=cfg.model, grpc_port=0, http_port=0,  # type: ignore[arg-type]
+                       engine_argv=("--kv-cache-memory-gib", str(cfg.kv_cache_memory_gib)), startup_timeout_s=900.0,
+                       router_argv=("--disagg-min-prompt-tokens", str(cfg.min_prompt_tokens)),
+                       cluster_name=f"disagg-{mode}-{random.randrange(10**9)}")
+
+
+async def _measure(cfg: DisaggConfig, cluster: LocalCluster, loads: list[tuple[str, Load]]) -> dict[str, Window]:
+    metrics = tuple(f"http://127.0.0.1:{p}/metrics" for p in cluster.local_placement.metrics_ports)
+    await warm_up(cluster.grpc_target, cfg)
+    out = {}
+    for i, (name, load) in enumerate(loads):
+        out[name] = await run_window(cluster.grpc_target, cluster.http_base_url, metrics, cfg, load,
+                                     seed=cfg.seed * 1000 + i)
+    return out
+
+
+def _sweep_point(cfg: DisaggConfig, load: Load, by_mode: dict[str, Window]) -> dict[str, Any]:
+    point: dict[str, Any] = {"prompt_tokens": load.prompt_tokens, "arrival_rate": load.rate}
+    for mode, w in by_mode.items():
+        s = w.summary()
+        point[mode] = {k: s[k] for k in ("ttft_p50_s", "itl_p99_s", "output_tok_s", "handoff_s_mean")}
+    if set(MODES) <= set(by_mode):
+        mixed, dis = point["mixed"], point["disaggregated"]
+        point["itl_p99_ratio"] = _ratio(dis["itl_p99_s"], mixed["itl_p99_s"])
+        point["output_tok_s_ratio"] = _ratio(dis["output_tok_s"], mixed["output_tok_s"])
+        point["pays"] = (point["itl_p99_ratio"] is not None and point["itl_p99_ratio"] < 1.0
+                         and point["output_tok_s_ratio"] is not None
+                         and point["output_tok_s_ratio"] >= cfg.min_tok_ratio)
+    return point
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def crossover(sweep: list[dict[str, Any]], rates: tuple[float, ...]) -> dict[str, Any]:
+    """Per arrival rate, the shortest sweep prompt from which on disaggregation pays at every
+    longer prompt too (None: it pays at none); `min_prompt_tokens`: the largest of those, the
+    shortest prompt at which it pays at every rate (None when at some rate it never does)."""
+    by_rate: dict[str, int | None] = {}
+    for rate in rates:
+        points = sorted((p for p in sweep if p["arrival_rate"] == rate and "pays" in p),
+                        key=lambda p: p["prompt_tokens"])
+        from_here: int | None = None
+        for p in reversed(points):
+            if not p["pays"]:
+                break
+            from_here = p["prompt_tokens"]
+        by_rate[f"{rate:g}"] = from_here
+    found = [v for v in by_rate.values()]
+    return {"by_rate": by_rate,
+            "min_prompt_tokens": max(v for v in found if v is not None) if found and None not in found else None}
+
+
+def targets(mixed: dict[str, Any], dis: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets on the main window: ITL p99 ratio <= 0.5 with output tok/s ratio >= 0.8."""
+    itl = _ratio(dis["itl_p99_s"], mixed["itl_p99_s"])
+    tok = _ratio(dis["output_tok_s"], mixed["output_tok_s"])
+    return {"itl_p99_ratio": itl, "output_tok_s_ratio": tok,
+            "itl_p99_ratio_target": TARGET_ITL_P99_RATIO, "output_tok_s_ratio_target": TARGET_TOK_RATIO,
+            "met": itl is not None and tok is not None and itl <= TARGET_ITL_P99_RATIO and tok >= TARGET_TOK_RATIO}
