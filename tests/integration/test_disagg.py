@@ -234,3 +234,16 @@ def test_a_prefill_worker_stopped_mid_hop_costs_the_request_at_most_the_timeout(
     assert cluster.router.core.disagg.failures == failures + 1
     assert TIMEOUT_S - 0.5 < elapsed < TIMEOUT_S + 60    # the hop's bound, then the decode worker computes
     assert tokens == _oracle(cluster, prompt, 4)
+
+
+def test_the_router_metrics_count_hops_skips_and_failures_by_cause(cluster: Cluster) -> None:
+    from router.observe.metrics import sample_sum, scrape
+    samples = scrape(f"http://127.0.0.1:{cluster.http_port}/metrics")
+    assert sample_sum(samples, "kvmesh:router_worker_role", worker_id="w-d", role="decode") == 1
+    assert sample_sum(samples, "kvmesh:router_disagg_handoffs_total") >= 1
+    assert sample_sum(samples, "kvmesh:router_disagg_prefill_seconds_count") >= 1
+    assert sample_sum(samples, "kvmesh:router_disagg_skipped_total", reason="short") >= 1
+    assert sample_sum(samples, "kvmesh:router_disagg_failures_total", prefill_worker_id="w-p1",
+                      cause="unavailable") == 1
+    assert sample_sum(samples, "kvmesh:router_disagg_failures_total", prefill_worker_id="w-p2", cause="timeout") == 1
+    assert "kvmesh:router_role_queue_length" in {name for name, _ in samples}

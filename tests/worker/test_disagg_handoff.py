@@ -95,3 +95,23 @@ def test_a_hand_off_from_a_silent_prefill_worker_costs_its_timeout(tiny_model_di
         loop.run(server.stop(grace=1))
         loop.close()
         silent.close()
+
+
+def test_hand_off_metrics_carry_the_role_and_the_causes() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker.server.metrics import WorkerMetrics
+    m = WorkerMetrics("tiny", "w-d", "fp32", role="decode")
+    m.observe_handoff(3 << 20, 0.25)
+    m.observe_handoff_failed("timeout")
+    m.observe_handoff_failed("timeout")
+    m.observe_prefill_only()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}
+    lv = (("model_name", "tiny"), ("worker_id", "w-d"))
+    assert samples[("kvmesh:worker_role_info", tuple(sorted((*lv, ("role", "decode")))))] == 1.0
+    assert samples[("kvmesh:handoff_bytes_sum", lv)] == 3 << 20
+    assert samples[("kvmesh:handoff_seconds_count", lv)] == 1
+    assert samples[("kvmesh:handoff_failures_total", tuple(sorted((*lv, ("cause", "timeout")))))] == 2
+    assert samples[("kvmesh:prefill_only_requests_total", lv)] == 1
