@@ -134,15 +134,20 @@ def check_references(docs: list[Doc]) -> None:
     configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
     for w in workloads:
         assert matches(w["spec"]["selector"]["matchLabels"], pod_labels(w)), w["metadata"]["name"]
+        others = [o for o in workloads if o is not w and matches(w["spec"]["selector"]["matchLabels"], pod_labels(o))]
+        assert not others, f"{w['metadata']['name']} selects the pods of {[o['metadata']['name'] for o in others]}"
         if w["kind"] == "StatefulSet":
             svc = by_kind_name.get(("Service", w["spec"]["serviceName"]))
             assert svc is not None, f"{w['metadata']['name']}: serviceName {w['spec']['serviceName']} not rendered"
     for d in docs:
         if d["kind"] == "Service":
             targets = [w for w in workloads if matches(d["spec"]["selector"], pod_labels(w))]
-            assert len(targets) == 1, f"Service {d['metadata']['name']} selects {len(targets)} workloads"
-            ports = {p["name"] for p in container(targets[0])["ports"]}
-            assert {p["targetPort"] for p in d["spec"]["ports"]} <= ports, d["metadata"]["name"]
+            # one workload, or the worker pools (prefill + decode) behind the headless Service
+            assert len(targets) == 1 or {pod_labels(w)["app.kubernetes.io/component"] for w in targets} == {
+                "worker"}, f"Service {d['metadata']['name']} selects {len(targets)} workloads"
+            for target in targets:
+                ports = {p["name"] for p in container(target)["ports"]}
+                assert {p["targetPort"] for p in d["spec"]["ports"]} <= ports, d["metadata"]["name"]
         if d["kind"] == "PodDisruptionBudget":
             assert sum(matches(d["spec"]["selector"]["matchLabels"], pod_labels(w)) for w in workloads) == 1
         if d["kind"] == "NetworkPolicy":

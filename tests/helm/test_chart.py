@@ -60,7 +60,8 @@ ALL_VALUES: Doc = {
                "servedModelName": "llama-3-8b-instruct",
                "maxConcurrentPerTenant": 7, "metricsTenantNames": True, "maxTokensLimit": 512, "logFormat": "json",
                "migrationLimit": 5, "drainTimeoutS": 17.5,
-               "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local"},
+               "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local",
+               "disaggMinPromptTokens": 300, "disaggTransferTimeoutS": 7.5},
 }
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s",
@@ -78,6 +79,11 @@ VALUE_SETS: dict[str, Doc] = {
     "external-redis": {"redis": {"enabled": False, "external": {
         "url": "rediss://redis.example.internal:6380/2", "existingSecret": "kv-redis",
         "existingSecretPasswordKey": "pw"}}},
+    "redis-cluster": {"redis": {"enabled": False, "external": {   # any node (a Service over all of them)
+        "url": "redis://redis-cluster.redis.svc:6379/0", "existingSecret": "kv-redis"}}},
+    "redis-sentinel": {"redis": {"enabled": False, "external": {
+        "url": "redis+sentinel://sentinel-0.redis:26379,sentinel-1.redis:26379,sentinel-2.redis:26379/mymaster/0",
+        "existingSecret": "kv-redis", "sentinelAuth": True}}},
     "redis-auth-persistent": {"redis": {"auth": {"enabled": True, "existingSecret": "kv-redis"},
                                         "persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
                               "networkPolicy": {
@@ -193,7 +199,9 @@ CHART_OWNED = {"command", "run", "host", "worker_id", "advertise_address", "redi
                "no_http",  # router: the chart always serves HTTP (Service port, HPA, ServiceMonitor)
                "peer_transfer", "transfer_port",  # worker: set through KVMESH_* env (configmap)
                "api_key", "api_keys_file", "cluster_token", "metrics_require_key",  # `security`: Secrets, env
-               "tls_cert", "tls_key", "tls_ca", "tls_server_name"}  # (tests/helm/test_chart_security.py)
+               "tls_cert", "tls_key", "tls_ca", "tls_server_name",  # (tests/helm/test_chart_security.py)
+               "role",  # worker: each pool's own (tests/helm/test_chart_pools.py)
+               "cpu_affinity"}  # worker: in Kubernetes the kubelet's CPU manager pins a pod's CPUs
 
 
 def test_values_cover_every_cli_option() -> None:
@@ -289,6 +297,24 @@ def test_external_redis_password_from_secret(helm: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize(("values", "url"), [
+    ("redis-cluster", "redis://:$(KVMESH_REDIS_PASSWORD)@redis-cluster.redis.svc:6379/0"),
+    ("redis-sentinel", "redis+sentinel://:$(KVMESH_REDIS_PASSWORD)@sentinel-0.redis:26379,sentinel-1.redis:26379,"
+                       "sentinel-2.redis:26379/mymaster/0?sentinel_password=$(KVMESH_REDIS_PASSWORD)")])
+def test_external_redis_cluster_and_sentinel(helm: Path, tmp_path: Path, values: str, url: str) -> None:
+    """A Redis Cluster is named by any node's URL (the pods detect cluster mode); a Sentinel URL names
+    the sentinels and the primary. No in-chart Redis; router and workers get the same URL, which
+    kvstore.metadata.connection parses (the password stands in for the Secret)."""
+    from kvstore.metadata.connection import parse_redis_url
+    r = render(helm, tmp_path, VALUE_SETS[values])
+    assert not [d for d in r.docs if "redis" in d["metadata"]["name"]]
+    for w in (one(r.docs, "StatefulSet", "worker"), one(r.docs, "Deployment", "router")):
+        assert env_value(container(w), "KVMESH_REDIS_URL") == url
+    parsed = parse_redis_url(url.replace("$(KVMESH_REDIS_PASSWORD)", "pw"))
+    assert parsed.password == "pw" and parsed.sentinel == (values == "redis-sentinel")
+
+
+@pytest.mark.multiproc
 def test_in_chart_redis_with_auth(helm: Path, tmp_path: Path) -> None:
     r = render(helm, tmp_path, VALUE_SETS["redis-auth-persistent"])
     redis = one(r.docs, "StatefulSet", "redis")
@@ -342,6 +368,7 @@ BAD_VALUES = [
     ({"engine": {"device": "cuda"}, "worker": {"gpu": {"count": 0}}}, "at '/worker/gpu/count': minimum: got 0, want 1"),
     ({"redis": {"enabled": False}}, "at '/redis/external/url': minLength: got 0, want 1"),
     ({"redis": {"enabled": False, "external": {"url": "redis://:secret@h:6379"}}}, "at '/redis/external/url'"),
+    ({"redis": {"enabled": False, "external": {"url": "redis+sentinel://h:26379"}}}, "at '/redis/external/url'"),
     ({"modelCache": {"type": "pvc"}}, "at '/modelCache/existingClaim': minLength: got 0, want 1"),
     ({"router": {"routingPolicy": "random"}}, "at '/router/routingPolicy': value must be one of 'kv_aware'"),
 ]

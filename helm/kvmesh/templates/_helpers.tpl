@@ -178,7 +178,11 @@ Kubernetes expands $(KVMESH_REDIS_PASSWORD) in the container args at start.
 {{- if .Values.redis.enabled }}
 {{- printf "redis://%s%s.%s:%d/%d" $auth (include "kvmesh.redis.name" .) (include "kvmesh.svcSuffix" .) (int .Values.redis.port) (int .Values.redis.db) }}
 {{- else }}
-{{- regexReplaceAll "^(rediss?://)" .Values.redis.external.url (printf "${1}%s" $auth) }}
+{{- $url := regexReplaceAll "^(rediss?(?:\\+sentinel)?://)" .Values.redis.external.url (printf "${1}%s" $auth) }}
+{{- if and $auth .Values.redis.external.sentinelAuth (contains "+sentinel://" $url) }}
+{{- $url = printf "%s%ssentinel_password=$(%s)" $url (ternary "&" "?" (contains "?" $url)) (include "kvmesh.redis.passwordEnv" .) }}
+{{- end }}
+{{- $url }}
 {{- end }}
 {{- end }}
 
@@ -260,20 +264,45 @@ it (router.tokenizerSource local/auto; the default, worker, gets it from a worke
 LIVENESS_SERVICE): SERVING while the process makes progress; readiness is the main service. */}}
 {{- define "kvmesh.livenessService" -}}kvmesh.v1.Liveness{{- end }}
 
-{{/* "true" when an autoscaler owns the worker StatefulSet's replica count (then not rendered):
-the HPA, or KEDA where its ScaledObject API exists (without it nothing is created: NOTES warns). */}}
-{{- define "kvmesh.worker.autoscaled" -}}
-{{- $a := .Values.worker.autoscaling }}
-{{- if or $a.hpa.enabled (and $a.keda.enabled (.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject")) }}true{{ end }}
+{{/* The worker pools, as YAML `pools: [...]` (read with fromYaml): the one mixed pool
+(<fullname>-worker, worker.*), or with disaggregation.enabled a prefill and a decode pool
+(<fullname>-worker-prefill / -decode, `kvmesh worker --role`), each with its own replicas,
+resources ({} = worker.resources) and autoscaling (merged over worker.autoscaling). `selector`:
+the labels a pool's StatefulSet selects on besides the worker component's. */}}
+{{- define "kvmesh.worker.pools" -}}
+{{- $w := .Values.worker }}
+{{- $pools := list }}
+{{- if .Values.disaggregation.enabled }}
+{{- range $role := list "prefill" "decode" }}
+{{- $d := index $.Values.disaggregation $role }}
+{{- $pools = append $pools (dict "role" $role "name" (printf "%s-%s" (include "kvmesh.worker.name" $) $role | trunc 52 | trimSuffix "-")
+      "replicas" $d.replicas "resources" (default $w.resources $d.resources)
+      "autoscaling" (mergeOverwrite (deepCopy $w.autoscaling) (deepCopy (default dict $d.autoscaling)))
+      "selector" (dict "kvmesh.io/role" $role)) }}
+{{- end }}
+{{- else }}
+{{- $pools = list (dict "role" "mixed" "name" (include "kvmesh.worker.name" .) "replicas" $w.replicas
+      "resources" $w.resources "autoscaling" $w.autoscaling "selector" dict) }}
+{{- end }}
+{{- toYaml (dict "pools" $pools) }}
 {{- end }}
 
-{{/* PromQL over the workers of this release: kvmesh:<metric> summed (requests waiting: a target
-per worker) or averaged (KV usage: a target fraction), or worker.autoscaling.query as is. */}}
+{{/* "true" when an autoscaler owns a pool's StatefulSet replica count (then not rendered):
+the HPA, or KEDA where its ScaledObject API exists (without it nothing is created: NOTES warns).
+(list . autoscaling) */}}
+{{- define "kvmesh.worker.autoscaled" -}}
+{{- $ctx := index . 0 }}{{ $a := index . 1 }}
+{{- if or $a.hpa.enabled (and $a.keda.enabled ($ctx.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject")) }}true{{ end }}
+{{- end }}
+
+{{/* PromQL over the workers of one pool of this release: kvmesh:<metric> summed (requests
+waiting: a target per worker) or averaged (KV usage: a target fraction), or the pool's
+autoscaling.query as is. (list . pool) */}}
 {{- define "kvmesh.worker.autoscalingQuery" -}}
-{{- $a := .Values.worker.autoscaling }}
+{{- $ctx := index . 0 }}{{ $pool := index . 1 }}{{ $a := $pool.autoscaling }}
 {{- if $a.query }}{{ $a.query }}
 {{- else }}
-{{- $sel := printf "namespace=%q,worker_id=~%q" .Release.Namespace (printf "%s-[0-9]+" (include "kvmesh.worker.name" .)) }}
+{{- $sel := printf "namespace=%q,worker_id=~%q" $ctx.Release.Namespace (printf "%s-[0-9]+" $pool.name) }}
 {{- printf "%s(kvmesh:%s{%s})" (ternary "sum" "avg" (eq $a.metric "num_requests_waiting")) $a.metric $sel }}
 {{- end }}
 {{- end }}
