@@ -118,7 +118,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "storage needed); auto (default) = local when --model is a local model, else worker")
     p.add_argument("--served-model-name", default=None, help="model id on the HTTP API (default: --model)")
     p.add_argument("--redis-url", default=None,
-                   help=f"metadata Redis (block index; default: ${REDIS_URL_ENV}, which keeps a password out of ps)")
+                   help=f"metadata Redis (block index; default: ${REDIS_URL_ENV}, which keeps a password out of ps): "
+                        "redis[s]://HOST:PORT/DB of one Redis or any Redis Cluster node, or "
+                        "redis+sentinel://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]")
     add_routing_arguments(p)
     p.add_argument("--drain-timeout-s", "--drain-timeout", type=float, default=_DEFAULTS["drain_timeout_s"],
                    help="on SIGTERM: readiness turns 503 at once, open streams get this long to finish")

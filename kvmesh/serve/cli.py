@@ -36,7 +36,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin each worker to its own share of the CPUs (kvmesh worker --cpu-affinity), one thread "
                         "per CPU; with --ray, each share of its node's CPUs")
     add_address_arguments(g)
-    g.add_argument("--redis-url", default=None, help="metadata Redis (default: start a redis-server child)")
+    g.add_argument("--redis-url", default=None,
+                   help="metadata Redis (default: start a redis-server child): redis[s]://HOST:PORT/DB of "
+                        "one Redis or any Redis Cluster node, or redis+sentinel://HOST:PORT[,...]/PRIMARY[/DB]")
     g.add_argument("--log-dir", type=Path, default=None, help="keep child logs here (default: a temp dir)")
     g.add_argument("--startup-timeout-s", type=float, default=180.0)
     g.add_argument("--restart-policy", default=RestartPolicy.ON_FAILURE.value, choices=[p.value for p in RestartPolicy],

@@ -168,3 +168,29 @@ def test_sentinel_failover_heals_the_index(redis_sentinel: RedisSentinelGroup) -
         assert {r.worker_id for r in WorkerRegistry(cfg).live_workers()} == {"w0", "w1"}
 
     run_scenario(cfg, workers, scenario)
+
+
+# The per-role ACL lists of docs/security.md, plus what a cluster client needs on a Redis Cluster.
+ROUTER_ACL = "+ping +info +multi +exec +smembers +srem +hgetall +get +set +xread +xrevrange"
+WORKER_ACL = "+ping +info +multi +exec +get +set +getdel +del +incrby +hset +hgetall +sadd +srem +smembers " \
+             "+pexpire +xadd +eval"
+CLUSTER_ACL = "+cluster|slots +command"
+
+
+@pytest.mark.redis
+def test_cluster_acl_users_of_the_docs(redis_cluster: RedisClusterNodes) -> None:
+    for node in redis_cluster.nodes:
+        with redis_cluster.admin(node) as r:
+            for user, pw, cmds in (("kvr", "rpw", ROUTER_ACL), ("kvw", "wpw", WORKER_ACL)):
+                r.execute_command("ACL", "SETUSER", user, "on", f">{pw}", "~kvmesh:acl:*",
+                                  *cmds.split(), *CLUSTER_ACL.split())
+    port = redis_cluster.nodes[0].port
+    wcfg = cfg_for(f"redis://kvw:wpw@127.0.0.1:{port}/0", "acl")
+    workers = [PoolWorker(wcfg, f"w{i}") for i in range(4)]
+
+    async def scenario(consumer: EventConsumer, index: BlockIndex) -> None:
+        hashes = [w.serve(list(range(10 * i, 10 * i + 8))) for i, w in enumerate(workers)]
+        await synced(consumer, workers)
+        assert [index.match_prefix(h)[w.worker_id] for w, h in zip(workers, hashes)] == [2] * 4
+
+    run_scenario(cfg_for(f"redis://kvr:rpw@127.0.0.1:{port}/0", "acl"), workers, scenario)

@@ -62,7 +62,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-address", default=None, help="HOST:PORT peers dial (default: host:port)")
     g.add_argument("--redis-url", default=None,
                    help=f"metadata Redis (worker registry; default: ${REDIS_URL_ENV}, "
-                        "which keeps a password out of ps)")
+                        "which keeps a password out of ps): redis[s]://HOST:PORT/DB of one Redis or any "
+                        "Redis Cluster node, or redis+sentinel://HOST:PORT[,HOST:PORT...]/PRIMARY[/DB]")
     g.add_argument("--cluster-name", default="kvmesh")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics port (default: --port + 1000, or a free one when --port is 0; "
