@@ -17,6 +17,11 @@ itself), the requests each worker served per prefix and in all (`requests_per_wo
 the router's hit-mismatch rate (`/v1/cluster`: requests whose predicted cache hit differed from
 the served one). A `shift` entry measures its second phase only (the router's counters too) and
 keeps the fill's cached fraction, cold requests and placement under `fill`.
+
+With `--routers N` (N > 1) each policy runs three times on the same workload
+(kvmesh/bench/routing_replicas.py): one router, N router replicas (requests dealt round robin
+over them, as a Service spreads connections), and N replicas sharing pending blocks
+(`--share-pending`); the router counters are summed over the replicas.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import grpc
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
 from kvmesh.serve.local import LocalCluster, ServeConfig
+from kvmesh.serve.supervise import Cluster
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.routing.types import RoutingPolicy
 
@@ -65,10 +71,11 @@ class LiveConfig:
     seed: int = 0
     policies: tuple[RoutingPolicy, ...] = POLICY_ORDER
     scenarios: tuple[str, ...] = SCENARIOS
+    routers: int = 1
 
     def __post_init__(self) -> None:
         for name in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens", "output_tokens",
-                     "requests", "concurrency", "num_blocks", "workers"):
+                     "requests", "concurrency", "num_blocks", "workers", "routers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CLIError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
@@ -92,7 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       ("prefix-tokens", "tokens per shared prefix"), ("question-tokens", "unique tokens per request"),
                       ("output-tokens", "tokens generated per request (ignore_eos)"),
                       ("requests", "requests per policy and scenario"), ("concurrency", "requests in flight at most"),
-                      ("num-blocks", "KV pool blocks per worker under pressure"), ("workers", "workers per cluster")):
+                      ("num-blocks", "KV pool blocks per worker under pressure"), ("workers", "workers per cluster"),
+                      ("routers", "router replicas; > 1: also one router and shared pending blocks, same workload")):
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"{doc} (default {getattr(d, name.replace('-', '_'))}; --quick: "
                             f"{getattr(QUICK, name.replace('-', '_'))})")
@@ -107,7 +115,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> LiveConfig:
     base = QUICK if args.quick else LiveConfig()
     given = {f: getattr(args, f) for f in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens",
-                                           "output_tokens", "requests", "concurrency", "num_blocks", "workers")
+                                           "output_tokens", "requests", "concurrency", "num_blocks", "workers",
+                                           "routers")
              if getattr(args, f) is not None}
     try:
         policies = tuple(RoutingPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip())
@@ -136,7 +145,8 @@ def run_live(cfg: LiveConfig) -> dict[str, Any]:
                        make_workload(cfg, cfg.pressure_prefixes, phase=2)), pressure)):
         if scenario not in cfg.scenarios:
             continue
-        out[scenario] = {policy.value: run_policy(cfg, policy, phases, engine_argv) for policy in cfg.policies}
+        out[scenario] = {policy.value: run_policy(cfg, policy, phases, engine_argv) if cfg.routers == 1
+                         else run_replicas(cfg, policy, phases, engine_argv) for policy in cfg.policies}
     return out
 
 
@@ -157,13 +167,23 @@ def make_workload(cfg: LiveConfig, num_prefixes: int, phase: int = 0) -> Workloa
 
 
 def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, ...],
-               engine_argv: tuple[str, ...]) -> dict[str, Any]:
-    """`phases` one after another on one fresh cluster; the figures of the last."""
+               engine_argv: tuple[str, ...], routers: int = 1, router_argv: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`phases` one after another on one fresh cluster with `routers` routers (each with
+    `router_argv` too); the figures of the last."""
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
-                        startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value),
+                        startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value, *router_argv),
                         cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
     with LocalCluster(serve) as cluster:
-        return asyncio.run(_drive(cfg, phases, cluster))
+        urls = [cluster.http_base_url] + [cluster.start_router_replica(f"router-{i}").http_base_url
+                                          for i in range(1, routers)]
+        return asyncio.run(_drive(cfg, phases, cluster, urls))
+
+
+def run_replicas(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, ...],
+                 engine_argv: tuple[str, ...]) -> dict[str, Any]:
+    """One router, `cfg.routers` replicas, and replicas sharing pending blocks (routing_replicas.py)."""
+    from kvmesh.bench.routing_replicas import compare_replicas
+    return compare_replicas(cfg.routers, lambda n, argv: run_policy(cfg, policy, phases, engine_argv, n, argv))
 
 
 @dataclass(slots=True)
@@ -179,40 +199,42 @@ class _Served:
     completion_tokens: int
 
 
-async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: LocalCluster) -> dict[str, Any]:
-    """Each phase's requests in turn; the last phase's figures, with the router's counters
-    since it began, and an earlier phase's (a fill) cached fraction and placement."""
+async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster,
+                 urls: list[str]) -> dict[str, Any]:
+    """Each phase's requests in turn, dealt round robin over the routers at `urls`; the last
+    phase's figures, with the routers' counters (summed) since it began, and an earlier
+    phase's (a fill) cached fraction and placement."""
     from openai import AsyncOpenAI  # imported here: only this bench needs it
 
     await _warm_workers(cluster.worker_addresses)
-    client = AsyncOpenAI(base_url=cluster.http_base_url, api_key="unused", max_retries=0, timeout=600)
+    clients = [AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) for url in urls]
     sem = asyncio.Semaphore(cfg.concurrency)
     _RETRIES[0] = 0
     fill: dict[str, Any] | None = None
     before: dict[str, Any] = {}
     for i, workload in enumerate(phases):
-        async def one(prefix: int, question: tuple[int, ...], w: Workload = workload) -> _Served:
+        async def one(n: int, prefix: int, question: tuple[int, ...], w: Workload = workload) -> _Served:
             async with sem:
-                return await _complete(client, cfg, prefix, list(w.prefixes[prefix] + question))
+                return await _complete(clients[n % len(clients)], cfg, prefix, list(w.prefixes[prefix] + question))
 
         start = time.perf_counter()
-        served = await asyncio.gather(*(one(p, q) for p, q in workload.requests))
+        served = await asyncio.gather(*(one(n, p, q) for n, (p, q) in enumerate(workload.requests)))
         wall = time.perf_counter() - start
         if i < len(phases) - 1:
             done = summarize(cfg, len(workload.prefixes), served, wall, {})
             fill = {k: done[k] for k in ("cached_token_frac", "cold_requests", "requests_per_worker", "req_s")}
             await asyncio.sleep(1.0)     # the fill's last KV events reach the router's index
-            before = await _router_view(cluster.http_base_url)
-    await client.close()
-    router = _since(await _router_view(cluster.http_base_url), before)
+            before = await _routers_view(urls)
+    for client in clients:
+        await client.close()
+    router = _since(await _routers_view(urls), before)
     out = summarize(cfg, len(phases[-1].prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
     return out | ({"fill": fill} if fill is not None else {})
 
 
 def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """The router's counters (`_router_view`) since `before` (the whole run if empty)."""
-    return now | {k: now[k] - before[k] for k in ("requests", "predicted_hit_tokens", "served_hit_tokens",
-                                                   "hit_mismatches", "peer_hints")
+    return now | {k: now[k] - before[k] for k in _SUMMED
                   if isinstance(now.get(k), int) and isinstance(before.get(k), int)}
 
 
@@ -323,6 +345,17 @@ async def _warm_workers(addresses: tuple[str, ...]) -> None:
                 pass
 
 
+_SUMMED = ("requests", "predicted_hit_tokens", "served_hit_tokens", "hit_mismatches", "peer_hints",
+           "prediction_error_sum", "prediction_error_count")
+
+
+async def _routers_view(urls: list[str]) -> dict[str, Any]:
+    """`_router_view` of the first router, its counters summed over every router at `urls`."""
+    views = [await _router_view(url) for url in urls]
+    return views[0] | {k: sum(int(v.get(k, 0)) if k != "prediction_error_sum" else float(v.get(k, 0.0))
+                              for v in views) for k in _SUMMED}
+
+
 async def _router_view(http_base_url: str) -> dict[str, Any]:
     """The router's own counters from `/v1/cluster`: requests, predicted/served hits, mismatches."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -337,4 +370,9 @@ async def _router_view(http_base_url: str) -> dict[str, Any]:
             if name.endswith(("_sum", "_count"))}
     count = sums.get("kvmesh:router_routing_decision_seconds_count", 0.0)
     view["decision_mean_s"] = sums.get("kvmesh:router_routing_decision_seconds_sum", 0.0) / count if count else None
+    # |predicted − served| / prompt tokens per finished request, summed over the workers' series
+    errors = [(line.split("{")[0], float(line.split()[-1])) for line in metrics.splitlines()
+              if line.startswith("kvmesh:router_hit_prediction_error_")]
+    view["prediction_error_sum"] = sum(v for name, v in errors if name.endswith("_sum"))
+    view["prediction_error_count"] = int(sum(v for name, v in errors if name.endswith("_count")))
     return view

@@ -228,9 +228,11 @@ class RayPlacement:
 
     def restart(self, name: str, cfg: ServeConfig, redis_url: str, log_dir: Path) -> None:
         """Replace the dead actor `name` with a new one in the same placement-group bundle,
-        serving on the same HOST:PORT (the router dials it there again) with the same
-        environment (peer plane, cluster token). Returns once it serves (the model load is
-        part of the restart); LaunchError if it cannot."""
+        serving on the same port with the same environment (peer plane, cluster token): on the
+        same HOST:PORT while its node lives (the router dials it there again); where Ray placed
+        the bundle again when its node died (a surviving node's IP: it registers there in Redis,
+        where the router finds it). Returns once it serves (the model load is part of the
+        restart); LaunchError if it cannot."""
         import ray
         index = int(name.rsplit("-", 1)[1])
         with contextlib.suppress(ray.exceptions.RayError, ValueError):
@@ -246,8 +248,8 @@ class RayPlacement:
                 if time.monotonic() > deadline:
                     raise LaunchError(f"{name}: its actor name is still taken: {e}") from None
                 time.sleep(0.5)
-        try:
-            ray.get(self._actors[index].start.remote(spec), timeout=cfg.startup_timeout_s)
+        try:   # its bundle may have moved to another node (its node died): the router finds it in Redis
+            self._addresses[index] = ray.get(self._actors[index].start.remote(spec), timeout=cfg.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as e:
             raise LaunchError(f"{name}: the replacement actor did not start: "
                               f"{str(e).strip().splitlines()[-1]}") from None

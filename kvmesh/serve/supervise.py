@@ -169,6 +169,14 @@ class PartExited(NamedTuple):
                                            rc)
 
 
+class RouterReplica(NamedTuple):
+    """A router started by `Cluster.start_router_replica`: its process and where it serves."""
+
+    child: Child
+    grpc_target: str
+    http_base_url: str
+
+
 class WorkerPlacement(Protocol):
     """Where a cluster's workers run (local processes, Ray actors). Called by `Cluster` in
     this order: `prepare`, `start_workers`, then `poll` while running; `stop` any time
@@ -214,6 +222,7 @@ class Cluster:
         self._redis: Child | None = None
         self._redis_password: str | None = None    # the embedded Redis's, kept across its restarts
         self._router: Child | None = None
+        self._replicas: list[Child] = []    # `start_router_replica`'s routers
         self._log_dir: Path | None = None
         self._temp_dir: Path | None = None
         self._started = False
@@ -279,6 +288,7 @@ class Cluster:
         timeout = self.cfg.stop_timeout_s
         if self._router is not None:
             terminate([self._router], timeout)
+        terminate(self._replicas, timeout)
         self.placement.stop(timeout)
         if self._redis is not None:
             terminate([self._redis], timeout)
@@ -319,6 +329,19 @@ class Cluster:
         host = dial_host(cfg.host)
         self.grpc_target = f"{host}:{m.group(2)}"
         self.http_base_url = f"{'https' if cfg.tls.serves_tls else 'http'}://{host}:{m.group(4)}/v1"
+
+    def start_router_replica(self, name: str, extra_argv: tuple[str, ...] = ()) -> RouterReplica:
+        """One more router on free ports with the first one's flags (and `extra_argv`), on the same
+        Redis and workers, as a replica behind a Service is; serving once this returns. Not
+        supervised (not in `poll`); stopped by `stop()`. Raises LaunchError."""
+        assert self._log_dir is not None, "start() first"
+        child = spawn(self._log_dir, name, [*self._router_argv(0, 0), *extra_argv],
+                      env=self.cfg.child_env(self.redis_url))
+        self._replicas.append(child)
+        m = child.wait_line(_ROUTER_LINE, time.monotonic() + self.cfg.startup_timeout_s, self.cfg.startup_timeout_s)
+        host = dial_host(self.cfg.host)
+        scheme = "https" if self.cfg.tls.serves_tls else "http"
+        return RouterReplica(child, f"{host}:{m.group(2)}", f"{scheme}://{host}:{m.group(4)}/v1")
 
     def _router_argv(self, grpc_port: int, http_port: int) -> list[str]:
         cfg = self.cfg
