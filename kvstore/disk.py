@@ -25,6 +25,11 @@ one line naming the path and the error and turns the tier off (`enabled` False, 
 dropped with `AllBlocksCleared`); serving goes on without it. A directory another live process
 holds (the lock) or cannot create leaves the tier off from the start, with one line.
 
+Per-owner caps (`quota`, `kvstore.quota.OwnerLRU`): a block written with an owner (the tenant
+that cached it) counts against that owner's cap (`max_cached_frac` of the records the tier
+holds, or `set_owner_cap`); to make room the tier deletes the oldest records of owners over
+their cap first, then its oldest. Reopened records have no owner (owners are not on disk).
+
 Threads: `write_behind`, `match_prefix`, `read_ahead`, `take_reads`, `take_events` and the
 queries may be called from any thread (the store calls them on the engine thread); the index
 is guarded by one lock, file I/O happens outside it on the tier's two daemon threads.
@@ -60,6 +65,7 @@ from kvstore.disk_stats import DiskTierStats, Histogram
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
+from kvstore.quota import Owner, OwnerLRU
 
 log = logging.getLogger("kvmesh.disk")
 
@@ -77,7 +83,8 @@ class DiskTier:
     module docstring). Build it with `open`; `enabled` says whether it serves."""
 
     def __init__(self, path: Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
-                 block_shape: tuple[int, ...], fingerprint: bytes, max_queue: int, io: FileIO) -> None:
+                 block_shape: tuple[int, ...], fingerprint: bytes, max_queue: int, io: FileIO,
+                 max_cached_frac: float = 1.0) -> None:
         self.root_dir = Path(path)
         self.dir = self.root_dir / f"v{FORMAT_VERSION}-{fingerprint.hex()}"
         self.capacity_bytes = capacity_bytes
@@ -92,6 +99,8 @@ class DiskTier:
         self._roots: dict[BlockHash, BlockHash | None] = {}       # block hash -> its record's salt root
         self._dir_s = str(self.dir)
         self._queued: set[DiskKey] = set()
+        self._queued_owner: dict[DiskKey, Owner] = {}
+        self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
         self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
         self._reads: queue.Queue[tuple[DiskKey, ...] | None] = queue.Queue()
         self._reading: set[DiskKey] = set()
@@ -108,7 +117,7 @@ class DiskTier:
     @classmethod
     def open(cls, path: str | Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
              block_shape: Sequence[int], fingerprint: bytes, *, max_queue: int | None = None,
-             io: FileIO | None = None) -> DiskTier:
+             io: FileIO | None = None, max_cached_frac: float = 1.0) -> DiskTier:
         """The tier on `path`, its records of `fingerprint` reopened (headers only). Never
         raises for the directory: a failure leaves it off with one log line."""
         shape = tuple(int(s) for s in block_shape)
@@ -119,7 +128,8 @@ class DiskTier:
         block_bytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
         if max_queue is None:   # the write-behind queue holds up to 256 MiB of blocks
             max_queue = max(4, min(1024, (256 << 20) // block_bytes))
-        tier = cls(Path(path), capacity_bytes, layout, dtype, shape, fingerprint, max_queue, io or FileIO())
+        tier = cls(Path(path), capacity_bytes, layout, dtype, shape, fingerprint, max_queue, io or FileIO(),
+                   max_cached_frac)
         try:
             tier._open()
         except OSError as e:
@@ -189,10 +199,16 @@ class DiskTier:
                 return False
             if key in self._index:
                 self._index.move_to_end(key)
+                self.quota.touched(key)
                 return False
             return True
 
-    def write_behind(self, key: DiskKey, block: torch.Tensor) -> bool:
+    def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:
+        """`owner`'s cap on records (None: `max_cached_frac` of the tier's records)."""
+        with self._lock:
+            self.quota.set_cap(owner, max_blocks)
+
+    def write_behind(self, key: DiskKey, block: torch.Tensor, owner: Owner | None = None) -> bool:
         """Queue `block` (`block_shape`, contiguous, owned by the tier from now on) to be
         written; False when the tier is off, holds it, or the queue is full (counted)."""
         assert tuple(block.shape) == self.block_shape and block.is_contiguous(), block.shape
@@ -205,6 +221,8 @@ class DiskTier:
                 self._counts["queue_full"] += 1
                 return False
             self._queued.add(key)
+            if owner:
+                self._queued_owner[key] = owner
             return True
 
     def read_ahead(self, keys: Sequence[DiskKey]) -> bool:
@@ -287,6 +305,7 @@ class DiskTier:
         with self._lock:
             assert self.used_bytes <= self.capacity_bytes or not self.enabled, "disk tier over its capacity"
             assert self.enabled or not self._index, "a disk tier that is off holds records"
+            self.quota.check_integrity(list(self._index))
 
     # -- internals: open ------------------------------------------------------------------
     def _path(self, key: DiskKey) -> str:
@@ -329,6 +348,7 @@ class DiskTier:
                     self._write(key, block)
                 with self._lock:
                     self._queued.discard(key)
+                    self._queued_owner.pop(key, None)
             finally:
                 self._writes.task_done()
 
@@ -338,7 +358,7 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             with self._lock:
-                self._evict_to(self.record_bytes)
+                self._evict_to(self.record_bytes, self._queued_owner.get(key))
             header = encode_header(self.fingerprint, key, payload)
             try:
                 os.mkdir(os.path.dirname(path))   # not makedirs: a tier whose directory is gone turns off
@@ -354,6 +374,7 @@ class DiskTier:
                 return
             self._index[key] = None
             self._index.move_to_end(key)
+            self.quota.added(key, self._queued_owner.get(key))
             self._roots[key[1]] = key[0]
             self._counts["written"] += 1
             self._emit(BlockStored(key[1], None, BlockId(0)))
@@ -400,6 +421,7 @@ class DiskTier:
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
+                    self.quota.touched(key)
                 self._counts["read"] += 1
             n += 1
         if n == 0:
@@ -409,9 +431,12 @@ class DiskTier:
         return keys[:n], blocks
 
     # -- internals: bookkeeping (under the lock) ------------------------------------------
-    def _evict_to(self, room: int) -> None:
+    def _evict_to(self, room: int, owner: Owner | None = None) -> None:
         while self._index and self.used_bytes + room > self.capacity_bytes:
-            key, _ = self._index.popitem(last=False)
+            over = self.quota.victims(1, adding=[owner] if room else [])   # over its cap: its oldest first
+            key = over[0] if over else next(iter(self._index))
+            del self._index[key]
+            self.quota.removed(key)
             self._roots.pop(key[1], None)
             self._counts["evicted"] += 1
             self.io.unlink(self._path(key))
@@ -420,6 +445,7 @@ class DiskTier:
     def _drop(self, key: DiskKey, path: str | None) -> None:
         if key in self._index:
             del self._index[key]
+            self.quota.removed(key)
             self._roots.pop(key[1], None)
             self._emit(BlockRemoved(key[1], BlockId(0)))
         if path is not None:
@@ -437,6 +463,7 @@ class DiskTier:
                 return
             self.enabled = False
             self._index.clear()
+            self.quota.clear()
             self._roots.clear()
             self._emit(AllBlocksCleared())
         log.error("KV disk tier off (serving goes on without it): %s: %s", what, error)

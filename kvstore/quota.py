@@ -18,15 +18,22 @@ Caps: `set_cap(owner, n)` (the keys file's `max_cached_blocks`, sent with each r
 `default_cap` = `max_cached_frac` of the pool (1.0: no cap). `CachedQuota` holds only ids and
 counts; the pool calls it at every change of a block's state (freed, taken off the free queue,
 cached, uncached, moved between its free queues). Imports no torch.
+
+The tiers below the pool (the host tier, `kvstore.tiers`; the disk tier, `kvstore.disk`) are
+plain LRUs of entries (a hash, a disk key), every one evictable; each keeps an `OwnerLRU` of
+the same caps over its own size (`max_cached_frac` of that tier, or the same `max_cached_blocks`
+count): when it must drop entries, it drops the oldest of owners over their cap first, the
+owner furthest over first, until each is back at its cap, then its own oldest.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Container, Hashable, Iterator, Sequence
+from typing import Generic, NamedTuple, TypeVar
 
 Owner = str
 _Ids = OrderedDict[int, None]   # block ids in free-queue order (an ordered set)
+K = TypeVar("K", bound=Hashable)
 
 
 class OwnerUsage(NamedTuple):
@@ -166,6 +173,96 @@ class CachedQuota:
                 want = [b for b, p in free_order if p == flag and hashed[b] and self._owner[b] == owner]
                 assert list(ids) == want, f"owner {owner!r}: free cached blocks out of step with the free queue"
         assert all(any(v) for v in self._free.values()), "an owner keeps an empty free set"
+
+
+class OwnerLRU(Generic[K]):
+    """The owners of a tier's entries and each owner's entries oldest first, with caps (the
+    module docstring's last paragraph). The tier reports every insert, refresh and removal;
+    `victims` says which entries to drop first. Not thread-safe: the tier's (under its lock)."""
+
+    def __init__(self, num_entries: int, max_cached_frac: float = 1.0) -> None:
+        if not 0.0 < max_cached_frac <= 1.0:
+            raise ValueError(f"max_cached_frac={max_cached_frac!r} must be in (0, 1]")
+        self.default_cap = max(1, int(max_cached_frac * num_entries))
+        self._owner: dict[K, Owner] = {}
+        self._entries: dict[Owner, OrderedDict[K, None]] = {}    # per owner, oldest first
+        self._caps: dict[Owner, int] = {}
+
+    def set_cap(self, owner: Owner, max_entries: int | None) -> None:
+        """`owner`'s cap in entries (None: back to `default_cap`)."""
+        if max_entries is None:
+            self._caps.pop(owner, None)
+        elif isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+            raise ValueError(f"max_cached_blocks={max_entries!r} must be an integer >= 0")
+        else:
+            self._caps[owner] = max_entries
+
+    def cap(self, owner: Owner) -> int:
+        return self._caps.get(owner, self.default_cap)
+
+    def owner_of(self, key: K) -> Owner | None:
+        return self._owner.get(key)
+
+    def usage(self) -> dict[Owner, int]:
+        """Entries per owner holding any."""
+        return {o: len(keys) for o, keys in sorted(self._entries.items())}
+
+    def added(self, key: K, owner: Owner | None) -> None:
+        """`key` became the tier's youngest entry, for `owner` (None or "": no owner, uncapped)."""
+        self.removed(key)
+        if owner:
+            self._owner[key] = owner
+            self._entries.setdefault(owner, OrderedDict())[key] = None
+
+    def touched(self, key: K) -> None:
+        """`key` became the tier's youngest entry (its owner unchanged)."""
+        owner = self._owner.get(key)
+        if owner is not None:
+            self._entries[owner].move_to_end(key)
+
+    def removed(self, key: K) -> None:
+        owner = self._owner.pop(key, None)
+        if owner is not None:
+            entries = self._entries[owner]
+            del entries[key]
+            if not entries:
+                del self._entries[owner]
+
+    def clear(self) -> None:
+        self._owner.clear()
+        self._entries.clear()
+
+    def victims(self, n: int, keep: Container[K] = (), adding: Sequence[Owner | None] = ()) -> list[K]:
+        """Up to `n` entries to drop first, to make room for entries of `adding` (their owners):
+        the oldest of owners over their cap counting what they are adding, the owner furthest
+        over first, none in `keep` (pinned), until each owner is back at its cap. The tier
+        drops its own oldest for the rest. A query."""
+        count = Counter({o: len(keys) for o, keys in self._entries.items()})
+        count.update(o for o in adding if o)
+        over = {o: c - self.cap(o) for o, c in count.items() if c > self.cap(o) and o in self._entries}
+        runs = {o: (k for k in self._entries[o] if k not in keep) for o in over}
+        chosen: list[K] = []
+        while len(chosen) < n and over:
+            owner = max(over, key=lambda o: (over[o], o))
+            key = next(runs[owner], None)
+            if key is None:
+                del over[owner]
+                continue
+            chosen.append(key)
+            over[owner] -= 1
+            if over[owner] <= 0:
+                del over[owner]
+        return chosen
+
+    def check_integrity(self, keys: Sequence[K]) -> None:
+        """Against the tier's entries `keys`, oldest first."""
+        held = set(keys)
+        assert set(self._owner) <= held, "an owned entry is not in the tier"
+        for owner, entries in self._entries.items():
+            assert entries, f"owner {owner!r} keeps an empty entry list"
+            assert list(entries) == [k for k in keys if self._owner.get(k) == owner], \
+                f"owner {owner!r}: entries out of step with the tier's order"
+        assert sum(map(len, self._entries.values())) == len(self._owner), "entry counts disagree"
 
 
 def _chain(queues: tuple[_Ids, _Ids]) -> Iterator[int]:

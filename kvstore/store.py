@@ -73,10 +73,11 @@ class KVStore:
         if offload_bytes:
             self.host = HostTier.for_budget(layout, offload_bytes, pin_memory=self.device.type == "cuda",
                                             copy_blocks=copy_blocks,
-                                            on_evict=self._spill if disk is not None else None)
+                                            on_evict=self._spill if disk is not None else None,
+                                            max_cached_frac=max_cached_frac)
             if disk is not None:
                 self.disk = DiskTier.open(disk.path, disk.num_bytes, layout, self.host.data.dtype,
-                                          self.host.data.shape[1:], disk.fingerprint)
+                                          self.host.data.shape[1:], disk.fingerprint, max_cached_frac=max_cached_frac)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching,
                               on_evict=self._offload if self.host is not None else None,
                               enable_kv_cache_events=False, max_cached_frac=max_cached_frac)
@@ -195,8 +196,13 @@ class KVStore:
         self._drain()
 
     def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:
-        """`owner`'s cap on cached device blocks (None: the store's `max_cached_frac`)."""
+        """`owner`'s cap on cached blocks in each tier: device pool, host tier, disk tier
+        (None: the store's `max_cached_frac` of each; kvstore.quota)."""
         self.pool.set_owner_cap(owner, max_blocks)
+        if self.host is not None:
+            self.host.quota.set_cap(owner, max_blocks)
+        if self.disk is not None:
+            self.disk.set_owner_cap(owner, max_blocks)
 
     def share(self, block_ids: Sequence[BlockId]) -> None:
         """One more reference per block: a forked sequence (n > 1) shares its parent's blocks."""
@@ -405,7 +411,7 @@ class KVStore:
         """The pool's eviction callback: copy the evicted blocks into the host tier first."""
         assert self.host is not None
         self._drain()                      # what the pool recorded before comes first
-        self.host.offload(self.kv, block_ids, block_hashes)
+        self.host.offload(self.kv, block_ids, block_hashes, [self.pool.owner_of(b) for b in block_ids])
         dropped = [i for i, h in enumerate(block_hashes) if h not in self.host]
         if dropped and self._staging is not None:   # no room in host memory: straight to the disk tier
             self._staging.offload_dropped(block_ids, block_hashes, dropped)

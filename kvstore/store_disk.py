@@ -4,7 +4,9 @@
 request that cached it (the disk key is `(salt root, hash)`); copies the blocks the host tier
 drops (`spill`) or the pool evicts past a full host tier (`offload_dropped`) to the disk tier's
 writer; asks the disk tier to read a run back (`read_ahead`) and stages what it read into the
-host tier (`poll`), pinned there until the next poll. Engine thread only, like the store.
+host tier (`poll`), pinned there until the next poll. A block goes to disk with the owner
+(tenant) the pool or the host tier had for it, so the disk tier's caps count it (`kvstore.quota`).
+Engine thread only, like the store.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class DiskStaging:
             data = self.kv.gather_blocks([int(block_ids[dropped[k]]) for k in want]).movedim(2, 0)
             data = data.to("cpu").contiguous()                              # [n, L, 2, bs, H, D]
             for row, k in enumerate(want):
-                self.disk.write_behind(keys[k], data[row])
+                self.disk.write_behind(keys[k], data[row], self.pool.owner_of(block_ids[dropped[k]]))
         for i in dropped:
             self.roots.pop(block_hashes[i], None)
 
@@ -87,7 +89,7 @@ class DiskStaging:
         if want:
             data = self.host.data[torch.tensor([slots[i] for i in want], dtype=torch.long)]  # [n, L, 2, bs, H, D]
             for row, i in enumerate(want):
-                self.disk.write_behind(keys[i], data[row])
+                self.disk.write_behind(keys[i], data[row], self.host.quota.owner_of(block_hashes[i]))
         for h in block_hashes:
             if self.pool.get_cached_block(h) is None:
                 self.roots.pop(h, None)

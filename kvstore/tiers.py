@@ -26,6 +26,9 @@ pool's prefix cache like computed ones.
   evicted device blocks are written again (`fence`), so the decode loop never blocks on it.
 - Every change is recorded as a pool-style event (`BlockStored` / `BlockRemoved` with the host
   slot as `block_id`), for the worker to publish with `Tier.HOST`.
+- Per-owner caps (`kvstore.quota.OwnerLRU`, `quota`): an offloaded block keeps the owner (tenant)
+  it had in the device pool; when the tier must drop blocks it drops those of owners over their
+  cap (`max_cached_frac` of the tier, or `quota.set_cap`) first, then its oldest.
 - `on_evict(hashes, slots)` (the store's, when it has a disk tier) runs when the LRU drops
   blocks, before their slots are reused: it may read `data[slots]` then (the disk tier's
   write-behind copies them out).
@@ -43,6 +46,7 @@ import torch
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
+from kvstore.quota import Owner, OwnerLRU
 from kvstore.tensors import KVTensors
 
 
@@ -71,7 +75,8 @@ class HostTier:
     """`num_blocks` host blocks of `layout`, keyed by block hash, with an LRU (see module doc)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, pin_memory: bool = False,
-                 copy_blocks: BlockCopy | None = None, on_evict: HostEvictCallback | None = None) -> None:
+                 copy_blocks: BlockCopy | None = None, on_evict: HostEvictCallback | None = None,
+                 max_cached_frac: float = 1.0) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
         self.layout = layout
@@ -90,14 +95,16 @@ class HostTier:
         self._offloaded = self._refreshed = self._onloaded = self._evicted = self._stored = 0
         self._copy_blocks = copy_blocks
         self._on_evict = on_evict
+        self.quota: OwnerLRU[BlockHash] = OwnerLRU(num_blocks, max_cached_frac)   # owners of held blocks
 
     @classmethod
     def for_budget(cls, layout: KVLayout, num_bytes: int, pin_memory: bool = False,
-                   copy_blocks: BlockCopy | None = None, on_evict: HostEvictCallback | None = None) -> HostTier:
+                   copy_blocks: BlockCopy | None = None, on_evict: HostEvictCallback | None = None,
+                   max_cached_frac: float = 1.0) -> HostTier:
         num_blocks = layout.num_blocks_in(num_bytes)
         if num_blocks < 1:
             raise ValueError(f"{num_bytes} bytes do not hold one block ({layout.bytes_per_block} bytes)")
-        return cls(layout, num_blocks, pin_memory, copy_blocks, on_evict)
+        return cls(layout, num_blocks, pin_memory, copy_blocks, on_evict, max_cached_frac)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -135,36 +142,40 @@ class HostTier:
         return HostTierStats(self._offloaded, self._refreshed, self._onloaded, self._evicted, self._stored)
 
     # -- moves ----------------------------------------------------------------------------
-    def offload(self, src: KVTensors, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> int:
-        """Copy device blocks `block_ids` (caching `block_hashes`) into the tier; returns how
-        many were copied. Hashes already held are only moved to the LRU's young end. With
-        fewer unpinned slots than new blocks (a load in progress pins its blocks while its
+    def offload(self, src: KVTensors, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
+                owners: Sequence[Owner | None] | None = None) -> int:
+        """Copy device blocks `block_ids` (caching `block_hashes`, owned by `owners`: None, no
+        owner) into the tier; returns how many were copied. Hashes already held are only moved
+        to the LRU's young end. With fewer unpinned slots than new blocks (a load in progress pins its blocks while its
         allocation evicts into this tier) the oldest new ones are dropped, as without a tier.
         The caller must not overwrite the source blocks before `fence()` (a no-op on CPU)."""
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block ids for {len(block_hashes)} hashes")
         new_ids: list[int] = []
         new_hashes: list[BlockHash] = []
-        for b, h in zip(block_ids, block_hashes):
+        new_owners: list[Owner | None] = []
+        for b, h, o in zip(block_ids, block_hashes, owners or [None] * len(block_ids)):
             if h in self._lru:
                 self._lru.move_to_end(h)
+                self.quota.touched(h)
                 self._refreshed += 1
             else:
                 new_ids.append(int(b))
                 new_hashes.append(h)
+                new_owners.append(o)
         if len(set(new_hashes)) != len(new_hashes):
             raise ValueError("block_hashes repeats a hash")
         room = self._room()              # a load in progress pins its blocks: the rest are dropped
         drop = max(0, len(new_ids) - room)
-        new_ids, new_hashes = new_ids[drop:], new_hashes[drop:]
+        new_ids, new_hashes, new_owners = new_ids[drop:], new_hashes[drop:], new_owners[drop:]
         if not new_ids:
             return 0
-        slots = self._take_slots(len(new_ids))
+        slots = self._take_slots(len(new_ids), new_owners)
         if src.device.type == "cuda":
             self._copy_from_cuda(src, new_ids, slots)
         else:
             self._move(src.kv, slots, new_ids, to_host=True)
-        self._insert(new_hashes, slots)
+        self._insert(new_hashes, slots, new_owners)
         self._offloaded += len(new_ids)
         self._order(block_hashes)
         return len(new_ids)
@@ -201,6 +212,7 @@ class HostTier:
         for h in block_hashes:
             if h in self._lru:
                 self._lru.move_to_end(h)
+                self.quota.touched(h)
         keep = keep[max(0, len(keep) - self._room()):]
         if not keep:
             return 0
@@ -230,6 +242,7 @@ class HostTier:
         self.fence()
         self._free.extend(reversed(list(self._lru.values())))
         self._lru.clear()
+        self.quota.clear()
         self._pinned.clear()
         self._emit(AllBlocksCleared())
 
@@ -252,23 +265,30 @@ class HostTier:
             f"{len(used)} used + {len(self._free)} free != {self.num_blocks} host slots"
         assert all(0 <= s < self.num_blocks for s in used + self._free), "host slot out of range"
         assert self._pinned <= set(self._lru), "a pinned hash is not held"
+        self.quota.check_integrity(list(self._lru))
 
     # -- internals ------------------------------------------------------------------------
     def _room(self) -> int:
         """How many blocks can be written now: every slot not pinned by a load in progress."""
         return self.num_blocks - len(self._pinned)
 
-    def _take_slots(self, n: int) -> list[int]:
-        """n free slots, evicting the LRU's oldest entries when there are too few."""
+    def _take_slots(self, n: int, owners: Sequence[Owner | None] = ()) -> list[int]:
+        """n free slots (for blocks of `owners`), evicting entries when there are too few: those
+        of owners over their cap first, counting the new blocks (`quota`), then the LRU's oldest."""
         assert n <= self.num_blocks
         if len(self._free) < n:
             self.fence()  # a slot about to be reused may still have a copy in flight
-            victims = [h for h in self._lru if h not in self._pinned][:n - len(self._free)]
+            need = n - len(self._free)
+            victims = self.quota.victims(need, self._pinned, owners)
+            if len(victims) < need:
+                chosen = set(victims)
+                victims += [h for h in self._lru if h not in self._pinned and h not in chosen][:need - len(victims)]
             assert len(self._free) + len(victims) >= n, "the host tier's blocks are all pinned"
             if self._on_evict is not None and victims:
                 self._on_evict(victims, [self._lru[h] for h in victims])
             for h in victims:
                 slot = self._lru.pop(h)
+                self.quota.removed(h)
                 self._free.append(slot)
                 self._evicted += 1
                 self._emit(BlockRemoved(h, BlockId(slot)))
@@ -286,10 +306,13 @@ class HostTier:
         for h in block_hashes:
             if h in self._lru:
                 self._lru.move_to_end(h)
+                self.quota.touched(h)
 
-    def _insert(self, block_hashes: Sequence[BlockHash], slots: Sequence[int]) -> None:
-        for h, slot in zip(block_hashes, slots):
+    def _insert(self, block_hashes: Sequence[BlockHash], slots: Sequence[int],
+                owners: Sequence[Owner | None] | None = None) -> None:
+        for h, slot, owner in zip(block_hashes, slots, owners or [None] * len(slots)):
             self._lru[h] = slot
+            self.quota.added(h, owner)
             self._emit(BlockStored(h, None, BlockId(slot)))
 
     def _move(self, pool: torch.Tensor, slots: Sequence[int], ids: Sequence[int], to_host: bool) -> None:
