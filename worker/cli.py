@@ -32,11 +32,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--fair-share", default="on", choices=["on", "off"],
                    help="share prefill between tenants by weight while they contend (keys file weight=)")
-    g.add_argument("--fair-step-tokens", type=int, default=256,
+    g.add_argument("--fair-step-tokens", type=int, default=64,
                    help="prefill tokens per step while tenants contend (shorter steps: a light tenant waits less)")
     g.add_argument("--tenant-max-cached-frac", type=float, default=0.5,
-                   help="a tenant's cached device blocks, as a fraction of the pool, past which an allocation "
-                        "evicts its own first (keys file max_cached_blocks= overrides)")
+                   help="a tenant's cached blocks in each KV tier (device pool, host, disk), as a fraction of the "
+                        "tier, past which that tier evicts its own first (keys file max_cached_blocks= overrides)")
     g.add_argument("--kv-offload-gib", type=float, default=0.0,
                    help="host-memory KV tier behind the pool (GiB); evicted prefix blocks go there "
                         "instead of being dropped (vLLM: --kv-offloading-size). 0 = off")

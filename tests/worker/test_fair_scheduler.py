@@ -163,3 +163,50 @@ def test_contention_lasts_a_window_after_a_tenants_last_request() -> None:
     assert not fair.contended()
     with pytest.raises(ValueError):
         FairShare(window_s=-1)
+
+
+def _prefill_of(batch: ScheduledBatch, tenant: str) -> int:
+    """Prefill tokens of `tenant` in a step (a decode is one token of a request past its prompt)."""
+    return sum(n for r, n in zip(batch.requests, batch.num_new_tokens)
+               if r.tenant.name == tenant and r.num_computed_tokens - n < r.num_prompt_tokens)
+
+
+def test_an_under_share_request_runs_in_the_next_step_without_the_over_share_prefill() -> None:
+    s = _scheduler(step_tokens=64)
+    for i in range(6):
+        s.add(_request(f"beta-{i}", "beta", 1000, max_tokens=4))
+    for _ in range(2):
+        assert _prefill_of(_step(s), "beta") > 900          # alone: full steps
+    alpha = _request("alpha-0", "alpha", 40)
+    s.add(alpha)
+    batch = _step(s)
+    assert alpha in batch.requests and alpha.output_token_ids          # scheduled within one step
+    assert _prefill_of(batch, "beta") == 0                            # a light step: only alpha prefills
+    assert s.fair is not None and s.fair.num_light_steps == 1
+    assert _prefill_of(_step(s), "beta") == 64              # contended: short steps for beta
+
+
+def test_light_steps_never_come_twice_in_a_row_so_the_over_share_tenant_still_prefills() -> None:
+    s = _scheduler(step_tokens=64)
+    for i in range(4):
+        s.add(_request(f"beta-{i}", "beta", 2000, max_tokens=4))
+    _step(s)
+    beta_prefill_steps = 0
+    for i in range(20):                      # a new short alpha request before every step
+        s.add(_request(f"alpha-{i}", "alpha", 20))
+        batch = _step(s)
+        beta_prefill_steps += _prefill_of(batch, "beta") > 0
+    assert beta_prefill_steps >= 10
+    assert s.fair is not None and 9 <= s.fair.num_light_steps <= 10
+
+
+def test_a_lifted_tenant_goes_ahead_at_an_equal_counter_whatever_its_name() -> None:
+    s = _scheduler(step_tokens=64)
+    s.add(_request("beta-0", "beta", 3000, max_tokens=4))
+    for _ in range(2):
+        _step(s)                             # beta alone, still prefilling: no decode tokens
+    zeta = _request("zeta-0", "zeta", 40)    # idle until now: lifted to beta's counter, named after it
+    s.add(zeta)
+    assert s.fair is not None and s.fair.counter("zeta") == s.fair.counter("beta")
+    batch = _step(s)
+    assert zeta in batch.requests and zeta.output_token_ids

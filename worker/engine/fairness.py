@@ -4,18 +4,24 @@ Each tenant (`Request.tenant.name`, set by the router from the caller's key) has
 the tokens the scheduler computed for it — prompt tokens prefilled (cache hits are free) and
 output tokens decoded — divided by its weight (the keys file's `weight=`, default 1). While
 requests of two or more tenants share the worker (`contended`), the scheduler hands the
-prefill budget of a step to the tenant with the lowest counter first, a chunk at a time, so a
-tenant over its share waits for the others and one under it is served in the next step;
-decode tokens (one per running request) are never held back, and within a tenant requests
-keep their (priority, arrival) order. A tenant whose requests all finished is lifted, when
-its next request arrives, to the lowest counter of the tenants still busy (as in VTC, Sheng
-et al., OSDI '24): idle time earns no credit to flood with later.
+prefill budget of a step to the tenant with the lowest counter first (`rank`: ties go to the
+tenant that computed fewer tokens so far), a chunk at a time, so a tenant over its share waits
+for the others and one under it is served in the next step; decode tokens (one per running
+request) are never held back, and within a tenant requests keep their (priority, arrival)
+order. A tenant whose requests all finished is lifted, when its next request arrives, to the
+lowest counter of the tenants still busy (as in VTC, Sheng et al., OSDI '24): idle time earns
+no credit to flood with later.
 
 A step is also shorter while contended (`fair_step_tokens` of prefill instead of
 `max_num_batched_tokens`): a request of a light tenant that arrives during a step waits for
-that step to end, and on a CPU a full step of prefill lasts seconds. A tenant counts as
-sharing the worker from its request's arrival until `window_s` after its last one finished, so
-steps stay short between the requests of a tenant that sends one every few hundred ms.
+that step to end, and on a CPU a full step of prefill lasts seconds. And a step that starts a
+request whose whole prefill fits in it, for the tenant with the lowest counter, carries no
+prefill of tenants with higher counters (a *light step*, `hold_others`): that request's first
+token then costs about what it costs alone, plus the decode tokens of the step. Light steps
+never come twice in a row, so a tenant over its share still prefills at least every other
+step. A tenant counts as sharing the worker from its request's arrival until `window_s` after
+its last one finished, so steps stay short between the requests of a tenant that sends one
+every few hundred ms.
 
 Only counters and counts live here; the scheduler (`worker.engine.scheduler`) asks it for the
 order. The clock is injectable for tests.
@@ -40,6 +46,9 @@ class FairShare:
         self._weights: dict[str, float] = {}
         self._busy: Counter[str] = Counter()       # unfinished sequences per tenant
         self._last_busy: dict[str, float] = {}     # when each tenant's last sequence finished
+        self._light_now = False                    # this step is a light step (`hold_others`)
+        self._light_last = False                   # the step before was one
+        self.num_light_steps = 0
 
     def arrive(self, tenant: str, weight: float, num_sequences: int = 1) -> None:
         """A request of `tenant` joins the scheduler (lifted first if the tenant was idle)."""
@@ -65,6 +74,26 @@ class FairShare:
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
+
+    def rank(self, tenant: str) -> tuple[float, int, str]:
+        """Sort key of the tenants whose prefill a contended step serves, lowest first: the
+        counter, then the tokens computed so far (a tenant lifted to the busy ones' counter goes
+        ahead of them), then the name."""
+        return self.counter(tenant), self.tokens[tenant], tenant
+
+    def begin_step(self) -> None:
+        """A contended step is being scheduled (`hold_others` counts light steps in a row)."""
+        self._light_last, self._light_now = self._light_now, False
+
+    def hold_others(self) -> bool:
+        """A request of the lowest-ranked tenant with prefill queued starts in this step and
+        finishes its prefill in it: True when the tenants ranked above get no prefill in this
+        step (a light step; never two in a row). Records the light step when it says True."""
+        if self._light_last or self._light_now:
+            return False
+        self._light_now = True
+        self.num_light_steps += 1
+        return True
 
     def contended(self) -> bool:
         """Two or more tenants share the worker: busy now, or busy within `window_s`."""

@@ -17,7 +17,8 @@ hit, so a shared prefix is computed once — the worker side of the router's pen
 
 Tenants (`Request.tenant`, from the router): while two or more share the worker, a step's
 prefill goes to the tenant with the lowest virtual token counter first and is capped at
-`fair_step_tokens` (worker.engine.fairness); decode tokens and the order within a tenant are
+`fair_step_tokens`, and a request of that tenant whose prefill fits in the step runs in a light
+step without the other tenants' prefill (worker.engine.fairness); decode tokens and the order within a tenant are
 as above. Blocks a tenant caches count against its cap (kvstore.quota).
 
 All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
@@ -50,7 +51,7 @@ class SchedulerConfig:
     sliding_window: int | None = None   # the model's: blocks wholly outside it are released
     enable_prefix_caching: bool = True  # False: nothing is cached, so no admission waits for a block
     fair_share: bool = True             # tenants share prefill by weight (worker.engine.fairness)
-    fair_step_tokens: int = 256         # prefill tokens per step while tenants contend
+    fair_step_tokens: int = 64          # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5  # a tenant's cap on cached blocks without max_cached_blocks
 
     def __post_init__(self) -> None:
@@ -197,15 +198,19 @@ class Scheduler:
         """The contended step (worker.engine.fairness): decode tokens are in `scheduled`
         already; `budget` prefill tokens go, a chunk at a time, to the tenant with the lowest
         virtual counter — its running prefills (`deferred`) first, then its waiting requests in
-        (priority, arrival) order. A tenant whose next request does not fit waits for the next step."""
+        (priority, arrival) order. A tenant whose next request does not fit waits for the next step.
+        When the first request served starts and finishes its prefill here, the other tenants
+        may get no prefill in this step (`FairShare.hold_others`)."""
+        fair.begin_step()
         for req, n in zip(scheduled, counts):
             fair.charge(req.tenant.name, n)
         queues: dict[str, list[Request]] = {}
         for req in [*deferred, *self.waiting]:
             queues.setdefault(req.tenant.name, []).append(req)
         computing = self._computing_hashes() if self.waiting and not preempted else set()
+        first = True
         while budget > 0 and queues:
-            tenant = min(queues, key=lambda t: (fair.counter(t), t))
+            tenant = min(queues, key=fair.rank)
             req = queues[tenant].pop(0)
             if not queues[tenant]:
                 del queues[tenant]
@@ -223,6 +228,10 @@ class Scheduler:
                 if n <= 0:
                     continue
                 self._start(req, computing)
+                if first and req.num_computed_tokens + n >= req.num_tokens and any(t != tenant for t in queues) \
+                        and fair.hold_others():   # a light step: only this tenant prefills
+                    queues = {tenant: queues[tenant]} if tenant in queues else {}
+            first = False
             scheduled.append(req)
             counts.append(n)
             budget -= n
