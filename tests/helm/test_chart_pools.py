@@ -12,6 +12,7 @@ import yaml
 
 from tests.helm.manifests import (
     CHART,
+    GPU_EXAMPLE,
     KEDA,
     NAMESPACE,
     RELEASE,
@@ -146,3 +147,20 @@ def test_bad_pool_values_fail_naming_the_pool(helm: Path, tmp_path: Path, pool: 
 def test_schema_rejects_an_unknown_pool_value(helm: Path) -> None:
     out = run_helm(helm, "template", RELEASE, str(CHART), "--set", "disaggregation.prefill.replica=2")
     assert out.returncode != 0 and "replica" in out.stderr
+
+
+@pytest.mark.multiproc
+def test_disaggregated_example_over_the_gpu_pool(helm: Path, tmp_path: Path) -> None:
+    example = CHART / "examples" / "disaggregated.yaml"
+    r = render(helm, tmp_path, None, GPU_EXAMPLE, example, api_versions=(KEDA,))
+    validate_all(r)
+    check_references(r.docs)
+    sets = _worker_sets(r.docs)
+    assert sorted(sets) == [f"{RELEASE}-kvmesh-worker-decode", f"{RELEASE}-kvmesh-worker-prefill"]
+    assert {d["spec"]["scaleTargetRef"]["name"] for d in r.docs if d["kind"] == "HorizontalPodAutoscaler"
+            and d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"} == {
+        f"{RELEASE}-kvmesh-worker-prefill"}
+    assert {d["spec"]["scaleTargetRef"]["name"] for d in r.docs if d["kind"] == "ScaledObject"} == {
+        f"{RELEASE}-kvmesh-worker-decode"}
+    lint = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(GPU_EXAMPLE), "-f", str(example))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
