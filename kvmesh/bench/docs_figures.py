@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.bench.docs_figures_cluster import CLUSTER_EXTRACT
+from kvmesh.bench.docs_figures_disagg import DISAGG_EXTRACT
 from kvmesh.bench.docs_figures_engine import ENGINE_EXTRACT
 from kvmesh.bench.docs_figures_fmt import Extract, Figure, _g, _num
 
@@ -37,6 +38,8 @@ BENCHES: dict[str, str] = {
     "`kvmesh serve --api-keys-file`, with fair share and KV caps vs without, each vs alpha alone in the same run",
     "scale": "N synthetic workers publishing real registry records and KV event streams to a real Redis, the "
     "router's real consumer, block index and policy in one process; the legacy index in the same run",
+    "disagg": "1 prefill + 1 decode worker vs 2 mixed workers, each pinned to its own core, under decoding streams "
+    "while long uncached prompts arrive at a steady rate; a sweep of prompt length x arrival rate for the crossover",
 }
 
 
@@ -44,7 +47,7 @@ def _generic(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     return "as recorded in the file", [Figure(k, _g(v), "", "") for k, v in r.items() if _num(v) is not None]
 
 
-EXTRACT: dict[str, Extract] = {**ENGINE_EXTRACT, **CLUSTER_EXTRACT}
+EXTRACT: dict[str, Extract] = {**ENGINE_EXTRACT, **CLUSTER_EXTRACT, **DISAGG_EXTRACT}
 
 
 def bench_of(meta: dict[str, Any], result: dict[str, Any]) -> str:
@@ -60,6 +63,7 @@ def bench_of(meta: dict[str, Any], result: dict[str, Any]) -> str:
         ("transfer", {"peer_vs_raw"}),
         ("router", {"simulation"}),
         ("service", {"router_2_workers"}),
+        ("disagg", {"mixed", "disaggregated", "crossover"}),
         ("chaos", {"outputs_equal_frac"}),
         ("tenants", {"fair", "unfair"}),
         ("scale", {"runs", "bottleneck"}),

@@ -1,0 +1,39 @@
+"""Figure extractor of `kvmesh bench disagg` (kvmesh/bench/disagg.py): disaggregated serving
+against mixed serving on the same pinned cores, the issue's two targets, and the crossover."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.bench.docs_figures_fmt import Extract, Figure, _g, _x
+
+
+def _disagg(r: dict[str, Any]) -> tuple[str, list[Figure]]:
+    mixed, dis = r.get("mixed") or {}, r.get("disaggregated") or {}
+    t = r.get("targets") or {}
+    out = [
+        Figure("ITL p99 (p50)", f"{_g(dis.get('itl_p99_s'), 's')} ({_g(dis.get('itl_p50_s'), 's')})",
+               f"{_g(mixed.get('itl_p99_s'), 's')} ({_g(mixed.get('itl_p50_s'), 's')}) mixed",
+               f"{_x(t.get('itl_p99_ratio'))} (target <= {_g(t.get('itl_p99_ratio_target'))}x)"),
+        Figure("output tok/s", _g(dis.get("output_tok_s")), _g(mixed.get("output_tok_s")) + " mixed",
+               f"{_x(t.get('output_tok_s_ratio'))} (target >= {_g(t.get('output_tok_s_ratio_target'))}x)"),
+        Figure("TTFT p50 / p99 of the arriving prompts",
+               f"{_g(dis.get('ttft_p50_s'), 's')} / {_g(dis.get('ttft_p99_s'), 's')}",
+               f"{_g(mixed.get('ttft_p50_s'), 's')} / {_g(mixed.get('ttft_p99_s'), 's')} mixed", ""),
+        Figure("requests/s", _g(dis.get("req_s")), _g(mixed.get("req_s")) + " mixed", ""),
+        Figure("hand-off seconds per handed-off request", _g(dis.get("handoff_s_mean"), "s"), "",
+               f"{_g(dis.get('handoffs'))} hand-offs, {_g(dis.get('handoff_failures'))} failed"),
+        Figure("greedy outputs equal across modes", _g(r.get("outputs_equal_frac")), "1", ""),
+    ]
+    for p in r.get("sweep") or []:
+        out.append(Figure(f"sweep: {_g(p.get('prompt_tokens'))}-token prompts at {_g(p.get('arrival_rate'))}/s",
+                          f"ITL p99 {_x(p.get('itl_p99_ratio'))}, tok/s {_x(p.get('output_tok_s_ratio'))}",
+                          "mixed", "pays" if p.get("pays") else "does not pay"))
+    cross = r.get("crossover") or {}
+    by_rate = ", ".join(f"{rate}/s: {_g(v)}" for rate, v in (cross.get("by_rate") or {}).items())
+    out.append(Figure("crossover: shortest prompt from which on it pays", _g(cross.get("min_prompt_tokens")),
+                      "", f"per rate {by_rate}" if by_rate else ""))
+    return "mixed serving (2 mixed workers) on the same pinned cores, same prompts, same run", out
+
+
+DISAGG_EXTRACT: dict[str, Extract] = {"disagg": _disagg}
