@@ -139,6 +139,8 @@ def _tenants(r: dict[str, Any]) -> tuple[str, list[Figure]]:
         out.append(Figure(f"{mode}: output tok/s (both tenants)", _g(m.get("output_tok_s")), "", ""))
     fair = r.get("fair") or {}
     out.append(Figure("fair ÷ unfair output tok/s", _x(fair.get("throughput_ratio")), "1 (unfair)", ""))
+    out.append(Figure("fair ÷ unfair flood tok/s (beta's prompt + output tokens)", _x(fair.get("flood_tok_s_ratio")),
+                      "1 (unfair)", ""))
     return "alpha alone on the same cluster; the unfair cluster for throughput", out
 
 
