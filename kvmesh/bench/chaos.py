@@ -12,6 +12,9 @@ kill -9 a worker (its streams migrate; recovery: until the router routes to it a
 Redis (recovery: until it answers PING), partition the router from a worker for a while (only
 inside a private network namespace, which the bench creates with `ip netns` and runs itself in;
 recovery: heal → back in routing), SIGTERM a worker (it drains; restarted under `always`).
+
+`--disagg` runs the disaggregated scenario instead (kvmesh/bench/chaos_disagg.py): 1 prefill + 2
+decode workers, the prefill worker killed mid-hand-off, a decode worker killed mid-stream.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import grpc
 import redis
 
 from contracts.cli import CLIError, flagify
+from kvmesh.bench import chaos_disagg
 from kvmesh.bench.chaos_harness import (
     Outcome,
     Partition,
@@ -81,13 +85,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--quick", action="store_true", help="one pass of the schedule with shorter gaps")
     p.add_argument("--no-partitions", action="store_true", help="skip the partition (no network namespace)")
-    p.add_argument("--only", action="append", default=[], choices=FAULTS, metavar="FAULT",
-                   help=f"run only this fault of the schedule (repeatable): {', '.join(FAULTS)}")
+    p.add_argument("--disagg", action="store_true",
+                   help="the disaggregated scenario: 1 prefill + 2 decode workers, the prefill worker killed "
+                        "mid-hand-off, a decode worker killed mid-stream (no partitions)")
+    p.add_argument("--only", action="append", default=[], choices=FAULTS + chaos_disagg.FAULTS, metavar="FAULT",
+                   help=f"run only this fault of the schedule (repeatable): {', '.join(FAULTS)}; with --disagg: "
+                        f"{', '.join(chaos_disagg.FAULTS)}")
     p.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)   # set when re-run inside one
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    scenario = chaos_disagg.FAULTS if args.disagg else FAULTS
+    wrong = [f for f in args.only if f not in scenario]
+    if wrong:
+        raise CLIError(f"--only: {wrong[0]} is not in this scenario's schedule ({', '.join(scenario)})")
+    if args.disagg:
+        return emit(chaos_disagg.run_disagg_chaos(args.quick, concurrency=6 if args.quick else 12, max_tokens=32,
+                                                  gap_s=8.0 if args.quick else 15.0, request_timeout_s=120.0,
+                                                  only=tuple(args.only)), args.json)
     if not args.no_partitions and not args.in_netns and not in_private_netns():
         result = _run_in_new_netns(args)
         if result is not None:

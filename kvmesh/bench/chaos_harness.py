@@ -51,10 +51,11 @@ class Outcome:
 
 
 async def stream_once(stub: pb_grpc.RouterStub, prompt_id: int, prompt: str, max_tokens: int,
-                      timeout_s: float) -> Outcome:
-    """One greedy stream (ignore_eos, exactly `max_tokens` tokens) through the router."""
-    req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                     ignore_eos=True))
+                      timeout_s: float, cache_salt: str = "") -> Outcome:
+    """One greedy stream (ignore_eos, exactly `max_tokens` tokens) through the router; a fresh
+    `cache_salt` makes its prompt uncached everywhere (the tokens are the same as without one)."""
+    req = pb.GenerateRequest(text=prompt, cache_salt=cache_salt,
+                             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []
     text: list[str] = []
     last = None
