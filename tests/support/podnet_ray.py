@@ -1,5 +1,7 @@
 """A Ray cluster of several "hosts" on this machine: each host a network namespace of a
-tests/support/podnet_ns.py `PodNet` (own IP on one bridge, own loopback), the head running
+tests/support/podnet_ns.py `PodNet` (own IP on one bridge, own loopback, own hostname that
+resolves to that IP, as a real host's does: gloo, under the peer plane, binds the address its
+hostname resolves to), the head running
 `ray start --head --block` and every other host `ray start --address HEAD:PORT --block`, each
 with `--node-ip-address` its namespace's IP, explicit `--num-cpus` and a small object store.
 
@@ -76,7 +78,7 @@ class RayHosts:
             env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """`argv` inside `host`'s namespace, stdout+stderr to <log_dir>/<log_name>.log."""
         with open(self.log_dir / f"{log_name}.log", "ab") as log:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.net.ns[host], *argv], stdout=log,
+            proc = subprocess.Popen([*self.net.exec_prefix(host), *argv], stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=os.environ | RAY_ENV | dict(env or {}), start_new_session=True)
         self.procs.setdefault(host, []).append(proc)
