@@ -17,6 +17,7 @@ from kvmesh.bench import (
     disagg as bench_disagg,
     docs as bench_docs,
     engine as bench,
+    restart as bench_restart,
     routing as router_bench,
     scale as bench_scale,
     tenants as bench_tenants,
@@ -52,7 +53,8 @@ COMMANDS: tuple[_Command, ...] = (
 # Each bench module adds its `kvmesh bench` subcommands with `register(subparsers)`.
 BENCHES: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     bench.register, bench_transfer.register, router_bench.register, bench_chaos.register, bench_docs.register,
-    bench_tenants.register, bench_scale.register, bench_disagg.register)
+    bench_tenants.register, bench_scale.register, bench_disagg.register,
+    bench_restart.register)
 
 
 def build_parser() -> argparse.ArgumentParser:

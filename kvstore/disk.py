@@ -32,7 +32,8 @@ their cap first, then its oldest. Reopened records have no owner (owners are not
 
 Threads: `write_behind`, `match_prefix`, `read_ahead`, `take_reads`, `take_events` and the
 queries may be called from any thread (the store calls them on the engine thread); the index
-is guarded by one lock, file I/O happens outside it on the tier's two daemon threads.
+is guarded by one lock, file I/O happens outside it on the tier's daemon threads (a write:
+checksum, then file, two stages in queue order; a read).
 """
 from __future__ import annotations
 
@@ -98,10 +99,12 @@ class DiskTier:
         self._index: OrderedDict[DiskKey, None] = OrderedDict()   # the records held, oldest first
         self._roots: dict[BlockHash, BlockHash | None] = {}       # block hash -> its record's salt root
         self._dir_s = str(self.dir)
+        self._subdirs: set[str] = set()      # record subdirectories made (or found) by the writers
         self._queued: set[DiskKey] = set()
         self._queued_owner: dict[DiskKey, Owner] = {}
         self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
         self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
+        self._headed: queue.Queue[tuple[DiskKey, memoryview, bytes] | None] = queue.Queue(4)   # checksummed
         self._reads: queue.Queue[tuple[DiskKey, ...] | None] = queue.Queue()
         self._reading: set[DiskKey] = set()
         self._done: list[DiskRead] = []
@@ -136,7 +139,9 @@ class DiskTier:
             log.error("KV disk tier off: cannot use %s: %s", tier.dir, e)
             return tier
         tier.enabled = True
-        for target, name in ((tier._write_loop, "kv-disk-write"), (tier._read_loop, "kv-disk-read")):
+        loops = ((tier._checksum_loop, "kv-disk-checksum"), (tier._write_loop, "kv-disk-write"),
+                 (tier._read_loop, "kv-disk-read"))
+        for target, name in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             tier._threads.append(t)
@@ -274,14 +279,15 @@ class DiskTier:
 
     def close(self) -> None:
         """Stop the threads (queued writes are dropped) and release the directory's lock."""
-        for q in (self._writes, self._reads):
+        for q in (self._writes, self._headed, self._reads):
             while True:
                 try:
                     q.get_nowait()
-                    q.task_done()
+                    (self._writes if q is self._headed else q).task_done()
                 except queue.Empty:
                     break
-            q.put(None)
+        self._writes.put(None)          # the checksum stage hands it on to the write stage
+        self._reads.put(None)
         for t in self._threads:
             t.join(timeout=5)
         self._threads = []
@@ -337,33 +343,50 @@ class DiskTier:
                      self.used_bytes / 2**20)
 
     # -- internals: the threads -----------------------------------------------------------
-    def _write_loop(self) -> None:
+    def _checksum_loop(self) -> None:
+        """A write's first stage, in queue order: its record header (the checksum over the
+        payload), handed to the write stage. Two stages: one block's checksum (~25% of the CPU
+        time of copying its bytes into the page cache) overlaps the file calls of the one
+        before (both release the GIL); in one thread they run in series, at about half the
+        speed of a plain sequential write (kvmesh bench transfer)."""
         while True:
             item = self._writes.get()
+            if item is None:
+                self._headed.put(None)
+                return
+            key, block = item
+            payload = block.view(torch.uint8).numpy().data.cast("B")
+            self._headed.put((key, payload, encode_header(self.fingerprint, key, payload) if self.enabled else b""))
+
+    def _write_loop(self) -> None:
+        """A write's second stage, in queue order: the file, then the index and the event."""
+        while True:
+            item = self._headed.get()
+            if item is None:
+                return
+            key, payload, header = item
             try:
-                if item is None:
-                    return
-                key, block = item
                 if self.enabled:
-                    self._write(key, block)
+                    self._write(key, payload, header)
                 with self._lock:
                     self._queued.discard(key)
                     self._queued_owner.pop(key, None)
             finally:
                 self._writes.task_done()
 
-    def _write(self, key: DiskKey, block: torch.Tensor) -> None:
-        payload = block.view(torch.uint8).numpy().data.cast("B")
+    def _write(self, key: DiskKey, payload: memoryview, header: bytes) -> None:
         path = self._path(key)
         t0 = time.perf_counter()
         try:
             with self._lock:
                 self._evict_to(self.record_bytes, self._queued_owner.get(key))
-            header = encode_header(self.fingerprint, key, payload)
-            try:
-                os.mkdir(os.path.dirname(path))   # not makedirs: a tier whose directory is gone turns off
-            except FileExistsError:
-                pass
+            subdir = os.path.dirname(path)
+            if subdir not in self._subdirs:
+                try:
+                    os.mkdir(subdir)   # not makedirs: a tier whose directory is gone turns off
+                except FileExistsError:
+                    pass
+                self._subdirs.add(subdir)
             self.io.write(path, (header, payload))
         except OSError as e:
             self._turn_off(f"writing {path}", e)

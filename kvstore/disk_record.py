@@ -53,11 +53,15 @@ log = logging.getLogger("kvmesh.disk")
 
 class DiskSpec(NamedTuple):
     """What a `KVStore` opens its disk tier from: a directory, a size bound (bytes of
-    records) and the fingerprint of the blocks it may hold (`fingerprint_of`)."""
+    records) and the fingerprint of the blocks it may hold (`fingerprint_of`). With
+    `write_through` every block the device pool caches is queued for the disk tier at once
+    (behind the engine thread all the same), not only when the host tier drops it: a worker
+    killed with -9 then finds its prefixes on disk at restart, but for the writes still queued."""
 
     path: str
     num_bytes: int
     fingerprint: bytes
+    write_through: bool = False
 
 
 def fingerprint_of(salt: bytes, layout: KVLayout) -> bytes:
@@ -179,8 +183,12 @@ class FileIO:
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for part in parts:
-                view = memoryview(part).cast("B")
+            views = [memoryview(part).cast("B") for part in parts]
+            written = os.writev(fd, views)         # one call; a short write goes on part by part
+            for view in views:
+                skip = min(written, len(view))
+                written -= skip
+                view = view[skip:]
                 while view:
                     view = view[os.write(fd, view):]
         finally:

@@ -84,6 +84,7 @@ class KVStore:
         if self.disk is not None:
             assert self.host is not None
             self._staging = DiskStaging(self.disk, self.host, self.pool, self.kv)
+        self._write_through = disk is not None and disk.write_through
         self.hot = HitTracker()    # prefix hits per hash (`take`): the hand-over's and warm start's order
         self._events: list[TieredEvent] = []
         self._recording = False
@@ -193,6 +194,8 @@ class KVStore:
         self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash, owner)
         if salt_root is not None and self._staging is not None:
             self._staging.roots.update(dict.fromkeys(block_hashes, salt_root))
+        if self._staging is not None and self._write_through:
+            self._staging.write_through(block_ids, block_hashes, salt_root)
         self._drain()
 
     def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:

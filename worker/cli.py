@@ -45,6 +45,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "written there behind the engine and read back for a later prefix; reopened after a "
                         "restart (needs --kv-offload-gib and --kv-disk-gib)")
     g.add_argument("--kv-disk-gib", type=float, default=0.0, help="size bound of the disk KV tier (GiB)")
+    g.add_argument("--kv-disk-write-through", action=argparse.BooleanOptionalAction, default=True,
+                   help="queue every block the device pool caches for the disk tier at once, so that a worker "
+                        "killed with -9 finds its prefixes on disk at restart (default on); --no-kv-disk-write-"
+                        "through: only blocks the host tier evicts")
     g.add_argument("--kv-eviction", default="none", choices=["none", "streaming", "h2o"],
                    help="token eviction inside each sequence's KV (StreamingLLM / H2O); needs --kv-budget")
     g.add_argument("--kv-budget", type=int, default=None, help="tokens of KV each sequence keeps under --kv-eviction")
@@ -74,6 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             fair_step_tokens=args.fair_step_tokens,
                             tenant_max_cached_frac=args.tenant_max_cached_frac, kv_offload_gib=args.kv_offload_gib,
                             kv_disk_path=args.kv_disk_path, kv_disk_gib=args.kv_disk_gib,
+                            kv_disk_write_through=args.kv_disk_write_through,
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
                             attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay,
                             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

@@ -97,3 +97,25 @@ def test_read_goes_on_from_device_to_host_to_disk_and_hottest_lists_every_tier(t
         assert store.hottest(16) == chain                        # device, host and disk alike
     finally:
         store.close()
+
+
+def test_write_through_puts_cached_blocks_on_disk_and_a_new_store_finds_them(tmp_path):
+    spec = DiskSpec(str(tmp_path), 32 * (LAYOUT.bytes_per_block + 72), FP, write_through=True)
+    store = KVStore(LAYOUT, 4, offload_bytes=2 * LAYOUT.bytes_per_block, disk=spec)
+    root = BlockHash(0xB2)
+    chain = [H(i) for i in range(3)]
+    try:
+        _cache_chain(store, chain, 5.0, root)            # nothing evicted: the device pool holds all
+        assert store.disk is not None
+        store.disk.flush(10)
+        assert store.lookup(chain, root).device and store.disk.match_prefix(root, chain) == 3
+    finally:
+        store.close()
+    again = KVStore(LAYOUT, 4, offload_bytes=2 * LAYOUT.bytes_per_block, disk=spec)   # a restart
+    try:
+        assert again.lookup(chain, root) == ((), 0, 3) and again.lookup(chain) == ((), 0, 0)
+        held = again.read(chain, torch.device("cpu"))
+        assert held.num_blocks == 3 and held.blocks is not None
+        assert all(torch.all(held.blocks[:, :, k] == 5.0 + k) for k in range(3))
+    finally:
+        again.close()

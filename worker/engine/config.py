@@ -35,6 +35,7 @@ class EngineConfig:
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
     kv_disk_path: str | None = None       # directory of the disk tier below the host tier (None: none)
     kv_disk_gib: float = 0.0              # the disk tier's size bound (GiB of records)
+    kv_disk_write_through: bool = True    # every cached block to the disk tier at once (kvstore DiskSpec)
     kv_eviction: str = "none"             # token eviction inside sequences: none | streaming | h2o
     kv_budget: int | None = None          # tokens each sequence keeps under kv_eviction
     attention_sinks: int = 4              # first tokens always kept under kv_eviction

@@ -93,7 +93,8 @@ class ModelRunner:
                              block_size=cfg.block_size, kv_codec=self.codec_id).digest()
         disk = None
         if cfg.kv_disk_path and cfg.kv_disk_gib > 0:   # its records are keyed as the block hashes are salted
-            disk = DiskSpec(cfg.kv_disk_path, int(cfg.kv_disk_gib * 2**30), fingerprint_of(self.salt, self.layout))
+            disk = DiskSpec(cfg.kv_disk_path, int(cfg.kv_disk_gib * 2**30), fingerprint_of(self.salt, self.layout),
+                            write_through=cfg.kv_disk_write_through)
         self.store = KVStore(self.layout, num_blocks, device, enable_prefix_caching=cfg.enable_prefix_caching,
                              offload_bytes=int(cfg.kv_offload_gib * 2**30),
                              copy_blocks=native.block_copier() if cfg.kv_offload_gib else None, disk=disk)
