@@ -24,7 +24,8 @@ from typing import NamedTuple, cast
 
 from kvstore.events import WorkerId
 from kvstore.keys import BlockHash, block_hash_from_hex, block_hash_hex
-from kvstore.metadata.registry import RedisConfig, connect_async, redis_errors
+from kvstore.metadata.connection import AsyncLink, ClientOptions
+from kvstore.metadata.registry import RedisConfig, redis_errors
 
 __all__ = ["NoteKind", "PendingLog", "PendingNote", "pending_stream"]
 
@@ -83,7 +84,8 @@ class PendingLog:
         self.config, self.router_id = config, router_id
         self.maxlen, self.block_ms = maxlen, block_ms
         self.key = pending_stream(config)
-        self._redis = connect_async(config, read_timeout_s=block_ms / 1000)
+        # one Redis, a cluster (the stream is one key: one node) or Sentinel, detected at first use
+        self._link = AsyncLink(config.url, ClientOptions(config.socket_timeout_s, block_ms / 1000))
         self._last_id = "$"
         self.published = self.received = self.bad_entries = 0
 
@@ -92,7 +94,7 @@ class PendingLog:
         if not notes:
             return
         with redis_errors("publish pending notes"):
-            async with self._redis.pipeline(transaction=False) as pipe:
+            async with (await self._link.client()).pipeline(transaction=False) as pipe:
                 for note in notes:
                     pipe.xadd(self.key, note.encode(),  # type: ignore[arg-type]  # a dict[str, str] is a FieldT map
                               maxlen=self.maxlen, approximate=True)
@@ -104,10 +106,11 @@ class PendingLog:
         stream's end when it was made), waiting up to `block_ms` for one. Raises MetadataError."""
         if self._last_id == "$":
             with redis_errors("read the pending stream's end"):
-                info = cast(list[object], await self._redis.xrevrange(self.key, count=1))
+                info = cast(list[object], await (await self._link.client()).xrevrange(self.key, count=1))
             self._last_id = str(cast(tuple[str, object], info[0])[0]) if info else "0-0"
         with redis_errors("read pending notes"):
-            reply = await self._redis.xread({self.key: self._last_id}, count=count, block=self.block_ms)
+            reply = await (await self._link.client()).xread({self.key: self._last_id}, count=count,
+                                                             block=self.block_ms)
         out: list[PendingNote] = []
         for _key, entries in cast(list[tuple[str, list[tuple[str, dict[str, str]]]]], reply or []):
             for entry_id, fields in entries:
@@ -123,4 +126,4 @@ class PendingLog:
         return out
 
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        await self._link.aclose()

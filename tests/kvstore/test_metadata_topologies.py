@@ -194,3 +194,27 @@ def test_cluster_acl_users_of_the_docs(redis_cluster: RedisClusterNodes) -> None
         assert [index.match_prefix(h)[w.worker_id] for w, h in zip(workers, hashes)] == [2] * 4
 
     run_scenario(cfg_for(f"redis://kvr:rpw@127.0.0.1:{port}/0", "acl"), workers, scenario)
+
+
+@pytest.mark.redis
+def test_router_replicas_share_pending_notes_on_a_cluster(redis_cluster: RedisClusterNodes) -> None:
+    """`--share-pending` on a cluster: each router names a different node; the notes stream is one
+    key, reached through the cluster client wherever its slot lives."""
+    from kvstore.metadata.pending import NoteKind, PendingLog, PendingNote
+
+    async def main() -> list[PendingNote]:
+        a = PendingLog(cfg_for(redis_cluster.nodes[0].url, "pend"), "r-a")
+        b = PendingLog(cfg_for(redis_cluster.nodes[2].url, "pend"), "r-b")
+        try:
+            assert await b.read() == []             # from the stream's end on
+            note = PendingNote(NoteKind.SENT, "r-a", "req-1", WorkerId("w0"), (BlockHash(7),), 12)
+            await a.publish([note])
+            got = await b.read()
+            assert await a.read() == []             # its own notes are not returned to it
+            return got
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    got = asyncio.run(main())
+    assert [(n.request_id, n.hashes, n.queued_tokens) for n in got] == [("req-1", (BlockHash(7),), 12)]
