@@ -145,6 +145,31 @@ def test_cluster_primary_failover_heals_the_index(
     run_scenario(cfg, workers, scenario)
 
 
+@pytest.mark.slow
+@pytest.mark.redis
+def test_cluster_two_primaries_fail_over_one_after_the_other(
+        redis_cluster_factory: Callable[..., RedisClusterNodes]) -> None:
+    """The long run: 9 workers over 3 primaries, each primary with a replica; primary 0, then primary
+    1 SIGKILLed while every worker publishes. After each failover the index is exact again."""
+    cluster = redis_cluster_factory(3, replicas=3)
+    cfg = cfg_for(cluster.nodes[4].url)
+    workers = [PoolWorker(cfg, w) for node in range(3) for w in worker_ids_on(cluster, cfg, node, 3)]
+
+    async def scenario(consumer: EventConsumer, index: BlockIndex) -> None:
+        for w in workers:
+            w.serve(list(range(40)))
+        await synced(consumer, workers)
+        for victim in (0, 1):
+            assert await serve_through(lambda v=victim: cluster.kill_primary(v), consumer, workers) > 0
+            await synced(consumer, workers, timeout_s=20.0)
+            fresh = [w.serve(list(range(9000 + 8 * i, 9008 + 8 * i))) for i, w in enumerate(workers)]
+            await synced(consumer, workers)
+            assert [index.match_prefix(h)[w.worker_id] for w, h in zip(workers, fresh)] == [2] * len(workers)
+        assert consumer.stats().redis_restarts >= 2
+
+    run_scenario(cfg, workers, scenario)
+
+
 # ---- Sentinel -----------------------------------------------------------------------------
 
 
