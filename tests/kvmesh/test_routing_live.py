@@ -104,3 +104,24 @@ def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
     # the pending prefix draws the followers: kv_aware computes no prefix more often than round robin
     kv, rr = doc["no_pressure"]["kv_aware"], doc["no_pressure"]["round_robin"]
     assert kv["cold_requests"] <= rr["cold_requests"] and 0.0 <= kv["mismatch_rate"] <= 1.0
+
+
+def test_routers_flag_and_the_replica_comparison() -> None:
+    from kvmesh.bench.routing_replicas import compare_replicas
+    assert _args("--routers", "3").routers == 3 and _args().routers == 1
+    with pytest.raises(CLIError, match="--routers"):
+        _args("--routers", "0")
+    calls: list[tuple[int, tuple[str, ...]]] = []
+
+    def run(n: int, argv: tuple[str, ...]) -> dict[str, object]:
+        calls.append((n, argv))
+        shared = bool(argv)
+        return {"cached_token_frac": 0.8 if n == 1 else 0.7 + 0.05 * shared, "cold_requests": 4 if n == 1 else 6,
+                "mismatch_rate": 0.0 if n == 1 else 0.1, "router": {"prediction_error_sum": 2.0 * (n - 1),
+                                                                    "prediction_error_count": 10}}
+    out = compare_replicas(2, run)
+    assert calls == [(1, ()), (2, ()), (2, ("--share-pending",))]
+    assert out["replicas"]["prediction_error_mean"] == pytest.approx(0.2)
+    assert out["gap"]["replicas"]["cached_token_frac"] == pytest.approx(-0.1)
+    assert out["gap"]["replicas_shared"]["cached_token_frac"] == pytest.approx(-0.05)
+    assert out["gap"]["replicas_shared"]["cold_requests"] == 2 and out["routers"] == 2
