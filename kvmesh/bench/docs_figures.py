@@ -11,6 +11,7 @@ from kvmesh.bench.docs_figures_cluster import CLUSTER_EXTRACT
 from kvmesh.bench.docs_figures_disagg import DISAGG_EXTRACT
 from kvmesh.bench.docs_figures_engine import ENGINE_EXTRACT
 from kvmesh.bench.docs_figures_fmt import Extract, Figure, _g, _num
+from kvmesh.bench.docs_figures_restart import RESTART_EXTRACT
 
 __all__ = ["BENCHES", "EXTRACT", "bench_of", "figures_of"]
 
@@ -40,6 +41,9 @@ BENCHES: dict[str, str] = {
     "router's real consumer, block index and policy in one process; the legacy index in the same run",
     "disagg": "1 prefill + 1 decode worker vs 2 mixed workers, each pinned to its own core, under decoding streams "
     "while long uncached prompts arrive at a steady rate; a sweep of prompt length x arrival rate for the crossover",
+    "restart": "2 workers + router + Redis on a shared-prefix workload; kill -9 and restart, SIGTERM drain, "
+    "scale-out by one; the cached-token fraction after each event vs before, with and without the disk tier + "
+    "drain hand-over + warm start",
 }
 
 
@@ -47,7 +51,7 @@ def _generic(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     return "as recorded in the file", [Figure(k, _g(v), "", "") for k, v in r.items() if _num(v) is not None]
 
 
-EXTRACT: dict[str, Extract] = {**ENGINE_EXTRACT, **CLUSTER_EXTRACT, **DISAGG_EXTRACT}
+EXTRACT: dict[str, Extract] = {**ENGINE_EXTRACT, **CLUSTER_EXTRACT, **DISAGG_EXTRACT, **RESTART_EXTRACT}
 
 
 def bench_of(meta: dict[str, Any], result: dict[str, Any]) -> str:
@@ -66,6 +70,7 @@ def bench_of(meta: dict[str, Any], result: dict[str, Any]) -> str:
         ("disagg", {"mixed", "disaggregated", "crossover"}),
         ("chaos", {"outputs_equal_frac"}),
         ("tenants", {"fair", "unfair"}),
+        ("restart", {"with", "without", "window_s"}),
         ("scale", {"runs", "bottleneck"}),
     ):
         if need <= keys:

@@ -40,3 +40,16 @@ def test_a_short_run_reports_every_event(tmp_path):
         assert out[key] == out["with"][key]
     assert out["with"]["drain"]["drained_exit_code"] == 0 and out["with"]["scale_out"]["first20_requests"] == 20
     assert out["drain"]["cached_ratio"] is not None and out["restart"]["cached_ratio"] is not None
+
+
+def test_docs_render_the_ratios_with_and_without():
+    from kvmesh.bench.docs_figures import bench_of, figures_of
+    side = {"restart": {"cached_ratio": 0.95}, "drain": {"cached_ratio": 0.5}, "scale_out": {}, "errors": 0}
+    result = {"with": {**side, "drain": {"cached_ratio": 0.97, "first_hit_s": 1.5}}, "without": side,
+              "window_s": 20.0, "targets": restart.TARGETS}
+    assert bench_of({}, result) == "restart"
+    baseline, figures = figures_of("restart", result)
+    assert "20 s windows" in baseline
+    drain = next(f for f in figures if f.name.startswith("after a SIGTERM drain"))
+    assert (drain.value, drain.baseline, drain.versus) == ("0.97x", "0.50x without", "target >= 0.9x")
+    assert next(f for f in figures if f.name.startswith("scale-out")).value == "—"      # missing: a dash
