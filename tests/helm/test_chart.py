@@ -55,7 +55,7 @@ ALL_VALUES: Doc = {
                "threads": 3},
     "worker": {"replicas": 3, "port": 50099, "distPort": 29999, "drainTimeoutS": 12.5,
                "terminationGracePeriodSeconds": 40, "metricsPort": 9999, "logFormat": "json", "preStopSleepS": 3,
-               "liveness": {"timeoutS": 45.5, "maxStepFailures": 7}},
+               "liveness": {"timeoutS": 45.5, "maxStepFailures": 7}, "drainHandover": False, "warmStartMbS": 64.5},
     "router": {"replicas": 1, "grpcPort": 50111, "httpPort": 8111, "routingPolicy": "least_loaded", "loadFactor": 1.5,
                "servedModelName": "llama-3-8b-instruct",
                "maxConcurrentPerTenant": 7, "metricsTenantNames": True, "maxTokensLimit": 512, "logFormat": "json",
