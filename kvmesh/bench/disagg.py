@@ -137,7 +137,8 @@ def run_disagg(cfg: DisaggConfig) -> dict[str, Any]:
               for t in cfg.sweep_prompt_tokens for r in cfg.sweep_rates]
     windows: dict[str, dict[str, Window]] = {}
     for mode in cfg.modes:
-        with LocalCluster(serve_config(cfg, mode)) as cluster:
+        cluster = LocalCluster(serve_config(cfg, mode))
+        with cluster:
             windows[mode] = asyncio.run(_measure(cfg, cluster, loads))
     out: dict[str, Any] = {mode: windows[mode]["main"].summary() for mode in cfg.modes}
     sweep = [_sweep_point(cfg, load, {m: windows[m][name] for m in cfg.modes})

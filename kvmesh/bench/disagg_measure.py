@@ -29,10 +29,18 @@ _ROUTER_SERIES = ("kvmesh:router_disagg_prefill_seconds_sum", "kvmesh:router_dis
 
 
 class LoadShape(Protocol):
-    streams: int
-    stream_prompt_tokens: int
-    stream_output_tokens: int
-    long_output_tokens: int
+    """What a window's streams and arriving prompts look like (kvmesh.bench.disagg.DisaggConfig)."""
+
+    @property
+    def streams(self) -> int: ...
+    @property
+    def stream_prompt_tokens(self) -> int: ...
+    @property
+    def stream_output_tokens(self) -> int: ...
+    @property
+    def long_output_tokens(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
 
 
 class Load(NamedTuple):
@@ -137,7 +145,7 @@ async def generate(stub: pb_grpc.RouterStub, kind: str, key: str, ids: list[int]
                   tuple(b - a for a, b in zip(stamps, stamps[1:])), tuple(tokens), last.worker_id)
 
 
-async def warm_up(target: str, shape: Any) -> None:
+async def warm_up(target: str, shape: LoadShape) -> None:
     """One long prompt and one stream through the router, one after the other: first-call costs
     (and the first hand-off) out of the measurement."""
     async with grpc.aio.insecure_channel(target) as ch:
