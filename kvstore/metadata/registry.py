@@ -252,13 +252,18 @@ class WorkerRegistry:
 
     def heartbeat(self, worker_id: WorkerId, load: float = 0.0) -> bool:
         """Refresh the worker's liveness; False if its record is gone (expired, deregistered,
-        or Redis restarted): then it must `register` again."""
+        or Redis restarted): then it must `register` again. A live record's id is added to the
+        `workers` set again: on a Redis Cluster the set lives on another primary than the record,
+        and a failover there may lose the id while the record stays."""
         k, cfg = self.keys, self.config
         with redis_errors("heartbeat"):
-            p = self._link.client.pipeline(transaction=True)
+            r = self._link.client
+            p = r.pipeline(transaction=True)
             p.pexpire(k.record(worker_id), int(cfg.record_ttl_s * 1000))
             p.set(k.alive(worker_id), repr(float(load)), px=int(cfg.heartbeat_ttl_s * 1000))
             exists, _ = p.execute()
+            if exists:
+                r.sadd(k.workers, worker_id)
         return bool(exists)
 
     def deregister(self, worker_id: WorkerId) -> None:

@@ -18,7 +18,7 @@ from kvstore.metadata.connection import AsyncLink, ClientOptions, SyncLink, pars
 from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from kvstore.metadata.streams import EventConsumer
 from router.index.blocks import BlockIndex
-from tests.kvstore.test_metadata import PoolWorker, cfg_for, run_scenario, synced
+from tests.kvstore.test_metadata import PoolWorker, cfg_for, run_scenario, synced, wait_for
 from tests.support.redis_server import RedisServer
 from tests.support.redis_topologies import PASSWORD, RedisClusterNodes, RedisSentinelGroup
 
@@ -243,3 +243,22 @@ def test_router_replicas_share_pending_notes_on_a_cluster(redis_cluster: RedisCl
 
     got = asyncio.run(main())
     assert [(n.request_id, n.hashes, n.queued_tokens) for n in got] == [("req-1", (BlockHash(7),), 12)]
+
+
+@pytest.mark.redis
+def test_a_worker_id_lost_from_the_registry_set_comes_back(redis_cluster: RedisClusterNodes) -> None:
+    """On a cluster the `workers` set and a worker's record live on different primaries: a failover
+    of the set's primary may lose the id while the record stays. The next heartbeat adds it again."""
+    cfg = cfg_for(redis_cluster.url)
+    w = PoolWorker(cfg, worker_ids_on(redis_cluster, cfg, (node_of(redis_cluster, cfg.keys.workers) + 1) % 3, 1)[0])
+    registry = WorkerRegistry(cfg)
+    try:
+        assert node_of(redis_cluster, cfg.keys.workers) != node_of(redis_cluster, cfg.keys.record(w.worker_id))
+        assert [r.worker_id for r in registry.live_workers()] == [w.worker_id]
+        with redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port, password=PASSWORD) as rc:
+            assert rc.srem(cfg.keys.workers, w.worker_id) == 1       # what a lost SADD leaves
+        assert registry.live_workers() == []
+        assert wait_for(lambda: [r.worker_id for r in registry.live_workers()] == [w.worker_id], 3.0)
+    finally:
+        registry.close()
+        w.stop()
