@@ -22,6 +22,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="'smollm2' (the default, shipped in a wheel), an HF model dir, or a .gguf file")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    g.add_argument("--weight-dtype", default="auto", choices=["auto", "fp32", "bf16", "q8_0", "q4_0", "q4_1"],
+                   help="how the linear weights and the embedding are held and read on CPU: auto = the "
+                        "checkpoint's own format (the shipped GGUF: Q4_1 layers, Q8_0 embedding), or "
+                        "fp32 | bf16 | q8_0 | q4_0 | q4_1 (an HF dir is quantized at load). CUDA: the --dtype")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV pool size (GiB)")
@@ -70,7 +74,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from worker.engine.engine import EngineConfig  # torch: only when a command builds an engine
     try:
-        return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        return EngineConfig(model=args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                            device=args.device, block_size=args.block_size,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
                             num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

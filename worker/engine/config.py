@@ -11,12 +11,15 @@ if TYPE_CHECKING:
     from kvstore.disk_stats import DiskTierStats
 
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
+# how the linear weights and the embedding are held on CPU (worker.model.formats)
+WEIGHT_DTYPE_NAMES = ("auto", "fp32", "bf16", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"                   # auto: fp32 on CPU, bf16 on CUDA
+    weight_dtype: str = "auto"            # CPU: auto (the checkpoint's own) | fp32 | bf16 | q8_0 | q4_0 | q4_1
     device: str = "auto"
     block_size: int = 16
     kv_cache_dtype: str = "auto"
@@ -50,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"threads={self.threads!r} must be an integer >= 0 (0 = every core)")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             raise ValueError(f"dtype={self.dtype!r}; accepted: auto, fp32, fp16, bf16")
+        if self.weight_dtype not in WEIGHT_DTYPE_NAMES:
+            raise ValueError(f"weight_dtype={self.weight_dtype!r}; accepted: {', '.join(WEIGHT_DTYPE_NAMES)}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}; accepted: auto, cpu, cuda[:N]")
         if not self.kv_cache_memory_gib > 0:

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 NAME = "kvmesh_native"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("paged_decode.cpp", "linear.cpp", "block_copy.cpp", "block_hash.cpp"))
+                for name in ("paged_decode.cpp", "linear.cpp", "qlinear.cpp", "block_copy.cpp", "block_hash.cpp"))
+INCLUDES = (Path(__file__).parent / "csrc" / "qlinear.inc",)   # in the build key, not compiled alone
 ENV_SWITCH = "KVMESH_NATIVE_KERNELS"
 ENV_DIR = "KVMESH_KERNELS_DIR"
 
@@ -62,7 +63,7 @@ def build_dir() -> Path:
     from worker.model.loader import cache_root
 
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + INCLUDES:
         h.update(src.read_bytes())
     h.update(repr((torch.__version__, sys.version, platform.machine(), platform.system(), _flags())).encode())
     root = Path(os.environ[ENV_DIR]).expanduser() if os.environ.get(ENV_DIR) else cache_root() / "kernels"
@@ -206,6 +207,39 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     module = load()
     assert module is not None, "packed_linear: the native kernels are not built"
     return module.packed_linear(x, packed, n, bias, residual, norm_weight, eps, gated)
+
+
+def qlinear_isa() -> str:
+    """The instruction set `qlinear` runs here ("avx512", "avx2"), or "" when it cannot run (no
+    AVX2 + FMA + F16C, or the kernels are not built): quantized and bf16 weights are then
+    dequantized to fp32 at load."""
+    module = load()
+    return "" if module is None else str(module.qlinear_isa())
+
+
+def empty_huge_bytes(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] on 2 MiB-aligned memory advised for transparent huge pages."""
+    module = load()
+    assert module is not None, "empty_huge_bytes: the native kernels are not built"
+    return module.empty_huge_bytes(nbytes)
+
+
+def qlinear(x: torch.Tensor, packed: torch.Tensor, fmt: int, n: int, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
+    """x [M, K] (any M) against a weight packed by `worker.model.weights.pack` (format code `fmt`:
+    0 Q8_0, 1 Q4_0 / Q4_1, 2 bf16) with n rows -> [M, n] = residual + (x Wᵀ + bias); the other
+    arguments as `packed_linear`. Check `qlinear_isa` first."""
+    module = load()
+    assert module is not None, "qlinear: the native kernels are not built"
+    return module.qlinear(x, packed, fmt, n, bias, residual, norm_weight, eps, gated)
+
+
+def qrows(packed: torch.Tensor, fmt: int, n: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of a packed weight with n rows, dequantized -> fp32 [T, K] (the embedding)."""
+    module = load()
+    assert module is not None, "qrows: the native kernels are not built"
+    return module.qrows(packed, fmt, n, ids)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

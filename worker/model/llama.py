@@ -21,6 +21,21 @@ from worker.kernels import native
 from worker.kernels.backend import AttentionBackend, AttentionOps, attention_ops
 from worker.kernels.reference import AttnMetadata
 from worker.model.config import ModelConfig
+from worker.model.weights import (
+    BLOCK,
+    PANEL,
+    Bf16Weight,
+    PackedWeight,
+    QuantRows,
+    Weight,
+    WeightFormat,
+    cat_rows,
+    dense,
+    format_of,
+    pack,
+    take_rows,
+    weight_shape,
+)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -79,6 +94,12 @@ class Rotary:
         return self.apply(x, *self.tables(positions))
 
 
+def pack_huge(w: Weight, fmt: WeightFormat) -> PackedWeight:
+    """`pack` into huge-page memory (the kernel streams it every step)."""
+    n, k = weight_shape(w)
+    return pack(w, fmt, native.empty_huge_bytes(-(-n // PANEL) * (k // BLOCK) * fmt.record_bytes))
+
+
 class Linear:
     """y = x Wᵀ + b, with the kernel that is fastest on CPU for the number of rows.
 
@@ -96,22 +117,51 @@ class Linear:
     MAX_SMALL_M = 32
     MAX_PACKED_M = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 packed_rows: torch.Tensor | None = None) -> None:
-        """`packed_rows`: the order of W's rows in the packed copy (GatedLinear's interleaving;
-        then only the caller that knows the order runs the packed kernel)."""
-        self.weight = weight.contiguous()                         # [out, in]
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None,
+                 packed_rows: torch.Tensor | None = None, matmul: bool = True) -> None:
+        """`weight`: a dense tensor, or quantized / bf16-stored rows (worker.model.weights), which
+        on a CPU with the kernel are packed in their own format and run by `native.qlinear` for
+        every row count (no fp32 copy is kept), else dequantized here. `packed_rows`: the order of
+        W's rows in the packed copy (GatedLinear's interleaving; then only the caller that knows
+        the order runs the packed kernel). `matmul=False`: only `rows` is used (an untied
+        embedding): a dense weight gets no packed copy."""
+        self.qweight: PackedWeight | None = None
+        if isinstance(weight, (QuantRows, Bf16Weight)):
+            fmt = format_of(weight)
+            if native.qlinear_isa() and weight_shape(weight)[1] % BLOCK == 0:
+                rows = weight if packed_rows is None else take_rows(weight, packed_rows)
+                self.qweight = pack_huge(rows, fmt)
+                weight = torch.empty(0, weight_shape(weight)[1])
+            else:
+                weight = dense(weight)
+        self.weight = weight.contiguous()                         # [out, in] ([0, in]: packed in its format)
         self.bias = bias
-        self.out_features = weight.shape[0]
+        self.out_features = self.qweight.n if self.qweight is not None else weight.shape[0]
         self.cpu = weight.device.type == "cpu"
-        supported = native.linear_supported(self.weight) and (bias is None or bias.dtype == torch.float32)
+        supported = matmul and self.qweight is None and native.linear_supported(self.weight) \
+            and (bias is None or bias.dtype == torch.float32)
         self.packed = native.pack_linear(self.weight if packed_rows is None else self.weight[packed_rows]) \
             if supported else None                                # [ceil(out / 16), in, 16]
-        self.packed_in_order = self.packed is not None and packed_rows is None
-        self.weight_t = self.weight.t().contiguous() if self.cpu and self.packed is None else None   # [in, out]
+        self.packed_in_order = (self.packed is not None or self.qweight is not None) and packed_rows is None
+        self.weight_t = self.weight.t().contiguous() if matmul and self.cpu and self.packed is None \
+            and self.qweight is None else None                    # [in, out]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] [T, in] (the embedding lookup), dequantized when W is packed in its own format."""
+        if self.qweight is not None:
+            return native.qrows(self.qweight.data, self.qweight.fmt.kernel_code, self.qweight.n, ids)
+        return F.embedding(ids, self.weight)
+
+    def _q(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+           eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
+        q = self.qweight
+        assert q is not None
+        return native.qlinear(x, q.data, q.fmt.kernel_code, q.n, self.bias, residual, norm_weight, eps, gated)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
+        if self.qweight is not None and self.packed_in_order:
+            return self._q(x)
         if self.packed is not None and self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias)
         if self.weight_t is None or m > self.MAX_SMALL_M:
@@ -147,6 +197,8 @@ class Linear:
     def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """self(rms_norm(x, norm_weight, eps)); the packed kernel normalises x itself (one call
         instead of the norm's ops: at batch 1 each op costs as much as a small GEMV)."""
+        if self.qweight is not None and self.packed_in_order:
+            return self._q(x, norm_weight=norm_weight, eps=eps)
         if self.packed is not None and self.packed_in_order and x.shape[0] <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, norm_weight=norm_weight, eps=eps)
         if self.packed is not None:  # a long prefill: the norm in one native pass, then the GEMM
@@ -157,6 +209,8 @@ class Linear:
         """residual + (x Wᵀ + b); the packed kernel adds in its epilogue, and on the W · xᵀ path
         the add reads the transposed product directly instead of copying it back first."""
         m = x.shape[0]
+        if self.qweight is not None and self.packed_in_order:
+            return self._q(x, residual)
         if self.packed is not None and self.packed_in_order and m <= self.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.out_features, self.bias, residual)
         if self.packed is not None and self.bias is None:  # a long prefill: the add inside the GEMM
@@ -179,17 +233,20 @@ class GatedLinear:
 
     GROUP = 8
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
-        assert gate.shape == up.shape, (gate.shape, up.shape)
-        i = gate.shape[0]
+    def __init__(self, gate: Weight, up: Weight) -> None:
+        assert weight_shape(gate) == weight_shape(up), (weight_shape(gate), weight_shape(up))
+        i = weight_shape(gate)[0]
         # packed rows g0..g7, u0..u7, g8..g15, u8..u15, ...: [2, I / 8, 8] -> [I / 8, 2, 8]
         order = torch.arange(2 * i).view(2, i // self.GROUP, self.GROUP).transpose(0, 1).flatten() \
             if i % self.GROUP == 0 else None
-        self.proj = Linear(torch.cat([gate, up]), packed_rows=order)   # [2 I, in]
+        self.proj = Linear(cat_rows([gate, up]), packed_rows=order)   # [2 I, in]
         self.packed = self.proj.packed if order is not None else None   # interleaved rows
-        self.gated_kernel = self.packed is not None
+        self.qgated = self.proj.qweight is not None and order is not None
+        self.gated_kernel = self.packed is not None or self.qgated
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qgated:
+            return self.proj._q(x, gated=True)
         if self.packed is not None and x.shape[0] <= Linear.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.proj.out_features, gated=True)
         if self.proj.packed is not None:  # a long prefill: silu(gate) * up in one native pass
@@ -199,6 +256,8 @@ class GatedLinear:
 
     def normed(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """self(rms_norm(x, norm_weight, eps)), in one kernel call on the packed path."""
+        if self.qgated:
+            return self.proj._q(x, norm_weight=norm_weight, eps=eps, gated=True)
         if self.packed is not None and x.shape[0] <= Linear.MAX_PACKED_M:
             return native.packed_linear(x, self.packed, self.proj.out_features, norm_weight=norm_weight,
                                         eps=eps, gated=True)
@@ -220,20 +279,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str, attention: AttentionOps) -> None:
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], prefix: str, attention: AttentionOps) -> None:
         self.cfg = cfg
         self.attention = attention  # the backend's write_kv / paged_attention (worker.kernels.backend)
         attn = prefix + "self_attn."
         self.qkv_proj = Linear(
-            torch.cat([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"], w[attn + "v_proj.weight"]]),
+            cat_rows([w[attn + "q_proj.weight"], w[attn + "k_proj.weight"], w[attn + "v_proj.weight"]]),
             torch.cat([w[attn + "q_proj.bias"], w[attn + "k_proj.bias"], w[attn + "v_proj.bias"]])
             if cfg.attention_bias else None)
         self.o_proj = Linear(w[attn + "o_proj.weight"])
         mlp = prefix + "mlp."
         self.gate_up_proj = GatedLinear(w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"])
         self.down_proj = Linear(w[mlp + "down_proj.weight"])
-        self.ln1 = w[prefix + "input_layernorm.weight"]
-        self.ln2 = w[prefix + "post_attention_layernorm.weight"]
+        self.ln1 = dense(w[prefix + "input_layernorm.weight"], self.qkv_proj.weight.dtype)
+        self.ln2 = dense(w[prefix + "post_attention_layernorm.weight"], self.qkv_proj.weight.dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
@@ -291,19 +350,22 @@ class DecoderLayer:
 class LlamaModel:
     """The decoder stack plus the LM head. Construct from HF-named weights (see worker.model.loader)."""
 
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, Weight],
                  attention: AttentionOps | None = None) -> None:
-        """`attention`: the kernels every layer runs (default: the native backend's, which
-        falls back to the torch reference wherever the native kernel does not apply)."""
+        """`weights`: dense tensors of one dtype, or (linear weights and the embedding) rows in
+        their own format, see worker.model.weights. `attention`: the kernels every layer runs
+        (default: the native backend's, which falls back to the torch reference wherever the
+        native kernel does not apply)."""
         self.cfg = cfg
-        self.embed = weights["model.embed_tokens.weight"]
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
+        embed = weights["model.embed_tokens.weight"]
+        self.lm_head = Linear(embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
+        self.embedding = self.lm_head if cfg.tie_word_embeddings else Linear(embed, matmul=False)
+        self.dtype = self.lm_head.weight.dtype                   # the activations' dtype
+        self.device = self.lm_head.weight.device
         self.attention = attention or attention_ops(AttentionBackend.NATIVE)
         self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", self.attention)
                        for i in range(cfg.num_layers)]
-        self.norm = weights["model.norm.weight"]
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
+        self.norm = dense(weights["model.norm.weight"], self.dtype)
         self.rotary = Rotary(cfg, self.dtype, self.device)
         self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         self.key_scales: torch.Tensor | None = None
@@ -339,7 +401,7 @@ class LlamaModel:
         """
         assert input_ids.dim() == 1 and input_ids.shape == positions.shape
         assert len(kv_caches) == len(self.layers)
-        x = F.embedding(input_ids, self.embed)                    # [T, hidden]
+        x = self.embedding.rows(input_ids)                        # [T, hidden]
         rope = self.rotary.tables(positions)
         # the last layer's o_proj and MLP only matter for the rows whose logits are returned
         # (a prefill samples one row per sequence); decode keeps every row, so skip the gather

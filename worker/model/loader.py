@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -44,6 +44,8 @@ from worker.model.config import ModelConfig, ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from worker.model.weights import Weight
+
 # torch and safetensors are imported where weights are read or converted. Finding a model's
 # dir (aliases, the conversion cache) is torch-free in contracts.models, which the router uses.
 
@@ -60,12 +62,17 @@ class LoadedWeights(NamedTuple):
     """Weights under their HF names (`model.layers.0.self_attn.q_proj.weight`, ...).
 
     `lm_head.weight` is present exactly when `config.tie_word_embeddings` is False; a tied
-    model reuses `model.embed_tokens.weight`. The caller owns the tensors.
+    model reuses `model.embed_tokens.weight`. The caller owns the tensors. Linear weights and
+    the embedding are dense tensors of the asked dtype, or in their own format (see
+    worker.model.formats) when `weight_dtype` asked for one; `weight_format` says which
+    (`formats.describe`) and `weight_bytes` what they occupy.
     """
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     model_dir: Path
+    weight_format: str = "fp32"
+    weight_bytes: int = 0
 
 
 def resolve_model_dir(name_or_path: str, *, progress: bool = True) -> Path:
@@ -86,17 +93,22 @@ def resolve_model_dir(name_or_path: str, *, progress: bool = True) -> Path:
 
 
 def load_weights(
-    model_dir: Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    model_dir: Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    weight_dtype: str = "fp32",
 ) -> LoadedWeights:
     """Read config.json (+ generation_config.json) and every safetensors shard of an HF dir.
 
-    Tensors keep their HF names and are cast to `dtype` on `device`. Raises
-    `ModelLoadError` for a missing or invalid config, unsupported architecture, unreadable
-    safetensors, or missing/mis-shaped tensors.
+    Tensors keep their HF names and are cast to `dtype` on `device`. With `weight_dtype` other
+    than fp32, on CPU with fp32 activations, the linear weights and the embedding come in that
+    format (`auto`: the checkpoint's own; for a dir converted from a GGUF, the GGUF's tensors as
+    stored), see worker.model.formats. Raises `ModelLoadError` for a missing or invalid config,
+    unsupported architecture, unreadable safetensors or GGUF, or missing/mis-shaped tensors.
     """
     import safetensors
     import safetensors.torch
     import torch
+
+    from worker.model import formats
 
     dtype = torch.float32 if dtype is None else dtype
     model_dir = Path(model_dir)
@@ -116,7 +128,44 @@ def load_weights(
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     _check_shapes(config, weights, model_dir)
-    return LoadedWeights(config=config, weights=weights, model_dir=model_dir)
+    if weight_dtype == "fp32" or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return LoadedWeights(config, dict(weights), model_dir, formats.describe(weights),
+                             formats.total_bytes(weights))
+    return _in_weight_dtype(config, weights, model_dir, weight_dtype)
+
+
+def _in_weight_dtype(config: ModelConfig, weights: dict[str, torch.Tensor], model_dir: Path,
+                     weight_dtype: str) -> LoadedWeights:
+    from worker.model import formats
+
+    fmt = formats.parse_weight_dtype(weight_dtype)
+    gguf = _source_gguf(model_dir)
+    if gguf is None or not (fmt is None or fmt.quantized):
+        fmt = fmt or formats.own_format(weights)
+        if not fmt.quantized:  # fp32 / bf16 from the dir's tensors: a cast, nothing to cache
+            out = {name: formats.in_format(name, w, fmt) for name, w in weights.items()}
+            return LoadedWeights(config, out, model_dir, formats.describe(out), formats.total_bytes(out))
+    # converted once and cached: reading a GGUF's blocks and quantizing take tens of seconds
+    source = gguf if gguf is not None else _safetensors_files(model_dir)[0]
+    cache = formats.cache_path(model_dir, weight_dtype, source)
+    out = formats.load_cached(cache)
+    if out is None:
+        own: dict[str, Weight] = dict(weights)
+        if gguf is not None:
+            own = formats.read_gguf(gguf, config)
+            _check_shapes(config, own, gguf)
+        out = {name: formats.in_format(name, w, fmt) for name, w in own.items()}
+        with contextlib.suppress(OSError):  # a read-only cache: convert again next time
+            formats.save_cached(cache, out)
+    _check_shapes(config, out, model_dir)
+    return LoadedWeights(config, out, model_dir, formats.describe(out), formats.total_bytes(out))
+
+
+def _source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF a converted dir was made from (its marker names it), if it is still there."""
+    marker = _read_json(model_dir / _MARKER, required=False)
+    source = Path(str(marker.get("source", ""))) if marker else None
+    return source if source is not None and source.suffix == ".gguf" and source.is_file() else None
 
 
 def load_tokenizer(model_dir: Path) -> ModelTokenizer:
@@ -157,14 +206,16 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], model_dir: Path) -> None:
+def _check_shapes(config: ModelConfig, weights: Mapping[str, Weight], model_dir: Path) -> None:
+    from worker.model.weights import weight_shape
+
     expected = expected_weight_shapes(config)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"{model_dir}: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        if weight_shape(weights[name]) != shape:
+            raise ModelLoadError(f"{model_dir}: {name} has shape {weight_shape(weights[name])}, expected {shape}")
 
 
 def _display_name(raw: dict[str, Any], model_dir: Path) -> str:

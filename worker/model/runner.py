@@ -8,6 +8,8 @@ only their logprobs; which requests finish, fork or are preempted is the engine'
 """
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -28,9 +30,12 @@ from worker.kernels import native
 from worker.kernels.backend import attention_ops, resolve_backend
 from worker.kernels.reference import AttnMetadata
 from worker.model.calibration import CALIBRATION_TOKENS, cached_key_calibration, calibration_tokens
+from worker.model.config import ModelConfig
 from worker.model.cuda_graph import decode_graphs
 from worker.model.llama import LlamaModel
-from worker.model.loader import load_weights
+from worker.model.loader import expected_weight_shapes, load_weights
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 assert tuple(_DTYPES) == DTYPE_NAMES
@@ -47,6 +52,21 @@ class ForwardOutput(NamedTuple):
     logits: torch.Tensor
     score_acc: torch.Tensor | None
     seq_lens: list[int]
+
+
+def _log_weights(weight_format: str, weight_bytes: int, mc: ModelConfig, layout: KVLayout, num_blocks: int) -> None:
+    """One startup line: the weights' format and real size, and the KV blocks the bytes they save
+    over fp32 weights would hold (what a Q4 model leaves for KV)."""
+    fp32_bytes = weight_bytes_fp32(mc)
+    extra = layout.num_blocks_in(max(0, fp32_bytes - weight_bytes))
+    log.info("weights %s: %.1f MiB (fp32: %.1f MiB); KV pool %d blocks; the %.1f MiB saved would hold %d more "
+             "KV blocks", weight_format, weight_bytes / 2**20, fp32_bytes / 2**20, num_blocks,
+             (fp32_bytes - weight_bytes) / 2**20, extra)
+
+
+def weight_bytes_fp32(mc: ModelConfig) -> int:
+    """The model's weights in fp32 (every tensor of expected_weight_shapes)."""
+    return 4 * sum(math.prod(s) for s in expected_weight_shapes(mc).values())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,13 +91,15 @@ class ModelRunner:
         self.cfg = cfg
         self.device = device
         dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-        loaded = load_weights(model_dir, dtype=_DTYPES[dtype_name], device=device)
+        loaded = load_weights(model_dir, dtype=_DTYPES[dtype_name], device=device, weight_dtype=cfg.weight_dtype)
         mc = self.model_config = loaded.config
+        self.weight_format, self.weight_bytes = loaded.weight_format, loaded.weight_bytes
         self.attention_backend = resolve_backend(cfg.attention_backend, device)
         self.model = LlamaModel(mc, loaded.weights, attention_ops(self.attention_backend))
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
                                resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype_name))
         num_blocks = cfg.num_blocks or self.layout.num_blocks_in(int(cfg.kv_cache_memory_gib * 2**30))
+        _log_weights(loaded.weight_format, loaded.weight_bytes, mc, self.layout, num_blocks)
         model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.max_model_len = min(model_len, num_blocks * cfg.block_size)
         self.codec_id = ""
@@ -89,7 +111,10 @@ class ModelRunner:
             cal = cached_key_calibration(self.model, model_dir, tokens, cfg.block_size)
             self.model.set_key_scales(cal.scales, cal.shift)
             self.codec_id = "key-calibration:" + cal.digest()
-        self.salt = HashSalt(model=mc.name, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
+        # KV computed with other weight formats differs: blocks are shared between workers of one format
+        formats = sorted({f.split(" ")[0] for f in loaded.weight_format.split(", ")})
+        model_key = mc.name if formats == [dtype_name] else f"{mc.name}@weights:{'+'.join(formats)}"
+        self.salt = HashSalt(model=model_key, tokenizer=mc.name, kv_cache_dtype=self.layout.kv_cache_dtype,
                              block_size=cfg.block_size, kv_codec=self.codec_id).digest()
         disk = None
         if cfg.kv_disk_path and cfg.kv_disk_gib > 0:   # its records are keyed as the block hashes are salted

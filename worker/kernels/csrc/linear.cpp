@@ -276,6 +276,15 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
   return h;
 }
 
+}  // namespace
+
+// the norm for qlinear.cpp's fused prologue
+torch::Tensor kvmesh_rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return rms_norm_rows(x, weight, eps);
+}
+
+namespace {
+
 // y [M, 2 I] = [gate | up] -> silu(gate) * up [M, I] (the MLP between a wide GEMM and down_proj)
 torch::Tensor silu_mul_rows(const torch::Tensor& y) {
   TORCH_CHECK(y.dim() == 2 && y.size(1) % 2 == 0 && y.scalar_type() == at::kFloat && y.device().is_cpu(),

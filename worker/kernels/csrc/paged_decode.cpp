@@ -306,10 +306,12 @@ torch::Tensor rope_paged_decode(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 }
 
 void bind_linear(pybind11::module& m);  // csrc/linear.cpp: the packed-weight linear kernels
+void bind_qlinear(pybind11::module& m);  // csrc/qlinear.cpp: the Q8 / Q4 / bf16 panel kernels
 void bind_block_copy(pybind11::module& m);  // csrc/block_copy.cpp: KV blocks between the pool and the host tier
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_linear(m);
+  bind_qlinear(m);
   bind_block_copy(m);
   m.def("paged_decode", &paged_decode, "decode attention over a paged fp32 KV cache (CPU)");
   m.def("rope_paged_decode", &rope_paged_decode, "RoPE, KV write and decode attention of one layer (CPU fp32)");

@@ -1,0 +1,128 @@
+"""Weights in their own format (worker.model.weights / formats, csrc/qlinear.cpp): the native
+kernel against dequantize-then-F.linear on every SmolLM2 layer shape, format and row count; the
+GGUF reader against transformers' dequantization and the gguf package; the quantizers against
+ggml's (the gguf package's numpy port); the engine on each format against HF transformers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.kernels import native
+from worker.model.llama import GatedLinear, Linear
+from worker.model.weights import (
+    Bf16Weight,
+    QuantRows,
+    WeightFormat,
+    dense,
+    from_gguf_blocks,
+    pack,
+    quantize,
+)
+
+FORMATS = [WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.BF16]
+# SmolLM2-135M: fused q/k/v, o_proj, down_proj, lm_head (tied embedding); the gate/up pair below
+SHAPES = [(960, 576), (576, 576), (576, 1536), (49152, 576), (40, 64)]
+GGML = {WeightFormat.Q8_0: gguf.GGMLQuantizationType.Q8_0, WeightFormat.Q4_0: gguf.GGMLQuantizationType.Q4_0,
+        WeightFormat.Q4_1: gguf.GGMLQuantizationType.Q4_1}
+TOL = 2e-6  # of the largest |output|: fp32 sums in another order
+
+
+def _weight(n: int, k: int, fmt: WeightFormat, seed: int) -> QuantRows | Bf16Weight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return Bf16Weight(w.bfloat16()) if fmt is WeightFormat.BF16 else quantize(w, fmt)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (out.double() - ref).abs().max().item()
+    assert err <= TOL * max(ref.abs().max().item(), 1.0), err
+
+
+pytestmark = pytest.mark.skipif(not native.qlinear_isa(), reason="the native kernels are not built here")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_matches_dequantized_f_linear(fmt: WeightFormat, shape: tuple[int, int]) -> None:
+    """Batch 1, 2, 5 and 16 (decode) and 40 rows (a prefill), with bias, residual and the fused norm."""
+    n, k = shape
+    w = _weight(n, k, fmt, n + k)
+    lin = Linear(w, torch.randn(n))
+    assert lin.qweight is not None and lin.packed is None and lin.weight.numel() == 0, "no fp32 copy is kept"
+    ref_w, bias = dense(w).double(), lin.bias.double()
+    norm = torch.rand(k) + 0.5
+    for m in ([1, 16] if n * k > 10**7 else [1, 2, 5, 16, 40]):
+        x = torch.randn(m, k)
+        residual = torch.randn(m, n)
+        _close(lin(x), F.linear(x.double(), ref_w, bias))
+        _close(lin.add_to(residual, x), residual.double() + F.linear(x.double(), ref_w, bias))
+        normed = (norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))).double()
+        _close(lin.normed(x, norm, 1e-5), F.linear(normed, ref_w, bias))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_gated_mlp_kernel_matches_reference(fmt: WeightFormat) -> None:
+    gate, up = _weight(1536, 576, fmt, 1), _weight(1536, 576, fmt, 2)
+    mlp = GatedLinear(gate, up)
+    assert mlp.qgated
+    for m in (1, 16, 33):
+        x = torch.randn(m, 576).double()
+        ref = F.silu(F.linear(x, dense(gate).double())) * F.linear(x, dense(up).double())
+        _close(mlp(x.float()), ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_embedding_rows_are_the_dequantized_rows(fmt: WeightFormat) -> None:
+    w = _weight(100, 64, fmt, 3)
+    lin = Linear(w)
+    ids = torch.tensor([0, 15, 16, 99, 42, 42])
+    assert torch.equal(lin.rows(ids), dense(w)[ids])
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1], ids=lambda f: f.value)
+def test_quantizer_and_block_reader_agree_with_ggml(fmt: WeightFormat) -> None:
+    """Our quantizer gives ggml's blocks (the gguf package's port of quantize_row_*_ref, but for
+    rounding ties), and our block reader dequantizes them as the gguf package does."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+    raw = gguf.quants.quantize(w.numpy(), GGML[fmt])                   # [64, bytes]
+    rows = from_gguf_blocks(fmt, torch.from_numpy(raw), 256)
+    expected = gguf.quants.dequantize(raw, GGML[fmt])
+    assert np.array_equal(rows.dequantize().numpy(), expected)
+    ours = quantize(w, fmt)
+    assert torch.equal(ours.d, rows.d)
+    assert (ours.q != rows.q).float().mean() < 1e-3
+
+
+def test_bytes_per_weight_of_the_packed_layout() -> None:
+    w = torch.randn(32, 64)
+    for fmt, bits in ((WeightFormat.Q8_0, 8.5), (WeightFormat.Q4_1, 5.0), (WeightFormat.BF16, 16.0)):
+        packed = pack(quantize(w, fmt) if fmt.quantized else Bf16Weight(w.bfloat16()), fmt)
+        assert packed.nbytes * 8 == bits * w.numel() == fmt.bits_per_weight * w.numel()
+
+
+def test_avx2_path_matches_too() -> None:
+    """The AVX2 + FMA + F16C kernel (chosen where AVX-512 is missing), forced in a child process."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from worker.kernels import native\n"
+        "from worker.model.weights import WeightFormat, quantize, pack, Bf16Weight, dense\n"
+        "assert native.qlinear_isa() == 'avx2'\n"
+        "for fmt in (WeightFormat.Q8_0, WeightFormat.Q4_1, WeightFormat.BF16):\n"
+        "    w = torch.randn(96, 128)\n"
+        "    q = quantize(w, fmt) if fmt.quantized else Bf16Weight(w.bfloat16())\n"
+        "    p = pack(q, fmt)\n"
+        "    for m in (1, 3, 16):\n"
+        "        x = torch.randn(m, 128)\n"
+        "        ref = F.linear(x.double(), dense(q).double())\n"
+        "        out = native.qlinear(x, p.data, fmt.kernel_code, 96)\n"
+        "        assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max(), fmt\n"
+        "print('ok')\n")
+    env = dict(os.environ, KVMESH_QLINEAR_ISA="avx2")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
