@@ -43,7 +43,8 @@ def render_table(plan: Plan) -> str:
         (f"blocks per sequence ({c.context} tokens)", f"{plan.blocks_per_sequence:,}"),
         ("bytes per sequence", format_bytes(plan.bytes_per_sequence)),
         (f"bytes total (batch {c.batch})", format_bytes(plan.bytes_total)),
-        ("weights", format_bytes(plan.weights_bytes))])
+        ("weights", format_bytes(plan.weights_bytes)),
+        (f"KV blocks the {c.weights_dtype} weights free vs fp32", f"+{plan.extra_blocks_vs_fp32:,}")])
     out.append("")
     if plan.usable_bytes is None or plan.kv_budget_bytes is None:
         out.append("  no --gpu-memory given: max_sequences and fit not computed")
@@ -102,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--gpu-memory", type=float, default=None, dest="gpu_memory",
                         help="GPU memory in GiB (enables max_sequences and fits)")
-    parser.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="fp16")
+    parser.add_argument("--weights-dtype", choices=WEIGHTS_DTYPES, default="fp16",
+                        help="the weights' format; q8_0 / q4_0 / q4_1 at the size kvmesh's CPU engine holds them "
+                             "(8.5 / 5 / 5 bits a weight, scales included)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory kvmesh may use, like vLLM")
     parser.add_argument("--lengths", default=None,

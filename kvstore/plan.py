@@ -6,10 +6,13 @@ allocator sizes its pool with, so the plan is what the pool will take.
 
 - KV budget = gpu_memory × gpu_memory_utilization − weights (like vLLM, minus the activation
   reserve vLLM profiles at start-up, so real capacity is a little lower). Clamped at 0.
-- Weights = parameter count (see `kvstore.presets`) × bytes per weight (int4 = 0.5), every
-  tensor at `--weights-dtype`; quantization scales of the weights are not counted.
+- Weights = parameter count (see `kvstore.presets`) × bytes per weight, every tensor at
+  `--weights-dtype`. GGUF formats at the size kvmesh's CPU engine holds them, scales included
+  (q8_0: 8.5 bits a weight; q4_0 and q4_1: 5 bits, see worker/model/weights.py); int8 / int4
+  count no scales. `extra_blocks_vs_fp32`: the KV blocks the bytes these weights leave over
+  fp32 weights hold (what a Q4 model gains), shown with or without --gpu-memory.
 - `--kv-cache-dtype auto` stores KV in the compute dtype: fp32/bf16 weights compute in their
-  own dtype, fp16/int8/int4 weights in fp16.
+  own dtype, fp16/int8/int4 weights in fp16, the GGUF formats in fp32 (the CPU engine).
 - Paged figures hold whole blocks. `max_sequences` = whole blocks in the budget // blocks per
   sequence of `--context` tokens. Headline figures assume full attention in every layer;
   `sliding_window` shows the per-sequence cap a windowed model allows.
@@ -33,12 +36,14 @@ __all__ = ["PlanError", "PlanConfig", "Plan", "ModelShape", "PRESETS", "load_mod
            "parse_lengths", "make_plan", "format_bytes", "GIB", "KV_CACHE_DTYPES", "WEIGHTS_DTYPES", "DEFAULT_LENGTHS"]
 
 GIB = 1 << 30
-WEIGHTS_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+WEIGHTS_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4", "q8_0", "q4_0", "q4_1")
 PER_DTYPES = ("fp16", "fp8", "int8", "int4")
 DEFAULT_LENGTHS = "uniform:64"
 MAX_LENGTHS = 100_000
-_WEIGHT_HALF_BYTES = {"fp32": 8, "fp16": 4, "bf16": 4, "int8": 2, "int4": 1}
-_COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "fp16", "int4": "fp16"}
+# bits per weight, x2 (whole numbers): q8_0 = 8.5 bits, q4_* = 5 bits as the CPU engine holds them
+_WEIGHT_HALF_BITS = {"fp32": 64, "fp16": 32, "bf16": 32, "int8": 16, "int4": 8, "q8_0": 17, "q4_0": 10, "q4_1": 10}
+_COMPUTE_DTYPE = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int8": "fp16", "int4": "fp16",
+                  "q8_0": "fp32", "q4_0": "fp32", "q4_1": "fp32"}
 
 
 def format_bytes(num: float) -> str:
@@ -187,6 +192,7 @@ class Plan:
     waste: WastePlan
     per_dtype: tuple[DtypeRow, ...]
     warnings: tuple[str, ...]
+    extra_blocks_vs_fp32: int = 0  # KV blocks (this layout) in the bytes the weights save over fp32
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -233,7 +239,8 @@ def make_plan(shape: ModelShape, *, context: int = 4096, batch: int = 1,
     except ValueError as exc:
         raise PlanError("--kv-cache-dtype", cfg.kv_cache_dtype, str(exc)) from None
     num_params = shape.num_params
-    weights_bytes = -(-num_params * _WEIGHT_HALF_BYTES[cfg.weights_dtype] // 2)
+    weights_bytes = -(-num_params * _WEIGHT_HALF_BITS[cfg.weights_dtype] // 16)
+    extra_blocks = layout.num_blocks_in(max(0, num_params * 4 - weights_bytes))
     usable = budget = None
     if cfg.gpu_memory_gib is not None:
         usable = round(cfg.gpu_memory_gib * GIB * cfg.gpu_memory_utilization)
@@ -287,4 +294,5 @@ def make_plan(shape: ModelShape, *, context: int = 4096, batch: int = 1,
         max_sequences=max_sequences,
         fits=None if max_sequences is None else cfg.batch <= max_sequences,
         attention_variants=tuple(variants), sliding_window=window,
-        waste=_waste(layout, cfg, budget), per_dtype=tuple(per_dtype), warnings=tuple(warnings))
+        waste=_waste(layout, cfg, budget), per_dtype=tuple(per_dtype), warnings=tuple(warnings),
+        extra_blocks_vs_fp32=extra_blocks)

@@ -130,7 +130,8 @@ def test_param_count_matches_transformers(name: str) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "num", "den"), [
-    ("fp32", 4, 1), ("fp16", 2, 1), ("bf16", 2, 1), ("int8", 1, 1), ("int4", 1, 2)])
+    ("fp32", 4, 1), ("fp16", 2, 1), ("bf16", 2, 1), ("int8", 1, 1), ("int4", 1, 2),
+    ("q8_0", 17, 16), ("q4_0", 5, 8), ("q4_1", 5, 8)])
 def test_weights_bytes_per_dtype(dtype: str, num: int, den: int) -> None:
     shape = PRESETS["smollm2-135m"]
     plan = make_plan(shape, weights_dtype=dtype)
@@ -138,9 +139,23 @@ def test_weights_bytes_per_dtype(dtype: str, num: int, den: int) -> None:
 
 
 @pytest.mark.parametrize(("weights", "kv"), [
-    ("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16"), ("int4", "fp16")])
+    ("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16"), ("int4", "fp16"),
+    ("q8_0", "fp32"), ("q4_1", "fp32")])
 def test_auto_kv_dtype_is_compute_dtype(weights: str, kv: str) -> None:
     assert make_plan(PRESETS["llama-7b"], weights_dtype=weights).kv_cache_dtype == kv
+
+
+def test_smaller_weights_free_kv_blocks_over_fp32() -> None:
+    """The bytes q4_1 weights save over fp32 are counted as KV blocks, in the plan and its table."""
+    shape = PRESETS["smollm2-135m"]
+    fp32 = make_plan(shape, weights_dtype="fp32", kv_cache_dtype="fp32", gpu_memory_gib=1)
+    q4 = make_plan(shape, weights_dtype="q4_1", kv_cache_dtype="fp32", gpu_memory_gib=1)
+    assert fp32.extra_blocks_vs_fp32 == 0
+    saved = fp32.weights_bytes - q4.weights_bytes
+    assert q4.extra_blocks_vs_fp32 == saved // q4.bytes_per_block > 0
+    assert q4.num_blocks is not None and fp32.num_blocks is not None
+    assert q4.num_blocks - fp32.num_blocks in (q4.extra_blocks_vs_fp32, q4.extra_blocks_vs_fp32 + 1)
+    assert f"+{q4.extra_blocks_vs_fp32:,}" in render_table(q4)
 
 
 # --- budget, max_sequences, fits ----------------------------------------------------------
