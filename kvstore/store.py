@@ -195,7 +195,7 @@ class KVStore:
         if salt_root is not None and self._staging is not None:
             self._staging.roots.update(dict.fromkeys(block_hashes, salt_root))
         if self._staging is not None and self._write_through:
-            self._staging.write_through(block_ids, block_hashes, salt_root)
+            self._staging.write_through(block_ids, block_hashes, salt_root, owner)
         self._drain()
 
     def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:

@@ -17,6 +17,7 @@ import torch
 from kvstore.disk import DiskTier
 from kvstore.keys import BlockHash
 from kvstore.pool import BlockId, BlockPool
+from kvstore.quota import Owner
 from kvstore.tensors import KVTensors
 from kvstore.tiers import HostTier
 
@@ -82,16 +83,16 @@ class DiskStaging:
             self.roots.pop(block_hashes[i], None)
 
     def write_through(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
-                      salt_root: BlockHash | None) -> None:
-        """Blocks the pool just cached (`DiskSpec.write_through`): copy the ones the disk
-        tier wants and queue them for its writer (a full queue drops them there)."""
+                      salt_root: BlockHash | None, owner: Owner | None = None) -> None:
+        """Blocks the pool just cached for `owner` (`DiskSpec.write_through`): copy the ones the
+        disk tier wants and queue them for its writer (a full queue drops them there)."""
         keys = [(salt_root, h) for h in block_hashes]
         want = [i for i, key in enumerate(keys) if self.disk.wants(key)]
         if want:
             data = self.kv.gather_blocks([int(block_ids[i]) for i in want]).movedim(2, 0)
             data = data.to("cpu").contiguous()                              # [n, L, 2, bs, H, D]
             for row, i in enumerate(want):
-                self.disk.write_behind(keys[i], data[row])
+                self.disk.write_behind(keys[i], data[row], owner)
 
     def spill(self, block_hashes: list[BlockHash], slots: list[int]) -> None:
         """The host tier's eviction callback: copy the dropped blocks the disk tier wants and

@@ -166,3 +166,22 @@ def test_owner_lru_rejects_bad_caps() -> None:
         OwnerLRU(4, 0.0)
     with pytest.raises(ValueError, match="max_cached_blocks"):
         OwnerLRU(4).set_cap("a", -1)
+
+
+def test_blocks_written_through_to_disk_keep_their_owner(tmp_path: Path) -> None:
+    spec = DiskSpec(str(tmp_path), 8 * (HEADER_BYTES + LAYOUT.bytes_per_block), b"fingerprint-0004", True)
+    store = KVStore(LAYOUT, 4, offload_bytes=4 * LAYOUT.bytes_per_block, disk=spec, max_cached_frac=0.5)
+    assert store.disk is not None
+    try:
+        for n, owner in enumerate(["alpha"] * 2 + ["beta"] * 10):
+            ids = store.allocate(1)
+            store.cache(ids, [H(n)], owner=owner)
+            store.free_sequence(ids)
+            store.disk.flush()
+        # written as cached (write-through), each record counted for its tenant: the tier holds 8,
+        # and beta, over its cap of 4 once it is full, gives its own oldest: alpha's two stay
+        assert store.disk.quota.usage() == {"alpha": 2, "beta": 6}
+        assert {H(0), H(1)} <= set(store.disk.cached_hashes())
+        store.check_integrity()
+    finally:
+        store.disk.close()
