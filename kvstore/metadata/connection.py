@@ -297,9 +297,13 @@ class AsyncLink:
         if not isinstance(c, redis.asyncio.cluster.RedisCluster):
             named: dict[KeyT, StreamIdT] = {k: v for k, v in streams.items()}
             return cast(XReadReply, await c.xread(named, count=count, block=block_ms) or [])
+        await c.initialize()        # the slot map (refreshed here after a failover or a MOVED)
         p = c.pipeline(transaction=False)
         for key, last_id in streams.items():
-            p.xread({key: last_id}, count=count)
+            # the node named here from the cached slot map: without it redis-py asks a node
+            # COMMAND GETKEYS for every XREAD (its keys are "movable"), a round trip each
+            p.execute_command("XREAD", "COUNT", count, "STREAMS", key, last_id,
+                              target_nodes=c.get_node_from_key(key))
         reply: XReadReply = []
         for one in cast("list[XReadReply | None]", await p.execute()):
             reply.extend(one or ())
