@@ -6,7 +6,8 @@ registered there. `clients` clients stream greedy one-token requests through the
 prompt is one of `num_prefixes` shared prefixes of `prefix_tokens` token ids plus a fresh
 suffix of `suffix_tokens`. Every request's end time, worker and cached prompt tokens (the
 router's GenerateResponse) are recorded. After a warm-up (every prefix asked twice) and a
-window, three events, `2 × window_s` apart:
+window, three events, `2 × window_s` apart (the drain at least `window_s` after the restarted
+worker serves again):
 
 1. restart: w-1 is killed with -9 and started again at once (same id, same disk directory);
 2. drain: w-0 gets SIGTERM and is not started again (scale in to one worker);
@@ -268,7 +269,8 @@ async def _scenario(cfg: RestartConfig, on: bool, log_dir: Path) -> dict[str, An
             await asyncio.to_thread(cluster.workers["w-1"][0].proc.wait)
             cluster.start_worker("w-1", port=cluster.workers["w-1"][1], append=True)
             t1_ready = await asyncio.to_thread(cluster.wait_worker, "w-1")
-            await asyncio.sleep(max(0.0, t1 + 2 * w - time.monotonic()))
+            # the drain's window before starts once w-1 serves again (a slow restart delays it)
+            await asyncio.sleep(max(0.0, max(t1 + 2 * w, t1_ready + w) - time.monotonic()))
             t2 = time.monotonic()
             cluster.signal("w-0", signal.SIGTERM)
             await asyncio.sleep(max(0.0, t2 + 2 * w - time.monotonic()))
