@@ -48,7 +48,7 @@ ALL_VALUES: Doc = {
                "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
                "fairShare": "off", "fairStepTokens": 64, "tenantMaxCachedFrac": 0.25,
-               "kvDiskGib": 7, "kvDisk": {"mountPath": "/data/kv", "volume": "pvc", "hostPath": "/mnt/kv",
+               "kvDiskGib": 7, "kvDiskWriteThrough": False, "weightDtype": "q8_0", "kvDisk": {"mountPath": "/data/kv", "volume": "pvc", "hostPath": "/mnt/kv",
                                           "storageClassName": "fast", "size": "20Gi"},
                "kvEviction": "h2o", "kvBudget": 1024, "attentionSinks": 8,
                "h2oDecay": 0.9, "attentionBackend": "triton", "enforceEager": True,
