@@ -56,7 +56,8 @@ $(VENV)/.stamp-deps: $(VENV)/.stamp-torch $(VENV)/.stamp-triton pyproject.toml
 	touch $@
 
 $(VENV)/.stamp-model: $(VENV)/.stamp-deps
-	@# One-time GGUF -> safetensors conversion into ~/.cache/kvmesh (fast loads afterwards).
+	@# One-time GGUF -> safetensors conversion into ~/.cache/kvmesh (fast loads afterwards), and the
+	@# GGUF's own Q4_1 / Q8_0 blocks cached for the engine's default --weight-dtype auto.
 	$(PY) -m worker.model.loader prepare smollm2
 	touch $@
 

@@ -100,6 +100,17 @@ def show_metrics(cluster: LocalCluster) -> None:
           flush=True)
 
 
+def weights_line(model: str) -> str:
+    """What the workers run: the model's weights in their own format (--weight-dtype auto, the default)."""
+    from worker.model.loader import load_weights, resolve_model_dir
+    from worker.model.runner import weight_bytes_fp32
+
+    loaded = load_weights(resolve_model_dir(model, progress=False), weight_dtype="auto")
+    return (f"weights: the shipped GGUF's own blocks, {loaded.weight_format} tensors (--weight-dtype auto): "
+            f"{loaded.weight_bytes / 2**20:.0f} MiB per worker, fp32 would take "
+            f"{weight_bytes_fp32(loaded.config) / 2**20:.0f} MiB")
+
+
 def run_cluster() -> None:
     cfg = ServeConfig(workers=2, grpc_port=0, http_port=0, cluster_name="kvmesh-demo",
                       cluster_token=new_token())     # as `kvmesh serve` makes one per start
@@ -109,6 +120,7 @@ def run_cluster() -> None:
         print(f"cluster up in {time.monotonic() - started:.0f} s: gRPC {cluster.grpc_target}, "
               f"HTTP {cluster.http_base_url}, workers {' '.join(cluster.worker_addresses)}, "
               f"redis {parse_redis_url(cluster.redis_url).redacted()}", flush=True)
+        print(weights_line(cfg.model))
         print(f"\nEvery request shares one system prompt ({len(SYSTEM_PROMPT)} characters); "
               f"greedy, at most {MAX_TOKENS} new tokens.")
         grpc_answers = []
@@ -133,8 +145,10 @@ def run_cluster() -> None:
 
 
 def run() -> int:
-    print("$ kvmesh plan --model smollm2-135m --context 8192 --batch 16 --gpu-memory 4", flush=True)
-    rc = kvmesh(["plan", "--model", "smollm2-135m", "--context", "8192", "--batch", "16", "--gpu-memory", "4"])
+    print("$ kvmesh plan --model smollm2-135m --context 8192 --batch 16 --gpu-memory 4 --weights-dtype q4_1",
+          flush=True)
+    rc = kvmesh(["plan", "--model", "smollm2-135m", "--context", "8192", "--batch", "16", "--gpu-memory", "4",
+                 "--weights-dtype", "q4_1"])
     if rc:
         print(f"demo failed: kvmesh plan exited with {rc}", file=sys.stderr)
         return rc

@@ -35,9 +35,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                            help="cpu (fp32, the default) | cuda[:N] (bf16; HF on the same GPU in bf16)")
             p.add_argument("--attention-backend", default="auto", help="auto | torch | native | triton")
             p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
+            p.add_argument("--weight-dtype", default="auto", choices=["auto", "fp32", "bf16", "q8_0", "q4_0", "q4_1"],
+                           help="CPU: the engine's weight format (auto: the checkpoint's own, the shipped Q4_1)")
+            p.add_argument("--threads", type=int, default=0, help="the engine's CPU threads (0: torch's default)")
+            p.add_argument("--llama-cpp", type=Path, default=None,
+                           help="a folder with llama.cpp's llama-batched-bench (scripts/build-llama-cpp builds one): "
+                                "run it on the same GGUF and threads, side by side")
         if name == "accuracy":
             p.add_argument("--text", type=Path, default=None,
                            help="score this UTF-8 text file instead of the interpreter's LICENSE.txt")
+            p.add_argument("--llama-cpp", type=Path, default=None,
+                           help="a folder with llama.cpp's llama-perplexity (scripts/build-llama-cpp): the weight "
+                                "axis also runs it on the GGUF of each format, same text and window")
         p.set_defaults(run=_runner(fn))
 
 
@@ -231,7 +240,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     gen_len = 64 if args.quick else 256
     prompt_len, num_prompts, block_size = 64, 4, 16
     num_blocks = -(-window // block_size) + num_prompts * -(-(prompt_len + gen_len) // block_size) + 8
-    base = dict(model=args.model, dtype="fp32", block_size=block_size, num_blocks=num_blocks)
+    base = dict(model=args.model, dtype="fp32", weight_dtype="fp32", block_size=block_size, num_blocks=num_blocks)
     greedy = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {}
     configs = accuracy_configs(window)
@@ -286,8 +295,12 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
                          "kv_budget_tokens": engine.cfg.kv_budget}
         del engine
         gc.collect()
+    from kvmesh.bench.accuracy_weights import bench_weight_axis
+
+    results["weights"] = bench_weight_axis(args, text, Path(source))
     return {**results, "notes": {
         "baseline": f"{configs[0][0]!r}; every config runs the fp32 model, only the KV cache differs",
+        "weights": "the weight-dtype axis: perplexity per weight format (kvmesh/bench/accuracy_weights.py)",
         "text": f"{source} ({len(text)} characters)",
         "ppl": f"exp(mean next-token NLL) over the first {window} tokens of the text, teacher-forced "
                "(one prefill through the paged KV cache; K/V are written, quantized if so, then read)",

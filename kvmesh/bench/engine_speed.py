@@ -87,16 +87,25 @@ def measure_machine(device: str = "cpu") -> MachineSpeed:
     return MachineSpeed(read / 1e9, copy / 1e9, flops / 1e9)
 
 
+def _linear_cost(lin: Any) -> tuple[int, int]:
+    """(parameters, bytes as held) of a `worker.model.llama.Linear`: its own format's bytes when it
+    is packed in one (Q8_0 / Q4 / bf16, scales included), else its dense weight's."""
+    params = lin.out_features * lin.weight.shape[1]
+    if lin.qweight is not None:
+        return params, lin.qweight.nbytes
+    return params, params * lin.weight.element_size()
+
+
 def model_cost(model: Any) -> ModelCost:
-    """The cost figures of a `worker.model.llama.LlamaModel`."""
+    """The cost figures of a `worker.model.llama.LlamaModel`; weight_bytes at the weights' real size."""
     cfg = model.cfg
-    layer_params = sum(lin.weight.numel() for layer in model.layers
-                       for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj.proj, layer.down_proj))
-    head_params = model.lm_head.weight.numel()
+    layers = [_linear_cost(lin) for layer in model.layers
+              for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj.proj, layer.down_proj)]
+    head_params, head_bytes = _linear_cost(model.lm_head)
     norms = sum(layer.ln1.numel() + layer.ln2.numel() for layer in model.layers) + model.norm.numel()
-    elem = model.embed.element_size()
-    return ModelCost(weight_bytes=(layer_params + head_params + norms) * elem, layer_params=layer_params,
-                     head_params=head_params, attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+    weight_bytes = sum(b for _, b in layers) + head_bytes + norms * model.norm.element_size()
+    return ModelCost(weight_bytes=weight_bytes, layer_params=sum(p for p, _ in layers), head_params=head_params,
+                     attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
 
 
 def decode_roofline(machine: MachineSpeed, cost: ModelCost) -> float:
@@ -155,7 +164,9 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     device = getattr(args, "device", "cpu")
     cuda = device.startswith("cuda")
     dtype_name, dtype = ("bf16", torch.bfloat16) if cuda else ("fp32", torch.float32)
-    engine = Engine(EngineConfig(model=args.model, dtype=dtype_name, device=device,
+    threads = getattr(args, "threads", 0)
+    engine = Engine(EngineConfig(model=args.model, dtype=dtype_name, device=device, threads=threads,
+                                 weight_dtype=getattr(args, "weight_dtype", "auto"),
                                  attention_backend=getattr(args, "attention_backend", "auto"),
                                  enforce_eager=getattr(args, "enforce_eager", False)))
     hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=dtype).to(device).eval()
@@ -223,9 +234,14 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
                              linear_gb_s=measure_linear_gb_s(engine.runner.model, 1, device))
     results["batch16"].update(roofline_tok_s=roof16, roofline_frac=results["batch16"]["kvmesh_tok_s"] / roof16,
                               linear_gb_s=measure_linear_gb_s(engine.runner.model, batch_n, device))
+    prefill64_best = min(prefill_s(64) for _ in range(3 if args.quick else 5))
     prefill_gflop_s = cost.prefill_flops(prefill_n) / prefill_best / 1e9
     results["prefill"] = {"tokens": prefill_n, "seconds": prefill_best, "tok_s": prefill_n / prefill_best,
-                          "gflop_s": prefill_gflop_s, "peak_frac": prefill_gflop_s / machine.matmul_gflop_s}
+                          "gflop_s": prefill_gflop_s, "peak_frac": prefill_gflop_s / machine.matmul_gflop_s,
+                          "tok_s_64": 64 / prefill64_best}
+    results["batch1"]["weight_bytes_per_token"] = cost.weight_bytes
+    results["weight_dtype"] = engine.cfg.weight_dtype
+    results["weight_format"] = engine.runner.weight_format
     results["roofline_tok_s"] = roof1
     results["roofline"] = {"read_gb_s": machine.read_gb_s, "copy_gb_s": machine.copy_gb_s,
                            "matmul_gflop_s": machine.matmul_gflop_s, "weight_bytes": cost.weight_bytes,
@@ -234,8 +250,18 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
                          "attention_backend": engine.runner.attention_backend.value,
                          "cuda_graphs": engine.runner.cuda_graphs is not None,
                          "native_decode_attention": native.load() is not None,
-                         "native_linear": engine.runner.model.lm_head.packed is not None,
+                         "native_linear": engine.runner.model.lm_head.packed is not None
+                         or engine.runner.model.lm_head.qweight is not None,
+                         "qlinear_isa": native.qlinear_isa(), "threads": torch.get_num_threads(),
                          "batch16_prompt_lens": prompt_lens, "batch16_output_lens": out_lens}
+    if getattr(args, "llama_cpp", None) is not None and not cuda:
+        from kvmesh.bench.llama_cpp import side_by_side
+
+        own = engine.runner.weight_format.split(" ")[0]
+        mine = {"batch1_tok_s": results["batch1"]["kvmesh_tok_s"], "batch16_tok_s": results["batch16"]["kvmesh_tok_s"],
+                "prefill64_tok_s": results["prefill"]["tok_s_64"]}
+        results["llama_cpp"] = side_by_side(args.llama_cpp, args.model, engine.cfg.weight_dtype, own,
+                                            torch.get_num_threads(), n1, mine)
     results["notes"] = ENGINE_NOTES
     return results
 
@@ -245,14 +271,23 @@ ENGINE_NOTES = {
                      "reads every weight once per token at roofline.read_gb_s; batch 16 runs its prompts at the "
                      "matmul peak, then each decode step at the slower of one weight read and its rows' flops",
     "batch1": "best of 2 runs for kvmesh and for HF (batch 16: one run each)",
+    "llama_cpp": "--llama-cpp: llama-batched-bench on the same GGUF (for a format other than the file's own, "
+                 "llama-quantize --allow-requantize of it) and thread count, -npp 64 -ntg <batch-1 new tokens> "
+                 "-npl 1,16: S_TG of batch 1 and 16 against kvmesh's batch-1 / batch-16 decode tok/s, S_PP of "
+                 "batch 1 against prefill.tok_s_64",
     "linear_gb_s": "weight bytes / time of one decode step's linear layers (fused norms, gated MLP, residual "
                    "adds, LM head) run alone with 1 or 16 rows: the speed the weights are streamed at",
-    "prefill": "a cold prompt of `tokens` random ids run to its first token, best of 2 (quick) or 3; gflop_s "
+    "weight_bytes_per_token": "bytes of every weight one decode step reads, at their real size (Q8_0: 8.5 bits, "
+                              "Q4_0 / Q4_1: 5 bits a weight, scales included; norms fp32); the read roofline "
+                              "is roofline.read_gb_s over these bytes",
+    "prefill": "a cold prompt of `tokens` random ids run to its first token, best of 2 (quick) or 3 (tok_s_64: "
+               "a 64-token prompt, best of 3 or 5, as llama.cpp's S_PP at -npp 64); gflop_s "
                "counts the layers' matmuls, causal attention and one LM-head row; peak_frac = gflop_s / "
                "roofline.matmul_gflop_s",
     "metrics_cost": "the batch-16 workload with worker metrics (worker/server/metrics.py) fed as the server feeds them "
                     "(every output, every finished request, a snapshot every 0.5 s) vs without, interleaved, best "
                     "of 3 (quick) or 5 each; on_vs_off must be >= 0.97",
-    "roofline": "read_gb_s: sum() over 512 MiB; copy_gb_s: copy_() of 512 MiB, read + write bytes; "
+    "roofline": "read_gb_s: torch sum() of a 512 MiB fp32 tensor (every byte read once, beyond any cache), "
+                "on the engine's threads; copy_gb_s: copy_() of 512 MiB, read + write bytes; "
                 "matmul_gflop_s: a 1024^3 fp32 matmul (4096^3 bf16 on a GPU); best of 5-10 each",
 }

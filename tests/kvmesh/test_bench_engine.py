@@ -30,9 +30,10 @@ def tiny(tiny_model_dir) -> str:
     return str(tiny_model_dir("llama-gqa", max_position_embeddings=2048))
 
 
-def run_bench(name: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+def run_bench(name: str, model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+              *extra: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
-    assert main(["bench", name, "--quick", "--json", str(out), "--model", model]) == 0
+    assert main(["bench", name, "--quick", "--json", str(out), "--model", model, *extra]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert json.loads(printed) == result
@@ -68,6 +69,21 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert cost["on_vs_off"] == pytest.approx(cost["on_tok_s"] / cost["off_tok_s"])
     assert cost["within_3pct"] == (cost["on_vs_off"] >= 0.97)
     assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
+    assert r["weight_dtype"] == "auto" and r["weight_format"].startswith("fp32")   # an fp32 HF dir's own
+    assert r["batch1"]["weight_bytes_per_token"] == roof["weight_bytes"]
+
+
+def test_bench_engine_weight_dtype(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--weight-dtype q8_0: the weights quantized at load, their real bytes (8.5 bits a weight)
+    in the roofline; the prefill of a 64-token prompt is reported too."""
+    r = run_bench("engine", tiny, tmp_path, capsys, "--weight-dtype", "q8_0")
+    assert r["weight_dtype"] == "q8_0" and r["weight_format"] == "q8_0 (15)"
+    params = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 2 * 128 * 64 + 64 * 128) + 256 * 64   # layers + tied head
+    norms = (2 * 2 + 1) * 64 * 4
+    weight_bytes = params * 17 // 16 + norms
+    assert r["batch1"]["weight_bytes_per_token"] == weight_bytes
+    assert r["batch1"]["roofline_tok_s"] == pytest.approx(r["roofline"]["read_gb_s"] * 1e9 / weight_bytes)
+    assert finite(r["prefill"]["tok_s_64"]) and r["config"]["qlinear_isa"] in ("avx512", "avx2")
 
 
 @pytest.mark.multiproc
@@ -154,6 +170,31 @@ def test_bench_accuracy(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture
     assert r["fp32"]["text_agreement"] == 1
     assert {"baseline", "text", "ppl", "token_agreement", "eviction"} <= set(r["notes"])
     assert r["config"]["window_tokens"] == 512
+    weights = r["weights"]                # the weight-dtype axis, fp32 weights the baseline
+    assert weights["fp32"]["ppl_delta_frac"] == 0 and weights["auto"]["weight_format"].startswith("fp32")
+    for wd in ("bf16", "q8_0", "q4_0", "q4_1"):
+        row = weights[wd]
+        assert finite(row["ppl"], row["ppl_delta_frac"]) and row["weight_format"].startswith(wd)
+        assert row["weight_bytes"] < weights["fp32"]["weight_bytes"]
+    assert weights["q4_1"]["weight_bytes"] < weights["q8_0"]["weight_bytes"] < weights["bf16"]["weight_bytes"]
+
+
+def test_windowed_ppl_counts_the_second_half_of_each_window() -> None:
+    """llama-perplexity's protocol: the NLL of tokens ctx/2 + 1 .. ctx - 1 of each window."""
+    import torch
+
+    from kvmesh.bench.accuracy_weights import windowed_ppl
+
+    class Uniform:  # every next token of a vocab of 8 equally likely but token 3, twice as likely
+        def logits(self, ids: list[int]) -> torch.Tensor:
+            row = torch.zeros(8)
+            row[3] = math.log(2)
+            return row.repeat(len(ids), 1)
+
+    ids = [3] * 8 + [5] * 8          # window 0 scores three 3s, window 1 three 5s
+    p3, p5 = 2 / 9, 1 / 9
+    expected = math.exp(-(3 * math.log(p3) + 3 * math.log(p5)) / 6)
+    assert windowed_ppl(Uniform(), ids, 8, 2) == pytest.approx(expected)
 
 
 def test_bench_accuracy_text_flag(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,8 @@ by transformers and written to a plain HF directory under `cache_root()/models/`
 that cache takes a fraction of a second; the conversion takes ~25 s and is safe to race:
 a file lock serialises converters and the result appears by an atomic rename.
 
-    python -m worker.model.loader prepare smollm2     # convert once, print the directory
+    python -m worker.model.loader prepare smollm2     # convert once (and cache the weights in their
+                                                      # own format, see formats.py); print the directory
 """
 
 from __future__ import annotations
@@ -359,9 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     prepare = sub.add_parser("prepare", help="convert a model once into the cache; print its dir")
     prepare.add_argument("model", help=f"alias ({', '.join(sorted(MODEL_ALIASES))}), .gguf file or HF dir")
     prepare.add_argument("--no-progress", action="store_true", help="no progress bars")
+    prepare.add_argument("--weight-dtype", default="auto", choices=["auto", "fp32", "bf16", "q8_0", "q4_0", "q4_1"],
+                         help="also convert the weights into this format's cache (default auto: the "
+                              "checkpoint's own, for a GGUF its blocks repacked); fp32: the dir only")
     args = parser.parse_args(argv)
     try:
         model_dir = resolve_model_dir(args.model, progress=not args.no_progress)
+        if args.weight_dtype != "fp32":
+            loaded = load_weights(model_dir, weight_dtype=args.weight_dtype)
+            print(f"weights {loaded.weight_format}: {loaded.weight_bytes / 2**20:.1f} MiB", file=sys.stderr)
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,104 @@
+"""llama.cpp side by side: its `llama-batched-bench` and `llama-perplexity` on the same GGUF, text
+and thread count as kvmesh (`kvmesh bench engine --llama-cpp DIR`, `kvmesh bench accuracy
+--llama-cpp DIR`). DIR holds the binaries `scripts/build-llama-cpp` builds from the llama.cpp
+copy vendored in the `llama-cpp-python` sdist. Never part of `make test`.
+
+The GGUF for a weight format: the checkpoint itself for `auto` (and for its own format); for
+another format, `llama-quantize --allow-requantize` of it, written once beside the binaries
+(kvmesh quantizes the same dequantized values with the same reference quantizers).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+_LLAMA_TYPES = {"fp32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+
+
+class BatchedRow(NamedTuple):
+    """One row of llama-batched-bench: `batch` sequences of `pp` prompt and `tg` new tokens."""
+
+    pp: int
+    tg: int
+    batch: int
+    s_pp: float   # prompt tokens / s (prefill)
+    s_tg: float   # generated tokens / s, all sequences together (decode)
+
+
+def _binary(bin_dir: Path, name: str) -> Path:
+    path = bin_dir / name
+    if not path.is_file():
+        from contracts.cli import CLIError
+        raise CLIError(f"--llama-cpp: {path} not found (scripts/build-llama-cpp {bin_dir.parent.parent} builds it)")
+    return path
+
+
+def gguf_for(bin_dir: Path, source: Path, weight_dtype: str, own: str) -> Path:
+    """The GGUF llama.cpp runs for kvmesh's `weight_dtype` (`own`: the source's own format)."""
+    if weight_dtype in ("auto", own):
+        return source
+    out = bin_dir / f"{source.stem}.{_LLAMA_TYPES[weight_dtype]}.gguf"
+    if not out.is_file():
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([str(_binary(bin_dir, "llama-quantize")), "--allow-requantize", str(source), str(tmp),
+                        _LLAMA_TYPES[weight_dtype]], check=True, capture_output=True, timeout=1800)
+        tmp.rename(out)
+    return out
+
+
+def batched_bench(bin_dir: Path, gguf: Path, threads: int, pp: int, tg: int,
+                  batches: tuple[int, ...]) -> list[BatchedRow]:
+    """llama-batched-bench -npp pp -ntg tg -npl batches on `threads` threads; its table's rows."""
+    cmd = [str(_binary(bin_dir, "llama-batched-bench")), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+           "-c", str(max(batches) * (pp + tg) + 64), "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg),
+           "-npl", ",".join(map(str, batches))]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    rows = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0].isdigit():
+            rows.append(BatchedRow(int(cells[0]), int(cells[1]), int(cells[2]), float(cells[5]), float(cells[7])))
+    if not rows:
+        raise RuntimeError(f"llama-batched-bench printed no table:\n{out[-2000:]}")
+    return rows
+
+
+def perplexity(bin_dir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int) -> float:
+    """llama-perplexity's final estimate over the first `chunks` windows of `ctx` tokens of `text`."""
+    cmd = [str(_binary(bin_dir, "llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(ctx),
+           "-b", str(ctx), "--chunks", str(chunks), "-t", str(threads)]
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    if found is None:
+        raise RuntimeError(f"llama-perplexity printed no final estimate:\n{(run.stdout + run.stderr)[-2000:]}")
+    return float(found.group(1))
+
+
+def _source(model: str) -> Path:
+    from contracts.models import locate_model
+
+    source = locate_model(model).gguf
+    if source is None:
+        from contracts.cli import CLIError
+        raise CLIError(f"--llama-cpp: {model} is not a GGUF (llama.cpp runs GGUF files)")
+    return source
+
+
+def llama_perplexity(bin_dir: Path, model: str, weight_dtype: str, own: str, text: Path, ctx: int, chunks: int,
+                     threads: int) -> float:
+    """`perplexity` on the GGUF of `weight_dtype` (see `gguf_for`)."""
+    return perplexity(bin_dir, gguf_for(bin_dir, _source(model), weight_dtype, own), text, ctx, chunks, threads)
+
+
+def side_by_side(bin_dir: Path, model: str, weight_dtype: str, own: str, threads: int, tg: int,
+                 kvmesh: dict[str, float]) -> dict[str, object]:
+    """llama-batched-bench (64-token prompts, `tg` new tokens, batch 1 and 16) on the GGUF of
+    `weight_dtype`, and kvmesh's figures over it: `kvmesh` holds batch1 / batch16 decode tok/s
+    and prefill64 tok/s of the same run."""
+    gguf = gguf_for(bin_dir, _source(model), weight_dtype, own)
+    rows = {r.batch: r for r in batched_bench(bin_dir, gguf, threads, 64, tg, (1, 16))}
+    lc = {"batch1_tok_s": rows[1].s_tg, "batch16_tok_s": rows[16].s_tg, "prefill64_tok_s": rows[1].s_pp}
+    return {"gguf": str(gguf), "threads": threads, **lc,
+            "kvmesh_vs_llama_cpp": {k: kvmesh[k] / v for k, v in lc.items()}}
