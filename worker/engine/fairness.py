@@ -16,10 +16,11 @@ A step is also shorter while contended (`fair_step_tokens` of prefill instead of
 `max_num_batched_tokens`): a request of a light tenant that arrives during a step waits for
 that step to end, and on a CPU a full step of prefill lasts seconds. And a step that starts a
 request whose whole prefill fits in it, for the tenant with the lowest counter, carries no
-prefill of tenants with higher counters (a *light step*, `hold_others`): that request's first
-token then costs about what it costs alone, plus the decode tokens of the step. Light steps
-never come twice in a row, so a tenant over its share still prefills at least every other
-step. A tenant counts as sharing the worker from its request's arrival until `window_s` after
+prefill of tenants with higher counters (a *light step*, `light_step`): that request's first
+token then costs about what it costs alone, plus the decode tokens of the step. The counters
+alone bound how often that happens: a light step's tokens are charged as any, and once the
+light tenant's counter passes another's, that one's prefill goes first again.
+A tenant counts as sharing the worker from its request's arrival until `window_s` after
 its last one finished, so steps stay short between the requests of a tenant that sends one
 every few hundred ms.
 
@@ -46,9 +47,7 @@ class FairShare:
         self._weights: dict[str, float] = {}
         self._busy: Counter[str] = Counter()       # unfinished sequences per tenant
         self._last_busy: dict[str, float] = {}     # when each tenant's last sequence finished
-        self._light_now = False                    # this step is a light step (`hold_others`)
-        self._light_last = False                   # the step before was one
-        self.num_light_steps = 0
+        self.num_light_steps = 0                   # steps that held the others' prefill (`light_step`)
 
     def arrive(self, tenant: str, weight: float, num_sequences: int = 1) -> None:
         """A request of `tenant` joins the scheduler (lifted first if the tenant was idle)."""
@@ -81,19 +80,10 @@ class FairShare:
         ahead of them), then the name."""
         return self.counter(tenant), self.tokens[tenant], tenant
 
-    def begin_step(self) -> None:
-        """A contended step is being scheduled (`hold_others` counts light steps in a row)."""
-        self._light_last, self._light_now = self._light_now, False
-
-    def hold_others(self) -> bool:
-        """A request of the lowest-ranked tenant with prefill queued starts in this step and
-        finishes its prefill in it: True when the tenants ranked above get no prefill in this
-        step (a light step; never two in a row). Records the light step when it says True."""
-        if self._light_last or self._light_now:
-            return False
-        self._light_now = True
+    def light_step(self) -> None:
+        """The scheduler holds the other tenants' prefill in this step: a request of the
+        lowest-ranked tenant with prefill queued starts and finishes its prefill in it."""
         self.num_light_steps += 1
-        return True
 
     def contended(self) -> bool:
         """Two or more tenants share the worker: busy now, or busy within `window_s`."""

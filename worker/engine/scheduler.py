@@ -200,8 +200,7 @@ class Scheduler:
         virtual counter — its running prefills (`deferred`) first, then its waiting requests in
         (priority, arrival) order. A tenant whose next request does not fit waits for the next step.
         When the first request served starts and finishes its prefill here, the other tenants
-        may get no prefill in this step (`FairShare.hold_others`)."""
-        fair.begin_step()
+        get no prefill in this step (`FairShare.light_step`)."""
         for req, n in zip(scheduled, counts):
             fair.charge(req.tenant.name, n)
         queues: dict[str, list[Request]] = {}
@@ -228,8 +227,8 @@ class Scheduler:
                 if n <= 0:
                     continue
                 self._start(req, computing)
-                if first and req.num_computed_tokens + n >= req.num_tokens and any(t != tenant for t in queues) \
-                        and fair.hold_others():   # a light step: only this tenant prefills
+                if first and req.num_computed_tokens + n >= req.num_tokens and any(t != tenant for t in queues):
+                    fair.light_step()   # only this tenant prefills in this step
                     queues = {tenant: queues[tenant]} if tenant in queues else {}
             first = False
             scheduled.append(req)
