@@ -100,6 +100,8 @@ class RouterConfig:
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be >= 0")
         check_load_factor(self.load_factor)
+        if self.share_pending and self.redis_url is None:
+            raise ValueError("share_pending needs redis_url: router replicas share pending blocks through Redis")
         for a in self.worker_addresses:
             if not isinstance(a, str) or ":" not in a:
                 raise ValueError(f"worker_addresses: {a!r} is not HOST:PORT")

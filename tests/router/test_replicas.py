@@ -114,3 +114,10 @@ def test_the_attempts_of_a_router_that_died_end_when_its_heartbeats_stop(redis_s
             await shared.stop()
 
     asyncio.run(go())
+
+
+def test_share_pending_needs_a_redis() -> None:
+    from router.config import RouterConfig
+    with pytest.raises(ValueError, match="share_pending"):
+        RouterConfig(share_pending=True)
+    assert RouterConfig(share_pending=True, redis_url="redis://127.0.0.1:1/0").share_pending
