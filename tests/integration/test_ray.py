@@ -197,3 +197,46 @@ class _Bystander:
 
     def ping(self) -> str:
         return "pong"
+
+
+@pytest.mark.multiproc
+def test_ray_actors_serve_their_roles_pinned_to_their_own_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvmesh serve --ray --prefill-workers 1 --decode-workers 1 --cpu-affinity-per-worker`: each
+    actor serves its role (the router's /v1/cluster) and every thread of it runs on its own
+    share of the node's CPUs."""
+    import json
+    import os
+    import urllib.request
+
+    import ray
+
+    from kvmesh.serve.roles import split_cpus
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    name = f"rayroles-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    temp = Path(tempfile.mkdtemp(prefix="kvr", dir="/tmp"))
+    cluster: RayCluster | None = None
+    try:
+        ray.init(num_cpus=2, object_store_memory=100 * 2**20, _temp_dir=str(temp), include_dashboard=False,
+                 namespace=namespace_for(name), log_to_driver=False)
+        cfg = RayServeConfig(serve=ServeConfig(workers=0, prefill_workers=1, decode_workers=1,
+                                               cpu_affinity_per_worker=True, grpc_port=0, http_port=0,
+                                               cluster_name=name, engine_argv=("--num-blocks", NUM_BLOCKS),
+                                               startup_timeout_s=240), cpus_per_worker=1)
+        cluster = RayCluster(cfg).start()
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"{cluster.http_base_url}/cluster", timeout=30) as r:
+            roles = {w["worker_id"]: w["role"] for w in json.loads(r.read())["workers"]}
+        assert roles == {"worker-0": "prefill", "worker-1": "decode"}
+        for i, share in enumerate(split_cpus(cpus, 2)):
+            actor = ray.get_actor(f"worker-{i}", namespace=namespace_for(name))
+            pinned = ray.get(actor.__ray_call__.remote(lambda self: sorted(os.sched_getaffinity(0))), timeout=30)
+            assert tuple(pinned) == share
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        ray.shutdown()
+        import shutil
+        shutil.rmtree(temp, ignore_errors=True)
