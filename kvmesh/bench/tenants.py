@@ -58,6 +58,7 @@ class TenantsConfig:
     alone_s: float = 10.0
     num_blocks: int = 800          # KV pool blocks per worker
     tenant_max_cached_frac: float = 0.5
+    fair_step_tokens: int | None = None   # fair mode's --fair-step-tokens (None: the worker's default)
     workers: int = 2
     model: str = "smollm2"
     seed: int = 0
@@ -71,6 +72,8 @@ class TenantsConfig:
                 raise CLIError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
         if not self.alpha_interval_s > 0 or not self.alone_s > 0:
             raise CLIError("--alpha-interval-s and --alone-s must be > 0")
+        if self.fair_step_tokens is not None and self.fair_step_tokens < 1:
+            raise CLIError(f"--fair-step-tokens: {self.fair_step_tokens!r} must be a positive integer")
         if not self.modes or any(m not in MODES for m in self.modes):
             raise CLIError(f"--modes: {','.join(self.modes)!r}; accepted: {', '.join(MODES)}")
 
@@ -92,6 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         key = name.replace("-", "_")
         p.add_argument(f"--{name}", type=float, default=None,
                        help=f"default {getattr(d, key)}; --quick: {getattr(QUICK, key)}")
+    p.add_argument("--fair-step-tokens", type=int, default=None,
+                   help="the fair mode's kvmesh worker --fair-step-tokens (default: the worker's)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: unfair, fair")
@@ -101,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> TenantsConfig:
     base = QUICK if args.quick else TenantsConfig()
     names = ("flood_prompts", "flood_tokens", "flood_output_tokens", "concurrency", "alpha_prompt_tokens",
-             "num_blocks", "workers", "alpha_interval_s", "alone_s", "tenant_max_cached_frac")
+             "num_blocks", "workers", "alpha_interval_s", "alone_s", "tenant_max_cached_frac", "fair_step_tokens")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     return replace(base, model=args.model, seed=args.seed, modes=modes, **given)
@@ -125,6 +130,8 @@ def run_tenants(cfg: TenantsConfig) -> dict[str, Any]:
             fair = mode == "fair"
             engine_argv = ("--num-blocks", str(cfg.num_blocks), "--fair-share", "on" if fair else "off",
                            "--tenant-max-cached-frac", str(cfg.tenant_max_cached_frac if fair else 1.0))
+            if fair and cfg.fair_step_tokens is not None:
+                engine_argv += ("--fair-step-tokens", str(cfg.fair_step_tokens))
             serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0,
                                 engine_argv=engine_argv, router_argv=("--api-keys-file", str(keys)),
                                 startup_timeout_s=900.0, cluster_name=f"tenants-{mode}-{rng.randrange(10**9)}")
