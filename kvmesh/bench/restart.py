@@ -66,6 +66,7 @@ class RestartConfig:
     suffix_tokens: int = 16
     clients: int = 3
     kv_offload_gib: float = 0.25
+    num_blocks: int | None = None     # each worker's device pool (None: the engine's default); small = KV pressure
     kv_disk_gib: float = 2.0
     startup_timeout_s: float = 600.0
     model: str = "smollm2"
@@ -99,6 +100,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="20 s windows instead of the issue's 60 s")
     p.add_argument("--window-s", type=float, default=None)
     p.add_argument("--clients", type=int, default=None)
+    p.add_argument("--num-prefixes", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="each worker's device pool in blocks (default: the engine's); with a small --kv-offload-gib, "
+                        "KV pressure: one worker cannot hold every prefix")
+    p.add_argument("--kv-offload-gib", type=float, default=None)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="the parts' logs (default: a temporary directory, kept)")
@@ -109,7 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     base = QUICK if args.quick else RestartConfig()
     cfg = replace(base, model=args.model, seed=args.seed, log_dir=args.log_dir,
-                  **{k: v for k, v in (("window_s", args.window_s), ("clients", args.clients)) if v is not None})
+                  **{k: v for k, v in (("window_s", args.window_s), ("clients", args.clients),
+                                       ("num_prefixes", args.num_prefixes), ("num_blocks", args.num_blocks),
+                                       ("kv_offload_gib", args.kv_offload_gib)) if v is not None})
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     return emit(run_restart(cfg, modes, quick=args.quick), args.json)
 
@@ -153,6 +161,8 @@ class _Cluster:
                 "--worker-id", name, "--cluster-name", _CLUSTER, "--model", self.cfg.model, "--peer-transfer",
                 "--metrics-port", "-1", "--threads", "1", "--drain-timeout-s", str(self.cfg.window_s / 2),
                 "--kv-offload-gib", str(self.cfg.kv_offload_gib)]
+        if self.cfg.num_blocks is not None:
+            argv += ["--num-blocks", str(self.cfg.num_blocks)]
         if self.on:
             argv += ["--kv-disk-path", str(self.log_dir / "kv-disk"), "--kv-disk-gib", str(self.cfg.kv_disk_gib)]
         else:
