@@ -1,7 +1,8 @@
 """The worker's side of disaggregated serving, for every KV cache dtype: a prefill-role
-WorkerServer computes a prompt as `prefill_only` (one final response, no tokens), a
-decode-role WorkerServer gets the request with a `handoff` hint naming it, fetches every full
-prompt block over their pair (gloo on loopback) and streams the tokens. The oracle is a
+WorkerServer computes a prompt as `prefill_only` (a progress response per chunk, a final one,
+no tokens), a decode-role WorkerServer gets the request with a `handoff` hint naming it,
+fetches every full prompt block over their pair (gloo on loopback) — after the prefill, and in
+rounds while the prefill worker is still computing them — and streams the tokens. The oracle is a
 cache-less engine of the same dtype (mixed serving, computed cold): the tokens must be equal.
 A hand-off hint to a prefill worker that never answers costs the request its `timeout_s`,
 then the decode worker computes the prompt (same tokens). The router's part and real
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.server
 
 BLOCK = 4
 PROMPT = [(13 * i) % 200 + 3 for i in range(41)]      # 10 full blocks may be handed off
+PROMPT2 = [(7 * i) % 190 + 5 for i in range(41)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -41,10 +44,11 @@ def _generate(stub: Any, req: pb.GenerateRequest) -> tuple[list[int], pb.Generat
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8", "int8", "int4"])
 def test_a_handed_off_prompt_decodes_as_a_mixed_worker_would(tiny_model_dir: Any, dtype: str) -> None:
-    want = Engine(_cfg(tiny_model_dir, dtype, enable_prefix_caching=False)).generate(PROMPT, GREEDY)[0].token_ids
+    cold = Engine(_cfg(tiny_model_dir, dtype, enable_prefix_caching=False))
+    want, want2 = (out.token_ids for out in cold.generate([PROMPT, PROMPT2], GREEDY))
     loop = LoopThread()
-    servers = [WorkerServer(_cfg(tiny_model_dir, dtype), WorkerServerConfig(worker_id=f"w-{role}", role=role,
-                                                                            peer_transfer=True))
+    servers = [WorkerServer(_cfg(tiny_model_dir, dtype, max_num_batched_tokens=8 if role == "prefill" else 2048),
+                            WorkerServerConfig(worker_id=f"w-{role}", role=role, peer_transfer=True))
                for role in ("prefill", "decode")]
     try:
         ports = [loop.run(s.start()) for s in servers]
@@ -65,10 +69,43 @@ def test_a_handed_off_prompt_decodes_as_a_mixed_worker_would(tiny_model_dir: Any
             assert (final.cached_tokens, final.peer_cached_tokens) == (40, 40)
             load = d.GetLoad(pb.LoadRequest())
             assert (load.role, load.peer.blocks_fetched, load.peer.blocks_bad) == ("decode", 10, 0)
+            _streamed(p, d, f"127.0.0.1:{ports[0]}", want2)
     finally:
         for s in servers:
             loop.run(s.stop(grace=1))
         loop.close()
+
+
+def _streamed(p: Any, d: Any, prefill_address: str, want: tuple[int, ...]) -> None:
+    """The decode worker fetches PROMPT2's blocks as the prefill worker stores them: it gets the
+    hint while the prefill worker holds the first 5 blocks only, fetches those, waits; the
+    prefill worker then computes the rest (chunk by chunk, each chunk reported), and the decode
+    worker fetches the other 5 in the rounds after — the tokens are a cold run's."""
+    head = request(PROMPT2[:21], request_id="r2-head:prefill", max_tokens=6, ignore_eos=True)
+    head.prefill_only = True
+    assert _generate(p, head)[0] == []               # 5 leading blocks of PROMPT2 held on the prefill worker
+    fetched = d.GetLoad(pb.LoadRequest()).peer.blocks_fetched
+    dec = request(PROMPT2, request_id="r2", max_tokens=6, ignore_eos=True)
+    dec.peer_hints.append(pb.PeerHint(worker_id="w-prefill", address=prefill_address, num_blocks=10,
+                                      handoff=True, timeout_s=60.0))
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(_generate, d, dec)
+        deadline = time.monotonic() + 60
+        while d.GetLoad(pb.LoadRequest()).peer.blocks_fetched < fetched + 5:
+            assert time.monotonic() < deadline and not decoding.done(), "the first round never came"
+            time.sleep(0.02)
+        time.sleep(0.2)                               # later rounds find nothing new: the decode worker waits
+        assert not decoding.done()
+        pre = request(PROMPT2, request_id="r2:prefill", max_tokens=6, ignore_eos=True)
+        pre.prefill_only = True
+        _, _, msgs = collect(p.Generate(pre, timeout=60))
+        ids, final = decoding.result(timeout=60)
+    progress = [m.prefilled_tokens for m in msgs[:-1]]
+    assert progress and all(not m.token_ids and not m.finished for m in msgs[:-1])
+    assert progress == sorted(progress) and progress[-1] < len(PROMPT2) == msgs[-1].prefilled_tokens
+    assert tuple(ids) == want
+    assert (final.cached_tokens, final.peer_cached_tokens) == (40, 40)
+    assert d.GetLoad(pb.LoadRequest()).peer.blocks_fetched == fetched + 10
 
 
 def test_a_hand_off_from_a_silent_prefill_worker_costs_its_timeout(tiny_model_dir: Any) -> None:

@@ -208,7 +208,9 @@ def test_a_prefill_only_request_caches_its_prompt_and_samples_nothing(tiny_model
     outs = []
     while e.has_unfinished():
         outs += e.step()
-    assert [(o.request_id, o.finished, o.token_ids) for o in outs] == [(rid, True, ())]
+    # one output per prefill chunk (its blocks cached), the last one final; no token sampled
+    assert [(o.request_id, o.finished, o.token_ids, o.prefilled_tokens) for o in outs] == [
+        (rid, False, (), 8), (rid, False, (), 16), (rid, True, (), 21)]
     assert e.store.pool.num_used_blocks == 0
     # the decode side of a hand-off: the whole prompt but its last token is a hit, the tokens are a cold run's
     hit = e.generate(prompt, GREEDY)[0]

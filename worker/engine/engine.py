@@ -190,7 +190,9 @@ class Engine:
             return []
         forward = self._execute(batch)
         sample_reqs, logits = forward.sample_reqs, forward.logits
-        outputs: list[RequestOutput] = []
+        done = {id(r) for r in sample_reqs}
+        # a prefill-only request reports each chunk it computed: those blocks are cached, and fetchable
+        outputs = [self._output(r) for r in batch.requests if r.prefill_only and id(r) not in done]
         # prompt logprobs only (echo), or a prefill-only request (disaggregated serving): no sampling
         if any(r.params.max_tokens == 0 or r.prefill_only for r in sample_reqs):
             keep = [i for i, r in enumerate(sample_reqs) if r.params.max_tokens > 0 and not r.prefill_only]
@@ -264,7 +266,7 @@ class Engine:
             num_cached_tokens=max(req.num_cached_tokens, 0), timings=req.timings(), index=req.index,
             new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
             cumulative_logprob=req.cumulative_logprob if req.params.wants_logprobs else None,
-            group_finished=group_finished)
+            group_finished=group_finished, prefilled_tokens=req.num_computed_tokens if req.prefill_only else 0)
 
     # -- conveniences ---------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],

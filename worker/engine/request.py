@@ -225,3 +225,4 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None   # in the group's first output only
     cumulative_logprob: float | None = None
     group_finished: bool = True                 # every sequence of the request finished
+    prefilled_tokens: int = 0                   # a prefill-only request: prompt tokens computed so far

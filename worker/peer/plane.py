@@ -203,7 +203,7 @@ class PeerPlane:
         # stage no more than the host tier holds beside this prompt's own blocks (which may
         # be there too): storing more would push the prompt's head out of its LRU
         plan = plan_fetch(hashes, num_local, max(self.host_num_blocks - num_local, 0), hints, self.view(), force)
-        self._record_plan(plan)
+        self.record_plan(plan)
         if plan.decision is not Decision.FETCH:
             return None
         assert plan.hint is not None
@@ -215,11 +215,7 @@ class PeerPlane:
                     on_failed(stored)
                 return None
         finally:
-            elapsed = time.perf_counter() - t0
-            with self._lock:
-                self._c.fetch_seconds += elapsed
-            if self.fetch_observer is not None:
-                self.fetch_observer(elapsed)
+            self.observe_fetch(time.perf_counter() - t0)
         keep, blocks = stored
         return Fetched(StageBlocks(tuple(keep), blocks), plan.num_local, len(keep))
 
@@ -289,17 +285,32 @@ class PeerPlane:
 
     async def _pull(self, plan: FetchPlan, hint: PeerHint,
                     ask: AskPeer) -> tuple[list[BlockHash], torch.Tensor] | FetchFailure:
-        transfer_id = next(self._ids) % (MAX_TRANSFER_ID + 1)
+        transfer_id = self.next_transfer_id()
         asked = await self._ask(hint, plan, transfer_id, ask)
         if isinstance(asked, FetchFailure):
-            return self._failed(asked)
+            return self.failed(asked)
         _, pair, n = asked
+        return await self.receive(plan, pair, transfer_id, n)
+
+    def next_transfer_id(self) -> int:
+        return next(self._ids) % (MAX_TRANSFER_ID + 1)
+
+    async def ask_for(self, hint: PeerHint, plan: FetchPlan, transfer_id: int,
+                      ask: AskPeer) -> tuple[PairGroup, int] | FetchFailure:
+        """Ask `hint`'s worker to send the leading run of `plan.block_hashes` it holds: the pair
+        to receive on and how many blocks come, or why none (not counted as a failure here)."""
+        asked = await self._ask(hint, plan, transfer_id, ask)
+        return asked if isinstance(asked, FetchFailure) else asked[1:]
+
+    async def receive(self, plan: FetchPlan, pair: PairGroup, transfer_id: int,
+                      n: int) -> tuple[list[BlockHash], torch.Tensor] | FetchFailure:
+        """Receive the `n` blocks a peer agreed to send; the verified leading run of them."""
         # Post the receive at once and never cancel it: a send nobody receives breaks the pair.
         future = self.transfer.recv(pair, transfer_id, n, self.spec)
         try:
             got = await asyncio.shield(asyncio.wrap_future(future))
         except TransferError as e:
-            return self._failed(FetchFailure(FetchCause.TRANSFER, str(e)))
+            return self.failed(FetchFailure(FetchCause.TRANSFER, str(e)))
         k = good_leading_run(got.block_hashes, got.ok, plan.block_hashes)
         with self._lock:
             self._c.blocks_bad += len(got.bad_indices)
@@ -312,7 +323,8 @@ class PeerPlane:
             return FetchFailure(FetchCause.BAD_CHECKSUM, f"block 0 of {n} from {pair.peer} failed its check")
         return list(plan.block_hashes[:k]), got.blocks[:, :, :k]   # [L, 2, k, bs, H, D]
 
-    def _failed(self, failure: FetchFailure) -> FetchFailure:
+    def failed(self, failure: FetchFailure) -> FetchFailure:
+        """Log and count a fetch that brought nothing usable."""
         log.warning("fetch failed (%s), recomputing: %s", failure.cause.value, failure.why)
         with self._lock:
             self._c.fetch_failures += 1
@@ -327,7 +339,13 @@ class PeerPlane:
             with self._lock:
                 self.prefill_tokens_per_s = max(self.prefill_tokens_per_s, num_tokens / seconds)
 
-    def _record_plan(self, plan: FetchPlan) -> None:
+    def observe_fetch(self, seconds: float) -> None:
+        with self._lock:
+            self._c.fetch_seconds += seconds
+        if self.fetch_observer is not None:
+            self.fetch_observer(seconds)
+
+    def record_plan(self, plan: FetchPlan) -> None:
         with self._lock:
             self._c.last_decision = plan.decision.value
             self._c.last_fetch_estimate_s, self._c.last_recompute_estimate_s = plan.fetch_s, plan.recompute_s

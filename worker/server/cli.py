@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvmesh.worker")
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
+PREFILL_CHUNK_TOKENS = 256   # a prefill-role worker's chunk: a ~1,500-token prompt streams in 6 (docs/ARCHITECTURE.md)
 
 
 class PeerFlags(NamedTuple):
@@ -79,6 +81,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated serving: prefill = computes prompts whose KV a decode worker fetches over "
                         "the peer plane; decode = streams tokens of prompts a prefill worker computed; "
                         "mixed (default) = both, for its own requests")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=PREFILL_CHUNK_TOKENS,
+                   help="on a prefill-role worker: the prefill chunk (caps --max-num-batched-tokens), so that a "
+                        "decode worker fetches each chunk's blocks while the next one computes; 0 = "
+                        "--max-num-batched-tokens")
     g.add_argument("--cpu-affinity", default=None, metavar="CPUS",
                    help="pin the worker to these CPUs (e.g. 0 or 0-1,3) before its engine starts; the engine "
                         "then runs one thread per CPU unless --threads is set")
@@ -120,6 +126,11 @@ def run_worker(args: argparse.Namespace) -> int:
         if not args.threads:
             args.threads = len(cpus)
     engine_cfg = engine_config_from_args(args)
+    if args.prefill_chunk_tokens < 0:
+        raise CLIError(f"--prefill-chunk-tokens: {args.prefill_chunk_tokens} must be >= 0")
+    if args.role == "prefill" and args.prefill_chunk_tokens:
+        engine_cfg = dataclasses.replace(engine_cfg, max_num_batched_tokens=min(
+            engine_cfg.max_num_batched_tokens, args.prefill_chunk_tokens))
     try:
         peer = peer_flags(args, os.environ)
     except ValueError as e:

@@ -4,10 +4,12 @@ built once here and passed down to `Engine.add_request`) → a peer fetch of the
 last with the usage figures.
 
 A hint with `handoff` set (disaggregated serving, router/routing/disagg.py) names the prefill
-worker that just computed this prompt: its blocks are fetched without asking the cost model,
-within the hint's `timeout_s` — past it, or when the fetch fails, the request computes what did
-not arrive here (the same tokens). A `prefill_only` request finishes once its prompt is
-computed (a final response with no tokens). Feeds the worker's metrics and its running token totals (GetLoad).
+worker computing this prompt: its blocks are fetched in rounds as it stores them, without
+asking the cost model, within the hint's `timeout_s` (worker/peer/handoff.py) — past it, or when
+a round fails, the request computes what did not arrive here (the same tokens). A
+`prefill_only` request reports each prefill chunk (`prefilled_tokens`, no tokens) and finishes
+once its prompt is computed (a final response with no tokens). Feeds the worker's metrics and its
+running token totals (GetLoad).
 worker/server/service.py owns the call (readiness, draining, liveness, status codes); this module only
 streams. Torch-free at import.
 """
@@ -26,7 +28,7 @@ from contracts.logs import REQUEST_ID, trace_id
 from contracts.wire import to_generate_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker.engine.commands import ApplyChatTemplate, Tokenize
-from worker.peer.errors import FetchCause, FetchFailure
+from worker.peer.errors import FetchFailure
 from worker.server.responses import stream_response
 
 if TYPE_CHECKING:
@@ -80,9 +82,10 @@ class GenerateStreams:
             async for out in outputs:
                 if gaps is not None:
                     gaps.output(out)
-                if first and self.peer is not None:
+                progress = spec.prefill_only and not out.finished   # one prefill chunk computed
+                if first and not progress and self.peer is not None:
                     self.peer.observe_prefill(out.prompt_tokens - out.num_cached_tokens, time.perf_counter() - t0)
-                first = False
+                first = first and progress
                 completion_tokens += out.completion_tokens if out.finished else 0
                 response = self.response(out, fetched, completion_tokens)
                 finished = response.finished
@@ -104,17 +107,15 @@ class GenerateStreams:
 
     async def _handoff(self, ae: AsyncEngine, peer: PeerPlane, token_ids: Sequence[int], hint: PeerHint,
                        cache_salt: str) -> Fetched | None:
-        """Fetch the prompt's blocks from the prefill worker `hint` names, within its timeout."""
+        """Fetch the prompt's blocks from the prefill worker `hint` names as it stores them, within
+        its timeout (worker/peer/handoff.py)."""
+        from worker.peer.handoff import fetch_streamed  # torch: only on a worker with a peer plane
         failures: list[FetchFailure] = []
         t0 = time.perf_counter()
-        try:
-            fetched = await asyncio.wait_for(peer.fetch(ae, token_ids, (hint,), self._ask, cache_salt, force=True,
-                                                        on_failed=failures.append), hint.timeout_s)
-        except TimeoutError:
-            fetched = None
-            failures.append(FetchFailure(FetchCause.TIMEOUT, f"none from {hint.worker_id} in {hint.timeout_s:.1f} s"))
-            log.warning("hand-off from %s timed out after %.1f s; computing the prompt here", hint.worker_id,
-                        hint.timeout_s)
+        fetched = await fetch_streamed(peer, ae, token_ids, hint, self._ask, cache_salt, on_failed=failures.append)
+        if failures:
+            log.warning("hand-off from %s ended short (%s: %s); computing the rest of the prompt here",
+                        hint.worker_id, failures[-1].cause.value, failures[-1].why)
         if self.metrics is not None:
             if fetched is not None:
                 self.metrics.observe_handoff(fetched.num_blocks * peer.spec.bytes_per_block, time.perf_counter() - t0)
@@ -125,6 +126,7 @@ class GenerateStreams:
     def response(self, out: RequestOutput, fetched: Fetched | None = None,
                  completion_tokens: int = 0) -> pb.GenerateResponse:
         resp = stream_response(out, self.worker_id)
+        resp.prefilled_tokens = out.prefilled_tokens
         if out.finished and out.group_finished:
             resp.finished = True
             resp.prompt_tokens = out.prompt_tokens

@@ -110,8 +110,9 @@ class WorkerMetrics:
         self.decode = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
         self.peer_fetch = histogram("peer_fetch_seconds", "Duration of one peer fetch (plan to blocks staged)",
                                     _REQUEST_BUCKETS)
-        self.handoff_seconds = histogram("handoff_seconds", "Disaggregated hand-off on the decode worker: asking "
-                                         "the prefill worker to the prompt's blocks staged", _REQUEST_BUCKETS)
+        self.handoff_seconds = histogram("handoff_seconds", "Disaggregated hand-off on the decode worker: from "
+                                         "the request's arrival (the prefill worker still computing) to the "
+                                         "last of the prompt's blocks received", _REQUEST_BUCKETS)
         self.handoff_bytes = Histogram("kvmesh:handoff_bytes", "KV bytes one hand-off moved to this decode worker",
                                        LABELS, buckets=_HANDOFF_BYTE_BUCKETS, registry=r)
         self.handoff_failures = counter("handoff_failures", "Hand-offs that brought no usable block, by cause "

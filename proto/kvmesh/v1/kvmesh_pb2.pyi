@@ -155,7 +155,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., peer_hints: _Optional[_Iterable[_Union[PeerHint, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[_Union[TenantShare, _Mapping]] = ..., resume_tokens: _Optional[int] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "index", "logprobs", "prompt_logprobs", "sequence_finished", "cumulative_logprob", "migrations")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "worker_id", "peer_cached_tokens", "index", "logprobs", "prompt_logprobs", "sequence_finished", "cumulative_logprob", "migrations", "prefilled_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class GenerateResponse(_message.Message):
     SEQUENCE_FINISHED_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -188,7 +189,8 @@ class GenerateResponse(_message.Message):
     sequence_finished: bool
     cumulative_logprob: float
     migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sequence_finished: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
+    prefilled_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., peer_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., sequence_finished: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ..., migrations: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,108 @@
+"""The decode worker's side of a disaggregated hand-off (router/routing/disagg.py): fetch the
+prompt's blocks from the prefill worker that is computing them, in rounds, as it stores them.
+
+The router sends the request here once the prefill worker reported its first prefill chunk,
+so the prefill worker is still computing the rest when the first round asks. Each round asks
+(`SendBlocks`, on the same authenticated channel and pair as any peer fetch) for the blocks
+not fetched yet; the prefill worker sends the leading run of them it holds — the chunks
+finished so far — checksummed, and the round receives and verifies them. A round that finds
+no new block held waits `poll_s` and asks again. The transfer of chunk k thus overlaps the
+computation of chunk k + 1, and only the last chunk's blocks move after the prefill ends.
+
+Bounds: every round, and the waits between them, within the hint's `timeout_s` (what is left
+of the router's `--disagg-transfer-timeout-s` for the hop); at most the host tier's staging
+room (`plan_fetch`). Ends when every planned block arrived, when the deadline passes, or at the
+first failed round (the prefill worker unreachable, a broken transfer, a bad checksum): the
+verified leading run of what arrived is admitted with the request and the decode worker
+computes the rest, so the tokens are the same whatever arrived. A prefill worker that finished
+before the first round makes this one round: the sequential hand-off.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from contracts.requests import PeerHint
+from kvstore.keys import BlockHash, block_hashes, cache_salt_root
+from worker.engine.async_engine import AsyncEngine, CountHeld, StageBlocks
+from worker.peer.config import AskPeer, Fetched
+from worker.peer.errors import FetchCause, FetchFailure
+from worker.peer.plan import Decision, FetchPlan, plan_fetch
+from worker.peer.plane import PeerPlane
+
+POLL_S = 0.02     # between rounds that found no new block held (the prefill worker's chunk is running)
+
+
+async def fetch_streamed(plane: PeerPlane, ae: AsyncEngine, token_ids: Sequence[int], hint: PeerHint,
+                         ask: AskPeer, cache_salt: str = "",
+                         on_failed: Callable[[FetchFailure], None] | None = None,
+                         poll_s: float = POLL_S) -> Fetched | None:
+    """The prompt blocks `hint`'s worker computes for this request, fetched in rounds within
+    `hint.timeout_s` (see the module docstring); None when nothing usable arrived. `on_failed`
+    hears why the rounds ended short (one failure, TIMEOUT when the deadline cut them)."""
+    deadline = time.monotonic() + hint.timeout_s
+    bs = plane.block_size
+    # admission recomputes at least the last prompt token: only blocks before it count
+    hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, plane.salt,
+                          cache_salt_root(cache_salt))
+    num_local = await ae.run(CountHeld(tuple(hashes)))
+    plan = plan_fetch(hashes, num_local, max(plane.host_num_blocks - num_local, 0), (hint,), plane.view(), True)
+    plane.record_plan(plan)
+    if plan.decision is not Decision.FETCH:
+        return None
+    t0 = time.perf_counter()
+    got: list[BlockHash] = []
+    parts: list[torch.Tensor] = []
+    failure: FetchFailure | None = None
+    try:
+        while len(got) < len(plan.block_hashes):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failure = FetchFailure(FetchCause.TIMEOUT, f"{len(got)} of {len(plan.block_hashes)} blocks from "
+                                                           f"{hint.worker_id} in {hint.timeout_s:.1f} s")
+                break
+            rest = plan._replace(block_hashes=plan.block_hashes[len(got):])
+            try:
+                result = await asyncio.wait_for(_round(plane, rest, hint, ask), left)
+            except TimeoutError:
+                continue                  # the deadline: counted above
+            if result is None:            # nothing new held yet: the prefill worker's chunk is running
+                await asyncio.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+                continue
+            if isinstance(result, FetchFailure):
+                failure = result
+                break
+            keep, blocks, asked = result
+            got.extend(keep)
+            parts.append(blocks)
+            if len(keep) < asked:         # a bad block: keep the good run before it, compute the rest
+                failure = FetchFailure(FetchCause.BAD_CHECKSUM, f"block {len(got)} from {hint.worker_id} "
+                                                                "failed its check")
+                break
+    finally:
+        plane.observe_fetch(time.perf_counter() - t0)
+    if failure is not None:
+        if failure.cause is FetchCause.TIMEOUT:    # the others: counted where they happened
+            plane.failed(failure)
+        if on_failed is not None:
+            on_failed(failure)
+    if not got:
+        return None
+    blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)   # [L, 2, k, bs, H, D]
+    return Fetched(StageBlocks(tuple(got), blocks), plan.num_local, len(got))
+
+
+async def _round(plane: PeerPlane, plan: FetchPlan, hint: PeerHint,
+                 ask: AskPeer) -> tuple[list[BlockHash], torch.Tensor, int] | FetchFailure | None:
+    """One round: the verified leading run of what the peer holds of `plan.block_hashes` now
+    and how many blocks it sent; None when it holds none of them yet."""
+    transfer_id = plane.next_transfer_id()
+    asked = await plane.ask_for(hint, plan, transfer_id, ask)
+    if isinstance(asked, FetchFailure):
+        return None if asked.cause is FetchCause.NOT_HELD else plane.failed(asked)
+    pair, n = asked
+    received = await plane.receive(plan, pair, transfer_id, n)
+    return received if isinstance(received, FetchFailure) else (*received, n)
