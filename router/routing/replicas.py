@@ -21,7 +21,6 @@ fails a request. The prediction gap this closes is measured by `kvmesh bench rou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -56,6 +55,7 @@ class SharedPending:
         self._wake = asyncio.Event()
         self._remote: dict[str, tuple[str, float]] = {}   # joined request id → (its router, when it is ended)
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self.applied = 0
 
     def start(self) -> None:
@@ -67,10 +67,11 @@ class SharedPending:
     async def stop(self) -> None:
         if self.prefills.listener is self:
             self.prefills.listener = None
+        self._stopping = True     # a loop whose cancellation a Redis call turned into an error ends too
         for task in self._tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=_RETRY_S + 5.0)
         self._tasks = []
         await self.log.aclose()
 
@@ -116,7 +117,7 @@ class SharedPending:
             self.prefills.done(self.index, rid, streamed=False)
 
     async def _write_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self._wake.wait()
             await asyncio.sleep(self.flush_s)       # a burst of attempts in one round trip
             self._wake.clear()
@@ -128,12 +129,12 @@ class SharedPending:
                 await asyncio.sleep(_RETRY_S)
 
     async def _alive_loop(self) -> None:
-        while True:
+        while not self._stopping:
             self._note(PendingNote(NoteKind.ALIVE, self.router_id, ""))
             await asyncio.sleep(self.alive_s)
 
     async def _read_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 notes = await self.log.read()
             except MetadataError as e:
