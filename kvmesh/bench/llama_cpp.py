@@ -54,14 +54,21 @@ def batched_bench(bin_dir: Path, gguf: Path, threads: int, pp: int, tg: int,
     cmd = [str(_binary(bin_dir, "llama-batched-bench")), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-c", str(max(batches) * (pp + tg) + 64), "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(tg),
            "-npl", ",".join(map(str, batches))]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    rows = parse_batched_table(run.stdout + "\n" + run.stderr)
+    if not rows:
+        raise RuntimeError(f"llama-batched-bench printed no table:\n{(run.stdout + run.stderr)[-2000:]}")
+    return rows
+
+
+def parse_batched_table(text: str) -> list[BatchedRow]:
+    """The rows of llama-batched-bench's table (| PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s |
+    S_TG t/s | T s | S t/s |)."""
     rows = []
-    for line in out.splitlines():
+    for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[0].isdigit():
             rows.append(BatchedRow(int(cells[0]), int(cells[1]), int(cells[2]), float(cells[5]), float(cells[7])))
-    if not rows:
-        raise RuntimeError(f"llama-batched-bench printed no table:\n{out[-2000:]}")
     return rows
 
 

@@ -197,6 +197,19 @@ def test_windowed_ppl_counts_the_second_half_of_each_window() -> None:
     assert windowed_ppl(Uniform(), ids, 8, 2) == pytest.approx(expected)
 
 
+def test_llama_cpp_batched_bench_table_is_parsed() -> None:
+    """The table llama-batched-bench prints (tools/batched-bench: its LOG format), as `--llama-cpp` reads it."""
+    from kvmesh.bench.llama_cpp import BatchedRow, parse_batched_table
+
+    text = ("main: n_kv_max = 3136, n_batch = 2048\n\n"
+            "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
+            "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
+            "|    64 |    128 |    1 |    192 |    0.101 |   633.66 |    1.085 |   117.97 |    1.186 |   161.89 |\n"
+            "|    64 |    128 |   16 |   3072 |    1.552 |   659.79 |    7.750 |   264.26 |    9.302 |   330.26 |\n")
+    assert parse_batched_table(text) == [BatchedRow(64, 128, 1, 633.66, 117.97),
+                                         BatchedRow(64, 128, 16, 659.79, 264.26)]
+
+
 def test_bench_accuracy_text_flag(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     short = tmp_path / "short.txt"
     short.write_text("too short to score")
