@@ -1,7 +1,9 @@
 """The routing core: `Router` takes a validated request (contracts `GenerateInput`) through
 prepare (tokenize, range-check, chained block hashes) → pick (the policy over the live
 workers, the block index and the router's in-flight counts) → generate (stream from the
-chosen worker; a worker lost mid-stream: migrate, router/routing/migrate.py) → abort.
+chosen worker; a worker lost mid-stream: migrate, router/routing/migrate.py) → abort. The
+routing view and the pick are router/routing/pick.py; what the core reports,
+router/routing/observer.py; the prefill hop of disaggregated serving, router/routing/disagg.py.
 
 No gRPC servicer and no HTTP here: the fronts (router/fronts/grpc_front.py, router/fronts/openai/app.py) call
 this and map its exceptions (router/routing/errors.py) to their status codes. The only gRPC in
@@ -14,8 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import NamedTuple
 
 import grpc
@@ -38,6 +39,8 @@ from router.routing.migrate import (
     log_migration,
     read_until_lost,
 )
+from router.routing.observer import RouteObserver, RoutingStats
+from router.routing.pick import Pick, RoutingView, pick_worker, routing_view
 from router.routing.policy import Policy, make_policy
 from router.routing.predictions import HitPredictions
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
@@ -56,67 +59,6 @@ class Prepared(NamedTuple):
     request: pb.GenerateRequest
     route: RouteRequest
     tenant: TenantId = ANONYMOUS.tenant
-
-
-class Pick(NamedTuple):
-    """The chosen worker, the prompt tokens the index says it holds, the peer to hint and the
-    further prompt tokens that peer is predicted to send (the worker computes neither)."""
-
-    worker: WorkerEntry
-    predicted_tokens: int
-    hint: PeerHint | None
-    fetched_tokens: int = 0
-
-
-@dataclass
-class RoutingStats:
-    """Did the router's idea of each worker's cache (the block index) match what the worker
-    found? `mismatches` counts requests where the two differ (the hash-agreement metric)."""
-
-    requests: int = 0
-    routed_hit_tokens: int = 0
-    actual_hit_tokens: int = 0
-    mismatches: int = 0
-    peer_hints: int = 0         # requests forwarded with a hint to a peer holding more blocks
-
-    def record(self, predicted: int, actual: int) -> None:
-        self.requests += 1
-        self.routed_hit_tokens += predicted
-        self.actual_hit_tokens += actual
-        self.mismatches += predicted != actual
-
-
-class RouteObserver:
-    """What the core tells a metrics layer (router/observe/metrics.py) about each request; this base
-    is the null observer. Called on the router's loop; must not block."""
-
-    def decided(self, seconds: float) -> None:
-        """A pick took `seconds`."""
-
-    def picked(self, request_id: str, route: RouteRequest, worker_id: str) -> None:
-        """`route` goes to `worker_id` (the dashboard's hottest prefixes, router/observe/cluster_view.py)."""
-
-    def aborted(self, request_id: str, worker_id: str | None, tokens: int) -> None:
-        """The client went away (cancelled, disconnected) after `tokens` streamed tokens, before
-        the request finished; `worker_id` is the worker it ran on (None: not picked yet)."""
-
-    def first_response(self, request_id: str, worker_id: str, seconds: float) -> None:
-        """The first response from `worker_id` came `seconds` after `generate` began."""
-
-    def finished(self, request_id: str, worker_id: str, final: pb.GenerateResponse, ttft_s: float,
-                 total_s: float) -> None:
-        """`worker_id` sent its first response `ttft_s` and the `final` one `total_s` after
-        `generate` began."""
-
-    def failed(self, request_id: str, worker_id: str) -> None:
-        """The call to `worker_id` failed."""
-
-    def hit_predicted(self, worker_id: str, error: float) -> None:
-        """A request finished on `worker_id` (not migrated): (predicted − served hit tokens) /
-        prompt tokens (router/routing/predictions.py)."""
-
-    def migrated(self, request_id: str, worker_id: str, tokens: int) -> None:
-        """The request moves off `worker_id` after `tokens` streamed tokens (router/routing/migrate.py)."""
 
 
 class _Failed(Exception):
@@ -254,6 +196,7 @@ class Router:
                 self.observer.aborted(rid, worker_id, len(progress.generated))
             raise
         finally:
+            self.disagg.release(rid)
             self._inflight.pop(rid, None)
             self._owners.pop(rid, None)
 
@@ -369,45 +312,21 @@ class Router:
         """The policy's view now: in-flight and KV load per live worker, the leading prompt
         blocks each holds according to the block index (none where no event stream feeds it)
         and those it could fetch from a peer."""
-        return self._routing_view(route)[0]
+        return self._routing_view(route).state
 
-    def _routing_view(self, route: RouteRequest) -> tuple[RoutingState, dict[WorkerId, int], dict[WorkerId, str]]:
-        """The state, the leading blocks each worker has stored (not pending: a peer can send
-        only those) and the workers with a peer plane (id → address)."""
-        live = [(w.info.worker_id, w) for w in self.registry.live() if w.info is not None]
-        index = self.registry.index
-        loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
-        self.prefills.expire(index)
-        cached = index.match_prefix(route.block_hashes, list(loads))
-        stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
-        peers = {wid: w.address for wid, w in live if w.peer_plane}
-        fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers), default=0)
-                              - cached.get(wid, 0))
-                     for wid in peers}
+    def _routing_view(self, route: RouteRequest) -> RoutingView:
         info = self.model_info
-        capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
-        index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
-        state = RoutingState(loads, cached, self.prefills.queued_tokens(index, loads, route),
-                             info.block_size if info is not None and info.block_size else 16,
-                             self.prefills.mean_in_flight(loads), fetchable,
-                             min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
-        return state, stored, peers
+        return routing_view(self.registry, self.prefills, route, info.block_size if info is not None else None)
 
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
         cached, and the peer to hint when another live worker holds more of the prompt."""
-        state, stored, peers = self._routing_view(route)
-        chosen = self.policy.pick(decode_pool(self.live_workers()), route, state, exclude=tried)
+        info = self.model_info
+        chosen = pick_worker(self.policy, self.registry, self._routing_view(route),
+                             decode_pool(self.live_workers()), route, tried, info.block_size if info is not None else 0)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
-        info = self.model_info
-        bs = info.block_size if info is not None else 0
-        # The worker recomputes at least the last prompt token, as the engine's lookup does.
-        max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
-        blocks = min(state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
-        hint = best_peer_hint(chosen.worker_id, stored, peers, max_blocks)
-        fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
-        return Pick(self.registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
+        return chosen
 
     async def _hand_off(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
                         deadline: float) -> Pick:
@@ -416,11 +335,11 @@ class Router:
         workers, info = self.live_workers(), self.model_info
         if not is_active(workers) or pick.worker.info is None or info is None or not info.block_size:
             return pick
-        state, _, peers = self._routing_view(route)
-        plan = self.disagg.plan(workers, self.policy, route, state, peers, pick.worker.info.worker_id,
+        view = self._routing_view(route)
+        plan = self.disagg.plan(workers, self.policy, route, view.state, view.peers, pick.worker.info.worker_id,
                                 pick.predicted_tokens + pick.fetched_tokens,
                                 request.sampling.HasField("prompt_logprobs"), info.block_size)
-        hint = await self.disagg.prefill(rid, request, plan, deadline) if plan is not None else None
+        hint = await self.disagg.hand_off(rid, request, plan, deadline) if plan is not None else None
         if hint is None:
             return pick
         fetched = max(0, hint.num_blocks * info.block_size - pick.predicted_tokens)
@@ -434,22 +353,3 @@ class Router:
         hinted.peer_hints.append(to_peer_hint(hint))
         self.stats.peer_hints += 1
         return hinted
-
-
-def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
-                   peers: Mapping[WorkerId, str], max_blocks: int) -> PeerHint | None:
-    """The worker other than `chosen` holding the most leading prompt blocks (at most
-    `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
-    worker id → address; any two such workers form a pair on demand); ties go to the lowest id."""
-    if chosen not in peers:
-        return None
-    own = min(cached_blocks.get(chosen, 0), max_blocks)
-    best: PeerHint | None = None
-    for worker_id in sorted(cached_blocks):
-        address = peers.get(worker_id)
-        if worker_id == chosen or address is None:
-            continue
-        n = min(cached_blocks[worker_id], max_blocks)
-        if n > own and (best is None or n > best.num_blocks):
-            best = PeerHint(worker_id, address, n)
-    return best

@@ -8,30 +8,34 @@ the core picked the decode worker (its pool: decode and mixed workers, `decode_p
 1. `plan`: hop or skip. Skipped (and counted by reason, `SkipReason`): a prompt shorter than
    `disagg_min_prompt_tokens`, a prompt whose uncached part on the decode worker is shorter
    (it holds the rest, or a peer sends it), a request asking for prompt logprobs, and workers
-   without a peer plane. Otherwise the prefill worker is the routing policy's pick over the
-   prefill pool (prefix overlap and queue, the same scorers).
-2. `prefill`: the prefill worker gets the request as `prefill_only` (it computes the prompt,
-   keeps its full blocks cached, answers one final response and samples nothing), then the
-   decode worker gets the request with a `handoff` peer hint naming the prefill worker: it
-   fetches every full prompt block it lacks over their pair (authenticated, checksummed),
-   admits the request with them, computes the last prompt token and samples the first token
-   itself — one worker owns all sampling state (seeded generator, penalties, logprobs), and
-   the output is the mixed worker's, greedy or not.
-3. Bounds: from sending the prompt to the prefill worker until the decode worker holds its
-   blocks, at most `disagg_transfer_timeout_s`. The prefill call's deadline is that, and the
-   hint carries what is left of it as the decode worker's fetch timeout. A prefill worker that
-   dies (UNAVAILABLE: marked down), stalls (its deadline passes) or fails its hand-off leaves
-   the decode worker to compute the prompt itself: the request is never lost and never waits
-   longer than the bound for the hop.
+   without a peer plane. Otherwise the prefill workers to try are the routing policy's pick
+   over the prefill pool (prefix overlap and queue, the same scorers) and its next pick.
+2. `hand_off`: the prefill worker gets the request as `prefill_only` (it computes the prompt in
+   chunks, keeps each chunk's full blocks cached as it completes, reports each chunk, answers a
+   final response and samples nothing). At its first response the decode worker gets the
+   request with a `handoff` peer hint naming the prefill worker, while the router follows the
+   prefill stream to its end (`_follow`): the decode worker fetches the blocks in rounds as the
+   prefill worker stores them (worker/peer/handoff.py: authenticated, checksummed), so the
+   transfer overlaps the prefill; it admits the request with them, computes the last prompt
+   token and samples the first token itself — one worker owns all sampling state (seeded
+   generator, penalties, logprobs), and the output is the mixed worker's, greedy or not.
+3. Bounds: from sending the prompt to a prefill worker until the decode worker holds its
+   blocks, at most `disagg_transfer_timeout_s` per prefill worker tried. The prefill call's
+   deadline is that, and the hint carries what is left of it as the decode worker's fetch
+   timeout. A prefill worker that dies (UNAVAILABLE: marked down), stalls (its deadline passes)
+   or fails before its first chunk is replaced by the plan's next one (`MAX_PREFILL_TRIES`);
+   with none left, or when it fails after the hint went out, the decode worker computes what
+   did not arrive: the request is never lost and never waits longer than the bound per try.
 
 torch-free; the only gRPC here is the call to the prefill worker.
 """
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -47,6 +51,7 @@ from router.workers.registry import WorkerEntry, WorkerRegistry
 log = logging.getLogger("kvmesh.router")
 
 MIN_FETCH_S = 0.05   # a hint with less of the hop's time left is not sent: the decode worker computes
+MAX_PREFILL_TRIES = 2   # prefill workers a hop tries before the decode worker computes the prompt
 
 
 class SkipReason(enum.Enum):
@@ -60,8 +65,7 @@ class SkipReason(enum.Enum):
 
 
 class FailCause(enum.Enum):
-    """Why a prefill hop brought the decode worker nothing (a metric label); the decode worker
-    then computes the prompt."""
+    """Why a prefill worker failed a hop (a metric label)."""
 
     UNAVAILABLE = "unavailable"   # the prefill worker's call failed as unreachable (dead, restarting)
     TIMEOUT = "timeout"           # its deadline (disagg_transfer_timeout_s) passed: stalled or too slow
@@ -77,17 +81,20 @@ class DisaggObserver:
         """A request of a disaggregated cluster went to its decode worker without the hop."""
 
     def hop_prefilled(self, prefill_worker_id: str, seconds: float) -> None:
-        """The prefill worker computed the prompt in `seconds` (the hand-off goes ahead)."""
+        """The prefill worker computed the prompt in `seconds` (its final response)."""
 
     def hop_failed(self, prefill_worker_id: str, cause: FailCause) -> None:
-        """The hop brought nothing; the decode worker computes the prompt."""
+        """A prefill worker failed the hop: before the hint went out (the next one is tried, or
+        the decode worker computes the prompt) or after (the decode worker computes what did
+        not arrive)."""
 
 
 class HopPlan(NamedTuple):
-    """A planned hop: the prefill worker and the full prompt blocks the decode worker is to
-    fetch from it (all but the last prompt token's, which the decode worker computes)."""
+    """A planned hop: the prefill workers to try in turn (the policy's pick, then its next
+    pick) and the full prompt blocks the decode worker is to fetch (all but the last prompt
+    token's, which the decode worker computes)."""
 
-    prefill: WorkerEntry
+    prefills: tuple[WorkerEntry, ...]
     num_blocks: int
 
 
@@ -133,6 +140,7 @@ class Disaggregation:
         self.handoffs = 0          # hops whose hint went to the decode worker
         self.skips = 0
         self.failures = 0
+        self._following: dict[str, asyncio.Task[None]] = {}   # request id -> its prefill, read to its end
 
     def plan(self, workers: Sequence[WorkerInfo], policy: Policy, route: RouteRequest, state: RoutingState,
              peers: Mapping[WorkerId, str], decode_id: WorkerId, cached_tokens: int, prompt_logprobs: bool,
@@ -146,65 +154,116 @@ class Disaggregation:
         pool = [w for w in workers if w.role is WorkerRole.PREFILL and w.worker_id in peers]
         if reason is None and (decode_id not in peers or not pool):
             reason = SkipReason.NO_PEER_PLANE
-        chosen = policy.pick(pool, route, state) if reason is None else None
-        if reason is None and chosen is None:
+        picks: list[WorkerInfo] = []
+        while reason is None and len(picks) < MAX_PREFILL_TRIES:
+            chosen = policy.pick(pool, route, state, exclude={w.worker_id for w in picks})
+            if chosen is None:
+                break
+            picks.append(chosen)
+        if reason is None and not picks:
             reason = SkipReason.NO_PREFILL_WORKER
-        if reason is not None or chosen is None:
-            self.skip(reason or SkipReason.NO_PREFILL_WORKER)
+        if reason is not None:
+            self.skip(reason)
             return None
-        return HopPlan(self.registry.entry(chosen.address), (len(route.token_ids) - 1) // block_size)
+        return HopPlan(tuple(self.registry.entry(w.address) for w in picks), (len(route.token_ids) - 1) // block_size)
 
     def skip(self, reason: SkipReason) -> None:
         self.skips += 1
         self.observer.hop_skipped(reason)
 
-    async def prefill(self, rid: str, request: pb.GenerateRequest, plan: HopPlan,
-                      deadline: float) -> PeerHint | None:
-        """Run the prompt on `plan.prefill` as prefill-only; the hand-off hint for the decode
-        worker, or None when the decode worker is to compute the prompt itself (counted)."""
-        entry = plan.prefill
+    async def hand_off(self, rid: str, request: pb.GenerateRequest, plan: HopPlan,
+                       deadline: float) -> PeerHint | None:
+        """Start the prompt on the plan's prefill workers in turn until one reports its first
+        chunk; the hand-off hint for the decode worker (the prefill goes on, followed by a task
+        until its final response), or None when the decode worker is to compute the prompt
+        itself (every try failed, counted)."""
+        for entry in plan.prefills:
+            if entry.info is None or time.monotonic() >= deadline:   # marked down since the plan
+                continue
+            hint = await self._try(rid, request, entry, plan.num_blocks,
+                                   min(deadline, time.monotonic() + self.transfer_timeout_s))
+            if hint is not None:
+                self.handoffs += 1
+                return hint
+        return None
+
+    async def _try(self, rid: str, request: pb.GenerateRequest, entry: WorkerEntry, num_blocks: int,
+                   hop_deadline: float) -> PeerHint | None:
+        """One prefill worker: the hint once its first response (a chunk computed, or the final
+        one) came before `hop_deadline`, or None (the failure counted)."""
         assert entry.info is not None
         prefill_id = entry.info.worker_id
         started = time.monotonic()
-        hop_deadline = min(deadline, started + self.transfer_timeout_s)
         message = pb.GenerateRequest()
         message.CopyFrom(request)
         message.request_id = f"{rid}:prefill"
         message.prefill_only = True
         del message.peer_hints[:]
-        cause: FailCause | None = None
-        call = None
         entry.in_flight += 1
+        call = entry.stub.Generate(message, timeout=max(hop_deadline - started, 0.001),
+                                   metadata=((REQUEST_ID_HEADER, rid),))
+        responses = aiter(call)
+        following = False
         try:
-            call = entry.stub.Generate(message, timeout=max(hop_deadline - time.monotonic(), 0.001),
-                                       metadata=((REQUEST_ID_HEADER, rid),))
-            finished = False
-            async for response in call:
-                finished = finished or response.finished
-            if not finished:
-                cause = FailCause.ERROR
+            first = await anext(responses)
+            if first.finished:
+                self.observer.hop_prefilled(prefill_id, time.monotonic() - started)
+            left = hop_deadline - time.monotonic()
+            if left < MIN_FETCH_S:
+                self._failed(rid, prefill_id, FailCause.NO_TIME_LEFT, "prefilled too late")
+                return None
+            if not first.finished:
+                task = asyncio.create_task(self._follow(rid, entry, call, responses, started))
+                self._following[rid] = task
+                following = True
+            return PeerHint(prefill_id, entry.address, num_blocks, handoff=True, timeout_s=left)
+        except StopAsyncIteration:
+            self._failed(rid, prefill_id, FailCause.ERROR, "closed its stream without a response")
         except grpc.aio.AioRpcError as e:
-            code = e.code()
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                cause = FailCause.TIMEOUT
-            elif code is grpc.StatusCode.UNAVAILABLE:
-                cause = FailCause.UNAVAILABLE
-                self.registry.mark_down(entry, e.details() or "")
+            self._failed(rid, prefill_id, self._cause(entry, e), f"{e.code().name}: {e.details()}")
+        finally:
+            if not following:
+                entry.in_flight -= 1
+                call.cancel()    # the request went away mid-hop, or it is over: the prefill worker aborts it
+        return None
+
+    async def _follow(self, rid: str, entry: WorkerEntry, call: grpc.aio.UnaryStreamCall,
+                      responses: AsyncIterator[pb.GenerateResponse], started: float) -> None:
+        """Read a prefill worker's stream to its final response, while the decode worker fetches
+        the blocks; a failure now costs the decode worker what did not arrive (it computes it)."""
+        assert entry.info is not None
+        prefill_id = entry.info.worker_id
+        finished = False
+        try:
+            async for response in responses:
+                finished = finished or response.finished
+            if finished:
+                self.observer.hop_prefilled(prefill_id, time.monotonic() - started)
             else:
-                cause = FailCause.ERROR
-            log.warning("request %s: prefill on %s failed (%s: %s); the decode worker computes the prompt",
-                        rid, prefill_id, code.name, e.details())
+                self._failed(rid, prefill_id, FailCause.ERROR, "closed its stream unfinished")
+        except grpc.aio.AioRpcError as e:
+            self._failed(rid, prefill_id, self._cause(entry, e), f"{e.code().name}: {e.details()}")
         finally:
             entry.in_flight -= 1
-            if call is not None:
-                call.cancel()       # the request went away mid-hop: the prefill worker aborts it
-        left = hop_deadline - time.monotonic()
-        if cause is None and left < MIN_FETCH_S:
-            cause = FailCause.NO_TIME_LEFT
-        if cause is not None:
-            self.failures += 1
-            self.observer.hop_failed(prefill_id, cause)
-            return None
-        self.handoffs += 1
-        self.observer.hop_prefilled(prefill_id, time.monotonic() - started)
-        return PeerHint(prefill_id, entry.address, plan.num_blocks, handoff=True, timeout_s=left)
+            call.cancel()
+            self._following.pop(rid, None)
+
+    def release(self, rid: str) -> None:
+        """The request is over (finished, failed or cancelled): stop following its prefill."""
+        task = self._following.pop(rid, None)
+        if task is not None and not task.done():
+            task.cancel()
+
+    def _cause(self, entry: WorkerEntry, e: grpc.aio.AioRpcError) -> FailCause:
+        code = e.code()
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return FailCause.TIMEOUT
+        if code is grpc.StatusCode.UNAVAILABLE:
+            self.registry.mark_down(entry, e.details() or "")
+            return FailCause.UNAVAILABLE
+        return FailCause.ERROR
+
+    def _failed(self, rid: str, prefill_id: str, cause: FailCause, why: str) -> None:
+        log.warning("request %s: prefill on %s failed (%s: %s)", rid, prefill_id, cause.value, why)
+        self.failures += 1
+        self.observer.hop_failed(prefill_id, cause)

@@ -1,9 +1,11 @@
 """Disaggregated serving through real processes: two `kvmesh worker --role prefill` and one
 `kvmesh worker --role decode` (SmolLM2 on CPU, peer transfer over gloo) behind an in-process
-router. A long prompt is computed on a prefill worker and its blocks handed to the decode
-worker, which streams the tokens; a short prompt skips the hop; a prefill worker killed
-(SIGKILL) or stopped (SIGSTOP) in the middle of the hop costs the request at most
---disagg-transfer-timeout-s, and the decode worker computes the prompt.
+router. A long prompt is computed on a prefill worker (in chunks) and its blocks handed to the
+decode worker as they are stored, which streams the tokens; a short prompt skips the hop; a
+prefill worker killed (SIGKILL) in the middle of the hop is replaced by the other one; one
+stopped (SIGSTOP) with no other to try costs the request at most --disagg-transfer-timeout-s,
+and the decode worker computes the prompt; the decode worker killed mid-stream migrates the
+stream.
 
 The oracle for every output is the decode worker computing the same prompt cold, called
 directly with a cache_salt of its own (salted block hashes: nothing cached, nothing fetched).
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -55,6 +57,8 @@ def _spawn(tmp: Path, worker_id: str, role: str) -> tuple[subprocess.Popen[bytes
     out, log, stall = tmp / f"{worker_id}.out", tmp / f"{worker_id}.log", tmp / f"{worker_id}.stall"
     argv = [sys.executable, "-m", "kvmesh.cli", "worker", "--port", "0", "--worker-id", worker_id, "--role", role,
             "--model", "smollm2", "--peer-transfer", "--metrics-port", "-1"]
+    if role == "prefill":    # LONG in 3 chunks: the decode worker fetches while the prefill worker computes
+        argv += ["--prefill-chunk-tokens", "64"]
     env = os.environ | {"PYTHONUNBUFFERED": "1", "KVMESH_TEST_STALL_FILE": str(stall)}
     with open(out, "wb") as fo, open(log, "ab") as fe:
         proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, env=env)
@@ -184,9 +188,11 @@ def test_a_short_prompt_skips_the_hop(cluster: Cluster) -> None:
     assert tokens == _oracle(cluster, prompt, 2)
 
 
-def _mid_hop(cluster: Cluster, victim: Worker, prompt: list[int], hit: signal.Signals) -> tuple[list[int], float]:
-    """Send `prompt` through the router with `victim` the only prefill worker that can take it,
-    its engine held (the stall file) until the request is on it, then signal it."""
+def _mid_hop(cluster: Cluster, victim: Worker, prompt: list[int], hit: signal.Signals,
+            then: Callable[[], object] = lambda: None,
+            peer_cached_tokens: int = 0) -> tuple[list[int], float]:
+    """Send `prompt` through the router with `victim` the first prefill worker it tries, its
+    engine held (the stall file) until the request is on it, then signal it and call `then`."""
     victim.stall.touch()
     t0 = time.monotonic()
     with ThreadPoolExecutor(1) as pool:
@@ -196,26 +202,30 @@ def _mid_hop(cluster: Cluster, victim: Worker, prompt: list[int], hit: signal.Si
             assert time.monotonic() < deadline and not future.done(), "the request never reached the prefill worker"
             time.sleep(0.02)
         victim.proc.send_signal(hit)
+        then()
         tokens, final = future.result(timeout=300)
-    assert final.worker_id == "w-d" and final.peer_cached_tokens == 0
+    assert final.worker_id == "w-d" and final.peer_cached_tokens == peer_cached_tokens
     return tokens, time.monotonic() - t0
 
 
-def test_a_prefill_worker_killed_mid_hop_costs_no_request(cluster: Cluster) -> None:
+def test_a_prefill_worker_killed_mid_hop_is_retried_on_the_other_one(cluster: Cluster) -> None:
     p1, p2 = cluster.workers["p1"], cluster.workers["p2"]
     p2.stall.touch()                      # p2 stalled too: whichever the router picks is held
     try:
         victim = p1
         prompt = _prompt(3, LONG)
-        failures = cluster.router.core.disagg.failures
-        # p1 is the victim: keep p2 out of the pick by making it the busier one
+        disagg = cluster.router.core.disagg
+        failures, handoffs = disagg.failures, disagg.handoffs
+        # p1 is the victim: p2 the second pick, by making it the busier one
         _entry(cluster, p2).in_flight += 100
         try:
-            tokens, elapsed = _mid_hop(cluster, victim, prompt, signal.SIGKILL)
+            # p1 dies before its first chunk: the hop goes on on p2 (released), which hands the blocks off
+            tokens, elapsed = _mid_hop(cluster, victim, prompt, signal.SIGKILL, then=p2.stall.unlink,
+                                       peer_cached_tokens=(LONG - 1) // BLOCK * BLOCK)
         finally:
             _entry(cluster, p2).in_flight -= 100
         assert victim.proc.wait(timeout=30) == -signal.SIGKILL
-        assert cluster.router.core.disagg.failures == failures + 1
+        assert (disagg.failures, disagg.handoffs) == (failures + 1, handoffs + 1)
         assert elapsed < TIMEOUT_S + 60
         assert tokens == _oracle(cluster, prompt, 3)
     finally:
@@ -223,6 +233,7 @@ def test_a_prefill_worker_killed_mid_hop_costs_no_request(cluster: Cluster) -> N
 
 
 def test_a_prefill_worker_stopped_mid_hop_costs_the_request_at_most_the_timeout(cluster: Cluster) -> None:
+    # p1 is dead (the test above): p2 is the only prefill worker, no other to retry on
     p2 = cluster.workers["p2"]
     prompt = _prompt(4, LONG)
     failures = cluster.router.core.disagg.failures
@@ -247,3 +258,31 @@ def test_the_router_metrics_count_hops_skips_and_failures_by_cause(cluster: Clus
                       cause="unavailable") == 1
     assert sample_sum(samples, "kvmesh:router_disagg_failures_total", prefill_worker_id="w-p2", cause="timeout") == 1
     assert "kvmesh:router_role_queue_length" in {name for name, _ in samples}
+
+
+def test_a_decode_worker_killed_mid_stream_migrates_the_stream(cluster: Cluster) -> None:
+    """Last in the module: it kills the decode worker. A handed-off request streaming on it
+    moves (router/routing/migrate.py) to the live prefill worker (with no decode worker left, a
+    prefill worker decodes), which recomputes prompt and streamed tokens: the tokens are the
+    same, none is lost or repeated."""
+    d = cluster.workers["d"]
+    prompt, max_tokens = _prompt(5, LONG), 48
+    req = _request(prompt)
+    req.sampling.max_tokens = max_tokens
+    oracle_req = _request(prompt, "oracle-5")
+    oracle_req.sampling.max_tokens = max_tokens
+    with grpc.insecure_channel(d.address) as ch:
+        want, _ = _tokens(list(pb_grpc.WorkerStub(ch).Generate(oracle_req, timeout=300)))
+    handoffs = cluster.router.core.disagg.handoffs
+    msgs: list[pb.GenerateResponse] = []
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        for m in pb_grpc.RouterStub(ch).Generate(req, timeout=300):
+            msgs.append(m)
+            if sum(len(x.token_ids) for x in msgs) >= 4 and d.proc.poll() is None:
+                assert m.worker_id == "w-d"
+                d.proc.kill()                  # SIGKILL mid-stream
+    assert d.proc.wait(timeout=30) == -signal.SIGKILL
+    tokens, final = _tokens(msgs)
+    assert cluster.router.core.disagg.handoffs == handoffs + 1    # the stream began on a hand-off
+    assert final.migrations == 1 and final.worker_id == "w-p2"
+    assert tokens == want

@@ -22,7 +22,8 @@ from kvstore.events import Tier
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
 from router.index.blocks import BlockIndex
-from router.routing.core import Router, best_peer_hint
+from router.routing.core import Router
+from router.routing.pick import best_peer_hint
 from router.routing.types import WorkerId
 from router.server import RouterServer
 from router.workers.registry import WORKER_SERVICE
