@@ -1,6 +1,6 @@
 """Redis metadata on a real Redis Cluster (3 primaries on loopback) and on a Sentinel-managed
 primary: the URL forms, cluster detection, the consumer reading every shard, and a primary killed
-while workers publish. The oracle is each worker's own BlockPool, as in test_metadata.py: after
+while workers publish. The oracle is each worker's own BlockPool, as in test_metadata_streams.py: after
 every scenario the index must hold exactly what each pool caches."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from kvstore.metadata.connection import AsyncLink, ClientOptions, SyncLink, pars
 from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from kvstore.metadata.streams import EventConsumer
 from router.index.blocks import BlockIndex
-from tests.kvstore.test_metadata import PoolWorker, cfg_for, run_scenario, synced, wait_for
+from tests.kvstore.test_metadata import cfg_for, wait_for
+from tests.kvstore.test_metadata_streams import PoolWorker, run_scenario, synced
 from tests.support.redis_server import RedisServer
 from tests.support.redis_topologies import PASSWORD, RedisClusterNodes, RedisSentinelGroup
 
