@@ -14,6 +14,7 @@ and the event log behind one typed API.
   and `take` onloads it: disk → host → device. The disk key includes the salt root of the
   request that cached the block (`cache(..., salt_root)`), kept here per hash while the
   block is on the device or in host memory (`kvstore.store_disk.DiskStaging`),
+- the copies for peers (`read`, `read_now`: `kvstore.store_read`),
 - one event log: what the pool and the tiers record, tagged with their `Tier`, in the
   order it happened (an eviction that offloads reads: host stored, then device removed).
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
@@ -46,6 +46,7 @@ from kvstore.layout import KVLayout
 from kvstore.pool import BlockId, BlockPool
 from kvstore.quota import Owner
 from kvstore.store_disk import DiskStaging
+from kvstore.store_read import read_device_run, read_held
 from kvstore.store_types import HeldBlocks, Match, NoHostTier, StoreUsage
 from kvstore.tensors import KVTensors
 from kvstore.tiers import BlockCopy, HostTier
@@ -270,42 +271,9 @@ class KVStore:
         host tier or the disk tier (host blocks become the tier's youngest; disk records are
         read in this thread, under the salt root they were written with). Nothing is
         referenced: the copy is consistent because no step runs while the engine thread reads."""
-        runs: list[tuple[Tier, list[Any]]] = []     # (tier, block ids | hashes | disk keys)
-        key: Any
-        for h in block_hashes:
-            block_id = self.pool.get_cached_block(h)
-            if block_id is not None:
-                tier, key = Tier.DEVICE, int(block_id)
-            elif self.host is not None and h in self.host:
-                tier, key = Tier.HOST, h
-            elif self.disk is not None and (disk_key := self.disk.key_of(h)) is not None:
-                tier, key = Tier.DISK, disk_key
-            else:
-                break
-            if not runs or runs[-1][0] is not tier:
-                runs.append((tier, []))
-            runs[-1][1].append(key)
-        parts, n = [], 0
-        for tier, keys in runs:
-            if tier is Tier.DEVICE:
-                data = self.kv.gather_blocks(keys)
-            elif tier is Tier.HOST:
-                assert self.host is not None
-                data = self.host.read(keys)
-            else:
-                assert self.disk is not None
-                got, blocks = self.disk.read_now(keys)
-                self._drain()                                    # a bad record's removal
-                if blocks is None:
-                    break
-                data = blocks
-            parts.append(data.to(device))                        # [L, 2, run, bs, H, D]
-            n += data.shape[2]
-            if data.shape[2] < len(keys):
-                break
-        if n == 0:
-            return HeldBlocks(0, None)
-        return HeldBlocks(n, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2).contiguous())
+        held = read_held(self.pool, self.kv, self.host, self.disk, block_hashes, device)
+        self._drain()                                            # a bad disk record's removal
+        return held
 
     def hottest(self, max_blocks: int) -> list[BlockHash]:
         """Up to `max_blocks` hashes held here (any tier), most hit recently first, parents
@@ -323,24 +291,8 @@ class KVStore:
         are never written otherwise). None where only `read` on the engine thread can answer:
         a pool off the CPU (its writes are queued on a stream), a run that goes on in the host
         or disk tier, or a first block evicted during the copy. Nothing is referenced or reordered."""
-        if self.kv.device.type != "cpu":
-            return None
         match = self.lookup(block_hashes)                      # a query: safe beside a step
-        rest = block_hashes[len(match.device):]
-        if match.num_host or (rest and self.disk is not None and self.disk.key_of(rest[0]) is not None):
-            return None
-        ids = [int(b) for b in match.device]
-        if not ids:
-            return HeldBlocks(0, None)
-        data = self.kv.gather_blocks(ids)                      # [L, 2, n, bs, H, D]
-        n = 0
-        for h, block_id in zip(block_hashes, ids):
-            if self.pool.get_cached_block(h) != block_id:
-                break
-            n += 1
-        if n == 0:
-            return None
-        return HeldBlocks(n, (data if n == len(ids) else data[:, :, :n]).to(device).contiguous())
+        return read_device_run(self.pool, self.kv, self.disk, block_hashes, match, device)
 
     def stage(self, block_hashes: Sequence[BlockHash], data: torch.Tensor) -> int:
         """Put blocks that arrived from a peer (`data` as `read` returns it) in the host tier,
