@@ -7,7 +7,7 @@ Two checks (contracts/health.py names them):
   draining.
 `WorkerHealth` holds that state, publishes it to the gRPC health servicer (`publish`) and answers
 the HTTP probes (`live_reason` / `ready_reason`, served as /livez and /readyz next to /metrics by
-worker/server/metrics.py's `MetricsHTTP`, for kubelets that cannot speak gRPC health over mutual TLS).
+worker/server/metrics_http.py's `MetricsHTTP`, for kubelets that cannot speak gRPC health over mutual TLS).
 """
 from __future__ import annotations
 

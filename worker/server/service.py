@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from worker.engine.async_engine import AsyncEngine
     from worker.engine.engine import Engine, EngineConfig
     from worker.peer.plane import PeerPlane
-    from worker.server.metrics import MetricsHTTP, WorkerMetrics
+    from worker.server.metrics import WorkerMetrics
+    from worker.server.metrics_http import MetricsHTTP
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -223,7 +224,7 @@ class WorkerServer:
     async def _start_metrics_http(self, port: int) -> None:
         from prometheus_client import CollectorRegistry
 
-        from worker.server.metrics import MetricsHTTP
+        from worker.server.metrics_http import MetricsHTTP
         self._metrics_registry = CollectorRegistry()
         self._metrics_http = await asyncio.to_thread(MetricsHTTP, self._metrics_registry, self.cfg.host, port,
                                                      self._health)
