@@ -16,9 +16,9 @@ import grpc
 from contracts.cluster_token import new_token
 from kvmesh.cli import main as kvmesh
 from kvmesh.client import ClientError, GenerateResult, generate
+from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.local import LocalCluster
 from kvmesh.serve.processes import LaunchError
-from kvmesh.serve.supervise import ServeConfig
 from kvstore.metadata.registry import parse_redis_url
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.observe.metrics import sample_sum, scrape

@@ -10,6 +10,7 @@ from contracts.cli import CLIError, flagify
 from contracts.cluster_token import add_cluster_auth_arguments, new_token, token_from
 from contracts.logs import add_log_format_argument
 from contracts.tls import tls_from_args
+from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.local import run_serve
 from kvmesh.serve.ray_launch import (
     PLACEMENT_STRATEGIES,
@@ -19,7 +20,6 @@ from kvmesh.serve.ray_launch import (
     stop_named_cluster,
 )
 from kvmesh.serve.restarts import RestartPolicy
-from kvmesh.serve.supervise import ServeConfig
 from router.flags import add_address_arguments, add_routing_arguments, routing_argv, routing_config
 from worker.cli import add_engine_arguments
 

@@ -19,9 +19,10 @@ import shlex
 from pathlib import Path
 
 from contracts.cluster_token import masked
+from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.processes import Child, LaunchError, free_port, spawn, terminate
 from kvmesh.serve.roles import affinity_argv, role_argv, split_cpus
-from kvmesh.serve.supervise import Cluster, PartExited, ServeConfig, Supervisor
+from kvmesh.serve.supervise import Cluster, PartExited, Supervisor
 from kvstore.metadata.registry import parse_redis_url
 from worker.server.affinity import format_cpu_list
 

@@ -36,9 +36,10 @@ from typing import Any
 
 from contracts.cluster_token import TOKEN_ENV, token_from
 from contracts.tls import PLAINTEXT, TlsConfig
+from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.processes import LaunchError
 from kvmesh.serve.roles import Role, split_cpus
-from kvmesh.serve.supervise import Cluster, PartExited, ServeConfig, Supervisor
+from kvmesh.serve.supervise import Cluster, PartExited, Supervisor
 from kvstore.metadata.registry import parse_redis_url
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.server.affinity import pin_process

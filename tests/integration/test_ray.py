@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 import pytest
 
+from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.ray_launch import RayCluster, RayServeConfig, namespace_for, stop_named_cluster
-from kvmesh.serve.supervise import ServeConfig
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,9 +26,9 @@ from typing import Any
 import openai
 import pytest
 
+from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.local import LocalCluster
 from kvmesh.serve.processes import Child, spawn, terminate
-from kvmesh.serve.supervise import ServeConfig
 from kvstore.metadata.registry import RedisConfig, WorkerRegistry
 from tests.kvstore.test_metadata_topologies import worker_ids_on
 from tests.support.redis_topologies import RedisClusterNodes, RedisSentinelGroup

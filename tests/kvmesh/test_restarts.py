@@ -32,7 +32,7 @@ def test_policies() -> None:
 
 
 def test_config_rejects_bad_values() -> None:
-    from kvmesh.serve.supervise import ServeConfig
+    from kvmesh.serve.config import ServeConfig
     for bad in (dict(max_deaths=0), dict(window_s=0.0), dict(policy="sometimes")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RestartConfig(**bad)  # type: ignore[arg-type]

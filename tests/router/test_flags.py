@@ -79,7 +79,7 @@ def test_a_bad_routing_flag_fails_serve_before_anything_starts() -> None:
 
 
 def test_serve_config_defaults_are_the_serve_commands() -> None:
-    from kvmesh.serve.supervise import ServeConfig
+    from kvmesh.serve.config import ServeConfig
     parsed = config_from_args(build_parser().parse_args(["serve"]))
     default = ServeConfig()
     for name in ("workers", "model", "host", "grpc_port", "http_port", "redis_url", "cluster_name", "engine_argv",
