@@ -5,8 +5,9 @@ the store (`kvstore.store.KVStore`) hands a copy of its bytes to `write_behind`,
 for this tier's writer thread (a bounded queue: when it is full the write is dropped and
 counted, the engine thread never waits). A later admission whose prefix goes on past the
 device pool and the host tier finds the rest with `match_prefix`; `read_ahead` has the reader
-thread read it back, the engine thread picks the blocks up with `take_reads` and stages them
-into the host tier, and the admission onloads them from there like any host hit.
+thread read it back (`kvstore/disk_read.py`: `ReadAhead`), the engine thread picks the blocks up
+with `take_reads` and stages them into the host tier, and the admission onloads them from there
+like any host hit.
 
 Records: one checksummed file per block (`kvstore/disk_record.py`: file layout, record format);
 another fingerprint's records are never read (said once at open). `match_prefix` and `read_ahead`
@@ -37,8 +38,6 @@ checksum, then file, two stages in queue order; a read).
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import queue
@@ -47,10 +46,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from kvstore.disk_read import DiskRead, ReadAhead
 from kvstore.disk_record import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -58,6 +57,7 @@ from kvstore.disk_record import (
     FileIO,
     RecordError,
     encode_header,
+    lock_dir,
     read_record,
     record_name,
     scan_records,
@@ -69,15 +69,6 @@ from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, K
 from kvstore.quota import Owner, OwnerLRU
 
 log = logging.getLogger("kvmesh.disk")
-
-class DiskRead(NamedTuple):
-    """A finished `read_ahead`: the leading `keys` that were read, their blocks
-    `[L, 2, n, bs, H, D | bytes]` (None when none was), and the keys asked for."""
-
-    asked: tuple[DiskKey, ...]
-    keys: tuple[DiskKey, ...]
-    blocks: torch.Tensor | None
-
 
 class DiskTier:
     """Blocks of `layout` on disk under `path`, at most `capacity_bytes` of records (see the
@@ -105,10 +96,7 @@ class DiskTier:
         self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
         self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
         self._headed: queue.Queue[tuple[DiskKey, memoryview, bytes] | None] = queue.Queue(4)   # checksummed
-        self._reads: queue.Queue[tuple[DiskKey, ...] | None] = queue.Queue()
-        self._reading: set[DiskKey] = set()
-        self._done: list[DiskRead] = []
-        self._done_cv = threading.Condition(self._lock)
+        self._reads = ReadAhead(self._read)
         self._events: list[KVEvent] = []
         self._record = False
         self._counts = dict.fromkeys(("written", "read", "checksum", "queue_full", "fingerprint",
@@ -139,12 +127,11 @@ class DiskTier:
             log.error("KV disk tier off: cannot use %s: %s", tier.dir, e)
             return tier
         tier.enabled = True
-        loops = ((tier._checksum_loop, "kv-disk-checksum"), (tier._write_loop, "kv-disk-write"),
-                 (tier._read_loop, "kv-disk-read"))
-        for target, name in loops:
+        for target, name in ((tier._checksum_loop, "kv-disk-checksum"), (tier._write_loop, "kv-disk-write")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             tier._threads.append(t)
+        tier._reads.start()
         return tier
 
     # -- queries --------------------------------------------------------------------------
@@ -184,8 +171,7 @@ class DiskTier:
 
     def busy(self) -> bool:
         """Whether a read-ahead is in flight or done and not taken yet."""
-        with self._lock:
-            return bool(self._reading or self._done)
+        return self._reads.busy()
 
     def stats(self) -> DiskTierStats:
         c = self._counts
@@ -233,43 +219,24 @@ class DiskTier:
     def read_ahead(self, keys: Sequence[DiskKey]) -> bool:
         """Have the reader thread read `keys` (a prefix run) back; True when they are being
         read (now or already): the caller picks them up with `take_reads`."""
-        with self._lock:
-            if not self.enabled or not keys:
-                return False
-            if keys[0] in self._reading:
-                return True
-            todo = tuple(k for k in keys if k not in self._reading)
-            self._reading.update(todo)
-        self._reads.put(todo)
+        if not self.enabled or not keys:
+            return False
+        self._reads.submit(keys)
         return True
 
     def read_now(self, keys: Sequence[DiskKey]) -> tuple[tuple[DiskKey, ...], torch.Tensor | None]:
         """Read the leading run of `keys` held here in the calling thread (a peer's copy):
         the keys read and their blocks `[L, 2, n, bs, H, D]` (None when none was); a bad record
         is dropped and counted as on a read-ahead."""
-        t0 = time.perf_counter()
-        got, blocks = self._read(tuple(keys))
-        if got:
-            with self._lock:
-                self._read_s.observe(time.perf_counter() - t0)
-        return got, blocks
+        return self._read(tuple(keys))
 
     def take_reads(self) -> list[DiskRead]:
         """Finished read-aheads, oldest first (their keys are no longer in flight)."""
-        with self._lock:
-            done, self._done = self._done, []
-            for d in done:
-                self._reading.difference_update(d.asked)
-        return done
+        return self._reads.take()
 
     def wait_reads(self, timeout_s: float) -> bool:
         """Block until a read-ahead finishes or `timeout_s` passes; False if none is in flight."""
-        with self._done_cv:
-            if not self._reading:
-                return False
-            if not self._done:
-                self._done_cv.wait(timeout_s)
-            return True
+        return self._reads.wait(timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued write is on disk (tests and benchmarks)."""
@@ -279,15 +246,15 @@ class DiskTier:
 
     def close(self) -> None:
         """Stop the threads (queued writes are dropped) and release the directory's lock."""
-        for q in (self._writes, self._headed, self._reads):
+        for q in (self._writes, self._headed):
             while True:
                 try:
                     q.get_nowait()
-                    (self._writes if q is self._headed else q).task_done()
+                    self._writes.task_done()
                 except queue.Empty:
                     break
         self._writes.put(None)          # the checksum stage hands it on to the write stage
-        self._reads.put(None)
+        self._reads.stop()
         for t in self._threads:
             t.join(timeout=5)
         self._threads = []
@@ -319,14 +286,7 @@ class DiskTier:
         return f"{self._dir_s}/{name[:2]}/{name}"
 
     def _open(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            raise OSError(errno.EBUSY, f"another process uses this directory ({e.strerror})") from None
-        self._lock_fd = fd
+        self._lock_fd = lock_dir(self.dir)
         others = [p for p in self.root_dir.iterdir() if p.is_dir() and p.name.startswith("v") and p != self.dir]
         if others:
             self._counts["fingerprint"] = sum(1 for d in others for _ in d.glob("*/*.kvb"))
@@ -402,20 +362,10 @@ class DiskTier:
             self._counts["written"] += 1
             self._emit(BlockStored(key[1], None, BlockId(0)))
 
-    def _read_loop(self) -> None:
-        while True:
-            keys = self._reads.get()
-            if keys is None:
-                return
-            t0 = time.perf_counter()
-            got, blocks = self._read(keys)
-            with self._done_cv:
-                if got:
-                    self._read_s.observe(time.perf_counter() - t0)
-                self._done.append(DiskRead(keys, got, blocks))
-                self._done_cv.notify_all()
-
     def _read(self, keys: tuple[DiskKey, ...]) -> tuple[tuple[DiskKey, ...], torch.Tensor | None]:
+        """The leading run of `keys` held and valid, read in the calling thread (the reader's or
+        a peer copy's): the keys read and their blocks; a bad record is dropped and counted."""
+        t0 = time.perf_counter()
         out = torch.empty(len(keys), self.payload_bytes, dtype=torch.uint8)   # [n, bytes]
         header = bytearray(HEADER_BYTES)
         n = 0
@@ -449,6 +399,8 @@ class DiskTier:
             n += 1
         if n == 0:
             return (), None
+        with self._lock:
+            self._read_s.observe(time.perf_counter() - t0)
         shape = self.block_shape                                # [L, 2, bs, H, D | bytes]
         blocks = out[:n].view(self.dtype).view(n, *shape).movedim(0, 2)  # [L, 2, n, bs, H, D]
         return keys[:n], blocks

@@ -26,6 +26,8 @@ checks the header's root, hash and fingerprint as well as the checksum (`check_h
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -174,6 +176,19 @@ def scan_records(directory: Path, fingerprint: bytes, payload_bytes: int, io: Fi
             found.append((st.st_mtime, key))
     found.sort(key=lambda f: f[0])
     return [key for _, key in found]
+
+
+def lock_dir(directory: Path) -> int:
+    """Make `directory` and take its `lock` file's flock; returns the file's descriptor (closing
+    it releases the lock). Raises OSError (EBUSY when another process holds the lock)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"another process uses this directory ({e.strerror})") from None
+    return fd
 
 
 class FileIO:
