@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from worker.engine.request import RequestOutput, TokenLogprob
     from worker.peer.config import PeerFigures
 
+LOAD_WAIT_S = 0.5        # GetLoad: past this mid-step, the figures of the last step (AsyncEngine.snapshot)
+
 
 def stream_response(out: RequestOutput, worker_id: str) -> pb.GenerateResponse:
     """Tokens, text, sequence index and logprobs of `out`; a finished sequence's reason."""

@@ -15,7 +15,8 @@ UNAVAILABLE; the kubelet restarts the pod.
 `GetTokenizer` sends the model's tokenizer files (contracts.tokenizer.TOKENIZER_FILES, read once
 at load, at most MAX_TOKENIZER_BYTES) so that a router needs no model storage.
 
-Handlers map exceptions to gRPC status codes through worker/server/status.py only. The module imports
+The block RPCs between workers (SendBlocks, HotBlocks, PullBlocks) are worker/server/block_rpcs.py's.
+Handlers map exceptions to gRPC status codes through worker/server/status.py's `RpcGate` only. The module imports
 no torch: the engine is imported when it is loaded, so `kvmesh --help` stays fast.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,20 +34,20 @@ from grpc_reflection.v1alpha import reflection
 
 from contracts.grpc_options import grpc_server_options
 from contracts.tokenizer import MAX_TOKENIZER_MESSAGE_BYTES, TokenizerError
-from contracts.wire import ParsedRequest, parse_generate_request, parse_send_blocks_request, to_send_blocks_input
+from contracts.wire import ParsedRequest, parse_generate_request, parse_send_blocks_request
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker.engine.commands import ListRequests, ResetPrefixCache
-from worker.peer.errors import PeerTransferOff
 from worker.server import cluster_auth
+from worker.server.block_rpcs import BlockRPCs
 from worker.server.config import WorkerServerConfig
 from worker.server.generate_stream import GenerateStreams
 from worker.server.health import WORKER_SERVICE, WorkerHealth
 from worker.server.liveness import Liveness, watch
 from worker.server.load import model_info, read_tokenizer, start_peer
 from worker.server.metadata_hook import WorkerMetadata as _Metadata
-from worker.server.responses import load_response
+from worker.server.responses import LOAD_WAIT_S, load_response
 from worker.server.scaling import Scaling
-from worker.server.status import parse_or_none, status_for
+from worker.server.status import RpcGate, parse_or_none
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -59,10 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvmesh.worker")
 
-T = TypeVar("T")
-_SEND_MARGIN_S = 1.0     # SendBlocks: no send is queued with less of the caller's deadline left
 _STOP_ABORT_S = 10.0     # stop(): how long the engine thread may take to abort what still runs
-LOAD_WAIT_S = 0.5        # GetLoad: past this mid-step, the figures of the last step (AsyncEngine.snapshot)
 
 
 class WorkerServer:
@@ -80,6 +78,7 @@ class WorkerServer:
         self._server: grpc.aio.Server | None = None
         self._liveness = Liveness(cfg.liveness_timeout_s, cfg.max_step_failures, worker_id=cfg.worker_id)
         self._health = WorkerHealth(self._liveness)
+        self._gate = RpcGate(cfg.worker_id, self._liveness, lambda: self._ae)   # UNAVAILABLE; errors as statuses
         self._load_task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._model_info = pb.ModelInfo()
@@ -95,6 +94,8 @@ class WorkerServer:
         self._peer_calls = cluster_auth.PeerCalls(cfg)   # the control-plane calls of fetches
         self._gen = GenerateStreams(cfg.worker_id, self._peer_calls.ask)
         self.scaling = Scaling(cfg)        # drain hand-over, warm start (worker/server/scaling.py)
+        self._blocks = BlockRPCs(cfg.worker_id, self._gate, self.scaling, self._peer_calls.ask,
+                                 lambda: self._peer, lambda: self._draining)
         self._warm_task: asyncio.Task[int] | None = None
         self.metrics: WorkerMetrics | None = None       # set once loaded, with cfg.metrics_port
         self._metrics_registry: CollectorRegistry | None = None   # what /metrics serves
@@ -313,10 +314,10 @@ class WorkerServer:
             "GetTokenizer": unary(self._get_tokenizer, pb.TokenizerRequest, pb.TokenizerFiles),
             "GetLoad": unary(self._get_load, pb.LoadRequest, pb.Load),
             "SendBlocks": grpc.unary_unary_rpc_method_handler(
-                self._send_blocks, request_deserializer=parse_send_blocks_request,
+                self._blocks.send_blocks, request_deserializer=parse_send_blocks_request,
                 response_serializer=pb.SendBlocksResponse.SerializeToString),
-            "HotBlocks": unary(self._hot_blocks, pb.HotBlocksRequest, pb.HotBlocksResponse),
-            "PullBlocks": unary(self._pull_blocks, pb.PullBlocksRequest, pb.PullBlocksResponse),
+            "HotBlocks": unary(self._blocks.hot_blocks, pb.HotBlocksRequest, pb.HotBlocksResponse),
+            "PullBlocks": unary(self._blocks.pull_blocks, pb.PullBlocksRequest, pb.PullBlocksResponse),
             "ResetPrefixCache": unary(self._reset_prefix_cache, pb.ResetPrefixCacheRequest,
                                       pb.ResetPrefixCacheResponse),
             "Attest": unary(lambda r, c: cluster_auth.attest(self.cfg, self.address, r, c),
@@ -326,7 +327,7 @@ class WorkerServer:
     async def _generate(self, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> None:
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is draining")
-        ae = await self._ready(context)
+        ae = await self._gate.ready(context)
         if parsed.message is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.error or "malformed request")
         self._num_inflight += 1
@@ -342,7 +343,7 @@ class WorkerServer:
                 raise                  # the client went away, or the drain ran out
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is not live: {dead}")
         except Exception as e:  # noqa: BLE001 - mapped to a status; the server keeps serving
-            await self._fail(context, e)
+            await self._gate.fail(context, e)
         finally:
             self._streams.discard(task)
             self._num_inflight -= 1
@@ -350,76 +351,34 @@ class WorkerServer:
                 self._idle.set()
 
     async def _abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        ae = await self._ready(context)
+        ae = await self._gate.ready(context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: empty")
-        return await self._guard(context, self._abort_found(ae, request.request_id))
+        return await self._gate.guard(context, self._abort_found(ae, request.request_id))
 
     async def _abort_found(self, ae: AsyncEngine, request_id: str) -> pb.AbortResponse:
         return pb.AbortResponse(found=await ae.abort(request_id))
 
-    async def _send_blocks(self, request: pb.SendBlocksRequest | str,
-                           context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
-        ae = await self._ready(context)
-        if isinstance(request, str):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request)
-        return await self._guard(context, self._send_now(ae, request, context))   # type: ignore[arg-type]
-
-    async def _send_now(self, ae: AsyncEngine, request: pb.SendBlocksRequest,
-                        context: grpc.aio.ServicerContext) -> pb.SendBlocksResponse:
-        inp = to_send_blocks_input(request)
-        if self._peer is None:
-            raise PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off")
-
-        def still_wanted() -> bool:    # the answer must reach the caller before its deadline
-            remaining = context.time_remaining()
-            return not context.done() and (remaining is None or remaining > _SEND_MARGIN_S)
-        num_blocks, num_bytes, reason, unknown = await self._peer.serve_send(ae, inp, still_wanted)
-        return pb.SendBlocksResponse(num_blocks=num_blocks, num_bytes=num_bytes, reason=reason,
-                                     generation=self._peer.me.generation, pair_unknown=unknown)
-
-    async def _hot_blocks(self, request: pb.HotBlocksRequest,
-                          context: grpc.aio.ServicerContext) -> pb.HotBlocksResponse:
-        from worker.engine.commands import HottestBlocks
-        from worker.server.scaling import MAX_HOT_BLOCKS
-        ae = await self._ready(context)
-        hot = await self._guard(context, ae.run(HottestBlocks(max(0, min(request.max_blocks, MAX_HOT_BLOCKS)))))
-        return pb.HotBlocksResponse(block_hashes=[h.to_bytes(16, "big") for h in hot],
-                                    generation=self._peer.me.generation if self._peer is not None else 0)
-
-    async def _pull_blocks(self, request: pb.PullBlocksRequest,
-                           context: grpc.aio.ServicerContext) -> pb.PullBlocksResponse:
-        ae = await self._ready(context)
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is draining")
-        if self._peer is None:
-            await self._fail(context, PeerTransferOff(f"worker {self.cfg.worker_id} has peer transfer off"))
-        assert self._peer is not None
-        stats = await ae.snapshot(LOAD_WAIT_S)
-        return await self._guard(context, self.scaling.serve_pull(
-            ae, self._peer, self._peer_calls.ask, request, stats.host_num_blocks - stats.num_host_blocks,
-            context.time_remaining()))
-
     async def _reset_prefix_cache(self, request: pb.ResetPrefixCacheRequest,
                                   context: grpc.aio.ServicerContext) -> pb.ResetPrefixCacheResponse:
-        ae = await self._ready(context)
-        return pb.ResetPrefixCacheResponse(reset=await self._guard(context, ae.run(ResetPrefixCache())))
+        ae = await self._gate.ready(context)
+        return pb.ResetPrefixCacheResponse(reset=await self._gate.guard(context, ae.run(ResetPrefixCache())))
 
     async def _get_model_info(self, request: pb.ModelInfoRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        await self._loaded(context)
+        await self._gate.loaded(context)
         return self._model_info
 
     async def _get_tokenizer(self, request: pb.TokenizerRequest,
                              context: grpc.aio.ServicerContext) -> pb.TokenizerFiles:
-        await self._loaded(context)
+        await self._gate.loaded(context)
         if isinstance(self._tokenizer, TokenizerError):
-            await self._fail(context, self._tokenizer)
+            await self._gate.fail(context, self._tokenizer)
         return self._tokenizer
 
     async def _get_load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.Load:
-        ae = await self._ready(context)
-        return await self._guard(context, self._load_now(ae))
+        ae = await self._gate.ready(context)
+        return await self._gate.guard(context, self._load_now(ae))
 
     async def _load_now(self, ae: AsyncEngine) -> pb.Load:
         stats = await ae.snapshot(LOAD_WAIT_S)
@@ -432,34 +391,3 @@ class WorkerServer:
         if disk is not None:
             load.disk_read_bytes_s = disk.stats().read_bytes_s(disk.payload_bytes)
         return load
-
-    # -- errors ---------------------------------------------------------------------------
-    async def _loaded(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
-        if self._ae is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is loading its model")
-        assert self._ae is not None
-        return self._ae
-
-    async def _ready(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
-        """The engine, for RPCs that need it: UNAVAILABLE while loading or once not live."""
-        ae = await self._loaded(context)
-        dead = self._liveness.check()
-        if dead is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id} is not live: {dead}")
-        return ae
-
-    async def _guard(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
-        try:
-            return await work
-        except Exception as e:  # noqa: BLE001 - mapped to a status; the server keeps serving
-            await self._fail(context, e)
-
-    async def _fail(self, context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
-        if isinstance(error, grpc.aio.AbortError):
-            raise error
-        code, details = status_for(error)
-        if code is grpc.StatusCode.INTERNAL:
-            log.error("worker %s: unexpected error in a handler", self.cfg.worker_id, exc_info=error)
-        await context.abort(code, details)
-        raise AssertionError("context.abort returned")   # it always raises
-
