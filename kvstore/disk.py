@@ -29,11 +29,12 @@ holds (the lock) or cannot create leaves the tier off from the start, with one l
 Per-owner caps (`quota`, `kvstore.quota.OwnerLRU`): a block written with an owner (the tenant
 that cached it) counts against that owner's cap (`max_cached_frac` of the records the tier
 holds, or `set_owner_cap`); to make room the tier deletes the oldest records of owners over
-their cap first, then its oldest. Reopened records have no owner (owners are not on disk).
+their cap first, then its oldest (the index and its choice: `kvstore/disk_index.py`).
+Reopened records have no owner (owners are not on disk).
 
 Threads: `write_behind`, `match_prefix`, `read_ahead`, `take_reads`, `take_events` and the
 queries may be called from any thread (the store calls them on the engine thread); the index
-is guarded by one lock, file I/O happens outside it on the tier's daemon threads (a write:
+(`DiskIndex`) is guarded by one lock, file I/O happens outside it on the tier's daemon threads (a write:
 checksum, then file, two stages in queue order; a read).
 """
 from __future__ import annotations
@@ -43,12 +44,12 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from kvstore.disk_index import DiskIndex
 from kvstore.disk_read import DiskRead, ReadAhead
 from kvstore.disk_record import (
     FORMAT_VERSION,
@@ -87,13 +88,12 @@ class DiskTier:
         self.io = io
         self.enabled = False
         self._lock = threading.Lock()
-        self._index: OrderedDict[DiskKey, None] = OrderedDict()   # the records held, oldest first
-        self._roots: dict[BlockHash, BlockHash | None] = {}       # block hash -> its record's salt root
         self._dir_s = str(self.dir)
         self._subdirs: set[str] = set()      # record subdirectories made (or found) by the writers
         self._queued: set[DiskKey] = set()
         self._queued_owner: dict[DiskKey, Owner] = {}
         self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
+        self._index = DiskIndex(self.quota)     # the records held, oldest first
         self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
         self._headed: queue.Queue[tuple[DiskKey, memoryview, bytes] | None] = queue.Queue(4)   # checksummed
         self._reads = ReadAhead(self._read)
@@ -145,21 +145,14 @@ class DiskTier:
 
     def match_prefix(self, root: BlockHash | None, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading `block_hashes` the tier holds under salt root `root` (a query)."""
-        n = 0
         with self._lock:
-            for h in block_hashes:
-                if (root, h) not in self._index:
-                    break
-                n += 1
-        return n
+            return self._index.match_prefix(root, block_hashes)
 
     def key_of(self, block_hash: BlockHash) -> DiskKey | None:
         """The key of the record holding `block_hash`, under whichever salt root (a hash is
         chained from its root, so it names one); None when none is held."""
         with self._lock:
-            if block_hash not in self._roots:
-                return None
-            return self._roots[block_hash], block_hash
+            return self._index.key_of(block_hash)
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -188,11 +181,7 @@ class DiskTier:
         with self._lock:
             if not self.enabled or key in self._queued:
                 return False
-            if key in self._index:
-                self._index.move_to_end(key)
-                self.quota.touched(key)
-                return False
-            return True
+            return not self._index.touch(key)
 
     def set_owner_cap(self, owner: Owner, max_blocks: int | None) -> None:
         """`owner`'s cap on records (None: `max_cached_frac` of the tier's records)."""
@@ -278,7 +267,7 @@ class DiskTier:
         with self._lock:
             assert self.used_bytes <= self.capacity_bytes or not self.enabled, "disk tier over its capacity"
             assert self.enabled or not self._index, "a disk tier that is off holds records"
-            self.quota.check_integrity(list(self._index))
+            self._index.check_integrity()
 
     # -- internals: open ------------------------------------------------------------------
     def _path(self, key: DiskKey) -> str:
@@ -294,8 +283,7 @@ class DiskTier:
                         "ignored (%s)", self.root_dir, self._counts["fingerprint"],
                         ", ".join(sorted(p.name for p in others)))
         found = scan_records(self.dir, self.fingerprint, self.payload_bytes, self.io, self._count_bad)
-        self._index.update((key, None) for key in found)
-        self._roots.update((h, root) for root, h in found)
+        self._index.add_reopened(found)
         self._counts["reopened"] = len(found)
         self._evict_to(0)
         if found:
@@ -355,10 +343,7 @@ class DiskTier:
             self._write_s.observe(time.perf_counter() - t0)
             if not self.enabled:
                 return
-            self._index[key] = None
-            self._index.move_to_end(key)
-            self.quota.added(key, self._queued_owner.get(key))
-            self._roots[key[1]] = key[0]
+            self._index.add(key, self._queued_owner.get(key))
             self._counts["written"] += 1
             self._emit(BlockStored(key[1], None, BlockId(0)))
 
@@ -392,9 +377,7 @@ class DiskTier:
                 self._turn_off(f"reading {path}", e)
                 break
             with self._lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                    self.quota.touched(key)
+                self._index.touch(key)
                 self._counts["read"] += 1
             n += 1
         if n == 0:
@@ -408,20 +391,14 @@ class DiskTier:
     # -- internals: bookkeeping (under the lock) ------------------------------------------
     def _evict_to(self, room: int, owner: Owner | None = None) -> None:
         while self._index and self.used_bytes + room > self.capacity_bytes:
-            over = self.quota.victims(1, adding=[owner] if room else [])   # over its cap: its oldest first
-            key = over[0] if over else next(iter(self._index))
-            del self._index[key]
-            self.quota.removed(key)
-            self._roots.pop(key[1], None)
+            key = self._index.victim(owner, for_write=room > 0)
+            self._index.remove(key)
             self._counts["evicted"] += 1
             self.io.unlink(self._path(key))
             self._emit(BlockRemoved(key[1], BlockId(0)))
 
     def _drop(self, key: DiskKey, path: str | None) -> None:
-        if key in self._index:
-            del self._index[key]
-            self.quota.removed(key)
-            self._roots.pop(key[1], None)
+        if self._index.remove(key):
             self._emit(BlockRemoved(key[1], BlockId(0)))
         if path is not None:
             try:
@@ -438,8 +415,6 @@ class DiskTier:
                 return
             self.enabled = False
             self._index.clear()
-            self.quota.clear()
-            self._roots.clear()
             self._emit(AllBlocksCleared())
         log.error("KV disk tier off (serving goes on without it): %s: %s", what, error)
 
