@@ -34,7 +34,7 @@ def windowed_ppl(engine: Any, ids: list[int], ctx: int, windows: int) -> float:
 
 
 def bench_weight_axis(args: argparse.Namespace, text: str, text_path: Path) -> dict[str, Any]:
-    from kvmesh.bench.engine import encode_text
+    from kvmesh.bench.accuracy_text import encode_text
     from worker.engine.engine import Engine, EngineConfig
 
     ctx = 256 if args.quick else 512

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench.accuracy_text import accuracy_text, encode_text
 from kvmesh.bench.engine_speed import bench_engine as run_engine_bench, random_prompts
 from kvmesh.bench.profile import bench_profile
 from kvmesh.bench.report import emit
@@ -184,31 +185,6 @@ def accuracy_configs(window_tokens: int) -> list[tuple[str, dict[str, Any]]]:
                 for pct in (50, 25) for policy in ("streaming", "h2o")]
     eviction.append(("h2o-50-nodecay", dict(eviction[1][1], h2o_decay=1.0)))
     return dtypes + eviction
-
-
-def accuracy_text(path: Path | None = None) -> tuple[str, str]:
-    """(text, where it came from): `path`, else real English shipped with every CPython, its
-    LICENSE.txt."""
-    if path is None:
-        import sysconfig
-        path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-        if not path.exists():  # some distributions drop it: then the Python docs' topic texts (pydoc)
-            import pydoc_data
-            path = Path(pydoc_data.__file__).parent / "topics.py"
-    try:
-        return path.read_text(encoding="utf-8"), str(path)
-    except (OSError, UnicodeDecodeError) as e:
-        from contracts.cli import CLIError
-        raise CLIError(f"--text: cannot read {path}: {e}") from None
-
-
-def encode_text(engine: Any, text: str) -> list[int]:
-    """The engine's tokens for `text`; UTF-8 bytes for a tokenizer-less model (test models)."""
-    if engine.tokenizer is not None:
-        return list(engine.tokenizer.encode(text, add_special_tokens=False))
-    if engine.model_config.vocab_size < 256:
-        raise ValueError(f"model {engine.cfg.model} has no tokenizer and a vocab under 256")
-    return list(text.encode("utf-8"))
 
 
 def perplexity(engine: Any, ids: list[int]) -> tuple[float, list[int]]:

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench.engine import accuracy_text, capacity_per_dtype
+from kvmesh.bench.accuracy_text import accuracy_text
+from kvmesh.bench.engine import capacity_per_dtype
 from kvmesh.bench.engine_speed import MachineSpeed, ModelCost, decode_roofline, workload_roofline
 from kvmesh.cli import main
 from kvstore.layout import KVLayout
