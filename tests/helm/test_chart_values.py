@@ -34,7 +34,7 @@ ALL_VALUES: Doc = {
     "engine": {"model": "/models/llama-3-8b", "device": "cuda:1", "dtype": "bf16", "blockSize": 32,
                "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
-               "fairShare": "off", "fairStepTokens": 64, "tenantMaxCachedFrac": 0.25,
+               "fairShare": "off", "fairStepTokens": 64, "prefillChunkTokens": 128, "tenantMaxCachedFrac": 0.25,
                "kvDiskGib": 7, "kvDiskWriteThrough": False, "weightDtype": "q8_0",
                "kvDisk": {"mountPath": "/data/kv", "volume": "pvc", "hostPath": "/mnt/kv",
                           "storageClassName": "fast", "size": "20Gi"},
