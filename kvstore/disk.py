@@ -2,12 +2,12 @@
 
 Below the host tier (`kvstore.tiers.HostTier`): when the host tier drops a block from its LRU,
 the store (`kvstore.store.KVStore`) hands a copy of its bytes to `write_behind`, which queues it
-for this tier's writer thread (a bounded queue: when it is full the write is dropped and
-counted, the engine thread never waits). A later admission whose prefix goes on past the
-device pool and the host tier finds the rest with `match_prefix`; `read_ahead` has the reader
-thread read it back (`kvstore/disk_read.py`: `ReadAhead`), the engine thread picks the blocks up
-with `take_reads` and stages them into the host tier, and the admission onloads them from there
-like any host hit.
+for this tier's writer threads (`kvstore/disk_write.py`: `WriteBehind`; a bounded queue: when
+it is full the write is dropped and counted, the engine thread never waits). A later
+admission whose prefix goes on past the device pool and the host tier finds the rest with
+`match_prefix`; `read_ahead` has the reader thread read it back (`kvstore/disk_read.py`:
+`ReadAhead`), the engine thread picks the blocks up with `take_reads` and stages them into the
+host tier, and the admission onloads them from there like any host hit.
 
 Records: one checksummed file per block (`kvstore/disk_record.py`: file layout, record format);
 another fingerprint's records are never read (said once at open). `match_prefix` and `read_ahead`
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -64,6 +63,7 @@ from kvstore.disk_record import (
     scan_records,
 )
 from kvstore.disk_stats import DiskTierStats, Histogram
+from kvstore.disk_write import WriteBehind
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockId, BlockRemoved, BlockStored, KVEvent
@@ -90,20 +90,16 @@ class DiskTier:
         self._lock = threading.Lock()
         self._dir_s = str(self.dir)
         self._subdirs: set[str] = set()      # record subdirectories made (or found) by the writers
-        self._queued: set[DiskKey] = set()
-        self._queued_owner: dict[DiskKey, Owner] = {}
         self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
         self._index = DiskIndex(self.quota)     # the records held, oldest first
-        self._writes: queue.Queue[tuple[DiskKey, torch.Tensor] | None] = queue.Queue(max_queue)
-        self._headed: queue.Queue[tuple[DiskKey, memoryview, bytes] | None] = queue.Queue(4)   # checksummed
+        self._writer = WriteBehind(max_queue, self._encode, self._write)
         self._reads = ReadAhead(self._read)
         self._events: list[KVEvent] = []
         self._record = False
-        self._counts = dict.fromkeys(("written", "read", "checksum", "queue_full", "fingerprint",
+        self._counts = dict.fromkeys(("written", "read", "checksum", "fingerprint",
                                       "evicted", "reopened"), 0)
         self._write_s, self._read_s = Histogram(), Histogram()
         self._lock_fd: int | None = None
-        self._threads: list[threading.Thread] = []
 
     @classmethod
     def open(cls, path: str | Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
@@ -127,10 +123,7 @@ class DiskTier:
             log.error("KV disk tier off: cannot use %s: %s", tier.dir, e)
             return tier
         tier.enabled = True
-        for target, name in ((tier._checksum_loop, "kv-disk-checksum"), (tier._write_loop, "kv-disk-write")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            tier._threads.append(t)
+        tier._writer.start()
         tier._reads.start()
         return tier
 
@@ -170,7 +163,7 @@ class DiskTier:
         c = self._counts
         with self._lock:
             return DiskTierStats(self.enabled, self.capacity_bytes, self.used_bytes, len(self._index), c["written"],
-                                 c["read"], c["checksum"], c["queue_full"], c["fingerprint"], c["evicted"],
+                                 c["read"], c["checksum"], self._writer.num_dropped, c["fingerprint"], c["evicted"],
                                  c["reopened"], self._write_s.snapshot(), self._read_s.snapshot())
 
     # -- moves ----------------------------------------------------------------------------
@@ -179,7 +172,7 @@ class DiskTier:
         holds nor queued the block (a held one becomes the LRU's youngest: a query that
         refreshes)."""
         with self._lock:
-            if not self.enabled or key in self._queued:
+            if not self.enabled or self._writer.queued(key):
                 return False
             return not self._index.touch(key)
 
@@ -193,17 +186,9 @@ class DiskTier:
         written; False when the tier is off, holds it, or the queue is full (counted)."""
         assert tuple(block.shape) == self.block_shape and block.is_contiguous(), block.shape
         with self._lock:
-            if not self.enabled or key in self._queued or key in self._index:
+            if not self.enabled or key in self._index:
                 return False
-            try:
-                self._writes.put_nowait((key, block))
-            except queue.Full:
-                self._counts["queue_full"] += 1
-                return False
-            self._queued.add(key)
-            if owner:
-                self._queued_owner[key] = owner
-            return True
+            return self._writer.submit(key, block, owner or None)
 
     def read_ahead(self, keys: Sequence[DiskKey]) -> bool:
         """Have the reader thread read `keys` (a prefix run) back; True when they are being
@@ -229,24 +214,12 @@ class DiskTier:
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued write is on disk (tests and benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        while self._writes.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.001)
+        self._writer.flush(timeout_s)
 
     def close(self) -> None:
         """Stop the threads (queued writes are dropped) and release the directory's lock."""
-        for q in (self._writes, self._headed):
-            while True:
-                try:
-                    q.get_nowait()
-                    self._writes.task_done()
-                except queue.Empty:
-                    break
-        self._writes.put(None)          # the checksum stage hands it on to the write stage
+        self._writer.stop()
         self._reads.stop()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._threads = []
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -290,44 +263,20 @@ class DiskTier:
             log.info("KV disk tier %s: reopened %d blocks (%.1f MiB)", self.dir, len(self._index),
                      self.used_bytes / 2**20)
 
-    # -- internals: the threads -----------------------------------------------------------
-    def _checksum_loop(self) -> None:
-        """A write's first stage, in queue order: its record header (the checksum over the
-        payload), handed to the write stage. Two stages: one block's checksum (~25% of the CPU
-        time of copying its bytes into the page cache) overlaps the file calls of the one
-        before (both release the GIL); in one thread they run in series, at about half the
-        speed of a plain sequential write (kvmesh bench transfer)."""
-        while True:
-            item = self._writes.get()
-            if item is None:
-                self._headed.put(None)
-                return
-            key, block = item
-            payload = block.view(torch.uint8).numpy().data.cast("B")
-            self._headed.put((key, payload, encode_header(self.fingerprint, key, payload) if self.enabled else b""))
+    # -- internals: the writer's and the reader's work ------------------------------------
+    def _encode(self, key: DiskKey, payload: memoryview) -> bytes:
+        """A record's header (the write-behind's first stage); nothing once the tier is off."""
+        return encode_header(self.fingerprint, key, payload) if self.enabled else b""
 
-    def _write_loop(self) -> None:
-        """A write's second stage, in queue order: the file, then the index and the event."""
-        while True:
-            item = self._headed.get()
-            if item is None:
-                return
-            key, payload, header = item
-            try:
-                if self.enabled:
-                    self._write(key, payload, header)
-                with self._lock:
-                    self._queued.discard(key)
-                    self._queued_owner.pop(key, None)
-            finally:
-                self._writes.task_done()
-
-    def _write(self, key: DiskKey, payload: memoryview, header: bytes) -> None:
+    def _write(self, key: DiskKey, payload: memoryview, header: bytes, owner: Owner | None) -> None:
+        """A record's file, then the index and the event (the write-behind's second stage)."""
+        if not self.enabled:
+            return
         path = self._path(key)
         t0 = time.perf_counter()
         try:
             with self._lock:
-                self._evict_to(self.record_bytes, self._queued_owner.get(key))
+                self._evict_to(self.record_bytes, owner)
             subdir = os.path.dirname(path)
             if subdir not in self._subdirs:
                 try:
@@ -343,7 +292,7 @@ class DiskTier:
             self._write_s.observe(time.perf_counter() - t0)
             if not self.enabled:
                 return
-            self._index.add(key, self._queued_owner.get(key))
+            self._index.add(key, owner)
             self._counts["written"] += 1
             self._emit(BlockStored(key[1], None, BlockId(0)))
 
