@@ -10,8 +10,6 @@ PYTEST_ARGS ?=
 RUFF := $(VENV)/bin/ruff
 # The packages mypy checks: the contracts, the KV store and the routing core.
 MYPY_PATHS ?= contracts kvstore router/routing router/index
-# `ruff format --check` joins `make lint` once the tree is formatted (then: FORMAT_CHECK ?= 1).
-FORMAT_CHECK ?= 0
 # The fast tier: no child processes, no servers, no Redis (tests/integration/ is all real processes), and
 # not the real SmolLM2 weights (seconds per test; tiny random models stand in for them).
 FAST_MARKERS := not slow and not multiproc and not redis and not server and not smollm2
@@ -74,13 +72,10 @@ $(VENV)/.stamp-kernels: $(VENV)/.stamp-deps $(wildcard worker/kernels/csrc/*.cpp
 .tools/bin/helm:
 	PYTHON=$(PY) bash scripts/install-helm.sh .tools/bin
 
-# ruff check, ruff format --check (FORMAT_CHECK=1), mypy, then the import layering and the import-circle
-# check (tests/test_layering.py runs lint-imports and grimp).
+# ruff check (lint and layout: pyproject.toml [tool.ruff.lint]), mypy, then the import layering and
+# the import-circle check (tests/test_layering.py runs lint-imports and grimp).
 lint: $(VENV)/.stamp-deps
 	$(RUFF) check .
-ifeq ($(FORMAT_CHECK),1)
-	$(RUFF) format --check .
-endif
 	$(PY) -m mypy $(MYPY_PATHS)
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layering.py
 

@@ -95,4 +95,3 @@ def trace_id(context: object, fallback: str) -> str:
         if key == REQUEST_ID_HEADER and isinstance(value, str) and valid_request_id(value):
             return value
     return fallback
-

@@ -71,6 +71,7 @@ from kvstore.quota import Owner, OwnerLRU
 
 log = logging.getLogger("kvmesh.disk")
 
+
 class DiskTier:
     """Blocks of `layout` on disk under `path`, at most `capacity_bytes` of records (see the
     module docstring). Build it with `open`; `enabled` says whether it serves."""
@@ -370,4 +371,3 @@ class DiskTier:
     def _emit(self, event: KVEvent) -> None:
         if self._record:
             self._events.append(event)
-

@@ -52,6 +52,8 @@ def format_bytes(num: float) -> str:
         if abs(num) >= size:
             return f"{num / size:.2f} {unit}"
     return f"{num:.0f} B"
+
+
 _LENGTHS_ACCEPTED = ("accepted: comma-separated positive token counts <= --context, "
                      "'uniform:N' or 'zipf:N[:S]'")
 

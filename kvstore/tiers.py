@@ -345,4 +345,3 @@ class HostTier:
     def _emit(self, event: KVEvent) -> None:
         if self._record:
             self._events.append(event)
-

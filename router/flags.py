@@ -35,6 +35,7 @@ HTTP_PORT = 8000
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 _CONFIG_FIELDS = frozenset(_DEFAULTS)
 
+
 def add_address_arguments(p: argparse._ActionsContainer) -> None:
     """--host, --grpc-port, --http-port, --cluster-name."""
     p.add_argument("--host", default=_DEFAULTS["host"],

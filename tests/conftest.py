@@ -24,6 +24,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "smollm2_dir" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.smollm2)
 
+
 TINY_KINDS: tuple[str, ...] = (
     "llama-mha", "llama-gqa", "llama-mqa", "llama3-rope", "mistral-swa", "qwen2-bias",
 )

@@ -47,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
-
     q = sub.add_parser("service", help="load run: requests/s and TTFT through the router vs straight to a worker")
     q.add_argument("--json", type=Path, default=None, help="write the results here")
     q.add_argument("--quick", action="store_true", help="a small run")
@@ -289,4 +288,3 @@ async def _worker_counters(addresses: list[str]) -> list[tuple[int, int]]:
             load = await pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10)
             out.append((load.prompt_tokens, load.cached_prompt_tokens))
     return out
-

@@ -238,6 +238,7 @@ def run(cfg: FleetConfig) -> None:
     fleet.start()
     _say("ready", fleet.summary())
     commands: SimpleQueue[str] = SimpleQueue()
+
     def read_commands() -> None:
         for line in sys.stdin:
             commands.put(line.strip())

@@ -116,7 +116,6 @@ def _threads_argv(cfg: ServeConfig) -> list[str]:
     return ["--threads", str(max(1, len(os.sched_getaffinity(0)) // max(1, cfg.num_workers)))]
 
 
-
 def run_serve(cfg: ServeConfig) -> int:
     """Start the cluster, print where to connect, run until SIGINT/SIGTERM (exit 0), restarting
     children that die per `cfg.restart_policy` (policy never: the first death ends the run with

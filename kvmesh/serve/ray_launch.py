@@ -395,4 +395,3 @@ def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool,
                        startup_timeout_s=cfg.startup_timeout_s, tls=cfg.tls if cfg.tls.ca is not None else PLAINTEXT,
                        role=cfg.roles[index], cpu_share=shares[index])
             for index in range(cfg.num_workers)]
-

@@ -53,7 +53,6 @@ log = logging.getLogger("kvmesh.streams")
 InventoryFn = Callable[[], Mapping[Tier, Sequence[BlockHash]]]
 
 
-
 class ConsumerStats(NamedTuple):
     """Counters since the consumer was built; `degraded`: Redis is unreachable right now."""
 

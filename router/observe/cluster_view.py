@@ -212,7 +212,6 @@ class ClusterView:
             return out | {"up": False, "error": f"{e.code().name}: {e.details()}"}
         return out | _load_json(load)
 
-
     def _index_blocks(self, worker_id: str) -> Json | None:
         """What the router's block index believes the worker holds, per tier (None where no event
         stream feeds the index), to set beside the worker's own `blocks` (an exact index shows the

@@ -252,7 +252,6 @@ class PrefillCostScorer:
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 
-
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         share = fair_share(pool, state)
         most = max(state.cached_blocks.values(), default=0)

@@ -22,6 +22,7 @@ from tests.support.redis_server import RedisServer
 
 # ---- event streams → BlockIndex ----------------------------------------------------------
 
+
 class PoolWorker:
     """The KV side of one worker: a real BlockPool whose events go to Redis, registered and
     heartbeating. Its pool is the oracle for what the router's index must say it holds."""

@@ -121,6 +121,7 @@ def test_int4_levels_are_lloyd_max() -> None:
     assert len(free) == 13
     assert torch.allclose(means[free], LEVELS[free], atol=3e-3)
     # and they beat 16 evenly spaced levels on the same data
+
     def mse(levels: torch.Tensor) -> float:
         q = levels[torch.bucketize(v, (levels[1:] + levels[:-1]) / 2)]
         return float(((q - v) ** 2).mean())

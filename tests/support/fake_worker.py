@@ -38,6 +38,8 @@ def worker_handlers(generate: Any, unary: dict[str, tuple[Any, Any, Any]]) -> gr
         generate, request_deserializer=pb.GenerateRequest.FromString,
         response_serializer=pb.GenerateResponse.SerializeToString)
     return grpc.method_handlers_generic_handler(WORKER, methods)
+
+
 WORDS = ("hello", "world", "the", "capital", "of", "france", "is", "paris", "user", "assistant", ":", "a", "b")
 
 

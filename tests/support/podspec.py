@@ -133,4 +133,3 @@ def render_chart(out_dir: Path, values: Doc) -> PodSpecs:
     assert HELM.is_file(), f"{HELM} missing (make setup)"
     assert CHART.is_dir()
     return PodSpecs(render(HELM, out_dir, values).docs)
-

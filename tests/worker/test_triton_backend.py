@@ -174,7 +174,6 @@ def test_engine_decodes_through_padded_buckets(tiny_model_dir) -> None:
     assert outs[True] == outs[False]
 
 
-
 @needs_triton_device
 def test_engine_on_the_triton_backend_generates_the_torch_tokens(tiny_model_dir) -> None:
     """Greedy generation (prefill, prefix hit, decode) on the Triton backend equals the torch

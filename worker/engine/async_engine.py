@@ -64,6 +64,7 @@ log = logging.getLogger("kvmesh.engine")
 
 R = TypeVar("R")
 
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop

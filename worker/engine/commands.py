@@ -107,8 +107,6 @@ class ListRequests(Command[tuple[str, ...]]):
     """The ids of every unfinished request."""
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class ResetPrefixCache(Command[bool]):
     """Drop every cached block hash of the device pool (`KVStore.reset_prefix_cache`); False,

@@ -105,4 +105,4 @@ class EngineStats(NamedTuple):
     num_protected_blocks: int = 0     # free blocks caching a reused prefix (evicted last)
     num_reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
     num_prefix_waits: int = 0         # admissions put off for a block another request was computing
-    disk: DiskTierStats | None = None # the disk tier's figures (None: no disk tier)
+    disk: DiskTierStats | None = None  # the disk tier's figures (None: no disk tier)

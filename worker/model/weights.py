@@ -241,4 +241,3 @@ def pack(w: Weight, fmt: WeightFormat, out: torch.Tensor | None = None) -> Packe
     qk = q.permute(0, 2, 3, 1).to(torch.uint8).view(p, nb, BLOCK // 2, 2, PANEL)     # [P, nb, 16, 2, 16]
     data[..., 64:].copy_((qk[:, :, :, 0] | (qk[:, :, :, 1] << 4)).reshape(p, nb, -1))
     return PackedWeight(fmt, data, n, k)
-
