@@ -13,7 +13,9 @@ import pytest
 from kvmesh.bench.chaos_disagg import PROMPTS, measure
 from kvmesh.bench.chaos_harness import Outcome
 
-pytestmark = pytest.mark.multiproc
+# slow: ~100 s of chaos under load; the default run covers the same faults small (tests/integration/test_disagg.py:
+# a prefill worker SIGKILLed and SIGSTOPed mid-hop, a decode worker killed mid-stream).
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def _equal_or_near_tie(outcomes: list[Outcome], baseline: dict[int, Outcome], model_dir: Path) -> None:
