@@ -64,9 +64,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated serving (prefill and decode workers live): a prompt with fewer uncached "
                         "tokens on its decode worker skips the prefill hop and is computed there")
     p.add_argument("--disagg-transfer-timeout-s", type=float, default=_DEFAULTS["disagg_transfer_timeout_s"],
-                   help="disaggregated serving: the longest the prefill hop (the prefill worker computing the "
-                        "prompt, then the decode worker fetching its KV) may take; past it, or when the prefill "
-                        "worker dies, the decode worker computes the prompt itself")
+                   help="disaggregated serving: the longest the prefill hop may go without progress (the "
+                        "prefill worker's first chunk, each next chunk, each next block the decode worker "
+                        "fetches); past it, or when the prefill worker dies, the decode worker computes the rest")
     add_auth_arguments(p)
     add_limit_arguments(p)
 

@@ -19,13 +19,14 @@ the core picked the decode worker (its pool: decode and mixed workers, `decode_p
    transfer overlaps the prefill; it admits the request with them, computes the last prompt
    token and samples the first token itself — one worker owns all sampling state (seeded
    generator, penalties, logprobs), and the output is the mixed worker's, greedy or not.
-3. Bounds: from sending the prompt to a prefill worker until the decode worker holds its
-   blocks, at most `disagg_transfer_timeout_s` per prefill worker tried. The prefill call's
-   deadline is that, and the hint carries what is left of it as the decode worker's fetch
-   timeout. A prefill worker that dies (UNAVAILABLE: marked down), stalls (its deadline passes)
-   or fails before its first chunk is replaced by the plan's next one (`MAX_PREFILL_TRIES`);
-   with none left, or when it fails after the hint went out, the decode worker computes what
-   did not arrive: the request is never lost and never waits longer than the bound per try.
+3. Bounds, on progress: a prefill worker tried must report its first chunk within
+   `disagg_transfer_timeout_s`, and then each next chunk within that again (`_follow`); the hint
+   carries the same bound for the decode worker, whose fetch ends when no new block came for that
+   long (worker/peer/handoff.py). A long prompt on a slow worker thus takes as long as its prefill
+   takes, while a worker that stalls costs at most the bound after its last progress. A prefill
+   worker that dies (UNAVAILABLE: marked down), stalls or fails before its first chunk is replaced
+   by the plan's next one (`MAX_PREFILL_TRIES`); with none left, or when it fails after the hint
+   went out, the decode worker computes what did not arrive: the request is never lost.
 
 torch-free; the only gRPC here is the call to the prefill worker.
 """
@@ -181,14 +182,14 @@ class Disaggregation:
             if entry.info is None or time.monotonic() >= deadline:   # marked down since the plan
                 continue
             hint = await self._try(rid, request, entry, plan.num_blocks,
-                                   min(deadline, time.monotonic() + self.transfer_timeout_s))
+                                   min(deadline, time.monotonic() + self.transfer_timeout_s), deadline)
             if hint is not None:
                 self.handoffs += 1
                 return hint
         return None
 
     async def _try(self, rid: str, request: pb.GenerateRequest, entry: WorkerEntry, num_blocks: int,
-                   hop_deadline: float) -> PeerHint | None:
+                   hop_deadline: float, request_deadline: float) -> PeerHint | None:
         """One prefill worker: the hint once its first response (a chunk computed, or the final
         one) came before `hop_deadline`, or None (the failure counted)."""
         assert entry.info is not None
@@ -200,12 +201,18 @@ class Disaggregation:
         message.prefill_only = True
         del message.peer_hints[:]
         entry.in_flight += 1
-        call = entry.stub.Generate(message, timeout=max(hop_deadline - started, 0.001),
+        # the call lasts as long as the request may; progress is bounded chunk by chunk
+        call = entry.stub.Generate(message, timeout=max(request_deadline - started, 0.001),
                                    metadata=((REQUEST_ID_HEADER, rid),))
         responses = aiter(call)
         following = False
         try:
-            first = await anext(responses)
+            try:
+                first = await asyncio.wait_for(anext(responses), max(hop_deadline - started, 0.001))
+            except TimeoutError:
+                self._failed(rid, prefill_id, FailCause.TIMEOUT,
+                             f"no prefill chunk in {self.transfer_timeout_s:.1f} s")
+                return None
             if first.finished:
                 self.observer.hop_prefilled(prefill_id, time.monotonic() - started)
             left = hop_deadline - time.monotonic()
@@ -216,7 +223,7 @@ class Disaggregation:
                 task = asyncio.create_task(self._follow(rid, entry, call, responses, started))
                 self._following[rid] = task
                 following = True
-            return PeerHint(prefill_id, entry.address, num_blocks, handoff=True, timeout_s=left)
+            return PeerHint(prefill_id, entry.address, num_blocks, handoff=True, timeout_s=self.transfer_timeout_s)
         except StopAsyncIteration:
             self._failed(rid, prefill_id, FailCause.ERROR, "closed its stream without a response")
         except grpc.aio.AioRpcError as e:
@@ -235,8 +242,16 @@ class Disaggregation:
         prefill_id = entry.info.worker_id
         finished = False
         try:
-            async for response in responses:
-                finished = finished or response.finished
+            while not finished:
+                try:
+                    response = await asyncio.wait_for(anext(responses), self.transfer_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    self._failed(rid, prefill_id, FailCause.TIMEOUT,
+                                 f"no prefill chunk in {self.transfer_timeout_s:.1f} s")
+                    return
+                finished = response.finished
             if finished:
                 self.observer.hop_prefilled(prefill_id, time.monotonic() - started)
             else:

@@ -9,9 +9,10 @@ finished so far — checksummed, and the round receives and verifies them. A rou
 no new block held waits `poll_s` and asks again. The transfer of chunk k thus overlaps the
 computation of chunk k + 1, and only the last chunk's blocks move after the prefill ends.
 
-Bounds: every round, and the waits between them, within the hint's `timeout_s` (what is left
-of the router's `--disagg-transfer-timeout-s` for the hop); at most the host tier's staging
-room (`plan_fetch`). Ends when every planned block arrived, when the deadline passes, or at the
+Bounds: on progress — no more than the hint's `timeout_s` (the router's
+`--disagg-transfer-timeout-s`) without a new block, so a long prefill takes what it takes and a
+stalled one costs the bound after its last block; at most the host tier's staging room
+(`plan_fetch`). Ends when every planned block arrived, when no block came in time, or at the
 first failed round (the prefill worker unreachable, a broken transfer, a bad checksum): the
 verified leading run of what arrived is admitted with the request and the decode worker
 computes the rest, so the tokens are the same whatever arrived. A prefill worker that finished
@@ -41,8 +42,8 @@ async def fetch_streamed(plane: PeerPlane, ae: AsyncEngine, token_ids: Sequence[
                          on_failed: Callable[[FetchFailure], None] | None = None,
                          poll_s: float = POLL_S) -> Fetched | None:
     """The prompt blocks `hint`'s worker computes for this request, fetched in rounds within
-    `hint.timeout_s` (see the module docstring); None when nothing usable arrived. `on_failed`
-    hears why the rounds ended short (one failure, TIMEOUT when the deadline cut them)."""
+    `hint.timeout_s` of each other (see the module docstring); None when nothing usable arrived.
+    `on_failed` hears why the rounds ended short (one failure, TIMEOUT when no block came in time)."""
     deadline = time.monotonic() + hint.timeout_s
     bs = plane.block_size
     # admission recomputes at least the last prompt token: only blocks before it count
@@ -62,7 +63,7 @@ async def fetch_streamed(plane: PeerPlane, ae: AsyncEngine, token_ids: Sequence[
             left = deadline - time.monotonic()
             if left <= 0:
                 failure = FetchFailure(FetchCause.TIMEOUT, f"{len(got)} of {len(plan.block_hashes)} blocks from "
-                                                           f"{hint.worker_id} in {hint.timeout_s:.1f} s")
+                                                           f"{hint.worker_id}, none new in {hint.timeout_s:.1f} s")
                 break
             rest = plan._replace(block_hashes=plan.block_hashes[len(got):])
             try:
@@ -78,6 +79,8 @@ async def fetch_streamed(plane: PeerPlane, ae: AsyncEngine, token_ids: Sequence[
             keep, blocks, asked = result
             got.extend(keep)
             parts.append(blocks)
+            if keep:                      # progress: the bound runs again from here
+                deadline = time.monotonic() + hint.timeout_s
             if len(keep) < asked:         # a bad block: keep the good run before it, compute the rest
                 failure = FetchFailure(FetchCause.BAD_CHECKSUM, f"block {len(got)} from {hint.worker_id} "
                                                                 "failed its check")
