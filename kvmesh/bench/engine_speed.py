@@ -88,7 +88,7 @@ def measure_machine(device: str = "cpu") -> MachineSpeed:
 
 
 def _linear_cost(lin: Any) -> tuple[int, int]:
-    """(parameters, bytes as held) of a `worker.model.llama.Linear`: its own format's bytes when it
+    """(parameters, bytes as held) of a `worker.model.linear.Linear`: its own format's bytes when it
     is packed in one (Q8_0 / Q4 / bf16, scales included), else its dense weight's."""
     params = lin.out_features * lin.weight.shape[1]
     if lin.qweight is not None:

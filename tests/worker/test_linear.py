@@ -1,4 +1,4 @@
-"""worker.model.llama.Linear: every row count's kernel (the native packed kernel, the torch row vector,
+"""worker.model.linear.Linear: every row count's kernel (the native packed kernel, the torch row vector,
 the padded W · xᵀ GEMM, F.linear) gives F.linear's result, on every weight shape the model uses."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import native
-from worker.model.llama import GatedLinear, Linear, rms_norm
+from worker.model.linear import GatedLinear, Linear, rms_norm
 
 TOL = {"atol": 1e-4, "rtol": 1e-5}
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import native
-from worker.model.llama import GatedLinear, Linear
+from worker.model.linear import GatedLinear, Linear
 from worker.model.weights import (
     Bf16Weight,
     QuantRows,

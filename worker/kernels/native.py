@@ -2,7 +2,7 @@
 
 `packed_linear` is y = x Wᵀ (+ b) (+ residual) for few rows (decode) over a weight packed once
 by `pack_linear` into a layout the kernel streams near the read bandwidth (see csrc/linear.cpp);
-`worker.model.llama.Linear` uses it and keeps F.linear for many rows and as the fallback.
+`worker.model.linear.Linear` uses it and keeps F.linear for many rows and as the fallback.
 `paged_decode` is decode attention read in place from an fp32 paged cache: the torch path
 (`worker.kernels.decode`) gathers every block a step reads into a dense copy and reads it
 again in SDPA, which makes decode attention memory-bound on CPU; the kernel reads each
@@ -201,8 +201,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
                   eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
     """x [M, K] against `pack_linear(W)` of a W with n rows -> [M, n] = residual + (x Wᵀ + bias).
 
-    `norm_weight` [K]: x is RMS-normalised first (`worker.model.llama.rms_norm`'s arithmetic, `eps`).
-    `gated`: W's rows are interleaved 8 gate rows, 8 up rows (`worker.model.llama.GatedLinear`) and
+    `norm_weight` [K]: x is RMS-normalised first (`worker.model.linear.rms_norm`'s arithmetic, `eps`).
+    `gated`: W's rows are interleaved 8 gate rows, 8 up rows (`worker.model.linear.GatedLinear`) and
     the result is silu(gate) * up, [M, n // 2]."""
     module = load()
     assert module is not None, "packed_linear: the native kernels are not built"
