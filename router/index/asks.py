@@ -21,8 +21,11 @@ shift and cost pressure next to nothing; shorter ones cost the pressure scenario
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
+
+from kvstore.events import WorkerId
+from kvstore.keys import BlockHash
 
 ASK_HALF_LIFE = 4.0        # pool-fulls of routed prompt blocks; chosen by the sweep (module docstring)
 # Base-relative weights stay within 2^_REBASE_HALF_LIVES so the running sums keep every block's
@@ -95,3 +98,20 @@ class Tally:
         for d in set(self.once) | set(other.once):
             mine, held = self.once.get(d, 0.0), other.once.get(d, 0.0)
             assert close(mine, held), f"{what} counts {mine} blocks asked once at depth {d}, holds {held}"
+
+
+def recount(by_worker: Mapping[WorkerId, Iterable[BlockHash]], held_anywhere: Iterable[BlockHash],
+            asked: Mapping[BlockHash, Ask], decay: Decay) -> tuple[dict[WorkerId, Tally], Tally]:
+    """The tallies counted afresh: per worker over the blocks it holds, and over the distinct
+    blocks held anywhere, each block by its asks (those without any count nothing)."""
+    held: dict[WorkerId, Tally] = {}
+    for w, hashes in by_worker.items():
+        tally = held[w] = Tally()
+        for h in hashes:
+            if (seen := asked.get(h)) is not None:
+                tally.count(seen, decay.weight(seen), +1)
+    anywhere = Tally()
+    for h in held_anywhere:
+        if (seen := asked.get(h)) is not None:
+            anywhere.count(seen, decay.weight(seen), +1)
+    return held, anywhere

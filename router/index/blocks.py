@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
-from router.index.asks import ASK_HALF_LIFE, Ask, Decay, Tally
+from router.index.asks import ASK_HALF_LIFE, Ask, Decay, Tally, recount
 from router.index.check import ALL_TIERS, Pending, check_holders, check_pending
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
@@ -294,17 +294,7 @@ class BlockIndex:
 
     def _recount(self) -> tuple[dict[WorkerId, Tally], Tally]:
         """The tallies counted afresh from the blocks held and their asks."""
-        held: dict[WorkerId, Tally] = {}
-        for w, hashes in self._by_worker.items():
-            tally = held[w] = Tally()
-            for h in hashes:
-                if (seen := self._asked.get(h)) is not None:
-                    tally.count(seen, self._decay.weight(seen), +1)
-        anywhere = Tally()
-        for h in self._blocks:
-            if (seen := self._asked.get(h)) is not None:
-                anywhere.count(seen, self._decay.weight(seen), +1)
-        return held, anywhere
+        return recount(self._by_worker, self._blocks, self._asked, self._decay)
 
     def _rebase(self) -> None:
         """Move the weights' base to now (they would soon outgrow floating point)."""
