@@ -190,9 +190,12 @@ class Engine:
             return []
         forward = self._execute(batch)
         sample_reqs, logits = forward.sample_reqs, forward.logits
-        done = {id(r) for r in sample_reqs}
+        outputs: list[RequestOutput] = []
         # a prefill-only request reports each chunk it computed: those blocks are cached, and fetchable
-        outputs = [self._output(r) for r in batch.requests if r.prefill_only and id(r) not in done]
+        prefilling = [r for r in batch.requests if r.prefill_only]
+        if prefilling:
+            done = {id(r) for r in sample_reqs}
+            outputs = [self._output(r) for r in prefilling if id(r) not in done]
         # prompt logprobs only (echo), or a prefill-only request (disaggregated serving): no sampling
         if any(r.params.max_tokens == 0 or r.prefill_only for r in sample_reqs):
             keep = [i for i, r in enumerate(sample_reqs) if r.params.max_tokens > 0 and not r.prefill_only]
