@@ -22,6 +22,7 @@ import pytest
 
 from kvmesh.bench.chaos_harness import Outcome, ServeProcess, run_streams, wait_until, workers_up
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
+from tests.support.oracle import assert_outcomes_equal_or_near_tie
 
 pytestmark = pytest.mark.multiproc
 
@@ -46,26 +47,6 @@ def baseline(serve: ServeProcess) -> dict[int, Outcome]:
     outs = asyncio.run(run_streams(serve.grpc_target, PROMPTS, MAX_TOKENS, 120, list(range(len(PROMPTS)))))
     assert all(o.ok and len(o.tokens) == MAX_TOKENS for o in outs), outs
     return {o.prompt: o for o in outs}
-
-
-def _assert_equal_or_near_tie(outcomes: list[Outcome], baseline: dict[int, Outcome], model_dir: Path) -> None:
-    """Tokens equal the baseline's, and so does the streamed text (joined across the seam of a
-    migrated stream); or the first divergence is a near-tie."""
-    for o in outcomes:
-        if o.tokens == baseline[o.prompt].tokens:
-            assert o.text == baseline[o.prompt].text, (o, baseline[o.prompt])
-    differing = [o for o in outcomes if o.tokens != baseline[o.prompt].tokens]
-    if not differing:
-        return
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.support.oracle import assert_greedy_match, hf_logits_fn
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    for o in differing:
-        ids = tok(PROMPTS[o.prompt])["input_ids"]
-        assert_greedy_match(o.tokens, baseline[o.prompt].tokens, ids, hf_logits_fn(hf), hf_logits_fn(hf))
 
 
 def _running(serve: ServeProcess, i: int) -> int:
@@ -95,7 +76,7 @@ def test_kill9_worker_under_24_streams_migrates_them(serve: ServeProcess, baseli
     migrated = [o for o in outcomes if o.migrations]
     assert migrated and {o.worker_id for o in migrated} == {"worker-1"}
     assert all(len(o.tokens) == MAX_TOKENS for o in outcomes)
-    _assert_equal_or_near_tie(outcomes, baseline, smollm2_dir)
+    assert_outcomes_equal_or_near_tie(outcomes, baseline, PROMPTS, smollm2_dir)
     back = wait_until(lambda: serve.pid("worker-0") != pid and workers_up(serve.http_base).get("worker-0"), 120)
     assert back is not None, serve.err.read_text()[-3000:]
     print(f"{len(migrated)} of 24 streams migrated; worker-0 back in routing "

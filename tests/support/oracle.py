@@ -47,3 +47,22 @@ def assert_greedy_match(ours: Sequence[int], theirs: Sequence[int], prompt: Sequ
         assert gap <= tol and set(top.indices.tolist()) == {ours[i], theirs[i]}, (
             f"divergence at new token {i} is not a near-tie on the {name} side: top-2 "
             f"{top.indices.tolist()} gap {gap:.2e} (kvmesh chose {ours[i]}, hf chose {theirs[i]})")
+
+
+def assert_outcomes_equal_or_near_tie(outcomes: Sequence, baseline: dict, prompts: Sequence[str],
+                                      model_dir) -> None:
+    """Chaos runs' streams (`kvmesh.bench.chaos_harness.Outcome`) against the same run's fault-free
+    `baseline` (prompt index -> Outcome): tokens equal, and so the streamed text (joined across the
+    seam of a migrated stream); or the first divergence is a near-tie under HF transformers."""
+    for o in outcomes:
+        if o.tokens == baseline[o.prompt].tokens:
+            assert o.text == baseline[o.prompt].text, (o, baseline[o.prompt])
+    differing = [o for o in outcomes if o.tokens != baseline[o.prompt].tokens]
+    if not differing:
+        return
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for o in differing:
+        ids = tok(prompts[o.prompt])["input_ids"]
+        assert_greedy_match(o.tokens, baseline[o.prompt].tokens, ids, hf_logits_fn(hf), hf_logits_fn(hf))
