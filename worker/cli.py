@@ -29,7 +29,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV pool size (GiB)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the GiB figure)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the GiB figures)")
+    g.add_argument("--memory-gib", type=float, default=None,
+                   help="the worker's memory for weights, KV pool and activations (GiB): the pool gets what the "
+                        "weights, at their real size (a Q4 model's are ~1/6 of fp32), and an activation reserve "
+                        "leave of it, instead of --kv-cache-memory-gib (like vLLM's --gpu-memory-utilization)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -77,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(model=args.model, dtype=args.dtype, weight_dtype=args.weight_dtype,
                             device=args.device, block_size=args.block_size,
                             kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_gib=args.kv_cache_memory_gib,
-                            num_blocks=args.num_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                            num_blocks=args.num_blocks, memory_gib=args.memory_gib,
+                            enable_prefix_caching=args.enable_prefix_caching,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len, fair_share=args.fair_share == "on",
                             fair_step_tokens=args.fair_step_tokens,

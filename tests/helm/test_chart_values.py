@@ -32,7 +32,8 @@ from tests.helm.manifests import (
 ALL_VALUES: Doc = {
     "clusterName": "cluster-x",
     "engine": {"model": "/models/llama-3-8b", "device": "cuda:1", "dtype": "bf16", "blockSize": 32,
-               "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "enablePrefixCaching": False,
+               "kvCacheDtype": "int8", "kvCacheMemoryGib": 7.5, "numBlocks": 12345, "memoryGib": 20.5,
+               "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
                "fairShare": "off", "fairStepTokens": 64, "prefillChunkTokens": 128, "tenantMaxCachedFrac": 0.25,
                "kvDiskGib": 7, "kvDiskWriteThrough": False, "weightDtype": "q8_0",

@@ -25,6 +25,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_memory_gib: float = 1.0      # KV pool size, unless num_blocks is given
     num_blocks: int | None = None
+    memory_gib: float | None = None       # weights + KV pool + activations; the pool gets what the weights leave
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks={self.num_blocks} must be positive")
+        if self.memory_gib is not None and not self.memory_gib > 0:
+            raise ValueError(f"memory_gib={self.memory_gib} must be > 0")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be > 1")
         if not self.kv_offload_gib >= 0:

@@ -54,14 +54,41 @@ class ForwardOutput(NamedTuple):
     seq_lens: list[int]
 
 
-def _log_weights(weight_format: str, weight_bytes: int, mc: ModelConfig, layout: KVLayout, num_blocks: int) -> None:
-    """One startup line: the weights' format and real size, and the KV blocks the bytes they save
-    over fp32 weights would hold (what a Q4 model leaves for KV)."""
+def _log_weights(weight_format: str, weight_bytes: int, mc: ModelConfig, layout: KVLayout, num_blocks: int,
+                 from_budget: bool) -> None:
+    """One startup line: the weights' format and real size, the KV pool, and the KV blocks the
+    bytes they save over fp32 weights hold (what a Q4 model leaves for KV): part of the pool
+    when it is sized from `--memory-gib`, else what that flag would add."""
     fp32_bytes = weight_bytes_fp32(mc)
     extra = layout.num_blocks_in(max(0, fp32_bytes - weight_bytes))
-    log.info("weights %s: %.1f MiB (fp32: %.1f MiB); KV pool %d blocks; the %.1f MiB saved would hold %d more "
-             "KV blocks", weight_format, weight_bytes / 2**20, fp32_bytes / 2**20, num_blocks,
-             (fp32_bytes - weight_bytes) / 2**20, extra)
+    log.info("weights %s: %.1f MiB (fp32: %.1f MiB); KV pool %d blocks%s; the %.1f MiB saved %s %d more KV blocks",
+             weight_format, weight_bytes / 2**20, fp32_bytes / 2**20, num_blocks,
+             " (--memory-gib less weights and activations)" if from_budget else "",
+             (fp32_bytes - weight_bytes) / 2**20, "hold" if from_budget else "would hold (--memory-gib)", extra)
+
+
+def activation_reserve_bytes(mc: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """An upper estimate of one step's fp32 activations: per scheduled token the residual, the
+    normed input, q/k/v, the attention output and the gate/up/activated MLP rows alive at once,
+    and the logits of one token per sequence."""
+    per_token = 3 * mc.hidden_size + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 3 * mc.intermediate_size
+    return 4 * (max_num_batched_tokens * per_token + max_num_seqs * mc.vocab_size)
+
+
+def kv_pool_blocks(cfg: EngineConfig, mc: ModelConfig, layout: KVLayout, weight_bytes: int) -> int:
+    """The KV pool's blocks: `num_blocks`, else `kv_cache_memory_gib` of the layout, or with
+    `memory_gib` what the weights at their real size and the activation reserve leave of it (so
+    lighter weights give more blocks)."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if cfg.memory_gib is None:
+        return layout.num_blocks_in(int(cfg.kv_cache_memory_gib * 2**30))
+    reserve = activation_reserve_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    num_blocks = layout.num_blocks_in(max(0, int(cfg.memory_gib * 2**30) - weight_bytes - reserve))
+    if num_blocks < 1:
+        raise ValueError(f"memory_gib={cfg.memory_gib:g} leaves no room for a KV block: the weights take "
+                         f"{weight_bytes / 2**30:.3f} GiB and a step's activations {reserve / 2**30:.3f} GiB")
+    return num_blocks
 
 
 def weight_bytes_fp32(mc: ModelConfig) -> int:
@@ -77,8 +104,8 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Weights, KV tensors, CUDA graphs and the forward/sampling call of one engine.
 
-    `store` is the KV store sized here for this model (`cfg.num_blocks`, else
-    `cfg.kv_cache_memory_gib` of the KV layout); the engine's scheduler allocates its blocks,
+    `store` is the KV store sized here for this model (`kv_pool_blocks`: `cfg.num_blocks`,
+    else `cfg.kv_cache_memory_gib`, or what the weights leave of `cfg.memory_gib`); the engine's scheduler allocates its blocks,
     the runner writes and reads their tensors. `max_model_len` is capped so one sequence of it
     fits in the pool (vLLM checks the same): a smaller pool lowers it rather than admitting
     requests it cannot finish. `salt` keys the block hashes (model, tokenizer, KV dtype, block
@@ -98,8 +125,9 @@ class ModelRunner:
         self.model = LlamaModel(mc, loaded.weights, attention_ops(self.attention_backend))
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
                                resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype_name))
-        num_blocks = cfg.num_blocks or self.layout.num_blocks_in(int(cfg.kv_cache_memory_gib * 2**30))
-        _log_weights(loaded.weight_format, loaded.weight_bytes, mc, self.layout, num_blocks)
+        num_blocks = kv_pool_blocks(cfg, mc, self.layout, loaded.weight_bytes)
+        _log_weights(loaded.weight_format, loaded.weight_bytes, mc, self.layout, num_blocks,
+                     cfg.num_blocks is None and cfg.memory_gib is not None)
         model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.max_model_len = min(model_len, num_blocks * cfg.block_size)
         self.codec_id = ""
