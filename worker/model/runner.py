@@ -105,10 +105,10 @@ class ModelRunner:
     """Weights, KV tensors, CUDA graphs and the forward/sampling call of one engine.
 
     `store` is the KV store sized here for this model (`kv_pool_blocks`: `cfg.num_blocks`,
-    else `cfg.kv_cache_memory_gib`, or what the weights leave of `cfg.memory_gib`); the engine's scheduler allocates its blocks,
-    the runner writes and reads their tensors. `max_model_len` is capped so one sequence of it
-    fits in the pool (vLLM checks the same): a smaller pool lowers it rather than admitting
-    requests it cannot finish. `salt` keys the block hashes (model, tokenizer, KV dtype, block
+    else `cfg.kv_cache_memory_gib`, or what the weights leave of `cfg.memory_gib`); the engine's
+    scheduler allocates its blocks, the runner writes and reads their tensors. `max_model_len` is
+    capped so one sequence of it fits in the pool (vLLM checks the same): a smaller pool lowers it
+    rather than admitting requests it cannot finish. `salt` keys the block hashes (model, tokenizer, KV dtype, block
     size, and `codec_id`, the int4 key calibration, "" without one), so that blocks are shared
     only between workers that encode alike.
     """
