@@ -7,6 +7,11 @@ TORCH_VERSION ?= 2.13.0
 # the Triton release torch $(TORCH_VERSION)'s CUDA wheels pin
 TRITON_VERSION ?= 3.7.1
 PYTEST_ARGS ?=
+# make test / test-fast run the tests in TEST_WORKERS processes (pytest-xdist), a test file per
+# process at a time (--dist loadfile: a module's fixtures, e.g. a cluster, start once); most of the
+# suite's time is spent waiting on child processes, servers and sockets. 0: in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 RUFF := $(VENV)/bin/ruff
 # The packages mypy checks: the contracts, the KV store and the routing core.
 MYPY_PATHS ?= contracts kvstore router/routing router/index
@@ -81,11 +86,11 @@ lint: $(VENV)/.stamp-deps
 
 # lint, then every test but the slow ones; prints the 20 slowest.
 test: setup lint
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_layering.py --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_layering.py --durations=20 $(XDIST) $(PYTEST_ARGS)
 
 # Unit tests only (FAST_MARKERS, FAST_IGNORE): under 2 minutes on 2 cores.
 test-fast: setup
-	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(FAST_IGNORE:%=--ignore=%) --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(FAST_IGNORE:%=--ignore=%) --durations=20 $(XDIST) $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
