@@ -10,13 +10,14 @@ host memory), so each (block, worker) entry is a set of tiers, kept as a bit mas
 entry goes when its last tier goes. Removing a worker is O(its blocks): a per-worker set
 of hashes mirrors the main map.
 
-Pending blocks: when the router sends a request to a worker it records the
-prompt's blocks as *pending* there (`add_pending`), a prediction that the worker is computing
-them. `match_prefix` counts a pending block like a stored one, so the requests that follow
-are drawn to the worker already computing their prefix. A pending entry goes when the
+Pending blocks (router/index/pending.py): when the router sends a request to a worker it
+records the prompt's blocks as *pending* there (`add_pending`), a prediction that the worker is
+computing them. `match_prefix` counts a pending block like a stored one, so the requests that
+follow are drawn to the worker already computing their prefix. A pending entry goes when the
 worker's `BlockStored` event for it arrives (confirmed), when the request fails before its
 prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shortened by
-`settle_pending` once the request is done: the events should arrive within the grace).
+`settle_pending` once the request is done: the events should arrive within the grace). A
+block a running request asks for that goes from its worker becomes pending for the request.
 
 Shared blocks: `add_pending` also counts, per block, the requests whose prompts held it
 (up to two). A block two requests asked for is *shared* (a prefix, not one request's own
@@ -34,14 +35,14 @@ for any more counts as room, whatever it was worth once.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
 from router.index.asks import ASK_HALF_LIFE, Ask, Decay, Tally, recount
-from router.index.check import ALL_TIERS, Pending, check_holders, check_pending
+from router.index.check import ALL_TIERS, check_holders
+from router.index.pending import PendingBlocks
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
 _DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
@@ -75,10 +76,7 @@ class BlockIndex:
         self._generations: dict[WorkerId, int] = {}   # the highest generation (epoch) seen per worker
         self.num_stale_events = 0
         self._applied = 0
-        self._pending: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # hash → worker → request ids
-        self._requests: dict[str, Pending] = {}
-        self._requests_on: dict[WorkerId, int] = {}   # records in `_requests` per worker (none: no pending)
-        self._expiry: list[tuple[float, str]] = []    # (expires_at, request id), stale entries skipped
+        self._pending = PendingBlocks()
         self._asked: dict[BlockHash, Ask] = {}
         self._held_asks: dict[WorkerId, Tally] = {}   # each worker's blocks by their asks
         self._any_asks = Tally()                     # the same over the distinct blocks held anywhere
@@ -127,9 +125,7 @@ class BlockIndex:
             if h not in held:
                 held.add(h)
                 self._count_held(worker_id, h, +1)
-            computing = self._pending.get(h)
-            if computing is not None and computing.pop(worker_id, None) is not None and not computing:
-                del self._pending[h]    # confirmed: the prediction is now a stored block
+            self._pending.confirm(worker_id, h)    # the prediction is now a stored block
 
     def discard(self, worker_id: WorkerId, hashes: Iterable[BlockHash], tier: Tier) -> None:
         """`worker_id` no longer holds `hashes` in `tier` (unknown ones are ignored)."""
@@ -151,7 +147,7 @@ class BlockIndex:
         self._drop(worker_id, self._by_worker.get(worker_id, ()), ALL_TIERS)
         self._by_worker.pop(worker_id, None)
         self._held_asks.pop(worker_id, None)
-        for rid in [r for r, p in self._requests.items() if p.worker_id == worker_id]:
+        for rid in self._pending.on_worker(worker_id):
             self.drop_pending(rid)
 
     # -- pending (in-flight) blocks --------------------------------------------------------
@@ -166,70 +162,35 @@ class BlockIndex:
         Records nothing in an index that is not `fed`."""
         if not self.fed:
             return
-        retry = request_id in self._requests
+        retry = request_id in self._pending
         self.drop_pending(request_id)
-        held = self._by_worker.setdefault(worker_id, set())
         hashes = tuple(hashes)
-        todo = tuple(h for h in hashes if h not in held and worker_id not in self._pending.get(h, {}))
         if not retry:
             self._count_asks(hashes, resubmitted)
-        self._requests[request_id] = Pending(worker_id, todo, expires_at)
-        self._requests_on[worker_id] = self._requests_on.get(worker_id, 0) + 1
-        for h in todo:
-            self._pending.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
-        heapq.heappush(self._expiry, (expires_at, request_id))
+        self._pending.record(request_id, worker_id, hashes, self._by_worker.setdefault(worker_id, set()), expires_at)
 
     def settle_pending(self, request_id: str, expires_at: float) -> None:
         """The request's prefill is done (its blocks are stored on the worker): keep its
-        unconfirmed blocks pending until `expires_at` at the latest, for the events to arrive."""
-        p = self._requests.get(request_id)
-        if p is not None and expires_at < p.expires_at:
-            self._requests[request_id] = p._replace(expires_at=expires_at)
-            heapq.heappush(self._expiry, (expires_at, request_id))
+        unconfirmed blocks pending until `expires_at` at the latest, for the events to arrive;
+        it asks for no more blocks (one that goes from the worker now was not its to store)."""
+        self._pending.settle(request_id, expires_at)
 
     def drop_pending(self, request_id: str) -> None:
         """Forget what `request_id` predicted (it failed or was aborted before its prefill)."""
-        p = self._requests.pop(request_id, None)
-        if p is None:
-            return
-        if self._requests_on[p.worker_id] == 1:
-            del self._requests_on[p.worker_id]
-        else:
-            self._requests_on[p.worker_id] -= 1
-        for h in p.hashes:
-            computing = self._pending.get(h)
-            rids = computing.get(p.worker_id) if computing is not None else None
-            if rids is None:
-                continue
-            rids.discard(request_id)
-            if not rids:
-                del computing[p.worker_id]   # type: ignore[union-attr]
-                if not computing:
-                    del self._pending[h]
-                    self._forget_asks(h)
+        for h in self._pending.drop(request_id):
+            self._forget_asks(h)
 
     def expire_pending(self, now: float) -> int:
         """Drop every prediction whose expiry is at or before `now`; returns how many."""
-        n = 0
-        while self._expiry and self._expiry[0][0] <= now:
-            _, rid = heapq.heappop(self._expiry)
-            p = self._requests.get(rid)
-            if p is not None and p.expires_at <= now:
-                self.drop_pending(rid)
-                n += 1
-        return n
+        expired = self._pending.expired(now)
+        for rid in expired:
+            self.drop_pending(rid)
+        return len(expired)
 
     def computing(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> set[str]:
         """The requests whose pending blocks on `worker_id` cover any of `block_hashes` that
         it does not hold yet (those a request for this prefix would wait on there)."""
-        out: set[str] = set()
-        if worker_id not in self._requests_on:     # most workers of a large pool: O(1)
-            return out
-        for h in block_hashes:
-            rids = self._pending.get(h, {}).get(worker_id)
-            if rids:
-                out |= rids
-        return out
+        return self._pending.computing(worker_id, block_hashes)
 
     def shared_blocks(self, worker_id: WorkerId) -> float:
         """The shared blocks `worker_id` holds (any tier), expected: those two requests'
@@ -302,11 +263,11 @@ class BlockIndex:
         self._held_asks, self._any_asks = self._recount()
 
     def _forget_asks(self, h: BlockHash) -> None:
-        if h not in self._blocks and h not in self._pending:
+        if h not in self._blocks and h not in self._pending.by_block:
             self._asked.pop(h, None)
 
     def pending_requests(self) -> list[str]:
-        return sorted(self._requests)
+        return self._pending.requests()
 
     def match_prefix(self, block_hashes: Sequence[BlockHash],
                      workers: Iterable[WorkerId] | None = None, *, pending: bool = True) -> dict[WorkerId, int]:
@@ -319,7 +280,7 @@ class BlockIndex:
         no_pending: dict[WorkerId, set[str]] = {}
         for h in block_hashes:
             holders = self._holders(h)
-            computing = self._pending.get(h, no_pending) if pending else no_pending
+            computing = self._pending.by_block.get(h, no_pending) if pending else no_pending
             if not holders and not computing:
                 break
             missing = [w for w in matching if w not in holders and w not in computing]
@@ -347,7 +308,7 @@ class BlockIndex:
 
     def stats(self) -> IndexStats:
         return IndexStats(len(self._blocks), sum(len(h) for h in self._by_worker.values()),
-                          len(self._by_worker), self._applied, sum(len(c) for c in self._pending.values()))
+                          len(self._by_worker), self._applied, self._pending.num_pending())
 
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
@@ -357,8 +318,9 @@ class BlockIndex:
             self._held_asks.get(w, Tally()).check(tally, w)
         self._any_asks.check(any_asks, "the distinct blocks")
         for h in self._asked:
-            assert h in self._blocks or h in self._pending, f"ask count kept for {h:032x}, held and computed nowhere"
-        check_pending(self._pending, self._requests, self._requests_on, self._holders)
+            assert h in self._blocks or h in self._pending.by_block, \
+                f"ask count kept for {h:032x}, held and computed nowhere"
+        self._pending.check(self._holders)
 
     def _holders(self, h: BlockHash) -> Collection[WorkerId]:
         """The workers holding `h` in any tier (the storage's own view: do not mutate)."""
@@ -390,6 +352,7 @@ class BlockIndex:
             del holders[worker_id]
             held.discard(h)
             self._count_held(worker_id, h, -1)
+            self._pending.lost(worker_id, h)      # it was held, so pending nowhere on the worker
             if not holders:
                 del self._blocks[h]
                 self._count_any(h, -1)

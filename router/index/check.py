@@ -12,11 +12,13 @@ ALL_TIERS = (1 << len(Tier)) - 1
 
 
 class Pending(NamedTuple):
-    """One request's prediction: the blocks it computes on `worker_id`, until `expires_at`."""
+    """One request's prediction: the blocks it computes on `worker_id`, until `expires_at`;
+    `asking`, while it runs (not settled), its whole prompt (held or computed there)."""
 
     worker_id: WorkerId
     hashes: tuple[BlockHash, ...]
     expires_at: float
+    asking: tuple[BlockHash, ...] = ()
 
 
 def check_holders(entries: Iterable[tuple[BlockHash, WorkerId, int]],
@@ -37,9 +39,11 @@ def check_holders(entries: Iterable[tuple[BlockHash, WorkerId, int]],
 
 
 def check_pending(pending: Mapping[BlockHash, Mapping[WorkerId, Collection[str]]], requests: Mapping[str, Pending],
-                  requests_on: Mapping[WorkerId, int], holders: Callable[[BlockHash], Collection[WorkerId]]) -> None:
+                  requests_on: Mapping[WorkerId, int], holders: Callable[[BlockHash], Collection[WorkerId]],
+                  asking: Mapping[BlockHash, Mapping[WorkerId, Collection[str]]]) -> None:
     """Each pending (block, worker) names requests that predict it there and is not also stored
-    there, and the per-worker request counts match the records."""
+    there, the per-worker request counts match the records, and every block a running request
+    asks for (`asking`, its records' `asking`) is held or computed on its worker."""
     on: dict[WorkerId, int] = {}
     for record in requests.values():
         on[record.worker_id] = on.get(record.worker_id, 0) + 1
@@ -52,3 +56,12 @@ def check_pending(pending: Mapping[BlockHash, Mapping[WorkerId, Collection[str]]
                 p = requests.get(rid)
                 assert p is not None and p.worker_id == w and h in p.hashes, \
                     f"pending block {h:032x} on {w} names {rid}, which does not predict it"
+    for rid, record in requests.items():
+        for h in record.asking:
+            assert rid in asking.get(h, {}).get(record.worker_id, ()), f"{rid} asks for {h:032x}, unlisted"
+            assert record.worker_id in holders(h) or record.worker_id in pending.get(h, {}), \
+                f"{rid} asks for {h:032x} on {record.worker_id}, which neither holds nor computes it"
+    for h, by_worker in asking.items():
+        for w, rids in by_worker.items():
+            assert rids and all(h in requests[r].asking and requests[r].worker_id == w for r in rids), \
+                f"block {h:032x} on {w}: stale askers"

@@ -60,7 +60,7 @@ class CompactBlockIndex(BlockIndex):
         bit = _BIT[tier]
         held = self._by_worker.setdefault(worker_id, set())
         slot = self._slot(worker_id)
-        base, canon, blocks, pending = slot << _SHIFT, self._canon, self._blocks, self._pending
+        base, canon, blocks, confirm = slot << _SHIFT, self._canon, self._blocks, self._pending.confirm
         for h in hashes:
             v = blocks.get(h)
             if v is None:
@@ -79,9 +79,7 @@ class CompactBlockIndex(BlockIndex):
             if h not in held:
                 held.add(h)
                 self._count_held(worker_id, h, +1)
-            computing = pending.get(h)
-            if computing is not None and computing.pop(worker_id, None) is not None and not computing:
-                del pending[h]    # confirmed: the prediction is now a stored block
+            confirm(worker_id, h)    # the prediction is now a stored block
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         super().remove_worker(worker_id)
@@ -158,6 +156,7 @@ class CompactBlockIndex(BlockIndex):
                 last = False
             held.discard(h)
             self._count_held(worker_id, h, -1)
+            self._pending.lost(worker_id, h)      # it was held, so pending nowhere on the worker
             if last:
                 self._count_any(h, -1)
                 self._forget_asks(h)

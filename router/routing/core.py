@@ -289,6 +289,9 @@ class Router:
         info = self.model_info
         seen = self.predictions.observe(worker_id, route, predicted, served, info.block_size if info is not None else 0)
         self.observer.hit_predicted(worker_id, seen.error)
+        if predicted != served:
+            log.info("kvmesh router: hit mismatch on %s: the index predicted %d cached prompt tokens, it served %d",
+                     worker_id, predicted, served)
         if seen.correction is not None:
             log.warning("kvmesh router: worker %s keeps serving fewer cached tokens than its index entries promise "
                         "(%d predicted, %d served); dropping %d stale blocks, asking for its inventory",

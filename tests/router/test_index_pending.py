@@ -86,7 +86,10 @@ def test_a_second_request_records_only_what_no_one_computes_and_remove_worker_dr
     index.add_pending("r2", W0, _route(0, 1).block_hashes, expires_at=200.0)
     assert index.stats().num_pending == 12          # 8 shared prefix blocks + 2 + 2 questions
     assert index.computing(W0, _route(0, 2).block_hashes) == {"r1"}
-    index.drop_pending("r1")                        # the leader failed: its blocks are not predicted
+    index.drop_pending("r1")                        # the leader failed: r2 computes the prefix itself
+    assert index.match_prefix(_route(0, 1).block_hashes, [W0]) == {W0: 10}
+    assert index.computing(W0, _route(0, 2).block_hashes) == {"r2"}
+    index.drop_pending("r2")
     assert index.match_prefix(_route(0, 1).block_hashes, [W0]) == {W0: 0}
     index.remove_worker(W0)
     assert index.pending_requests() == [] and index.stats().num_pending == 0
@@ -160,8 +163,8 @@ def test_followers_wait_for_the_leader_prefill_and_failures_release_them() -> No
 
     held, released, lead2_blocks = asyncio.run(scenario())
     assert held and released and prefills.waits == 2
-    assert lead2_blocks == 0    # lead2's prediction went with it (f2 recorded only its own question blocks)
-    assert "lead2" not in index.pending_requests()
+    assert lead2_blocks == 8    # lead2's prediction went with it; f2, released, computes the prefix
+    assert "lead2" not in index.pending_requests() and index.computing(W1, _route(1, 2).block_hashes) == {"f2"}
     # The leader's prediction stays while it streams (its blocks are in use on the worker,
     # whatever the events' delay) and expires the grace after it ends unless confirmed.
     clock.now += InFlightConfig().settle_s + 0.1
