@@ -34,22 +34,38 @@ class PeerHint:
     timeout_s: float = 0.0
 
 
+# A tenant counts as busy from a request's arrival until this long after its last one ended,
+# on the router (which tenants share the cluster) and on each worker (which share its steps).
+TENANT_BUSY_WINDOW_S = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class TenantShare:
     """The tenant that sent a request and its share of a worker (router -> worker, from the
     keys file): `weight` of the compute relative to other tenants (worker fair share), and
     `max_cached_blocks` cached device blocks before its own are evicted first (None: the
-    worker's default fraction). `name` "" is no tenant: no fair share and no cap."""
+    worker's default fraction). `name` "" is no tenant: no fair share and no cap.
+    `busy_tenants` (set by the router): the tenants busy at the router when it sent the
+    request, this one included; 2 or more marks the request as shared, so a worker that holds
+    only this tenant's requests still keeps its steps short (worker/engine/fairness.py)."""
 
     name: str = ""
     weight: float = 1.0
     max_cached_blocks: int | None = None
+    busy_tenants: int = 0
 
     def __post_init__(self) -> None:
         if not self.weight > 0 or self.weight != self.weight:
             raise ValueError(f"tenant weight={self.weight!r} must be > 0")
         if self.max_cached_blocks is not None and self.max_cached_blocks < 0:
             raise ValueError(f"max_cached_blocks={self.max_cached_blocks!r} must be >= 0")
+        if self.busy_tenants < 0:
+            raise ValueError(f"busy_tenants={self.busy_tenants!r} must be >= 0")
+
+    @property
+    def shared(self) -> bool:
+        """Another tenant was busy at the router when this request was sent."""
+        return self.busy_tenants >= 2
 
 
 NO_TENANT = TenantShare()

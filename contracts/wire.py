@@ -103,14 +103,15 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
 def _tenant(t: pb.TenantShare) -> TenantShare:
     if len(t.name) > MAX_CACHE_SALT_CHARS:
         raise BadRequest(f"tenant.name: {len(t.name)} characters; at most {MAX_CACHE_SALT_CHARS}")
-    if t.weight < 0 or t.weight != t.weight or t.max_cached_blocks < 0:
-        raise BadRequest("tenant: weight and max_cached_blocks must be >= 0")
-    return TenantShare(t.name, t.weight or 1.0, t.max_cached_blocks or None)
+    if t.weight < 0 or t.weight != t.weight or t.max_cached_blocks < 0 or t.busy_tenants < 0:
+        raise BadRequest("tenant: weight, max_cached_blocks and busy_tenants must be >= 0")
+    return TenantShare(t.name, t.weight or 1.0, t.max_cached_blocks or None, t.busy_tenants)
 
 
 def to_tenant_share(t: TenantShare) -> pb.TenantShare:
     """The wire form of `t` (router -> worker)."""
-    return pb.TenantShare(name=t.name, weight=t.weight, max_cached_blocks=t.max_cached_blocks or 0)
+    return pb.TenantShare(name=t.name, weight=t.weight, max_cached_blocks=t.max_cached_blocks or 0,
+                          busy_tenants=t.busy_tenants)
 
 
 def _is_host_port(address: str) -> bool:

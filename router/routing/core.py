@@ -46,7 +46,7 @@ from router.routing.predictions import HitPredictions
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
 from router.security.auth import ANONYMOUS, ApiKey, TenantId
 from router.security.bounds import PromptBounds
-from router.security.tenancy import TenantSalts, bound_max_tokens
+from router.security.tenancy import TenantActivity, TenantSalts, bound_max_tokens
 from router.workers.registry import WorkerEntry, WorkerRegistry
 
 log = logging.getLogger("kvmesh.router")
@@ -81,6 +81,7 @@ class Router:
         self._inflight: dict[str, WorkerEntry | None] = {}
         self._owners: dict[str, TenantId] = {}   # request id -> the tenant that sent it
         self.salts = TenantSalts(cfg.api_keys)
+        self.tenants = TenantActivity()      # busy tenants, stamped on each request (router/security/tenancy.py)
         self.bounds = PromptBounds()         # the prompt bound and the tokenization pool (router/security/bounds.py)
         self.draining = False
         self.prefills = InFlightPrefills()   # pending blocks and prefill queues
@@ -139,9 +140,16 @@ class Router:
         request = pb.GenerateRequest(request_id=inp.request_id or f"rtr-{uuid.uuid4().hex}",
                                      token_ids=pb.TokenIds(ids=ids), sampling=from_sampling_params(params),
                                      priority=inp.priority, cache_salt=salt,
-                                     tenant=to_tenant_share(TenantShare("" if caller is ANONYMOUS else caller.tenant,
-                                                                        caller.weight, caller.max_cached_blocks)))
+                                     tenant=to_tenant_share(self._tenant_share(caller)))
         return Prepared(request, RouteRequest(tuple(ids), tuple(hashes)), caller.tenant)
+
+    def _tenant_share(self, caller: ApiKey) -> TenantShare:
+        """What the worker learns of `caller`: its share from the keys file and the tenants
+        busy on this router now (none of it for the anonymous tenant of a router without keys)."""
+        if caller is ANONYMOUS:
+            return TenantShare()
+        return TenantShare(caller.tenant, caller.weight, caller.max_cached_blocks,
+                           self.tenants.busy_with(caller.tenant))
 
     async def generate(self, prepared: Prepared, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
         """Forward to the policy's worker and yield its responses. A worker that dies or
@@ -156,6 +164,7 @@ class Router:
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.request_timeout_s)
         self._inflight[rid] = None
         self._owners[rid] = prepared.tenant
+        self.tenants.arrive(prepared.tenant)
         progress = Progress(prepared.request, self.cfg.migration_limit, started=time.perf_counter())
         request, route = prepared.request, prepared.route
         tried: set[WorkerId] = set()
@@ -199,6 +208,7 @@ class Router:
             self.disagg.release(rid)
             self._inflight.pop(rid, None)
             self._owners.pop(rid, None)
+            self.tenants.leave(prepared.tenant)
 
     def tenant_of(self, request_id: str) -> TenantId | None:
         """The tenant that sent `request_id` while it is in flight (None: not in flight)."""

@@ -9,6 +9,12 @@ request may ask for (and the `--max-tokens-limit` flag).
   another's). Without keys (one anonymous tenant) the default is no salt, so block keys are
   exactly those of kvstore.keys without a salt. Tenants share blocks only by sending (or
   being configured with) the same explicit salt.
+- **Busy tenants.** `TenantActivity` counts the tenants with requests in flight on this
+  router, or within `TENANT_BUSY_WINDOW_S` after their last one ended; each request it sends
+  carries that count (contracts `TenantShare.busy_tenants`, its own tenant included). A worker
+  holding only one tenant's requests learns from it that another tenant shares the cluster and
+  keeps its steps short (worker/engine/fairness.py), so the other tenant's next request, routed
+  there, does not wait out a step of thousands of prompt tokens.
 - **max_tokens.** An explicit `max_tokens` above `--max-tokens-limit` or beyond the context
   (prompt + max_tokens > max_model_len) is a BadRequest naming the field; a front's default
   is shortened to the limit and to what the context leaves.
@@ -24,11 +30,12 @@ import argparse
 import dataclasses
 import hashlib
 import hmac
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import grpc
 
-from contracts.requests import BadRequest, GenerateInput, context_length_error
+from contracts.requests import TENANT_BUSY_WINDOW_S, BadRequest, GenerateInput, context_length_error
 from contracts.sampling import SamplingParams
 from router.security.auth import ANONYMOUS, ApiKey, Authenticator
 
@@ -68,6 +75,39 @@ class TenantSalts:
         when the key set does."""
         digest = hmac.new(self._secret, _LABEL_DOMAIN + tenant.encode("utf-8"), hashlib.sha256).hexdigest()
         return TENANT_LABEL_PREFIX + digest[:16]
+
+
+class TenantActivity:
+    """Which tenants are busy on one router: requests in flight (`arrive` .. `leave`), or the
+    last one ended within `window_s`. On the router's event loop; the clock is injectable."""
+
+    def __init__(self, window_s: float = TENANT_BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_s >= 0:
+            raise ValueError(f"window_s={window_s!r} must be >= 0")
+        self.window_s = window_s
+        self._clock = clock
+        self._in_flight: dict[str, int] = {}
+        self._last_busy: dict[str, float] = {}   # tenant -> when its last request ended
+
+    def arrive(self, tenant: str) -> None:
+        self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+
+    def leave(self, tenant: str) -> None:
+        n = self._in_flight[tenant] - 1
+        if n:
+            self._in_flight[tenant] = n
+        else:
+            del self._in_flight[tenant]
+            self._last_busy[tenant] = self._clock()
+
+    def busy_with(self, tenant: str) -> int:
+        """The tenants busy now, `tenant` counted whether or not it is (forgets those whose
+        window has passed)."""
+        now = self._clock()
+        for t, at in list(self._last_busy.items()):
+            if now - at > self.window_s:
+                del self._last_busy[t]
+        return len(self._in_flight.keys() | self._last_busy.keys() | {tenant})
 
 
 def grpc_caller(auth: Authenticator, context: grpc.aio.ServicerContext) -> ApiKey:

@@ -24,11 +24,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from contracts.grpc_options import grpc_server_options
 from contracts.requests import BadRequest, ChatMessage, GenerateInput
 from contracts.sampling import SamplingParams
+from contracts.wire import to_generate_input
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.security.auth import ANONYMOUS, ApiKey, TenantId, parse_keys_file
-from router.security.tenancy import TenantSalts, bound_max_tokens
+from router.security.tenancy import TenantActivity, TenantSalts, bound_max_tokens
 from router.server import RouterServer
 from tests.router.test_router import NUM_BLOCKS
 from tests.support.loop_thread import LoopThread
@@ -223,6 +224,47 @@ def test_abort_only_own_tenant(ten: Tenancy) -> None:
         assert stub.Abort(abort, timeout=10, metadata=auth["a"]).found is True
         last = list(stream)[-1]
         assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORT and last.completion_tokens < 2000
+
+
+def test_busy_tenants_are_those_in_flight_or_ended_within_the_window() -> None:
+    now = [0.0]
+    act = TenantActivity(window_s=5.0, clock=lambda: now[0])
+    assert act.busy_with("a") == 1
+    act.arrive("a")
+    act.arrive("a")
+    assert (act.busy_with("b"), act.busy_with("a")) == (2, 1)
+    act.leave("a")
+    now[0] = 100.0
+    assert act.busy_with("b") == 2          # one of a's requests is still in flight
+    act.leave("a")
+    now[0] = 104.0
+    assert act.busy_with("b") == 2          # a's last one ended 4 s ago
+    now[0] = 105.5
+    assert act.busy_with("b") == 1
+    with pytest.raises(ValueError, match="window_s"):
+        TenantActivity(window_s=-1.0)
+
+
+@pytest.mark.server
+def test_each_request_tells_the_worker_how_many_tenants_are_busy_on_the_router(ten: Tenancy) -> None:
+    core = ten.keyed.core
+    now = [0.0]
+    saved, core.tenants = core.tenants, TenantActivity(window_s=5.0, clock=lambda: now[0])
+
+    def busy(caller: ApiKey) -> int:
+        """`busy_tenants` of a request of `caller`, as the worker reads it off the wire."""
+        inp = GenerateInput("", "Hi", None, None, SamplingParams(max_tokens=1))
+        msg = ten.lt.run(core.prepare(inp, caller)).request
+        return to_generate_input(pb.GenerateRequest.FromString(msg.SerializeToString())).tenant.busy_tenants
+    try:
+        assert busy(key_of(ten, "b")) == 1
+        chat(ten, "a", "Say hi.")           # through the router's generate: a is busy, then recent
+        assert (busy(key_of(ten, "b")), busy(key_of(ten, "a"))) == (2, 1)
+        now[0] = 5.5
+        assert busy(key_of(ten, "b")) == 1   # a's request ended more than the window ago
+        assert busy(ANONYMOUS) == 0
+    finally:
+        core.tenants = saved
 
 
 @pytest.mark.server

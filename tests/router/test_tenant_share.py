@@ -30,7 +30,7 @@ def test_keys_file_rejects_a_bad_share(tmp_path: Path, option: str) -> None:
 
 
 def test_the_share_crosses_the_wire() -> None:
-    share = TenantShare("beta", 0.5, 40)
+    share = TenantShare("beta", 0.5, 40, busy_tenants=3)
     msg = pb.GenerateRequest(request_id="r", text="hi", tenant=to_tenant_share(share))
     assert to_generate_input(pb.GenerateRequest.FromString(msg.SerializeToString())).tenant == share
     plain = to_generate_input(pb.GenerateRequest(request_id="r", text="hi"))

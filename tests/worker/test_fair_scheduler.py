@@ -29,10 +29,10 @@ def _scheduler(fair: bool = True, num_blocks: int = 4096, step_tokens: int = 128
 
 
 def _request(rid: str, tenant: str, prompt_tokens: int, max_tokens: int = 2, weight: float = 1.0,
-             priority: int = 0) -> Request:
+             priority: int = 0, busy_tenants: int = 0) -> Request:
     prompt = [next(_tokens) for _ in range(prompt_tokens)]
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), prompt_tokens + max_tokens,
-                   priority=priority, tenant=TenantShare(tenant, weight))
+                   priority=priority, tenant=TenantShare(tenant, weight, busy_tenants=busy_tenants))
 
 
 def _step(s: Scheduler) -> ScheduledBatch:
@@ -163,6 +163,38 @@ def test_contention_lasts_a_window_after_a_tenants_last_request() -> None:
     assert not fair.contended()
     with pytest.raises(ValueError):
         FairShare(window_s=-1)
+
+
+def test_a_sequence_the_router_marked_shared_keeps_the_worker_contended_until_a_window_after_it() -> None:
+    now = [0.0]
+    fair = FairShare(window_s=2.0, clock=lambda: now[0])
+    fair.arrive("beta", 1.0, num_sequences=2, shared=True)
+    assert fair.contended()                  # one tenant here, but another is busy on the router
+    fair.leave("beta", shared=True)
+    now[0] = 10.0
+    assert fair.contended()                  # one shared sequence still here
+    fair.leave("beta", shared=True)
+    now[0] = 11.5
+    assert fair.contended()
+    now[0] = 12.5
+    assert not fair.contended()
+    fair.arrive("beta", 1.0)                 # the router saw beta alone
+    assert not fair.contended()
+
+
+@pytest.mark.parametrize("busy_tenants", [0, 1, 2])
+def test_one_tenants_flood_runs_in_short_steps_when_the_router_saw_another_tenant_busy(busy_tenants: int) -> None:
+    s = _scheduler(step_tokens=64)
+    for i in range(6):
+        s.add(_request(f"beta-{i}", "beta", 1000, max_tokens=4, busy_tenants=busy_tenants))
+    prefill = [_prefill_of(_step(s), "beta") for _ in range(3)]
+    if busy_tenants >= 2:                     # alpha, routed here next, waits out a 64-token step
+        assert prefill == [64, 64, 64]
+    else:                                     # beta alone in the cluster: full steps
+        assert min(prefill) > 900
+    s.add(_request("alpha-0", "alpha", 40, busy_tenants=2))
+    batch = _step(s)
+    assert batch.requests[-1].request_id == "alpha-0" and batch.requests[-1].output_token_ids
 
 
 def _prefill_of(batch: ScheduledBatch, tenant: str) -> int:

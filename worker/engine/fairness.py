@@ -22,7 +22,12 @@ alone bound how often that happens: a light step's tokens are charged as any, an
 light tenant's counter passes another's, that one's prefill goes first again.
 A tenant counts as sharing the worker from its request's arrival until `window_s` after
 its last one finished, so steps stay short between the requests of a tenant that sends one
-every few hundred ms.
+every few hundred ms. The router sees more: a request it marks `shared` (contracts
+`TenantShare.busy_tenants` >= 2, another tenant was busy at the router when it was sent) keeps
+the worker contended from its arrival until `window_s` after it finished, even while it is the
+only tenant's request here. Otherwise a worker that the light tenant has not used for a while
+runs the flood in full steps (thousands of tokens, seconds each on a CPU), and the light
+tenant's next request, routed there, waits them out.
 
 Only counters and counts live here; the scheduler (`worker.engine.scheduler`) asks it for the
 order. The clock is injectable for tests.
@@ -33,11 +38,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from contracts.requests import TENANT_BUSY_WINDOW_S
+
 
 class FairShare:
     """Per-tenant virtual token counters, weights and busy counts (see the module docstring)."""
 
-    def __init__(self, window_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, window_s: float = TENANT_BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         if not window_s >= 0:
             raise ValueError(f"fair window_s={window_s!r} must be >= 0")
         self.window_s = window_s
@@ -47,24 +54,33 @@ class FairShare:
         self._weights: dict[str, float] = {}
         self._busy: Counter[str] = Counter()       # unfinished sequences per tenant
         self._last_busy: dict[str, float] = {}     # when each tenant's last sequence finished
+        self._shared = 0                           # unfinished sequences the router marked shared
+        self._last_shared: float | None = None     # when the last of those finished
         self.num_light_steps = 0                   # steps that held the others' prefill (`light_step`)
 
-    def arrive(self, tenant: str, weight: float, num_sequences: int = 1) -> None:
-        """A request of `tenant` joins the scheduler (lifted first if the tenant was idle)."""
+    def arrive(self, tenant: str, weight: float, num_sequences: int = 1, shared: bool = False) -> None:
+        """A request of `tenant` joins the scheduler (lifted first if the tenant was idle);
+        `shared`: the router saw another tenant busy when it sent the request."""
         self._weights[tenant] = weight
         if not self._busy[tenant]:
             busy = [self.counters.get(t, 0.0) for t, n in self._busy.items() if n and t != tenant]
             floor = min(busy) if busy else max(self.counters.values(), default=0.0)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
         self._busy[tenant] += num_sequences
+        self._shared += num_sequences if shared else 0
 
-    def leave(self, tenant: str) -> None:
-        """One sequence of `tenant` finished (or was aborted)."""
+    def leave(self, tenant: str, shared: bool = False) -> None:
+        """One sequence of `tenant` finished (or was aborted); `shared` as it arrived."""
         self._busy[tenant] -= 1
         assert self._busy[tenant] >= 0, f"tenant {tenant!r} left more sequences than arrived"
         if not self._busy[tenant]:
             del self._busy[tenant]
             self._last_busy[tenant] = self._clock()
+        if shared:
+            self._shared -= 1
+            assert self._shared >= 0, "more shared sequences left than arrived"
+            if not self._shared:
+                self._last_shared = self._clock()
 
     def charge(self, tenant: str, num_tokens: int) -> None:
         """`num_tokens` computed for `tenant` in this step."""
@@ -86,9 +102,12 @@ class FairShare:
         self.num_light_steps += 1
 
     def contended(self) -> bool:
-        """Two or more tenants share the worker: busy now, or busy within `window_s`."""
+        """Two or more tenants share the worker: busy now, or busy within `window_s`; or a
+        sequence the router marked shared is here, or finished within `window_s`."""
         now = self._clock()
         for tenant, at in list(self._last_busy.items()):
             if now - at > self.window_s:
                 del self._last_busy[tenant]
+        if self._shared or (self._last_shared is not None and now - self._last_shared <= self.window_s):
+            return True
         return len(set(self._busy) | set(self._last_busy)) >= 2

@@ -15,7 +15,8 @@ request is computing (two requests of one new prefix arriving together) is not a
 that step; later waiting requests may be. Once the block is cached it is admitted with the
 hit, so a shared prefix is computed once — the worker side of the router's pending blocks.
 
-Tenants (`Request.tenant`, from the router): while two or more share the worker, a step's
+Tenants (`Request.tenant`, from the router): while two or more share the worker (or the router
+marked a request here as shared: another tenant was busy at the router), a step's
 prefill goes to the tenant with the lowest virtual token counter first and is capped at
 `fair_step_tokens`, and a request of that tenant whose prefill fits in the step runs in a light
 step without the other tenants' prefill (worker.engine.fairness); decode tokens and the order within a tenant are
@@ -125,7 +126,7 @@ class Scheduler:
             cap = req.tenant.max_cached_blocks
             self.store.set_owner_cap(req.tenant.name, default if cap is None else cap)
         if self.fair is not None:
-            self.fair.arrive(req.tenant.name, req.tenant.weight)
+            self.fair.arrive(req.tenant.name, req.tenant.weight, shared=req.tenant.shared)
         self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
@@ -134,7 +135,7 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Remove `req` from the queues and drop its block references (tail blocks first)."""
         if self.fair is not None and req.status is not RequestStatus.FINISHED:
-            self.fair.leave(req.tenant.name)
+            self.fair.leave(req.tenant.name, req.tenant.shared)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
@@ -302,7 +303,7 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             child.tenant = parent.tenant
             if self.fair is not None:
-                self.fair.arrive(child.tenant.name, child.tenant.weight)
+                self.fair.arrive(child.tenant.name, child.tenant.weight, shared=child.tenant.shared)
             self.running.append(child)
         parent.forked = True
 

@@ -119,14 +119,16 @@ class PeerHint(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., handoff: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TenantShare(_message.Message):
-    __slots__ = ("name", "weight", "max_cached_blocks")
+    __slots__ = ("name", "weight", "max_cached_blocks", "busy_tenants")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TENANTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight: float
     max_cached_blocks: int
-    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., max_cached_blocks: _Optional[int] = ...) -> None: ...
+    busy_tenants: int
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., max_cached_blocks: _Optional[int] = ..., busy_tenants: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "peer_hints", "cache_salt", "tenant", "resume_tokens", "prefill_only")
