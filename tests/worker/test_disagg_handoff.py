@@ -9,6 +9,7 @@ then the decode worker computes the prompt (same tokens). The router's part and 
 processes: tests/integration/test_disagg.py."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,12 +17,17 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
+from kvstore.keys import block_hashes
+from kvstore.transfer.wire import BlockSpec
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from tests.support.loop_thread import LoopThread
 from tests.worker.test_server import collect, request
+from worker.engine.async_engine import AsyncEngine
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sampling import SamplingParams
+from worker.peer.handoff import stage_in_pieces
 from worker.server.service import WorkerServer, WorkerServerConfig
 
 pytestmark = pytest.mark.server
@@ -69,14 +75,14 @@ def test_a_handed_off_prompt_decodes_as_a_mixed_worker_would(tiny_model_dir: Any
             assert (final.cached_tokens, final.peer_cached_tokens) == (40, 40)
             load = d.GetLoad(pb.LoadRequest())
             assert (load.role, load.peer.blocks_fetched, load.peer.blocks_bad) == ("decode", 10, 0)
-            _streamed(p, d, f"127.0.0.1:{ports[0]}", want2)
+            _streamed(p, d, f"127.0.0.1:{ports[0]}", want2, _count_asks(servers[1]))
     finally:
         for s in servers:
             loop.run(s.stop(grace=1))
         loop.close()
 
 
-def _streamed(p: Any, d: Any, prefill_address: str, want: tuple[int, ...]) -> None:
+def _streamed(p: Any, d: Any, prefill_address: str, want: tuple[int, ...], rounds: list[float]) -> None:
     """The decode worker fetches PROMPT2's blocks as the prefill worker stores them: it gets the
     hint while the prefill worker holds the first 5 blocks only, fetches those, waits; the
     prefill worker then computes the rest (chunk by chunk, each chunk reported), and the decode
@@ -94,8 +100,10 @@ def _streamed(p: Any, d: Any, prefill_address: str, want: tuple[int, ...]) -> No
         while d.GetLoad(pb.LoadRequest()).peer.blocks_fetched < fetched + 5:
             assert time.monotonic() < deadline and not decoding.done(), "the first round never came"
             time.sleep(0.02)
-        time.sleep(0.2)                               # later rounds find nothing new: the decode worker waits
+        asks = len(rounds)
+        time.sleep(1.0)                               # later rounds find nothing new: the decode worker waits,
         assert not decoding.done()
+        assert len(rounds) - asks <= 12               # longer each time (20, 40, 80, 160 ms ...), not every 20 ms
         pre = request(PROMPT2, request_id="r2:prefill", max_tokens=6, ignore_eos=True)
         pre.prefill_only = True
         _, _, msgs = collect(p.Generate(pre, timeout=60))
@@ -106,6 +114,41 @@ def _streamed(p: Any, d: Any, prefill_address: str, want: tuple[int, ...]) -> No
     assert tuple(ids) == want
     assert (final.cached_tokens, final.peer_cached_tokens) == (40, 40)
     assert d.GetLoad(pb.LoadRequest()).peer.blocks_fetched == fetched + 10
+
+
+def _count_asks(server: WorkerServer) -> list[float]:
+    """The times of the decode worker's SendBlocks asks from now on (one per hand-off round)."""
+    times: list[float] = []
+    ask = server._gen._ask
+
+    async def counted(*args: Any) -> Any:
+        times.append(time.monotonic())
+        return await ask(*args)
+    server._gen._ask = counted
+    return times
+
+
+def test_received_blocks_go_to_the_host_tier_a_few_per_engine_command(tiny_model_dir: Any) -> None:
+    engine = Engine(_cfg(tiny_model_dir, "fp32"))
+    engine.store.ensure_host_tier(64)
+    ae = AsyncEngine(engine)
+    sent: list[int] = []
+    run = ae.run
+
+    async def spy(command: Any) -> Any:
+        sent.append(len(command.block_hashes))
+        return await run(command)
+    ae.run = spy  # type: ignore[method-assign]
+    spec = BlockSpec.of(engine.store.kv.kv)
+    blocks = torch.randn(spec.shape(20)).to(spec.dtype)
+    hashes = block_hashes(list(range(3, 3 + 20 * BLOCK)), BLOCK, engine.salt)
+    try:
+        asyncio.run(stage_in_pieces(ae, hashes, blocks, piece_blocks=8))
+    finally:
+        ae.shutdown()
+    assert sent == [8, 8, 4]
+    assert engine.store.lookup(hashes).num_host == 20
+    assert torch.equal(engine.store.host.read(hashes), blocks)
 
 
 def test_a_hand_off_from_a_silent_prefill_worker_costs_its_timeout(tiny_model_dir: Any) -> None:

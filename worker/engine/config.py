@@ -35,6 +35,7 @@ class EngineConfig:
     fair_share: bool = True               # tenants share prefill by weight (worker.engine.fairness)
     fair_step_tokens: int = 32            # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5   # a tenant's cap on cached blocks in each tier (kvstore.quota)
+    step_prefill_tokens: int = 0          # prefill tokens per step beside the decodes (0: max_num_batched_tokens)
     check_integrity: bool = False         # run the KV store's integrity check after every step
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
     kv_disk_path: str | None = None       # directory of the disk tier below the host tier (None: none)
@@ -81,6 +82,9 @@ class EngineConfig:
             raise ValueError(f"kv_eviction={self.kv_eviction!r}; accepted: none, streaming, h2o")
         self.eviction_config()  # validates kv_budget / attention_sinks against the policy
         parse_backend(self.attention_backend)  # the name; whether it runs on the device: Engine
+        if isinstance(self.step_prefill_tokens, bool) or not isinstance(self.step_prefill_tokens, int) \
+                or self.step_prefill_tokens < 0:
+            raise ValueError(f"step_prefill_tokens={self.step_prefill_tokens!r} must be an integer >= 0 (0 = no cap)")
         if self.max_queue_len <= 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
 

@@ -74,7 +74,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             cfg.enable_chunked_prefill, mc.sliding_window, cfg.enable_prefix_caching,
-                            cfg.fair_share, cfg.fair_step_tokens, cfg.tenant_max_cached_frac),
+                            cfg.fair_share, cfg.fair_step_tokens, cfg.tenant_max_cached_frac,
+                            cfg.step_prefill_tokens),
             self.store, self.salt)
         ev = cfg.eviction_config()
         if ev.enabled and mc.sliding_window is not None:

@@ -2,7 +2,9 @@
 
 Every request has `num_tokens` (prompt + output) and `num_computed_tokens` (K/V in the
 cache). A step schedules, per request, the next `num_tokens - num_computed_tokens` tokens
-under a token budget: a whole or chunked prefill, or one decode token. Running requests go
+under a token budget: a whole or chunked prefill, or one decode token; `step_prefill_tokens`,
+when set, caps a step's prefill tokens (all but a running request's single next token) apart,
+so a step that decodes never carries a long chunk (a decode-role worker). Running requests go
 first; when blocks run out the most recently admitted running request is preempted (its
 blocks freed, recomputed later — its own full blocks usually still sit in the prefix cache).
 Waiting requests are admitted in (priority, arrival) order — lower priority value first,
@@ -54,6 +56,7 @@ class SchedulerConfig:
     fair_share: bool = True             # tenants share prefill by weight (worker.engine.fairness)
     fair_step_tokens: int = 32          # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5  # a tenant's cap on cached blocks without max_cached_blocks
+    step_prefill_tokens: int = 0        # prefill tokens per step beside the decodes (0: the whole budget)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "fair_step_tokens"):
@@ -63,6 +66,8 @@ class SchedulerConfig:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
         if not 0 < self.tenant_max_cached_frac <= 1:
             raise ValueError(f"tenant_max_cached_frac={self.tenant_max_cached_frac} must be in (0, 1]")
+        if self.step_prefill_tokens < 0:
+            raise ValueError(f"step_prefill_tokens={self.step_prefill_tokens} must be >= 0 (0: no cap)")
 
 
 class ScheduledBatch(NamedTuple):
@@ -154,30 +159,37 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Request] = []
         deferred: list[Request] = []   # contended: running prefill chunks, handed out by `_schedule_fair`
+        # every token but a running request's single next one is prefill: capped per step (chunks need chunking)
+        prefill = (self.cfg.step_prefill_tokens if self.cfg.step_prefill_tokens and self.cfg.enable_chunked_prefill
+                   else budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if fair is not None and req.num_tokens - req.num_computed_tokens > 1:
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget) if left == 1 else min(left, budget, prefill)
+            if fair is not None and left > 1:
                 deferred.append(req)
+            elif n <= 0:
+                pass   # this step's prefill tokens are spent: its next chunk runs in a later step
             elif not self._grow_or_preempt(req, n, preempted, scheduled):
                 break  # req itself was preempted: every later running request was too
             else:
                 scheduled.append(req)
                 counts.append(n)
                 budget -= n
+                prefill -= n if left > 1 else 0
             i += 1
         if fair is not None:
-            self._schedule_fair(fair, min(budget, self.cfg.fair_step_tokens), deferred, scheduled, counts,
+            self._schedule_fair(fair, min(budget, self.cfg.fair_step_tokens, prefill), deferred, scheduled, counts,
                                 preempted)
             return ScheduledBatch(scheduled, counts, preempted)
 
         computing = self._computing_hashes() if self.waiting and not preempted else set()
         for req in list(self.waiting):
-            if budget <= 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
+            if min(budget, prefill) <= 0 or preempted or len(self.running) >= self.cfg.max_num_seqs:
                 break
-            n = self._admit(req, budget, computing)
+            n = self._admit(req, min(budget, prefill), computing)
             if n == _WAITS_FOR_PREFIX:
                 self.num_prefix_waits += 1
                 continue
@@ -189,6 +201,7 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
+            prefill -= n
         if self.fair is not None:
             for req, n in zip(scheduled, counts):
                 self.fair.charge(req.tenant.name, n)

@@ -27,9 +27,10 @@ worker/server/cluster_auth.py `PeerCalls.ask`.)"""
 
 class Fetched(NamedTuple):
     """Verified blocks from a peer: `staged` puts them in the host tier (sent with the
-    request's AddRequest); they are prompt blocks `num_local .. num_local + num_blocks`."""
+    request's AddRequest; None: they were staged as they arrived, worker/peer/handoff.py);
+    they are prompt blocks `num_local .. num_local + num_blocks`."""
 
-    staged: StageBlocks
+    staged: StageBlocks | None
     num_local: int
     num_blocks: int
 

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvmesh.worker")
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
 PREFILL_CHUNK_TOKENS = 256   # a prefill-role worker's chunk: a ~1,500-token prompt streams in 6 (docs/ARCHITECTURE.md)
+# A decode-role worker's prefill tokens per step beside its decodes: on a CPU core a prefill token
+# costs about a quarter of a two-sequence decode step, so a step that admits a short prompt or the
+# tail of a handed-off one lasts at most about two decode steps (docs/ARCHITECTURE.md)
+DECODE_STEP_PREFILL_TOKENS = 4
 
 
 class PeerFlags(NamedTuple):
@@ -114,6 +118,18 @@ def metrics_port_for(port: int, metrics_port: int | None) -> int | None:
     return None if metrics_port == -1 else metrics_port
 
 
+def role_engine_config(engine_cfg: EngineConfig, role: str, prefill_chunk_tokens: int) -> EngineConfig:
+    """The engine config of a worker of `role`: a prefill worker's steps are at most
+    `prefill_chunk_tokens` (0: as configured), a decode worker's carry at most
+    DECODE_STEP_PREFILL_TOKENS prompt tokens beside their decodes; a mixed worker's as configured."""
+    if role == "prefill" and prefill_chunk_tokens:
+        return dataclasses.replace(engine_cfg, max_num_batched_tokens=min(engine_cfg.max_num_batched_tokens,
+                                                                          prefill_chunk_tokens))
+    if role == "decode":
+        return dataclasses.replace(engine_cfg, step_prefill_tokens=DECODE_STEP_PREFILL_TOKENS)
+    return engine_cfg
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then drain. Prints one line to stdout once serving:
     `kvmesh worker <id> serving on <host>:<port>`; logs go to stderr."""
@@ -125,12 +141,9 @@ def run_worker(args: argparse.Namespace) -> int:
             raise CLIError(flagify(str(e))) from None
         if not args.threads:
             args.threads = len(cpus)
-    engine_cfg = engine_config_from_args(args)
     if args.prefill_chunk_tokens < 0:
         raise CLIError(f"--prefill-chunk-tokens: {args.prefill_chunk_tokens} must be >= 0")
-    if args.role == "prefill" and args.prefill_chunk_tokens:
-        engine_cfg = dataclasses.replace(engine_cfg, max_num_batched_tokens=min(
-            engine_cfg.max_num_batched_tokens, args.prefill_chunk_tokens))
+    engine_cfg = role_engine_config(engine_config_from_args(args), args.role, args.prefill_chunk_tokens)
     try:
         peer = peer_flags(args, os.environ)
     except ValueError as e:
