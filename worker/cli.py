@@ -40,7 +40,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--fair-share", default="on", choices=["on", "off"],
                    help="share prefill between tenants by weight while they contend (keys file weight=)")
-    g.add_argument("--fair-step-tokens", type=int, default=32,
+    g.add_argument("--fair-step-tokens", type=int, default=16,
                    help="prefill tokens per step while tenants contend (shorter steps: a light tenant waits less)")
     g.add_argument("--tenant-max-cached-frac", type=float, default=0.5,
                    help="a tenant's cached blocks in each KV tier (device pool, host, disk), as a fraction of the "

@@ -33,7 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None      # default: the model's max_position_embeddings
     max_queue_len: int = 4096
     fair_share: bool = True               # tenants share prefill by weight (worker.engine.fairness)
-    fair_step_tokens: int = 32            # prefill tokens per step while tenants contend
+    fair_step_tokens: int = 16            # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5   # a tenant's cap on cached blocks in each tier (kvstore.quota)
     step_prefill_tokens: int = 0          # prefill tokens per step beside the decodes (0: max_num_batched_tokens)
     check_integrity: bool = False         # run the KV store's integrity check after every step

@@ -54,7 +54,7 @@ class SchedulerConfig:
     sliding_window: int | None = None   # the model's: blocks wholly outside it are released
     enable_prefix_caching: bool = True  # False: nothing is cached, so no admission waits for a block
     fair_share: bool = True             # tenants share prefill by weight (worker.engine.fairness)
-    fair_step_tokens: int = 32          # prefill tokens per step while tenants contend
+    fair_step_tokens: int = 16          # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5  # a tenant's cap on cached blocks without max_cached_blocks
     step_prefill_tokens: int = 0        # prefill tokens per step beside the decodes (0: the whole budget)
 
