@@ -15,6 +15,8 @@ def _disagg(r: dict[str, Any]) -> tuple[str, list[Figure]]:
         Figure("ITL p99 (p50)", f"{_g(dis.get('itl_p99_s'), 's')} ({_g(dis.get('itl_p50_s'), 's')})",
                f"{_g(mixed.get('itl_p99_s'), 's')} ({_g(mixed.get('itl_p50_s'), 's')}) mixed",
                f"{_x(t.get('itl_p99_ratio'))} (target <= {_g(t.get('itl_p99_ratio_target'))}x)"),
+        Figure("ITL max (the longest stall of a stream)", _g(dis.get("itl_max_s"), "s"),
+               f"{_g(mixed.get('itl_max_s'), 's')} mixed", ""),
         Figure("output tok/s", _g(dis.get("output_tok_s")), _g(mixed.get("output_tok_s")) + " mixed",
                f"{_x(t.get('output_tok_s_ratio'))} (target >= {_g(t.get('output_tok_s_ratio_target'))}x)"),
         Figure("TTFT p50 / p99 of the arriving prompts",
