@@ -17,7 +17,8 @@ follow are drawn to the worker already computing their prefix. A pending entry g
 worker's `BlockStored` event for it arrives (confirmed), when the request fails before its
 prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shortened by
 `settle_pending` once the request is done: the events should arrive within the grace). A
-block a running request asks for that goes from its worker becomes pending for the request.
+block a running request asks for that goes from its worker becomes pending for the request
+(unless a correction dropped it: `forget`).
 
 Shared blocks: `add_pending` also counts, per block, the requests whose prompts held it
 (up to two). A block two requests asked for is *shared* (a prefix, not one request's own
@@ -134,8 +135,9 @@ class BlockIndex:
     def forget(self, worker_id: WorkerId, hashes: Iterable[BlockHash]) -> None:
         """`worker_id` evidently no longer holds `hashes` in any tier (it served less than they
         promised, router/routing/predictions.py): drop those entries; its events or an
-        inventory bring back what it does hold."""
-        self._drop(worker_id, hashes, ALL_TIERS)
+        inventory bring back what it does hold. The requests running there no longer ask for
+        them (their worker's events are in doubt: the inventory, not a prediction, tells)."""
+        self._drop(worker_id, hashes, ALL_TIERS, evicted=False)
 
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Forget every block of `worker_id`; it stays known (with no blocks)."""
@@ -337,7 +339,10 @@ class BlockIndex:
             for w, mask in holders.items():
                 yield h, w, mask
 
-    def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int) -> None:
+    def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int, evicted: bool = True) -> None:
+        """Drop `bits` of `worker_id`'s entries for `hashes`; an entry that goes becomes pending for
+        the requests running there that ask for it when `evicted` (they compute it), else they
+        stop asking for it."""
         held = self._by_worker.get(worker_id)
         if held is None:
             return
@@ -352,7 +357,7 @@ class BlockIndex:
             del holders[worker_id]
             held.discard(h)
             self._count_held(worker_id, h, -1)
-            self._pending.lost(worker_id, h)      # it was held, so pending nowhere on the worker
+            self._pending.lost(worker_id, h, evicted)      # it was held, so pending nowhere on the worker
             if not holders:
                 del self._blocks[h]
                 self._count_any(h, -1)

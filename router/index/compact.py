@@ -121,7 +121,7 @@ class CompactBlockIndex(BlockIndex):
                 for w, mask in v.items():
                     yield h, w, mask
 
-    def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int) -> None:
+    def _drop(self, worker_id: WorkerId, hashes: Iterable[BlockHash], bits: int, evicted: bool = True) -> None:
         held = self._by_worker.get(worker_id)
         slot = self._slots.get(worker_id)
         if held is None or slot is None:
@@ -156,7 +156,7 @@ class CompactBlockIndex(BlockIndex):
                 last = False
             held.discard(h)
             self._count_held(worker_id, h, -1)
-            self._pending.lost(worker_id, h)      # it was held, so pending nowhere on the worker
+            self._pending.lost(worker_id, h, evicted)      # it was held, so pending nowhere on the worker
             if last:
                 self._count_any(h, -1)
                 self._forget_asks(h)

@@ -8,7 +8,8 @@ another request computes them there; they are confirmed one by one by the worker
 `BlockStored` events (`confirm`), dropped when the request fails before its prefill or its
 record expires (`drop`), and kept `settle`-long after it ends. A block a running request asks
 for that goes from its worker — a `BlockRemoved` arrives (`lost`), or the request computing it
-there is dropped — the request computes itself, so it becomes pending for it: a worker evicts
+there is dropped — the request computes itself, so it becomes pending for it (one a correction
+drops, the request stops asking for: the worker's events are in doubt then): a worker evicts
 blocks when a step begins and reports it when the step ends, so a request sent in between is
 told its prefix is held, finds part of it gone and stores it again (blocks in use by a running
 request are not evicted, so a block that goes while the request runs went before it took its
@@ -91,11 +92,20 @@ class PendingBlocks:
                     gone.append(h)
         return gone
 
-    def lost(self, worker_id: WorkerId, h: BlockHash) -> None:
+    def lost(self, worker_id: WorkerId, h: BlockHash, evicted: bool = True) -> None:
         """`h` went from `worker_id` (neither held nor computed there now): the running requests
-        there asking for it compute it, so it is pending for them."""
+        there asking for it compute it, so it is pending for them — or, not `evicted` (dropped
+        on a correction), they stop asking for it."""
         rids = self._asking.get(h, {}).get(worker_id)
         if not rids:
+            return
+        if not evicted:
+            for rid in list(rids):
+                p = self._requests[rid]
+                self._requests[rid] = p._replace(asking=tuple(a for a in p.asking if a != h))
+            del self._asking[h][worker_id]
+            if not self._asking[h]:
+                del self._asking[h]
             return
         self.by_block.setdefault(h, {})[worker_id] = set(rids)
         for rid in rids:

@@ -77,3 +77,20 @@ def test_a_removed_worker_takes_its_requests_asks_with_it() -> None:
     index.remove_worker(W0)
     assert index.pending_requests() == [] and index.stats().num_pending == 0
     index.check_integrity()
+
+
+@pytest.mark.parametrize("make", [BlockIndex, CompactBlockIndex])
+def test_blocks_a_correction_drops_are_not_predicted_for_the_requests_asking_for_them(
+        make: type[BlockIndex]) -> None:
+    """A correction (router/routing/predictions.py) distrusts the worker's events: the blocks it
+    drops are neither held nor pending there until the worker's inventory says otherwise."""
+    index = make()
+    first, second = _prompt(3, 0), _prompt(3, 1)
+    index.apply(W0, _event(EventType.STORED, first[:8]))
+    index.add_pending("r1", W0, first, expires_at=160.0)
+    index.forget(W0, first[5:8])
+    assert index.match_prefix(second, [W0]) == {W0: 5} and index.computing(W0, second) == set()
+    index.check_integrity()
+    index.apply(W0, _event(EventType.REMOVED, first[:5]))   # an eviction: r1 computes these
+    assert index.match_prefix(second, [W0]) == {W0: 5} and index.computing(W0, second) == {"r1"}
+    index.check_integrity()
