@@ -11,7 +11,7 @@ import pytest
 from contracts.requests import TenantShare
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
-from worker.engine.fairness import FairShare
+from worker.engine.fairness import Contention, FairShare
 from worker.engine.request import FinishReason, Request, RequestStatus
 from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -169,7 +169,12 @@ def test_a_sequence_the_router_marked_shared_keeps_the_worker_contended_until_a_
     now = [0.0]
     fair = FairShare(window_s=2.0, clock=lambda: now[0])
     fair.arrive("beta", 1.0, num_sequences=2, shared=True)
-    assert fair.contended()                  # one tenant here, but another is busy on the router
+    assert fair.contention() is Contention.ROUTER   # one tenant here, but another is busy on the router
+    fair.arrive("alpha", 1.0)
+    assert fair.contention() is Contention.LOCAL
+    fair.leave("alpha")
+    now[0] = 2.5
+    assert fair.contention() is Contention.ROUTER
     fair.leave("beta", shared=True)
     now[0] = 10.0
     assert fair.contended()                  # one shared sequence still here
@@ -184,7 +189,7 @@ def test_a_sequence_the_router_marked_shared_keeps_the_worker_contended_until_a_
 
 @pytest.mark.parametrize("busy_tenants", [0, 1, 2])
 def test_one_tenants_flood_runs_in_short_steps_when_the_router_saw_another_tenant_busy(busy_tenants: int) -> None:
-    s = _scheduler(step_tokens=64)
+    s = _scheduler(step_tokens=16)             # contended only by the router's mark: 4 x 16
     for i in range(6):
         s.add(_request(f"beta-{i}", "beta", 1000, max_tokens=4, busy_tenants=busy_tenants))
     prefill = [_prefill_of(_step(s), "beta") for _ in range(3)]
@@ -192,9 +197,10 @@ def test_one_tenants_flood_runs_in_short_steps_when_the_router_saw_another_tenan
         assert prefill == [64, 64, 64]
     else:                                     # beta alone in the cluster: full steps
         assert min(prefill) > 900
-    s.add(_request("alpha-0", "alpha", 40, busy_tenants=2))
+    s.add(_request("alpha-0", "alpha", 12, busy_tenants=2))
     batch = _step(s)
     assert batch.requests[-1].request_id == "alpha-0" and batch.requests[-1].output_token_ids
+    assert _prefill_of(_step(s), "beta") == 16   # both tenants here now: fair_step_tokens
 
 
 def _prefill_of(batch: ScheduledBatch, tenant: str) -> int:

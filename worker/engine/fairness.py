@@ -27,18 +27,31 @@ every few hundred ms. The router sees more: a request it marks `shared` (contrac
 the worker contended from its arrival until `window_s` after it finished, even while it is the
 only tenant's request here. Otherwise a worker that the light tenant has not used for a while
 runs the flood in full steps (thousands of tokens, seconds each on a CPU), and the light
-tenant's next request, routed there, waits them out.
+tenant's next request, routed there, waits them out. Contended only that way
+(`Contention.ROUTER`) a step takes `ROUTER_STEP_FACTOR` x `fair_step_tokens` of prefill: a
+request of another tenant that lands here waits out one such step (a fraction of a second on a
+CPU), once, and from then on the worker is contended here (`Contention.LOCAL`, the short steps),
+while a worker the other tenant does not use loses less of its prefill rate to per-step costs.
 
 Only counters and counts live here; the scheduler (`worker.engine.scheduler`) asks it for the
 order. The clock is injectable for tests.
 """
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter
 from collections.abc import Callable
 
 from contracts.requests import TENANT_BUSY_WINDOW_S
+
+ROUTER_STEP_FACTOR = 4   # a step's prefill under `Contention.ROUTER`, in units of fair_step_tokens
+
+
+class Contention(enum.Enum):
+    NONE = "none"       # one tenant, and the router saw no other busy
+    ROUTER = "router"   # one tenant here, but a sequence here was sent while another was busy
+    LOCAL = "local"     # two or more tenants here (busy now or within window_s)
 
 
 class FairShare:
@@ -101,13 +114,18 @@ class FairShare:
         lowest-ranked tenant with prefill queued starts and finishes its prefill in it."""
         self.num_light_steps += 1
 
-    def contended(self) -> bool:
-        """Two or more tenants share the worker: busy now, or busy within `window_s`; or a
-        sequence the router marked shared is here, or finished within `window_s`."""
+    def contention(self) -> Contention:
+        """LOCAL: two or more tenants share the worker, busy now or within `window_s`. ROUTER:
+        otherwise, a sequence the router marked shared is here or finished within `window_s`."""
         now = self._clock()
         for tenant, at in list(self._last_busy.items()):
             if now - at > self.window_s:
                 del self._last_busy[tenant]
+        if len(set(self._busy) | set(self._last_busy)) >= 2:
+            return Contention.LOCAL
         if self._shared or (self._last_shared is not None and now - self._last_shared <= self.window_s):
-            return True
-        return len(set(self._busy) | set(self._last_busy)) >= 2
+            return Contention.ROUTER
+        return Contention.NONE
+
+    def contended(self) -> bool:
+        return self.contention() is not Contention.NONE

@@ -18,11 +18,12 @@ that step; later waiting requests may be. Once the block is cached it is admitte
 hit, so a shared prefix is computed once — the worker side of the router's pending blocks.
 
 Tenants (`Request.tenant`, from the router): while two or more share the worker (or the router
-marked a request here as shared: another tenant was busy at the router), a step's
-prefill goes to the tenant with the lowest virtual token counter first and is capped at
-`fair_step_tokens`, and a request of that tenant whose prefill fits in the step runs in a light
-step without the other tenants' prefill (worker.engine.fairness); decode tokens and the order within a tenant are
-as above. Blocks a tenant caches count against its cap (kvstore.quota).
+marked a request here as shared: another tenant was busy at the router), a step's prefill goes
+to the tenant with the lowest virtual token counter first and is capped at `fair_step_tokens`
+(`ROUTER_STEP_FACTOR` times that with one tenant here), and a request of that tenant whose
+prefill fits in the step runs in a light step without the other tenants' prefill
+(worker.engine.fairness); decode tokens and the order within a tenant are as above. Blocks a
+tenant caches count against its cap (kvstore.quota).
 
 All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
 """
@@ -38,7 +39,7 @@ from typing import NamedTuple
 from kvstore.errors import OutOfBlocks
 from kvstore.keys import BlockHash
 from kvstore.store import KVStore
-from worker.engine.fairness import FairShare
+from worker.engine.fairness import ROUTER_STEP_FACTOR, Contention, FairShare
 from worker.engine.request import NO_BLOCK, FinishReason, Request, RequestStatus
 
 _WAITS_FOR_PREFIX = -1   # `Scheduler._admit`: put off, another request computes its next block
@@ -153,7 +154,8 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         self.store.poll_disk()   # prefixes read back from disk join the host tier before lookups
-        fair = self.fair if self.fair is not None and self.fair.contended() else None
+        contention = self.fair.contention() if self.fair is not None else Contention.NONE
+        fair = self.fair if contention is not Contention.NONE else None
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
@@ -181,8 +183,8 @@ class Scheduler:
                 prefill -= n if left > 1 else 0
             i += 1
         if fair is not None:
-            self._schedule_fair(fair, min(budget, self.cfg.fair_step_tokens, prefill), deferred, scheduled, counts,
-                                preempted)
+            step = self.cfg.fair_step_tokens * (1 if contention is Contention.LOCAL else ROUTER_STEP_FACTOR)
+            self._schedule_fair(fair, min(budget, step, prefill), deferred, scheduled, counts, preempted)
             return ScheduledBatch(scheduled, counts, preempted)
 
         computing = self._computing_hashes() if self.waiting and not preempted else set()
