@@ -65,8 +65,10 @@ class WriteBehind:
     def flush(self, timeout_s: float) -> None:
         """Wait until every queued write returned, or `timeout_s` passed."""
         deadline = time.monotonic() + timeout_s
-        while self._writes.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.001)
+        done = self._writes.all_tasks_done   # notified when the last queued write returned: no polling
+        with done:
+            while self._writes.unfinished_tasks and (left := deadline - time.monotonic()) > 0:
+                done.wait(left)
 
     def stop(self) -> None:
         """Drop the queued writes and stop the threads."""

@@ -25,7 +25,8 @@ def bench_disk(model: str, layout: Any, num_blocks: int, repeats: int, seed: int
 
 def bench_disk_io(layout: Any, num_blocks: int, repeats: int, seed: int, tmp: Path) -> dict[str, Any]:
     """Medians over `repeats` rounds (after one warm-up) of: `write_behind` of `num_blocks`
-    blocks until the queue is drained vs one file written sequentially; one read-ahead of them
+    blocks until the queue is drained vs one file written sequentially (each after an `os.sync`,
+    so that neither pays for the write-back of the other's pages); one read-ahead of them
     vs that file read back sequentially into one buffer."""
     import torch
 
@@ -45,6 +46,7 @@ def bench_disk_io(layout: Any, num_blocks: int, repeats: int, seed: int, tmp: Pa
         tier = DiskTier.open(tmp / f"tier-{r}", 2 * nbytes + (1 << 20), layout, one.dtype, shape, fingerprint,
                              max_queue=num_blocks)
         keys = [(None, BlockHash(i + 1)) for i in range(num_blocks)]
+        os.sync()   # both writes start with no dirty pages of earlier rounds being written back
         t0 = time.perf_counter()
         for key, block in zip(keys, blocks):
             assert tier.write_behind(key, block)
@@ -58,6 +60,7 @@ def bench_disk_io(layout: Any, num_blocks: int, repeats: int, seed: int, tmp: Pa
         assert done[0].blocks is not None and torch.equal(done[0].blocks.movedim(2, 0), blocks)  # round trip exact
         tier.close()
         raw = tmp / f"raw-{r}.bin"
+        os.sync()
         t0 = time.perf_counter()
         fd = os.open(raw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         view = memoryview(flat)
