@@ -43,7 +43,7 @@ from kvmesh.serve.supervise import Cluster, PartExited, Supervisor
 from kvstore.metadata.registry import parse_redis_url
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.server.affinity import pin_process
-from worker.server.cli import peer_flags_from_env
+from worker.server.cli import PREFILL_CHUNK_TOKENS, peer_flags_from_env, role_engine_config
 from worker.server.service import WorkerServer, WorkerServerConfig
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -131,7 +131,8 @@ class WorkerActor:
             cpus = split_cpus(sorted(os.sched_getaffinity(0)), spec.cpu_share[1])[spec.cpu_share[0]]
             pin_process(cpus)
             args.threads = args.threads or len(cpus)
-        engine_cfg = engine_config_from_args(args)
+        # the role's engine settings, as `kvmesh worker --role` applies them (the default prefill chunk)
+        engine_cfg = role_engine_config(engine_config_from_args(args), spec.role.value, PREFILL_CHUNK_TOKENS)
         host = self.host(spec.loopback)
         peer = peer_flags_from_env(os.environ)   # KVMESH_PEER_TRANSFER, from spec.env
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(

@@ -211,6 +211,7 @@ def test_ray_actors_serve_their_roles_pinned_to_their_own_cpus(monkeypatch: pyte
     import ray
 
     from kvmesh.serve.roles import split_cpus
+    from worker.server.cli import DECODE_STEP_PREFILL_TOKENS, PREFILL_CHUNK_TOKENS
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs 2 CPUs")
@@ -234,6 +235,11 @@ def test_ray_actors_serve_their_roles_pinned_to_their_own_cpus(monkeypatch: pyte
             actor = ray.get_actor(f"worker-{i}", namespace=namespace_for(name))
             pinned = ray.get(actor.__ray_call__.remote(lambda self: sorted(os.sched_getaffinity(0))), timeout=30)
             assert tuple(pinned) == share
+            # the role's engine settings, as `kvmesh worker --role` gives them (worker.server.cli)
+            steps = ray.get(actor.__ray_call__.remote(
+                lambda self: (self._server.engine_cfg.max_num_batched_tokens,
+                              self._server.engine_cfg.step_prefill_tokens)), timeout=30)
+            assert steps == ((PREFILL_CHUNK_TOKENS, 0) if i == 0 else (2048, DECODE_STEP_PREFILL_TOKENS)), steps
     finally:
         if cluster is not None:
             cluster.stop()
