@@ -79,17 +79,20 @@ def _service(r: dict[str, Any]) -> tuple[str, list[Figure]]:
 
 def _routing_live(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     def cell(p: dict[str, Any]) -> str:
+        per_worker = sorted((p.get("requests_per_worker") or {}).values())
+        spread = f", busiest/idlest {_g(_ratio(per_worker[-1], per_worker[0]))}" if per_worker else ""
         return (
             f"TTFT p50 {_g(p.get('ttft_p50_s'), 's')}, {_g(p.get('req_s'))} req/s, "
             f"cached {_g(p.get('cached_token_frac'))}, "
-            f"cold {_g(p.get('cold_requests'))} (min {_g(p.get('min_cold_requests'))})"
+            f"cold {_g(p.get('cold_requests'))} (min {_g(p.get('min_cold_requests'))}), "
+            f"mismatch {_g(p.get('mismatch_rate'))}{spread}"
         )
 
     out = []
-    for scenario in ("no_pressure", "pressure"):
+    for scenario in ("no_pressure", "pressure", "shift"):
         rows = r.get(scenario) or {}
         rr = rows.get("round_robin", {})
-        for policy, p in rows.items():
+        for policy, p in sorted(rows.items(), key=lambda kv: kv[0] != "kv_aware"):   # the default policy first
             if policy == "round_robin" or not isinstance(p, dict):
                 continue
             cached = _num(p.get("cached_token_frac"))
