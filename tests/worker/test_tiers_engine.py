@@ -108,3 +108,35 @@ def test_redis_index_reflects_tiers(tiny_model_dir, redis_server):
         asyncio.run(main())
     finally:
         meta.close()
+
+
+def test_evictions_are_handed_to_the_publisher_before_the_forward_pass(tiny_model_dir):
+    """`Engine.after_schedule` runs once a step is scheduled, before its forward: the blocks a
+    new request's admission evicted reach the publisher then, not after seconds of prefill."""
+    from kvstore.events import TieredEvent
+    from kvstore.pool import BlockRemoved
+    from worker.engine.request import prompt_input
+
+    eng = _engine(tiny_model_dir("llama-gqa"), num_blocks=12)
+    eng.store.set_event_recording(True)
+    rng = random.Random(1)
+    eng.generate([rng.randrange(3, 200) for _ in range(30)], GREEDY)   # fills the pool's cache
+    eng.store.take_events()
+    order: list[str] = []
+    taken: list[TieredEvent] = []
+
+    def hook() -> None:
+        order.append("after_schedule")
+        taken.extend(eng.store.take_events())
+
+    execute = eng._execute
+
+    def forward(batch):
+        order.append("forward")
+        return execute(batch)
+
+    eng.after_schedule, eng._execute = hook, forward
+    eng.add_request(prompt_input([rng.randrange(3, 200) for _ in range(30)], GREEDY))
+    eng.step()
+    assert order == ["after_schedule", "forward"]
+    assert any(isinstance(t.event, BlockRemoved) for t in taken), taken   # the evictions of this admission

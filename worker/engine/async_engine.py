@@ -96,12 +96,15 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None,
                  pulse: EnginePulse | None = None, stall_file: str | Path | None = None) -> None:
-        """`after_step` runs on the engine thread after every step and every idle tick
-        (~50 ms): the place to publish the KV store's events in step with the engine.
+        """`after_step` runs on the engine thread after every step, once each step is scheduled
+        (`Engine.after_schedule`), and every idle tick (~50 ms): the place to publish the KV
+        store's events in step with the engine.
         `pulse` (default a new one) is where the thread reports its progress; `stall_file`
         is the test hook of the module docstring."""
         self.engine = engine
         self._after_step = after_step
+        if after_step is not None:   # and once each step is scheduled, before its forward pass
+            engine.after_schedule = self._run_after_step
         self.pulse = pulse if pulse is not None else EnginePulse()
         self._stall_file = Path(stall_file) if stall_file is not None else None
         self._idle_tick = 0.05 if after_step is not None else 0.5
@@ -293,11 +296,14 @@ class AsyncEngine:
             else:
                 self._wake.wait(timeout=self._idle_tick)
                 self._wake.clear()
-            if self._after_step is not None:
-                try:
-                    self._after_step()
-                except Exception:  # noqa: BLE001 - metadata trouble must not stop serving
-                    log.exception("after_step hook failed")
+            self._run_after_step()
+
+    def _run_after_step(self) -> None:
+        if self._after_step is not None:
+            try:
+                self._after_step()
+            except Exception:  # noqa: BLE001 - metadata trouble must not stop serving
+                log.exception("after_step hook failed")
 
     def _stall_while(self, path: Path) -> None:
         """The test hook: block while `path` exists (or until shutdown), without beating."""

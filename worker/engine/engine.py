@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -85,6 +85,10 @@ class Engine:
         self.eos_token_ids = self.runner.eos_token_ids
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # called on the engine thread once a step is scheduled, before its forward pass: the blocks
+        # its admissions evicted are known then, and the worker publishes them without waiting
+        # out the forward (seconds of prefill on a CPU), so the router stops predicting hits on them
+        self.after_schedule: Callable[[], None] | None = None
 
     # -- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -189,6 +193,8 @@ class Engine:
         if not batch.requests:
             self.store.wait_for_disk(0.02)   # waiting requests' prefixes being read back from disk
             return []
+        if self.after_schedule is not None:
+            self.after_schedule()
         forward = self._execute(batch)
         sample_reqs, logits = forward.sample_reqs, forward.logits
         outputs: list[RequestOutput] = []
