@@ -11,8 +11,9 @@ import pytest
 from contracts.requests import TenantShare
 from kvstore.layout import KVLayout
 from kvstore.store import KVStore
+from tests.support.scheduling import step_scheduler
 from worker.engine.fairness import Contention, FairShare
-from worker.engine.request import FinishReason, Request, RequestStatus
+from worker.engine.request import Request, RequestStatus
 from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
@@ -36,16 +37,7 @@ def _request(rid: str, tenant: str, prompt_tokens: int, max_tokens: int = 2, wei
 
 
 def _step(s: Scheduler) -> ScheduledBatch:
-    batch = s.schedule()
-    s.update_computed(batch)
-    for req in batch.requests:
-        if req.status is RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens:
-            req.append_token(7)
-            req.update_block_hashes(BS, SALT)
-            if req.num_tokens >= req.max_total_tokens:
-                s.finish(req, FinishReason.LENGTH)
-    s.store.check_integrity(r.held_block_ids for r in s.running)
-    return batch
+    return step_scheduler(s, BS, SALT)
 
 
 def _steps_until_first_token(s: Scheduler, req: Request, limit: int = 500) -> int:
