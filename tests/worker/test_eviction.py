@@ -161,19 +161,20 @@ def _visible_sets(prompt_len: int, num_out: int, budget: int, sinks: int, bs: in
     return vis
 
 
-def test_streaming_eviction_equals_hf_with_the_evicted_tokens_masked(smollm2_dir) -> None:
+def test_streaming_eviction_equals_hf_with_the_evicted_tokens_masked(tiny_model_dir) -> None:
+    """A tiny random Llama (GQA): what the engine generates under StreamingLLM equals HF
+    transformers run with the attention mask of what each query still saw."""
     from transformers import AutoModelForCausalLM
+    model_dir = tiny_model_dir("llama-gqa", initializer_range=0.3)   # sharp enough that the mask shows
     bs, budget, sinks, num_out = 8, 24, 4, 40
-    eng = Engine(EngineConfig(model=str(smollm2_dir), block_size=bs, num_blocks=64, check_integrity=True,
+    eng = Engine(EngineConfig(model=str(model_dir), block_size=bs, num_blocks=64, check_integrity=True,
                               kv_eviction="streaming", kv_budget=budget, attention_sinks=sinks))
-    text = ("The history of the lighthouse begins with fires lit on hills to guide ships home at night. "
-            "Later, towers of stone carried lamps, and lenses made the light reach far out to sea.")
-    prompt = eng.encode(text)
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(37)]
     assert len(prompt) >= budget + bs
     out = eng.generate(prompt, SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True))[0]
     ours = list(out.token_ids)
     assert eng.evictor is not None and eng.evictor.num_compactions >= 3
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = prompt + ours[:-1]
     vis = _visible_sets(len(prompt), num_out, budget, sinks, bs)
     mask = torch.full((len(ids), len(ids)), torch.finfo(torch.float32).min)
