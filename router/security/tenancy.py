@@ -30,12 +30,12 @@ import argparse
 import dataclasses
 import hashlib
 import hmac
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import grpc
 
-from contracts.requests import TENANT_BUSY_WINDOW_S, BadRequest, GenerateInput, context_length_error
+from contracts.busy import BusyTenants
+from contracts.requests import BadRequest, GenerateInput, context_length_error
 from contracts.sampling import SamplingParams
 from router.security.auth import ANONYMOUS, ApiKey, Authenticator
 
@@ -77,37 +77,13 @@ class TenantSalts:
         return TENANT_LABEL_PREFIX + digest[:16]
 
 
-class TenantActivity:
-    """Which tenants are busy on one router: requests in flight (`arrive` .. `leave`), or the
-    last one ended within `window_s`. On the router's event loop; the clock is injectable."""
-
-    def __init__(self, window_s: float = TENANT_BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
-        if not window_s >= 0:
-            raise ValueError(f"window_s={window_s!r} must be >= 0")
-        self.window_s = window_s
-        self._clock = clock
-        self._in_flight: dict[str, int] = {}
-        self._last_busy: dict[str, float] = {}   # tenant -> when its last request ended
-
-    def arrive(self, tenant: str) -> None:
-        self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
-
-    def leave(self, tenant: str) -> None:
-        n = self._in_flight[tenant] - 1
-        if n:
-            self._in_flight[tenant] = n
-        else:
-            del self._in_flight[tenant]
-            self._last_busy[tenant] = self._clock()
+class TenantActivity(BusyTenants):
+    """Which tenants are busy on one router (contracts.busy): requests in flight (`arrive` ..
+    `leave`), or the last one ended within `window_s`. On the router's event loop."""
 
     def busy_with(self, tenant: str) -> int:
-        """The tenants busy now, `tenant` counted whether or not it is (forgets those whose
-        window has passed)."""
-        now = self._clock()
-        for t, at in list(self._last_busy.items()):
-            if now - at > self.window_s:
-                del self._last_busy[t]
-        return len(self._in_flight.keys() | self._last_busy.keys() | {tenant})
+        """The tenants busy now, `tenant` counted whether or not it is."""
+        return len(self.busy() | {tenant})
 
 
 def grpc_caller(auth: Authenticator, context: grpc.aio.ServicerContext) -> ApiKey:

@@ -145,14 +145,14 @@ def test_contention_lasts_a_window_after_a_tenants_last_request() -> None:
     now = [0.0]
     fair = FairShare(window_s=2.0, clock=lambda: now[0])
     fair.arrive("beta", 1.0)
-    assert not fair.contended()
+    assert fair.contention() is Contention.NONE
     fair.arrive("alpha", 1.0)
-    assert fair.contended()
+    assert fair.contention() is not Contention.NONE
     fair.leave("alpha")
     now[0] = 1.5
-    assert fair.contended()
+    assert fair.contention() is not Contention.NONE
     now[0] = 3.6
-    assert not fair.contended()
+    assert fair.contention() is Contention.NONE
     with pytest.raises(ValueError):
         FairShare(window_s=-1)
 
@@ -169,14 +169,14 @@ def test_a_sequence_the_router_marked_shared_keeps_the_worker_contended_until_a_
     assert fair.contention() is Contention.ROUTER
     fair.leave("beta", shared=True)
     now[0] = 10.0
-    assert fair.contended()                  # one shared sequence still here
+    assert fair.contention() is not Contention.NONE                  # one shared sequence still here
     fair.leave("beta", shared=True)
     now[0] = 11.5
-    assert fair.contended()
+    assert fair.contention() is not Contention.NONE
     now[0] = 12.5
-    assert not fair.contended()
+    assert fair.contention() is Contention.NONE
     fair.arrive("beta", 1.0)                 # the router saw beta alone
-    assert not fair.contended()
+    assert fair.contention() is Contention.NONE
 
 
 @pytest.mark.parametrize("busy_tenants", [0, 1, 2])

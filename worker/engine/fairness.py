@@ -43,6 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from contracts.busy import BusyTenants
 from contracts.requests import TENANT_BUSY_WINDOW_S
 
 ROUTER_STEP_FACTOR = 4   # a step's prefill under `Contention.ROUTER`, in units of fair_step_tokens
@@ -58,15 +59,12 @@ class FairShare:
     """Per-tenant virtual token counters, weights and busy counts (see the module docstring)."""
 
     def __init__(self, window_s: float = TENANT_BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
-        if not window_s >= 0:
-            raise ValueError(f"fair window_s={window_s!r} must be >= 0")
+        self._busy = BusyTenants(window_s, clock)   # unfinished sequences per tenant, and the recently done
         self.window_s = window_s
         self._clock = clock
         self.counters: dict[str, float] = {}
         self.tokens: Counter[str] = Counter()      # tokens computed per tenant since start
         self._weights: dict[str, float] = {}
-        self._busy: Counter[str] = Counter()       # unfinished sequences per tenant
-        self._last_busy: dict[str, float] = {}     # when each tenant's last sequence finished
         self._shared = 0                           # unfinished sequences the router marked shared
         self._last_shared: float | None = None     # when the last of those finished
         self.num_light_steps = 0                   # steps that held the others' prefill (`light_step`)
@@ -75,20 +73,16 @@ class FairShare:
         """A request of `tenant` joins the scheduler (lifted first if the tenant was idle);
         `shared`: the router saw another tenant busy when it sent the request."""
         self._weights[tenant] = weight
-        if not self._busy[tenant]:
-            busy = [self.counters.get(t, 0.0) for t, n in self._busy.items() if n and t != tenant]
+        if tenant not in self._busy.in_flight:
+            busy = [self.counters.get(t, 0.0) for t in self._busy.in_flight if t != tenant]
             floor = min(busy) if busy else max(self.counters.values(), default=0.0)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
-        self._busy[tenant] += num_sequences
+        self._busy.arrive(tenant, num_sequences)
         self._shared += num_sequences if shared else 0
 
     def leave(self, tenant: str, shared: bool = False) -> None:
         """One sequence of `tenant` finished (or was aborted); `shared` as it arrived."""
-        self._busy[tenant] -= 1
-        assert self._busy[tenant] >= 0, f"tenant {tenant!r} left more sequences than arrived"
-        if not self._busy[tenant]:
-            del self._busy[tenant]
-            self._last_busy[tenant] = self._clock()
+        self._busy.leave(tenant)
         if shared:
             self._shared -= 1
             assert self._shared >= 0, "more shared sequences left than arrived"
@@ -117,15 +111,9 @@ class FairShare:
     def contention(self) -> Contention:
         """LOCAL: two or more tenants share the worker, busy now or within `window_s`. ROUTER:
         otherwise, a sequence the router marked shared is here or finished within `window_s`."""
-        now = self._clock()
-        for tenant, at in list(self._last_busy.items()):
-            if now - at > self.window_s:
-                del self._last_busy[tenant]
-        if len(set(self._busy) | set(self._last_busy)) >= 2:
+        if len(self._busy.busy()) >= 2:
             return Contention.LOCAL
+        now = self._clock()
         if self._shared or (self._last_shared is not None and now - self._last_shared <= self.window_s):
             return Contention.ROUTER
         return Contention.NONE
-
-    def contended(self) -> bool:
-        return self.contention() is not Contention.NONE
