@@ -32,7 +32,20 @@ from worker.server.service import WORKER_SERVICE, WorkerServer, WorkerServerConf
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-LONG = dict(max_tokens=506, ignore_eos=True)   # to max_model_len 512 from a 6-token prompt (~8 s) unless stopped
+LONG = dict(max_tokens=506, ignore_eos=True)   # to max_model_len 512 from a 6-token prompt unless stopped
+STEP_PACE_S = 0.01                               # with pace(): a LONG stream lasts >= 5 s on any CPU
+
+
+def pace(monkeypatch: pytest.MonkeyPatch, engine: Engine, seconds: float = STEP_PACE_S) -> None:
+    """Every engine step takes at least STEP_PACE_S, so a stream a test means to cut is still running when
+    it cuts it: a fast CPU runs the 506 tiny-model tokens inside the 0.3-0.5 s a cut waits."""
+    step = engine.step
+
+    def paced_step() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced_step)
 
 
 def tiny_cfg(tiny_model_dir: Any, **overrides: Any) -> EngineConfig:
@@ -193,8 +206,9 @@ def test_loading_then_text_and_chat_on_smollm2(loop, smollm2_dir):
 
 # -- draining -------------------------------------------------------------------------------
 @pytest.mark.server
-def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
+def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir, monkeypatch):
     engine = Engine(tiny_cfg(tiny_model_dir))
+    pace(monkeypatch, engine, 0.002)                 # still streaming when the drain starts, ~1 s to the end
     server = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="w-drain"), engine=engine)
     port = loop.run(server.start())
     stopping: concurrent.futures.Future[None] | None = None
@@ -223,8 +237,9 @@ def test_drain_finishes_inflight_and_refuses_new(loop, tiny_model_dir):
 
 
 @pytest.mark.server
-def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir):
+def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir, monkeypatch):
     engine = Engine(tiny_cfg(tiny_model_dir))
+    pace(monkeypatch, engine)
     server = WorkerServer(engine.cfg, WorkerServerConfig(worker_id="w-cut"), engine=engine)
     port = loop.run(server.start())
     try:
@@ -246,7 +261,8 @@ def test_drain_timeout_cancels_streams_and_frees_blocks(loop, tiny_model_dir):
 
 # -- cancellation ---------------------------------------------------------------------------
 @pytest.mark.server
-def test_client_cancel_aborts_and_frees_blocks(channel):
+def test_client_cancel_aborts_and_frees_blocks(channel, tiny_engine, monkeypatch):
+    pace(monkeypatch, tiny_engine)
     stub = pb_grpc.WorkerStub(channel)
     stream = stub.Generate(request([30, 31, 32, 33, 34, 35], **LONG))
     next(stream)
@@ -258,7 +274,8 @@ def test_client_cancel_aborts_and_frees_blocks(channel):
 
 
 @pytest.mark.server
-def test_deadline_exceeded_aborts_and_frees_blocks(channel):
+def test_deadline_exceeded_aborts_and_frees_blocks(channel, tiny_engine, monkeypatch):
+    pace(monkeypatch, tiny_engine)
     stub = pb_grpc.WorkerStub(channel)
     got: list[pb.GenerateResponse] = []
     with pytest.raises(grpc.RpcError) as err:
@@ -271,7 +288,8 @@ def test_deadline_exceeded_aborts_and_frees_blocks(channel):
 
 
 @pytest.mark.server
-def test_abort_rpc_ends_stream_with_abort(channel):
+def test_abort_rpc_ends_stream_with_abort(channel, tiny_engine, monkeypatch):
+    pace(monkeypatch, tiny_engine)
     stub = pb_grpc.WorkerStub(channel)
     stream = stub.Generate(request([50, 51, 52, 53], "abort-me", **LONG))
     next(stream)
@@ -342,9 +360,10 @@ def test_oversized_message_is_resource_exhausted(channel):
 
 
 @pytest.mark.server
-def test_queue_full_is_resource_exhausted(loop, tiny_model_dir):
+def test_queue_full_is_resource_exhausted(loop, tiny_model_dir, monkeypatch):
     # One running slot and one waiting slot: a third request cannot be queued.
     engine = Engine(tiny_cfg(tiny_model_dir, max_queue_len=1, max_num_seqs=1))
+    pace(monkeypatch, engine)
     with serving(loop, engine.cfg, engine, worker_id="w-full") as (_, ch):
         stub = pb_grpc.WorkerStub(ch)
         running = stub.Generate(request([60, 61, 62], **LONG))
