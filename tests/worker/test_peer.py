@@ -311,7 +311,11 @@ def test_two_workers_fetch_recompute_corrupt_and_bad_input(tiny_model_dir: Any, 
     assert final.peer_cached_tokens == (40 if load.peer.last_decision == "fetch" else 0)
     assert b.GetLoad(pb.LoadRequest()).peer.pairs_broken == 0
 
-    # 5. the hinted peer's control plane does not answer: B recomputes, same tokens
+    # 5. the hinted peer's control plane does not answer: B recomputes, same tokens. B's prefill
+    # figure is set to 1,000 tokens/s first, so its cost model tries the fetch (recomputing 40 tokens:
+    # 40 ms, the assumed link 1 ms) rather than recomputing from the start: the tiny model's measured
+    # prefill (~40,000 tokens/s on a fast CPU) prices the two about equal
+    servers[1]._peer.prefill_tokens_per_s = 1000.0   # type: ignore[union-attr]
     p4 = [(17 * i) % 200 + 3 for i in range(41)]
     gone = pb.PeerHint(worker_id="w-gone", address=f"127.0.0.1:{free_port()}", num_blocks=10)
     got, final = _runner(b, gone)(p4, hinted=True)
