@@ -24,9 +24,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from kvstore.events import WorkerId
 from kvstore.keys import BlockHash
 
+DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
 ASK_HALF_LIFE = 4.0        # pool-fulls of routed prompt blocks; chosen by the sweep (module docstring)
 # Base-relative weights stay within 2^_REBASE_HALF_LIVES so the running sums keep every block's
 # part (float64 carries 53 bits: a wider range would lose a small weight beside a large one).
@@ -86,7 +89,7 @@ class Tally:
         """The shared blocks, expected and decayed: those asked for twice, plus those asked for
         once at the rate blocks of their depth were asked for again (`again` of `first`,
         smoothed), each at its weight now."""
-        rates = sum(n * (again[d] + 1) / (first[d] + 2) for d, n in self.once.items())
+        rates = sum(n * (again[d] + 1) / (first[d] + 2) for d, n in sorted(self.once.items()))
         return max(0.0, scale * (self.shared + rates))
 
     def check(self, other: Tally, what: str) -> None:
@@ -98,6 +101,99 @@ class Tally:
         for d in set(self.once) | set(other.once):
             mine, held = self.once.get(d, 0.0), other.once.get(d, 0.0)
             assert close(mine, held), f"{what} counts {mine} blocks asked once at depth {d}, holds {held}"
+
+
+class TallyTable:
+    """One `Tally` per key (a worker) as a row of numpy arrays, so that every worker's expected
+    shared blocks come out of one vectorized pass per routing decision (`expected`) instead of a
+    Python sum per worker. A row's figures are the very floats a `Tally` keeps (the same
+    additions, in the same order), and `expected` sums each row's depths in ascending order,
+    left to right, as `Tally.expected` does: the two agree to the last bit."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._rows: dict[WorkerId, int] = {}
+        self._free: list[int] = []
+        self.shared = np.zeros(capacity)
+        self.once = np.zeros((capacity, DEPTHS))
+        self.depths = 0             # 1 + the deepest depth counted (columns past it are zero)
+        self.version = 0            # moves whenever a key gets or loses its row
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rows
+
+    def keys(self) -> list[WorkerId]:
+        return list(self._rows)
+
+    def rows(self, keys: Sequence[WorkerId]) -> np.ndarray:
+        """The row of each of `keys` (-1: none)."""
+        get = self._rows.get
+        return np.array([get(k, -1) for k in keys], dtype=np.intp)
+
+    def _row(self, key: WorkerId) -> int:
+        r = self._rows.get(key)
+        if r is None:
+            if self._free:
+                r = self._free.pop()
+            else:
+                r = len(self._rows)
+                if r == len(self.shared):
+                    self.shared = np.concatenate([self.shared, np.zeros(r)])
+                    self.once = np.concatenate([self.once, np.zeros((r, DEPTHS))])
+            self._rows[key] = r
+            self.version += 1
+        return r
+
+    def count(self, key: WorkerId, ask: Ask, weight: float, sign: int) -> None:
+        """`Tally.count` on `key`'s row."""
+        r = self._row(key)
+        if ask.num_asks >= 2:
+            self.shared[r] += sign * weight
+        else:
+            self.once[r, ask.depth] += sign * weight
+            if ask.depth >= self.depths:
+                self.depths = ask.depth + 1
+
+    def pop(self, key: WorkerId) -> None:
+        r = self._rows.pop(key, None)
+        if r is not None:
+            self.shared[r] = 0.0
+            self.once[r] = 0.0
+            self._free.append(r)
+            self.version += 1
+
+    def load(self, tallies: Mapping[WorkerId, Tally]) -> None:
+        """Replace every row by `tallies` (a recount)."""
+        for key in list(self._rows):
+            self.pop(key)
+        for key, tally in tallies.items():
+            r = self._row(key)
+            self.shared[r] = tally.shared
+            for d, n in tally.once.items():
+                self.once[r, d] = n
+                self.depths = max(self.depths, d + 1)
+
+    def tally(self, key: WorkerId) -> Tally:
+        """`key`'s row as a `Tally` (its zero depths left out)."""
+        out = Tally()
+        r = self._rows.get(key)
+        if r is not None:
+            out.shared = float(self.shared[r])
+            out.once = {d: float(n) for d, n in enumerate(self.once[r, :self.depths]) if n != 0.0}
+        return out
+
+    def expected(self, rows: np.ndarray, first: Sequence[int], again: Sequence[int], scale: float) -> np.ndarray:
+        """`Tally.expected` of each of `rows` (row numbers; -1: no row, 0.0)."""
+        d = self.depths
+        rows = np.asarray(rows, dtype=np.intp)
+        safe = np.where(rows >= 0, rows, 0)
+        shared = self.shared[safe]
+        if d:
+            terms = self.once[safe, :d] * (np.asarray(again[:d], dtype=float) + 1.0) \
+                / (np.asarray(first[:d], dtype=float) + 2.0)
+            shared = shared + np.cumsum(terms, axis=1)[:, -1]
+        out = np.maximum(0.0, scale * shared)
+        out[rows < 0] = 0.0
+        return out
 
 
 def recount(by_worker: Mapping[WorkerId, Iterable[BlockHash]], held_anywhere: Iterable[BlockHash],

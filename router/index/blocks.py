@@ -39,14 +39,15 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
-from router.index.asks import ASK_HALF_LIFE, Ask, Decay, Tally, recount
+from router.index.asks import ASK_HALF_LIFE, DEPTHS as _DEPTHS, Ask, Decay, Tally, TallyTable, recount
 from router.index.check import ALL_TIERS, check_holders
 from router.index.pending import PendingBlocks
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
-_DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
 
 
 class IndexStats(NamedTuple):
@@ -79,7 +80,8 @@ class BlockIndex:
         self._applied = 0
         self._pending = PendingBlocks()
         self._asked: dict[BlockHash, Ask] = {}
-        self._held_asks: dict[WorkerId, Tally] = {}   # each worker's blocks by their asks
+        self._held_asks = TallyTable()               # each worker's blocks by their asks (a row each)
+        self._rows_of: tuple[tuple[WorkerId, ...], int, np.ndarray] | None = None   # shared_blocks_of's last rows
         self._any_asks = Tally()                     # the same over the distinct blocks held anywhere
         self._first = [0] * _DEPTHS                  # blocks first asked for, per depth (ever)
         self._again = [0] * _DEPTHS                  # of those, asked for a second time
@@ -148,7 +150,7 @@ class BlockIndex:
         """Forget `worker_id` altogether (it left routing), with its pending blocks."""
         self._drop(worker_id, self._by_worker.get(worker_id, ()), ALL_TIERS)
         self._by_worker.pop(worker_id, None)
-        self._held_asks.pop(worker_id, None)
+        self._held_asks.pop(worker_id)
         for rid in self._pending.on_worker(worker_id):
             self.drop_pending(rid)
 
@@ -197,8 +199,15 @@ class BlockIndex:
     def shared_blocks(self, worker_id: WorkerId) -> float:
         """The shared blocks `worker_id` holds (any tier), expected: those two requests'
         prompts held, plus those one did at the rate blocks of their depth were asked again."""
-        tally = self._held_asks.get(worker_id)
-        return tally.expected(self._first, self._again, self._decay.scale()) if tally is not None else 0.0
+        return float(self.shared_blocks_of([worker_id])[0])
+
+    def shared_blocks_of(self, worker_ids: Sequence[WorkerId]) -> np.ndarray:
+        """`shared_blocks` of each of `worker_ids` (the same floats), in one vectorized pass."""
+        table, key = self._held_asks, tuple(worker_ids)
+        cached = self._rows_of
+        if cached is None or cached[0] != key or cached[1] != table.version:
+            cached = self._rows_of = (key, table.version, table.rows(key))
+        return table.expected(cached[2], self._first, self._again, self._decay.scale())
 
     def set_capacity(self, num_blocks: int) -> None:
         """The pools' size, in blocks, that the traffic clock measures routed prompts against
@@ -253,7 +262,7 @@ class BlockIndex:
     def _count_held(self, worker_id: WorkerId, h: BlockHash, sign: int) -> None:
         seen = self._asked.get(h)
         if seen is not None:
-            self._held_asks.setdefault(worker_id, Tally()).count(seen, self._decay.weight(seen), sign)
+            self._held_asks.count(worker_id, seen, self._decay.weight(seen), sign)
 
     def _recount(self) -> tuple[dict[WorkerId, Tally], Tally]:
         """The tallies counted afresh from the blocks held and their asks."""
@@ -262,7 +271,8 @@ class BlockIndex:
     def _rebase(self) -> None:
         """Move the weights' base to now (they would soon outgrow floating point)."""
         self._decay.base = self._decay.now
-        self._held_asks, self._any_asks = self._recount()
+        held, self._any_asks = self._recount()
+        self._held_asks.load(held)
 
     def _forget_asks(self, h: BlockHash) -> None:
         if h not in self._blocks and h not in self._pending.by_block:
@@ -296,6 +306,38 @@ class BlockIndex:
             counts[w] = num_matched
         return counts
 
+    def match_leading(self, block_hashes: Sequence[BlockHash], *, pending: bool = True) -> dict[WorkerId, int]:
+        """`match_prefix` over every worker, sparse: only the workers holding (or computing,
+        unless `pending=False`) at least the first block, with their counts — O(the prompt's
+        blocks × their holders), whatever the number of workers."""
+        no_pending: dict[WorkerId, set[str]] = {}
+        by_block = self._pending.by_block if pending else {}
+        counts: dict[WorkerId, int] = {}
+        matching: set[WorkerId] | None = None
+        num_matched = 0
+        for h in block_hashes:
+            holders = self._holders(h)
+            computing = by_block.get(h, no_pending)
+            if not holders and not computing:
+                break
+            if matching is None:
+                matching = set(holders)
+                matching.update(computing)
+            else:
+                for w in [w for w in matching if w not in holders and w not in computing]:
+                    counts[w] = num_matched
+                    matching.discard(w)
+                if not matching:
+                    break
+            num_matched += 1
+        for w in matching or ():
+            counts[w] = num_matched
+        return counts
+
+    def computing_any(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, set[str]]:
+        """`computing` for every worker at once, sparse (the workers where it is not empty)."""
+        return self._pending.computing_any(block_hashes)
+
     def locate(self, block_hash: BlockHash) -> dict[WorkerId, frozenset[Tier]]:
         """The workers holding `block_hash`, each with the tiers it holds it in."""
         return {w: _tiers(mask) for w, mask in self._masks(block_hash).items()}
@@ -316,8 +358,8 @@ class BlockIndex:
         """Raise AssertionError describing the first broken invariant, if any."""
         check_holders(self._entries(), self._by_worker, self._holders)
         held_asks, any_asks = self._recount()
-        for w, tally in held_asks.items():
-            self._held_asks.get(w, Tally()).check(tally, w)
+        for w in set(held_asks) | set(self._held_asks.keys()):
+            self._held_asks.tally(w).check(held_asks.get(w, Tally()), w)
         self._any_asks.check(any_asks, "the distinct blocks")
         for h in self._asked:
             assert h in self._blocks or h in self._pending.by_block, \

@@ -144,6 +144,15 @@ class PendingBlocks:
                 out |= rids
         return out
 
+    def computing_any(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, set[str]]:
+        """`computing` of every worker where it is not empty."""
+        out: dict[WorkerId, set[str]] = {}
+        for h in block_hashes:
+            for w, rids in self.by_block.get(h, {}).items():
+                if rids and w in self._on:
+                    out.setdefault(w, set()).update(rids)
+        return out
+
     def requests(self) -> list[str]:
         return sorted(self._requests)
 

@@ -28,8 +28,9 @@ from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
-from router.routing.disagg import Disaggregation, decode_pool, is_active
+from router.routing.disagg import Disaggregation, is_active
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
+from router.routing.fastpick import KvAwareFast
 from router.routing.inflight import InFlightPrefills
 from router.routing.migrate import (
     MAX_WAIT_FOR_WORKER_S,
@@ -74,6 +75,8 @@ class Router:
         self.cfg = cfg
         self.registry = registry
         self.policy: Policy = make_policy(cfg.routing_policy, cfg.load_factor)
+        self._fast: KvAwareFast | None = None
+        self._fast_of: Policy | None = None
         self.stats = RoutingStats()
         self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
         self.tokenizer = tokenizer      # set by whoever starts the router, before it serves
@@ -335,8 +338,11 @@ class Router:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
         cached, and the peer to hint when another live worker holds more of the prompt."""
         info = self.model_info
-        chosen = pick_worker(self.policy, self.registry, self._routing_view(route),
-                             decode_pool(self.live_workers()), route, tried, info.block_size if info is not None else 0)
+        if self._fast_of is not self.policy:     # the policy's column pick (router/routing/fastpick.py)
+            self._fast, self._fast_of = KvAwareFast.of(self.policy), self.policy
+        view = self._routing_view(route)
+        chosen = pick_worker(self.policy, self.registry, view, view.decode_pool, route, tried,
+                             info.block_size if info is not None else 0, self._fast)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
         return chosen

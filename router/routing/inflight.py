@@ -26,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from router.index.blocks import BlockIndex
 from router.routing.types import RouteRequest, WorkerId
@@ -73,10 +75,15 @@ class InFlightPrefills:
         self.cfg = cfg if cfg is not None else InFlightConfig()
         self._clock = clock
         self._queued: dict[str, _Queued] = {}
+        self._queued_sum: dict[WorkerId, int] = {}  # per worker: the tokens of its `_queued` entries
         self._leaders: dict[str, set[str]] = {}     # request id → the requests computing its prefix
         self._attempts: dict[str, WorkerId] = {}    # request id → its worker, dispatched to done
-        self._running: dict[WorkerId, int] = {}     # attempts per worker
-        self._mean: dict[WorkerId, float] = {}      # time-averaged `_running`, as of `_mean_at`
+        # per worker (a slot each, numbered as workers are first dispatched to): its attempts,
+        # and their time average as of `_mean_at` (arrays: one vectorized step brings all to now)
+        self._slots: dict[WorkerId, int] = {}
+        self._running = np.zeros(16)
+        self._mean = np.zeros(16)
+        self._rows: tuple[tuple[WorkerId, ...], np.ndarray] = ((), np.zeros(0, dtype=np.intp))
         self._mean_at = clock()
         self.waits = 0                              # requests held for another's prefill
         self.wait_s = 0.0
@@ -96,7 +103,7 @@ class InFlightPrefills:
         index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
                           resubmitted)
         queued = max(0, len(route.token_ids) - predicted_tokens)
-        self._queued[request_id] = _Queued(worker_id, queued, asyncio.Event())
+        self._enqueue(request_id, _Queued(worker_id, queued, asyncio.Event()))
         if self.listener is not None:
             self.listener.sent(request_id, worker_id, route, queued)
 
@@ -109,7 +116,7 @@ class InFlightPrefills:
         self._count(worker_id, +1)
         self._attempts[request_id] = worker_id
         index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s)
-        self._queued[request_id] = _Queued(worker_id, max(0, queued_tokens), asyncio.Event())
+        self._enqueue(request_id, _Queued(worker_id, max(0, queued_tokens), asyncio.Event()))
 
     async def wait_for_leaders(self, request_id: str, timeout_s: float) -> None:
         """Until every request computing this one's prefix on its worker has started
@@ -130,7 +137,7 @@ class InFlightPrefills:
     def prefilled(self, index: BlockIndex, request_id: str) -> None:
         """The first response of `request_id` came: its prompt's blocks are on the worker (and
         stay there, in use, until it ends)."""
-        q = self._queued.pop(request_id, None)
+        q = self._dequeue(request_id)
         self._leaders.pop(request_id, None)
         if q is not None:
             q.started.set()
@@ -140,7 +147,7 @@ class InFlightPrefills:
     def done(self, index: BlockIndex, request_id: str, streamed: bool) -> None:
         """The attempt ended; one that never streamed (failed, aborted) drops its prediction,
         one that streamed keeps it `settle_s` more for its `BlockStored` events to arrive."""
-        q = self._queued.pop(request_id, None)
+        q = self._dequeue(request_id)
         self._leaders.pop(request_id, None)
         if q is not None:
             q.started.set()
@@ -159,32 +166,73 @@ class InFlightPrefills:
         """Drop the index's predictions that are past their expiry now."""
         index.expire_pending(self._clock())
 
+    def _enqueue(self, request_id: str, q: _Queued) -> None:
+        assert request_id not in self._queued, f"{request_id} is queued already"
+        self._queued[request_id] = q
+        self._queued_sum[q.worker_id] = self._queued_sum.get(q.worker_id, 0) + q.tokens
+
+    def _dequeue(self, request_id: str) -> _Queued | None:
+        q = self._queued.pop(request_id, None)
+        if q is not None:
+            left = self._queued_sum[q.worker_id] - q.tokens
+            if left:
+                self._queued_sum[q.worker_id] = left
+            else:
+                del self._queued_sum[q.worker_id]
+        return q
+
     def queued_tokens(self, index: BlockIndex, workers: Iterable[WorkerId], route: RouteRequest) -> dict[WorkerId, int]:
         """Per worker: the prompt tokens queued for prefill there, less those of requests
         computing `route`'s own prefix there (waiting on them is the prefill it saves)."""
-        out = dict.fromkeys(workers, 0)
-        for q in self._queued.values():
-            if q.worker_id in out:
-                out[q.worker_id] += q.tokens
-        for w in out:
-            for r in index.computing(w, route.block_hashes):
+        base, less = self._queued_sum, self.queued_less(index, route)
+        return {w: base.get(w, 0) - less.get(w, 0) for w in workers}
+
+    def queued_base(self) -> dict[WorkerId, int]:
+        """Per worker with any: the prompt tokens queued for prefill there (the prefill queue,
+        kept as requests come and go; read-only)."""
+        return self._queued_sum
+
+    def queued_less(self, index: BlockIndex, route: RouteRequest) -> dict[WorkerId, int]:
+        """What `queued_tokens` takes off `queued_base`, per worker where it is not 0: the
+        tokens of the requests computing `route`'s own prefix there (sparse: the prompt's
+        pending blocks name them)."""
+        out: dict[WorkerId, int] = {}
+        for w, rids in index.computing_any(route.block_hashes).items():
+            for r in rids:
                 leader = self._queued.get(r)
                 if leader is not None and leader.worker_id == w:
-                    out[w] -= leader.tokens
+                    out[w] = out.get(w, 0) + leader.tokens
         return out
 
     def mean_in_flight(self, workers: Iterable[WorkerId]) -> dict[WorkerId, float]:
         """Per worker: its attempts in flight averaged over time, each past moment weighted by
         exp(−age / `load_window_s`) (0 for a worker never dispatched to)."""
+        workers = list(workers)
+        return dict(zip(workers, self.mean_column(workers).tolist()))
+
+    def mean_column(self, workers: Sequence[WorkerId]) -> np.ndarray:
+        """`mean_in_flight` of `workers` as an array, in their order."""
         self._advance()
-        return {w: self._mean.get(w, 0.0) for w in workers}
+        key = tuple(workers)
+        if key != self._rows[0]:
+            self._rows = (key, np.array([self._slots.get(w, -1) for w in key], dtype=np.intp))
+        rows = self._rows[1]
+        out = self._mean[np.where(rows >= 0, rows, 0)]
+        out[rows < 0] = 0.0
+        return out
 
     def _count(self, worker_id: WorkerId, delta: int) -> None:
         self._advance()
-        n = self._running.get(worker_id, 0) + delta
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._slots[worker_id] = len(self._slots)
+            self._rows = ((), self._rows[1])
+            if slot == len(self._running):
+                self._running = np.concatenate([self._running, np.zeros(slot)])
+                self._mean = np.concatenate([self._mean, np.zeros(slot)])
+        n = int(self._running[slot]) + delta
         assert n >= 0, f"{worker_id} would have {n} attempts in flight"
-        self._running[worker_id] = n
-        self._mean.setdefault(worker_id, 0.0)
+        self._running[slot] = n
 
     def _advance(self) -> None:
         """Bring every worker's average to now: the count held constant since the last change."""
@@ -193,10 +241,8 @@ class InFlightPrefills:
         if dt <= 0.0:
             return
         keep = math.exp(-dt / self.cfg.load_window_s)
-        for w, mean in list(self._mean.items()):
-            n = self._running.get(w, 0)
-            self._mean[w] = n + (mean - n) * keep
-            if n == 0 and self._mean[w] < 1e-9:     # a worker long idle or gone: forget it
-                del self._mean[w]
-                self._running.pop(w, None)
+        n = self._running
+        mean = n + (self._mean - n) * keep
+        mean[(n == 0) & (mean < 1e-9)] = 0.0       # a worker long idle or gone: nothing left
+        self._mean = mean
         self._mean_at = now

@@ -6,14 +6,19 @@ worker holds more of the prompt. torch-free.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+import functools
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from contracts.requests import PeerHint
+from contracts.roles import WorkerRole
+from router.routing.disagg import decode_pool
+from router.routing.fastpick import Columns, KvAwareFast
 from router.routing.inflight import InFlightPrefills
 from router.routing.policy import Policy
-from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 from router.workers.registry import WorkerEntry, WorkerRegistry
 
 
@@ -27,49 +32,124 @@ class Pick(NamedTuple):
     fetched_tokens: int = 0
 
 
-class RoutingView(NamedTuple):
-    """The policy's state, the leading blocks each worker has stored (not pending: a peer can
-    send only those) and the workers with a peer plane (id → address)."""
+class RoutingView:
+    """What the policy sees for one request, kept in columns over the live workers (`ids`,
+    router/routing/fastpick.py `Columns`) with the request's sparse figures beside them: the
+    leading prompt blocks each worker holds or computes (`cached`) and has stored (`stored`: a
+    peer can send only those), zeros left out. `state` (the dicts `Policy.pick` reads) and
+    `peers` (id → address of the workers with a peer plane) are built only when asked for."""
 
-    state: RoutingState
-    stored: dict[WorkerId, int]
-    peers: dict[WorkerId, str]
+    def __init__(self, live: Sequence[WorkerEntry], ids: list[WorkerId], cols: Columns, cached: dict[WorkerId, int],
+                 stored: dict[WorkerId, int], peer: np.ndarray, block_size: int,
+                 cluster_committed: float, slots: dict[WorkerId, int] | None = None) -> None:
+        self.live = live
+        self.ids = ids
+        self.cols = cols
+        self.cached = cached
+        self.stored = stored
+        self.peer = peer
+        self.block_size = block_size
+        self.cluster_committed = cluster_committed
+        self.slots = slots if slots is not None else {w: i for i, w in enumerate(ids)}
+
+    @functools.cached_property
+    def peers(self) -> dict[WorkerId, str]:
+        return {self.ids[i]: self.live[i].address for i in np.flatnonzero(self.peer).tolist()}
+
+    @functools.cached_property
+    def state(self) -> RoutingState:
+        cols, ids = self.cols, self.ids
+        loads = {wid: WorkerLoad(int(cols.in_flight[i]), e.free_blocks, e.num_blocks, e.reused_blocks,
+                                 float(cols.shared[i])) for i, (wid, e) in enumerate(zip(ids, self.live))}
+        return RoutingState(loads, {w: self.cached.get(w, 0) for w in ids},
+                            dict(zip(ids, cols.queued.tolist())), self.block_size, dict(zip(ids, cols.mean.tolist())),
+                            {ids[i]: int(cols.fetchable[i]) for i in np.flatnonzero(self.peer).tolist()},
+                            self.cluster_committed)
+
+    @functools.cached_property
+    def decode_pool(self) -> list[WorkerInfo]:
+        """router/routing/disagg.py `decode_pool` of the live workers."""
+        infos: list[WorkerInfo] = [w.info for w in self.live]  # type: ignore[misc]
+        return decode_pool(infos) if any(i.role is WorkerRole.PREFILL for i in infos) else infos
+
+    def pool(self, workers: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> Columns | None:
+        """The columns of `workers` less `exclude`, in their order (None: a worker not in the view)."""
+        if not exclude and len(workers) == len(self.ids) and (workers is self.decode_pool or all(
+                w.worker_id == i for w, i in zip(workers, self.ids))):
+            return self.cols
+        slots = self.slots
+        rows = [slots.get(w.worker_id, -1) for w in workers if w.worker_id not in exclude]
+        if any(r < 0 for r in rows):
+            return None
+        return self.cols.take(np.array(rows, dtype=np.intp))
 
 
 def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: RouteRequest,
                  block_size: int | None) -> RoutingView:
-    """The view now (`block_size`: the model's, None before a worker told it)."""
-    live = [(w.info.worker_id, w) for w in registry.live() if w.info is not None]
+    """The view now (`block_size`: the model's, None before a worker told it). O(workers) in
+    array passes and comprehensions; the request's own figures come from the index's sparse
+    lookups (the prompt's blocks and their holders)."""
+    live = [w for w in registry.live() if w.info is not None]
+    ids = [w.info.worker_id for w in live]  # type: ignore[union-attr]
+    slots = {w: i for i, w in enumerate(ids)}
+    n = len(ids)
     index = registry.index
-    loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
     prefills.expire(index)
-    cached = index.match_prefix(route.block_hashes, list(loads))
-    stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
-    peers = {wid: w.address for wid, w in live if w.peer_plane}
-    fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers), default=0)
-                          - cached.get(wid, 0))
-                 for wid in peers}
-    capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
+    cached = {w: c for w, c in index.match_leading(route.block_hashes).items() if w in slots}
+    stored = {w: c for w, c in index.match_leading(route.block_hashes, pending=False).items() if w in slots}
+    in_flight = np.fromiter((w.in_flight for w in live), dtype=np.int64, count=n)
+    num_blocks = np.fromiter((w.num_blocks for w in live), dtype=np.int64, count=n)
+    peer = np.fromiter((w.peer_plane for w in live), dtype=bool, count=n)
+    cached_col = np.zeros(n, dtype=np.int64)
+    for w, c in cached.items():
+        cached_col[slots[w]] = c
+    # fetchable, peers only: the most leading blocks another peer has stored, less its own cached
+    # (`max(0, max(stored of the other peers, default 0) − cached)`, from the two best)
+    fetch = np.zeros(n, dtype=np.int64)
+    top = sorted(((c, w) for w, c in stored.items() if peer[slots[w]]), reverse=True)[:2]
+    if top:
+        fetch = np.where(peer, np.maximum(0, top[0][0] - cached_col), 0)
+        first = slots[top[0][1]]
+        fetch[first] = max(0, (top[1][0] if len(top) > 1 else 0) - int(cached_col[first]))
+    queued = np.zeros(n, dtype=np.int64)
+    for w, t in prefills.queued_base().items():
+        if w in slots:
+            queued[slots[w]] = t
+    for w, t in prefills.queued_less(index, route).items():
+        if w in slots:
+            queued[slots[w]] -= t
+    capacity = int(np.maximum(0, num_blocks).sum())
     index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
-    state = RoutingState(loads, cached, prefills.queued_tokens(index, loads, route), block_size or 16,
-                         prefills.mean_in_flight(loads), fetchable,
-                         min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
-    return RoutingView(state, stored, peers)
+    cols = Columns(ids, in_flight, num_blocks, index.shared_blocks_of(ids), prefills.mean_column(ids), queued,
+                   cached_col, fetch)
+    return RoutingView(live, ids, cols, cached, stored, peer, block_size or 16,
+                       min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0, slots)
 
 
 def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, workers: Sequence[WorkerInfo],
-                route: RouteRequest, tried: set[WorkerId], block_size: int) -> Pick | None:
-    """The policy's worker among `workers` (not in `tried`), or None."""
-    chosen = policy.pick(workers, route, view.state, exclude=tried)
-    if chosen is None:
-        return None
+                route: RouteRequest, tried: set[WorkerId], block_size: int,
+                fast: KvAwareFast | None = None) -> Pick | None:
+    """The policy's worker among `workers` (not in `tried`), or None. `fast`: the policy's
+    column pick (router/routing/fastpick.py; None: `Policy.pick` on the view's state)."""
+    pool = view.pool(workers, tried) if fast is not None else None
+    if fast is not None and pool is not None:
+        at = fast.pick(pool, route, view.block_size, max(view.cached.values(), default=0), view.cluster_committed)
+        if at is None:
+            return None
+        chosen_id = pool.ids[at]
+        chosen_entry = view.live[view.slots[chosen_id]]
+    else:
+        chosen = policy.pick(workers, route, view.state, exclude=tried)
+        if chosen is None:
+            return None
+        chosen_id, chosen_entry = chosen.worker_id, registry.entry(chosen.address)
     bs = block_size
     # The worker recomputes at least the last prompt token, as the engine's lookup does.
     max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
-    blocks = min(view.state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
-    hint = best_peer_hint(chosen.worker_id, view.stored, view.peers, max_blocks)
+    blocks = min(view.cached.get(chosen_id, 0), max_blocks)
+    hint = best_peer_hint(chosen_id, view.stored, view.peers, max_blocks) if view.stored else None
     fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
-    return Pick(registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
+    return Pick(chosen_entry, blocks * bs, hint, fetched * bs)
 
 
 def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],

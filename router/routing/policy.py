@@ -35,7 +35,7 @@ from router.routing.scorers import (
 from router.routing.types import Filter, RouteRequest, RoutingPolicy, RoutingState, Scorer, WorkerId, WorkerInfo
 
 # Scores are rounded before comparing so float noise cannot beat the tie-break.
-_DIGITS = 9
+ROUND_DIGITS = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class Policy:
             for wid in totals:
                 totals[wid] += part.weight * scores.get(wid, 0.0)
         ties = self.tiebreak.score(pool, request, state) if self.tiebreak is not None else {}
-        return max(eligible, key=lambda w: (round(totals[w.worker_id], _DIGITS), ties.get(w.worker_id, 0.0)))
+        return max(eligible, key=lambda w: (round(totals[w.worker_id], ROUND_DIGITS), ties.get(w.worker_id, 0.0)))
 
 
 def _round_robin(load_factor: float) -> Policy:

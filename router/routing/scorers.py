@@ -65,6 +65,23 @@ def check_load_factor(load_factor: float) -> None:
         raise ValueError(f"load_factor={load_factor!r} must be >= 1 ({DEFAULT_LOAD_FACTOR} is the default)")
 
 
+_VNODES: dict[tuple[WorkerId, int], list[int]] = {}
+
+
+def vnode_points(worker_id: WorkerId, vnodes: int) -> list[int]:
+    """`worker_id`'s points on a ring of `vnodes` points per worker, ascending (memoized: they
+    depend on nothing else)."""
+    key = (worker_id, vnodes)
+    points = _VNODES.get(key)
+    if points is None:
+        if len(_VNODES) >= 1 << 16:       # worker ids come and go: keep the memo bounded
+            _VNODES.clear()
+        points = _VNODES[key] = sorted(
+            int.from_bytes(hashlib.blake2b(f"{worker_id}#{v}".encode(), digest_size=8).digest(), "big")
+            for v in range(vnodes))
+    return points
+
+
 class HashRing:
     """Consistent-hash ring with `vnodes` points per worker; rebuilt when the worker set changes."""
 
@@ -95,8 +112,7 @@ class HashRing:
         return order
 
     def _build(self, ids: tuple[WorkerId, ...]) -> None:
-        points = sorted((int.from_bytes(hashlib.blake2b(f"{wid}#{v}".encode(), digest_size=8).digest(), "big"), wid)
-                        for wid in ids for v in range(self.vnodes))
+        points = sorted((p, wid) for wid in ids for p in vnode_points(wid, self.vnodes))
         self._ids = ids
         self._points = [p for p, _ in points]
         self._owners = [w for _, w in points]
@@ -146,17 +162,17 @@ class RotationScorer:
         return {wid: 1.0 - ((i - turn) % n) / n for i, wid in enumerate(ids)}
 
 
-_MAX_DISPLACE = 0.9   # p's cap in PrefillCostScorer: the cascade p / (1 − p) stays finite (9)
+MAX_DISPLACE = 0.9   # p's cap in PrefillCostScorer: the cascade p / (1 − p) stays finite (9)
 
 
 def _cascade(p: float) -> float:
     """u = p / (1 − p), p capped at 0.9: each displaced block is recomputed later, displacing
     another with the same chance (p + p² + …)."""
-    p = min(_MAX_DISPLACE, max(0.0, p))
+    p = min(MAX_DISPLACE, max(0.0, p))
     return p / (1.0 - p)
 
 
-def _cascade_past(committed: float, room: float) -> float:
+def cascade_past(committed: float, room: float) -> float:
     """The cascade at the chance p = the committed fraction past `room`, rising linearly to 1."""
     return _cascade(max(0.0, committed - room) / (1.0 - room))
 
@@ -244,10 +260,10 @@ class PrefillCostScorer:
         if most_cached is None:
             most_cached = max(state.cached_blocks.values(), default=0)
         copies = min(total - cached, bs * max(0, most_cached - own))
-        displaced = _cascade_past(load.committed, self.room_frac)
+        displaced = cascade_past(load.committed, self.room_frac)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
-                                       + max(displaced, _cascade_past(state.cluster_committed, self.room_frac))
+                                       + max(displaced, cascade_past(state.cluster_committed, self.room_frac))
                                        * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)

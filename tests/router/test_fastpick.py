@@ -1,0 +1,144 @@
+"""The kv_aware column pick (router/routing/fastpick.py) against the reference `Policy.pick`:
+the same worker on random states (loads, holders, pending, queues, exclusions, ties), and,
+through a real registry, block index and in-flight table, the same `Router.pick` as the
+reference on the dict state the router built before the columns (recomputed here)."""
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+
+import pytest
+
+from kvstore.keys import BlockHash
+from router.routing.fastpick import Columns, KvAwareFast
+from router.routing.pick import pick_worker
+from router.routing.policy import Policy, make_policy
+from router.routing.scorers import BoundedLoadFilter, PrefillCostScorer, RingScorer
+from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad
+
+
+def _request(rng: random.Random, bs: int) -> RouteRequest:
+    tokens = rng.choice([0, 1, bs - 1, bs, 3 * bs + 1, rng.randrange(1, 40 * bs)])
+    ids = tuple(rng.randrange(50000) for _ in range(tokens))
+    hashes = tuple(BlockHash(rng.getrandbits(128)) for _ in range(tokens // bs))
+    return RouteRequest(ids, hashes)
+
+
+def _state(rng: random.Random, workers: list[WorkerInfo], bs: int) -> RoutingState:
+    """A random state; `tie` draws from few values so that equal scores are common."""
+    tie = rng.random() < 0.5
+    small = (lambda hi: rng.choice([0, hi // 2, hi])) if tie else (lambda hi: rng.randrange(hi + 1))
+    loads, cached, queued, mean, fetchable = {}, {}, {}, {}, {}
+    for w in workers:
+        wid = w.worker_id
+        if rng.random() < 0.9:
+            nb = rng.choice([0, 64, 256, 1000])
+            loads[wid] = WorkerLoad(in_flight=small(8), free_blocks=rng.randrange(nb + 1), num_blocks=nb,
+                                    shared_blocks=rng.choice([0.0, nb * 0.1, nb * rng.random(), 1e-12]))
+        if rng.random() < 0.3:
+            cached[wid] = small(12)
+        if rng.random() < 0.5:
+            queued[wid] = rng.choice([0, 17, 250, -3, rng.randrange(2000)]) if not tie else small(500)
+        if rng.random() < 0.7:
+            mean[wid] = rng.choice([0.0, 1.0, rng.random() * 6]) if tie else rng.random() * 6
+        if rng.random() < 0.3:
+            fetchable[wid] = small(8)
+    return RoutingState(loads, cached, queued, bs, mean, fetchable, rng.choice([0.0, 0.1, rng.random(), 1.0]))
+
+
+def _policies(rng: random.Random) -> list[Policy]:
+    lf = rng.choice([1.0, 1.25, 2.0])
+    tuned = PrefillCostScorer(running_cost_tokens=rng.choice([0.0, 16.0, 100.0]), fetch_cost_ratio=rng.random(),
+                              room_frac=rng.choice([0.0, 0.2, 0.9]), sustained_tolerance=rng.random())
+    return [make_policy("kv_aware", lf),
+            replace(make_policy("kv_aware", lf), scorers=(replace(make_policy("kv_aware").scorers[0],
+                                                                  scorer=tuned, weight=rng.choice([0.5, 3.0])),),
+                    filters=(BoundedLoadFilter(lf, holder_factor=rng.choice([1.0, 3.0])),),
+                    tiebreak=RingScorer(num_prefix_blocks=rng.choice([1, 4]), ))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_column_pick_is_the_reference_pick(seed: int) -> None:
+    rng = random.Random(seed)
+    ties = many = 0
+    for trial in range(350):
+        n = rng.choice([1, 2, 3, 8, 20, 60]) if trial % 25 else 120
+        workers = [WorkerInfo(WorkerId(f"w{rng.randrange(10**6)}-{i}"), f"a:{i}") for i in range(n)]
+        bs = rng.choice([1, 16])
+        state, request = _state(rng, workers, bs), _request(rng, bs)
+        if trial % 25 == 0:         # a cold index and an idle pool: every worker ties
+            state = RoutingState(block_size=bs, cluster_committed=state.cluster_committed)
+        exclude = {w.worker_id for w in workers if rng.random() < 0.2} if rng.random() < 0.3 else set()
+        for policy in _policies(rng):
+            fast = KvAwareFast.of(policy)
+            assert fast is not None
+            want = policy.pick(workers, request, state, exclude=exclude)
+            pool = [w for w in workers if w.worker_id not in exclude]
+            most = max(state.cached_blocks.values(), default=0)
+            at = fast.pick(Columns.from_state(pool, state), request, bs, most, state.cluster_committed)
+            got = None if at is None else pool[at]
+            assert got == want, (seed, trial, policy)
+            if pool:
+                costs = fast.costs(Columns.from_state(pool, state), request, bs, most, state.cluster_committed)
+                for w, c in zip(pool, costs.tolist()):   # the very floats the scorer computes
+                    assert c == policy.scorers[0].scorer.cost(  # type: ignore[attr-defined]
+                        w.worker_id, request, state,
+                        (sum(max(0.0, state.mean_in_flight.get(x.worker_id, 0.0)) for x in pool) + 1.0) / len(pool),
+                        most)
+                ties += len(set(costs.tolist())) < len(pool)
+                many += len(pool) > 48 and len(set(costs.tolist())) == 1
+    assert ties > 100 and many > 0     # equal scores (the ring decides) were exercised, a big tie too
+
+
+def test_other_policies_have_no_column_pick() -> None:
+    for name in ("round_robin", "least_loaded", "prefix_hash"):
+        assert KvAwareFast.of(make_policy(name)) is None
+    assert KvAwareFast.of(make_policy("kv_aware")) is not None
+
+
+def _old_state(router, route: RouteRequest) -> RoutingState:  # type: ignore[no-untyped-def]
+    """The routing state as router/routing/pick.py built it before the columns: dicts over the
+    live workers, dense index lookups, each peer's fetchable from every other peer's count."""
+    registry, prefills, index = router.registry, router.prefills, router.registry.index
+    live = [(w.info.worker_id, w) for w in registry.live() if w.info is not None]
+    loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
+    cached = index.match_prefix(route.block_hashes, list(loads))
+    stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
+    peers = {wid: w.address for wid, w in live if w.peer_plane}
+    fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers), default=0)
+                          - cached.get(wid, 0)) for wid in peers}
+    capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
+    return RoutingState(loads, cached, prefills.queued_tokens(index, loads, route), 16, prefills.mean_in_flight(loads),
+                        fetchable, min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
+
+
+def test_router_pick_matches_the_reference_over_a_real_index() -> None:
+    from kvmesh.bench.scale_pick import SyntheticConfig, synthetic_router
+
+    async def go() -> None:
+        now = [0.0]
+        router, trace = synthetic_router(SyntheticConfig(workers=60, pool_blocks=200, trace_requests=150,
+                                                         in_flight=30, seed=3), clock=lambda: now[0])
+        rng = random.Random(5)
+        index, entries = router.registry.index, router.registry.live()
+        for i, route in enumerate(trace):
+            now[0] += rng.choice([0.0, 0.01, 0.5, 7.0])
+            tried = {e.info.worker_id for e in rng.sample(entries, 3)} if i % 4 == 0 else set()  # type: ignore[union-attr]
+            view = router._routing_view(route)
+            assert view.state == _old_state(router, route)
+            got = router.pick(route, tried)
+            want = pick_worker(router.policy, router.registry, router._routing_view(route),
+                               router.live_workers(), route, tried, 16)
+            assert want is not None and got == want, i
+            router.prefills.dispatched(index, f"t-{i}", got.worker.info.worker_id, route,  # type: ignore[union-attr]
+                                       got.predicted_tokens)
+            got.worker.in_flight += 1
+            if i % 3:
+                router.prefills.prefilled(index, f"t-{i}")
+            if i % 2:
+                got.worker.in_flight -= 1
+                router.prefills.done(index, f"t-{i}", streamed=True)
+        index.check_integrity()
+
+    asyncio.run(go())
