@@ -38,7 +38,7 @@ class DiskTierStats(NamedTuple):
 
     def read_bytes_s(self, block_bytes: int) -> float:
         """The measured read speed: payload bytes read back over the seconds reading them (0.0
-        before the first read). What the router's cost model prices a disk-held block by."""
+        before the first read); GetLoad's disk_read_bytes_s."""
         return self.read * block_bytes / self.read_seconds.sum_s if self.read_seconds.sum_s > 0 else 0.0
 
 

@@ -13,7 +13,7 @@ import grpc
 from contracts.wire import to_send_blocks_input
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from worker.peer.errors import PeerTransferOff
-from worker.server.responses import LOAD_WAIT_S
+from worker.server.responses import LOAD_WAIT_S, handover_room
 
 if TYPE_CHECKING:
     from worker.engine.async_engine import AsyncEngine
@@ -80,4 +80,4 @@ class BlockRPCs:
         assert peer is not None
         stats = await ae.snapshot(LOAD_WAIT_S)
         return await self._gate.guard(context, self._scaling.serve_pull(
-            ae, peer, self._ask, request, stats.host_num_blocks - stats.num_host_blocks, context.time_remaining()))
+            ae, peer, self._ask, request, handover_room(stats), context.time_remaining()))

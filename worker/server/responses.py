@@ -36,6 +36,16 @@ def to_pb(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
                             top=[pb.LogprobEntry(token_id=t, logprob=v) for t, v in lp.top]) for lp in logprobs]
 
 
+def handover_room(s: EngineStats) -> int:
+    """Host-tier blocks a draining peer's hand-over may fill on this worker now (Load's
+    handover_room_blocks, PullBlocks' bound): the free ones; with a disk tier on, every one — a
+    block the hand-over displaces goes to the disk tier as any host eviction does (or is there
+    already, written through), so taking a leaving peer's hottest blocks throws none away."""
+    if s.disk is not None and s.disk.enabled:
+        return s.host_num_blocks
+    return max(0, s.host_num_blocks - s.num_host_blocks)
+
+
 def load_response(worker_id: str, s: EngineStats, prompt_tokens: int, cached_prompt_tokens: int,
                   peer: PeerFigures | None) -> pb.Load:
     """GetLoad's answer: an engine snapshot, the server's token totals, the peer plane's figures."""
@@ -47,7 +57,8 @@ def load_response(worker_id: str, s: EngineStats, prompt_tokens: int, cached_pro
                    num_host_blocks=s.num_host_blocks, host_num_blocks=s.host_num_blocks,
                    num_onloaded_blocks=s.num_onloaded_blocks,
                    num_cached_blocks=s.num_cached_blocks, num_offloaded_blocks=s.num_offloaded_blocks,
-                   num_protected_blocks=s.num_protected_blocks, num_reused_blocks=s.num_reused_blocks)
+                   num_protected_blocks=s.num_protected_blocks, num_reused_blocks=s.num_reused_blocks,
+                   handover_room_blocks=handover_room(s))
     if peer is not None:
         load.peer.CopyFrom(peer_stats(peer))
     return load

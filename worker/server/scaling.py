@@ -1,10 +1,11 @@
 """The worker server's side of scaling that keeps the cache (worker/peer/handover.py: the plan).
 
 - `serve_pull` (the PullBlocks RPC): a draining peer asks this worker to pull blocks from it;
-  up to this worker's free host-tier room, chunk by chunk over the peer plane, within the
-  caller's deadline.
+  up to this worker's hand-over room (worker/server/responses.py `handover_room`: its free
+  host-tier blocks, or with a disk tier its whole host tier, the displaced blocks going to
+  disk), chunk by chunk over the peer plane, within the caller's deadline.
 - `hand_over` (the server's drain, `WorkerServer.stop`): this worker's hottest blocks, split
-  over the live peers of the same model by their free host-tier room (GetLoad), each asked to
+  over the live peers of the same model by their hand-over room (GetLoad), each asked to
   pull its slice (PullBlocks), all within the drain's deadline.
 - `warm` (a task started once the worker is ready): the live peers' hottest blocks (HotBlocks),
   merged up to this worker's free room, pulled in the background at most `warm_start_mb_s`.
@@ -107,7 +108,9 @@ class Scaling:
         except grpc.aio.AioRpcError as e:
             log.warning("worker %s: GetLoad to %s: %s", self.cfg.worker_id, record.worker_id, e.code().name)
             return None
-        return PeerRoom(str(record.worker_id), record.address, max(0, load.host_num_blocks - load.num_host_blocks))
+        # a worker from before handover_room_blocks answers 0 there: its free host room then
+        return PeerRoom(str(record.worker_id), record.address,
+                        max(load.handover_room_blocks, load.host_num_blocks - load.num_host_blocks))
 
     # -- the drain ------------------------------------------------------------------------
     async def hand_over(self, ae: AsyncEngine, registry: WorkerRegistry, hash_salt_hex: str, my_address: str,
