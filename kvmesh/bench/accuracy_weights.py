@@ -56,8 +56,7 @@ def bench_weight_axis(args: argparse.Namespace, text: str, text_path: Path) -> d
         if bin_dir is not None and wd != "bf16":
             from kvmesh.bench.llama_cpp import llama_perplexity
 
-            lc = llama_perplexity(bin_dir, args.model, wd, engine.runner.weight_format.split(" ")[0], text_path,
-                                  ctx, windows, engine.cfg.threads or _threads())
+            lc = llama_perplexity(bin_dir, args.model, wd, text_path, ctx, windows, engine.cfg.threads or _threads())
             rows[wd] |= {"llama_cpp_ppl": lc, "vs_llama_cpp_frac": ppl / lc - 1}
         del engine
         gc.collect()
@@ -67,8 +66,9 @@ def bench_weight_axis(args: argparse.Namespace, text: str, text_path: Path) -> d
         "ppl_delta_frac": "ppl / ppl with fp32 weights - 1",
         "auto": "the checkpoint's own format (the shipped GGUF: Q4_1 layers, Q8_0 embedding and tied LM head)",
         "llama_cpp_ppl": "--llama-cpp: llama-perplexity -c <window> --chunks <windows> on the GGUF of the same "
-                         "format (other formats than the file's own: llama-quantize --allow-requantize of it), "
-                         "same text and threads; vs_llama_cpp_frac = ppl / llama_cpp_ppl - 1"}}
+                         "weights (auto: the checkpoint itself; a named format: llama-quantize --allow-requantize "
+                         "--pure of it, embedding and output in that format too), same text and threads; "
+                         "vs_llama_cpp_frac = ppl / llama_cpp_ppl - 1"}}
 
 
 def _threads() -> int:

@@ -46,7 +46,44 @@ def _engine(r: dict[str, Any]) -> tuple[str, list[Figure]]:
             _x(mc.get("on_vs_off")),
         )
     )
+    out += _llama_cpp(r)
     return "HF transformers and the measured rooflines, same run", out
+
+
+def _llama_cpp(r: dict[str, Any]) -> list[Figure]:
+    """`--llama-cpp` rows: kvmesh's decode (timed apart from the prefill, as llama-batched-bench
+    times it) and 64-token prefill against llama.cpp on the same GGUF and threads."""
+    lc = r.get("llama_cpp")
+    if not isinstance(lc, dict):
+        return []
+    vs = lc.get("kvmesh_vs_llama_cpp", {})
+    fmt = f"{r.get('weight_dtype', '?')}: {r.get('weight_format', '?')}, {lc.get('threads', '?')} threads"
+    out = [
+        Figure(
+            f"batch {b} decode vs llama.cpp ({fmt})",
+            _g(_at(r, f"batch{b}", "decode_tok_s"), "tok/s"),
+            _g(lc.get(f"batch{b}_tok_s"), "tok/s (llama.cpp S_TG)"),
+            _x(vs.get(f"batch{b}_tok_s")),
+        )
+        for b in (1, 16)
+    ]
+    out.append(
+        Figure(
+            "64-token prefill vs llama.cpp",
+            _g(_at(r, "prefill", "tok_s_64"), "tok/s"),
+            _g(lc.get("prefill64_tok_s"), "tok/s (llama.cpp S_PP)"),
+            _x(vs.get("prefill64_tok_s")),
+        )
+    )
+    out.append(
+        Figure(
+            "batch 1 decode vs read roofline",
+            _g(_at(r, "batch1", "decode_tok_s"), "tok/s"),
+            _g(_at(r, "batch1", "roofline_tok_s"), "tok/s (roofline)"),
+            f"{_g(_at(r, 'batch1', 'decode_roofline_frac'))} of roofline",
+        )
+    )
+    return out
 
 
 def _profile(r: dict[str, Any]) -> tuple[str, list[Figure]]:

@@ -152,6 +152,52 @@ def measure_linear_gb_s(model: Any, rows: int, device: str = "cpu", repeats: int
     return cost.weight_bytes / _best(step, repeats, _sync(device)) / 1e9
 
 
+class DecodePhase(NamedTuple):
+    """One batch run split as llama-batched-bench splits it: the prompts' prefill up to every
+    request's first token, then the decode steps after it."""
+
+    prefill_s: float
+    decode_s: float
+    decode_tokens: int   # tokens the decode steps produced (every request's after its first)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s
+
+
+def decode_phase(engine: Any, prompts: list[list[int]], new_tokens: int) -> DecodePhase:
+    """`prompts` admitted at once (cold), each run to 1 + `new_tokens` tokens: the time until every
+    request has its first token (the prefill), then the time of the steps after that and the
+    tokens they produced. With all prompts in one prefill step (they fit the step's token budget)
+    this is llama-batched-bench's T_PP and T_TG for -npp len(prompt) -ntg new_tokens."""
+    from worker.engine.request import prompt_input
+    from worker.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0.0, ignore_eos=True)
+    engine.store.reset_prefix_cache()
+    ids = [engine.add_request(prompt_input(p, params)) for p in prompts]
+    done: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.completion_tokens and out.request_id not in done:
+                done[out.request_id] = out.completion_tokens
+    t1 = time.perf_counter()
+    first = sum(done.values())          # tokens out before the decode phase (1 each in one prefill)
+    while engine.has_unfinished():
+        engine.step()
+    t2 = time.perf_counter()
+    return DecodePhase(t1 - t0, t2 - t1, len(ids) * (new_tokens + 1) - first)
+
+
+def best_decode_phase(engine: Any, prompts: list[list[int]], new_tokens: int, runs: int) -> DecodePhase:
+    """`decode_phase` `runs` times; the fastest prefill and the fastest decode (a busy moment on a
+    shared machine only slows a run down)."""
+    phases = [decode_phase(engine, prompts, new_tokens) for _ in range(runs)]
+    best = min(phases, key=lambda p: p.decode_s / p.decode_tokens)
+    return best._replace(prefill_s=min(p.prefill_s for p in phases))
+
+
 def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -235,6 +281,13 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     results["batch16"].update(roofline_tok_s=roof16, roofline_frac=results["batch16"]["kvmesh_tok_s"] / roof16,
                               linear_gb_s=measure_linear_gb_s(engine.runner.model, batch_n, device))
     prefill64_best = min(prefill_s(64) for _ in range(3 if args.quick else 5))
+    # llama-batched-bench's shape: 1 and 16 cold 64-token prompts, then n1 decode steps, the
+    # decode timed apart from the prefill (its S_TG); batch*.kvmesh_tok_s above include the prefill
+    phase_prompts = random_prompts(rng, vocab, [64] * batch_n)
+    for name, b, runs in (("batch1", 1, 3), ("batch16", batch_n, 2)):
+        ph = best_decode_phase(engine, phase_prompts[:b], n1, runs)
+        results[name].update(decode_tok_s=ph.decode_tok_s, decode_prefill64_tok_s=64 * b / ph.prefill_s)
+    results["batch1"]["decode_roofline_frac"] = results["batch1"]["decode_tok_s"] / roof1
     prefill_gflop_s = cost.prefill_flops(prefill_n) / prefill_best / 1e9
     results["prefill"] = {"tokens": prefill_n, "seconds": prefill_best, "tok_s": prefill_n / prefill_best,
                           "gflop_s": prefill_gflop_s, "peak_frac": prefill_gflop_s / machine.matmul_gflop_s,
@@ -257,10 +310,9 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "llama_cpp", None) is not None and not cuda:
         from kvmesh.bench.llama_cpp import side_by_side
 
-        own = engine.runner.weight_format.split(" ")[0]
-        mine = {"batch1_tok_s": results["batch1"]["kvmesh_tok_s"], "batch16_tok_s": results["batch16"]["kvmesh_tok_s"],
+        mine = {"batch1_tok_s": results["batch1"]["decode_tok_s"], "batch16_tok_s": results["batch16"]["decode_tok_s"],
                 "prefill64_tok_s": results["prefill"]["tok_s_64"]}
-        results["llama_cpp"] = side_by_side(args.llama_cpp, args.model, engine.cfg.weight_dtype, own,
+        results["llama_cpp"] = side_by_side(args.llama_cpp, args.model, engine.cfg.weight_dtype,
                                             torch.get_num_threads(), n1, mine)
     results["notes"] = ENGINE_NOTES
     return results
@@ -271,10 +323,18 @@ ENGINE_NOTES = {
                      "reads every weight once per token at roofline.read_gb_s; batch 16 runs its prompts at the "
                      "matmul peak, then each decode step at the slower of one weight read and its rows' flops",
     "batch1": "best of 2 runs for kvmesh and for HF (batch 16: one run each)",
-    "llama_cpp": "--llama-cpp: llama-batched-bench on the same GGUF (for a format other than the file's own, "
-                 "llama-quantize --allow-requantize of it) and thread count, -npp 64 -ntg <batch-1 new tokens> "
-                 "-npl 1,16: S_TG of batch 1 and 16 against kvmesh's batch-1 / batch-16 decode tok/s, S_PP of "
-                 "batch 1 against prefill.tok_s_64",
+    "decode_tok_s": "llama-batched-bench's shape: 1 (batch1) or 16 (batch16) cold 64-token random prompts admitted "
+                    "at once, each run to 1 + <batch-1 new tokens> tokens; the steps after every request has its "
+                    "first token are timed apart from the prefill before them (its T_TG vs T_PP): decode tokens / "
+                    "decode seconds, best of 3 (batch 1) or 2 runs; decode_prefill64_tok_s: the prompt tokens / the "
+                    "prefill of the same run (fastest). kvmesh_tok_s counts the prefill of its own workload too",
+    "decode_roofline_frac": "batch1.decode_tok_s over the batch-1 read roofline (roofline.read_gb_s / the weight "
+                            "bytes of one token): the decode alone against one weight read per token",
+    "llama_cpp": "--llama-cpp: llama-batched-bench on the same GGUF (--weight-dtype auto: the checkpoint itself; "
+                 "a named format: llama-quantize --allow-requantize --pure of it with the embedding and output in "
+                 "that format too, the weights kvmesh runs) and thread count, -npp 64 -ntg <batch-1 new tokens> "
+                 "-npl 1,16: S_TG of batch 1 and 16 against kvmesh's batch1 / batch16 decode_tok_s (the same shape, "
+                 "decode timed apart from the prefill), S_PP of batch 1 against prefill.tok_s_64",
     "linear_gb_s": "weight bytes / time of one decode step's linear layers (fused norms, gated MLP, residual "
                    "adds, LM head) run alone with 1 or 16 rows: the speed the weights are streamed at",
     "weight_bytes_per_token": "bytes of every weight one decode step reads, at their real size (Q8_0: 8.5 bits, "

@@ -3,9 +3,13 @@ and thread count as kvmesh (`kvmesh bench engine --llama-cpp DIR`, `kvmesh bench
 --llama-cpp DIR`). DIR holds the binaries `scripts/build-llama-cpp` builds from the llama.cpp
 copy vendored in the `llama-cpp-python` sdist. Never part of `make test`.
 
-The GGUF for a weight format: the checkpoint itself for `auto` (and for its own format); for
-another format, `llama-quantize --allow-requantize` of it, written once beside the binaries
-(kvmesh quantizes the same dequantized values with the same reference quantizers).
+The GGUF for a weight format: the checkpoint itself for `auto` (kvmesh runs the file's own
+tensors as they are stored); for an explicit format, `llama-quantize --allow-requantize --pure`
+of it with the token embedding and output tensor in that format too, written once beside the
+binaries: every weight in the one format, as kvmesh's `--weight-dtype` puts them (tensors already
+in it are copied as stored, the others dequantized and quantized again with ggml's reference
+quantizers, as kvmesh does). The shipped Q4_1 file is not a pure Q4_1 file (its embedding, which
+is also the tied LM head, is Q8_0), so its side-by-side format is `auto`.
 """
 from __future__ import annotations
 
@@ -35,15 +39,23 @@ def _binary(bin_dir: Path, name: str) -> Path:
     return path
 
 
-def gguf_for(bin_dir: Path, source: Path, weight_dtype: str, own: str) -> Path:
-    """The GGUF llama.cpp runs for kvmesh's `weight_dtype` (`own`: the source's own format)."""
-    if weight_dtype in ("auto", own):
+def quantize_args(source: Path, out: Path, weight_dtype: str) -> list[str]:
+    """llama-quantize's arguments for a file with every weight in `weight_dtype` (see the module doc)."""
+    t = _LLAMA_TYPES[weight_dtype]
+    return ["--allow-requantize", "--pure", "--token-embedding-type", t, "--output-tensor-type", t,
+            str(source), str(out), t]
+
+
+def gguf_for(bin_dir: Path, source: Path, weight_dtype: str) -> Path:
+    """The GGUF llama.cpp runs for kvmesh's `weight_dtype`: `source` for `auto`, else a pure
+    file of that format made from it (once)."""
+    if weight_dtype == "auto":
         return source
-    out = bin_dir / f"{source.stem}.{_LLAMA_TYPES[weight_dtype]}.gguf"
+    out = bin_dir / f"{source.stem}.pure-{_LLAMA_TYPES[weight_dtype]}.gguf"
     if not out.is_file():
         tmp = out.with_suffix(".tmp")
-        subprocess.run([str(_binary(bin_dir, "llama-quantize")), "--allow-requantize", str(source), str(tmp),
-                        _LLAMA_TYPES[weight_dtype]], check=True, capture_output=True, timeout=1800)
+        subprocess.run([str(_binary(bin_dir, "llama-quantize")), *quantize_args(source, tmp, weight_dtype)],
+                       check=True, capture_output=True, timeout=1800)
         tmp.rename(out)
     return out
 
@@ -93,18 +105,18 @@ def _source(model: str) -> Path:
     return source
 
 
-def llama_perplexity(bin_dir: Path, model: str, weight_dtype: str, own: str, text: Path, ctx: int, chunks: int,
+def llama_perplexity(bin_dir: Path, model: str, weight_dtype: str, text: Path, ctx: int, chunks: int,
                      threads: int) -> float:
     """`perplexity` on the GGUF of `weight_dtype` (see `gguf_for`)."""
-    return perplexity(bin_dir, gguf_for(bin_dir, _source(model), weight_dtype, own), text, ctx, chunks, threads)
+    return perplexity(bin_dir, gguf_for(bin_dir, _source(model), weight_dtype), text, ctx, chunks, threads)
 
 
-def side_by_side(bin_dir: Path, model: str, weight_dtype: str, own: str, threads: int, tg: int,
+def side_by_side(bin_dir: Path, model: str, weight_dtype: str, threads: int, tg: int,
                  kvmesh: dict[str, float]) -> dict[str, object]:
     """llama-batched-bench (64-token prompts, `tg` new tokens, batch 1 and 16) on the GGUF of
     `weight_dtype`, and kvmesh's figures over it: `kvmesh` holds batch1 / batch16 decode tok/s
     and prefill64 tok/s of the same run."""
-    gguf = gguf_for(bin_dir, _source(model), weight_dtype, own)
+    gguf = gguf_for(bin_dir, _source(model), weight_dtype)
     rows = {r.batch: r for r in batched_bench(bin_dir, gguf, threads, 64, tg, (1, 16))}
     lc = {"batch1_tok_s": rows[1].s_tg, "batch16_tok_s": rows[16].s_tg, "prefill64_tok_s": rows[1].s_pp}
     return {"gguf": str(gguf), "threads": threads, **lc,

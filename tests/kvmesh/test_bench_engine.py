@@ -72,6 +72,11 @@ def test_bench_engine(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert r["config"]["attention_backend"] in ("native", "torch") and r["config"]["cuda_graphs"] is False
     assert r["weight_dtype"] == "auto" and r["weight_format"].startswith("fp32")   # an fp32 HF dir's own
     assert r["batch1"]["weight_bytes_per_token"] == roof["weight_bytes"]
+    for batch in ("batch1", "batch16"):   # llama-batched-bench's shape, the decode timed apart from the prefill
+        row = r[batch]
+        assert finite(row["decode_tok_s"], row["decode_prefill64_tok_s"]) and row["decode_tok_s"] > 0
+    assert r["batch1"]["decode_roofline_frac"] == pytest.approx(r["batch1"]["decode_tok_s"] / r["roofline_tok_s"])
+    assert {"decode_tok_s", "decode_roofline_frac"} <= set(r["notes"])
 
 
 def test_bench_engine_weight_dtype(tiny: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -226,3 +231,64 @@ def test_accuracy_text_is_the_interpreters_license() -> None:
     text, source = accuracy_text()
     assert Path(source).exists() and len(text) > 10_000
     assert "Python" in text
+
+
+def test_decode_phase_splits_prefill_from_decode(tiny: str) -> None:
+    """llama-batched-bench's split: every request's first token comes from the prefill; the decode
+    phase counts the tokens after it, new_tokens per request."""
+    from kvmesh.bench.engine_speed import best_decode_phase, decode_phase
+    from worker.engine.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=tiny, block_size=16, num_blocks=64))
+    prompts = [[5 + i] * 16 for i in range(3)]
+    ph = decode_phase(engine, prompts, 4)
+    assert ph.decode_tokens == 3 * 4 and ph.prefill_s > 0 and ph.decode_s > 0
+    assert ph.decode_tok_s == pytest.approx(12 / ph.decode_s)
+    assert not engine.has_unfinished()
+    best = best_decode_phase(engine, prompts[:1], 3, 2)
+    assert best.decode_tokens == 3
+
+
+def test_llama_cpp_gguf_for_each_weight_dtype(tmp_path: Path) -> None:
+    """`auto` runs the checkpoint itself; a named format a pure file made once by llama-quantize,
+    the embedding and output tensor in that format too (the weights kvmesh's --weight-dtype runs),
+    even when the format is the file's main one (the shipped Q4_1 file's embedding is Q8_0)."""
+    import os
+    import stat
+
+    from kvmesh.bench.llama_cpp import gguf_for
+
+    source = tmp_path / "model.Q4_1.gguf"
+    source.write_bytes(b"gguf")
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "llama-quantize"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n: > "$(eval echo \\${{$(($# - 1))}})"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert gguf_for(tmp_path, source, "auto") == source and not log.exists()
+    for wd, t in (("q4_1", "Q4_1"), ("q8_0", "Q8_0"), ("fp32", "F32")):
+        out = gguf_for(tmp_path, source, wd)
+        assert out == tmp_path / f"model.Q4_1.pure-{t}.gguf" and out.is_file()
+        assert log.read_text().splitlines()[-1] == (f"--allow-requantize --pure --token-embedding-type {t} "
+                                                    f"--output-tensor-type {t} {source} {out.with_suffix('.tmp')} {t}")
+    calls = len(log.read_text().splitlines())
+    gguf_for(tmp_path, source, "q8_0")      # made once
+    assert len(log.read_text().splitlines()) == calls == 3
+    assert os.access(fake, os.X_OK)
+
+
+def test_docs_engine_section_shows_llama_cpp_rows() -> None:
+    """`kvmesh bench docs`: an engine result with --llama-cpp figures gets their rows (decode
+    against S_TG, prefill against S_PP, the decode against the read roofline); one without, none."""
+    from kvmesh.bench.docs_figures_engine import ENGINE_EXTRACT
+
+    r: dict[str, Any] = {"batch1": {"decode_tok_s": 100.0, "roofline_tok_s": 200.0, "decode_roofline_frac": 0.5},
+                         "batch16": {"decode_tok_s": 300.0}, "prefill": {"tok_s_64": 450.0},
+                         "weight_dtype": "q8_0", "weight_format": "q8_0 (211)"}
+    plain = ENGINE_EXTRACT["engine"](r)[1]
+    r["llama_cpp"] = {"threads": 2, "batch1_tok_s": 80.0, "batch16_tok_s": 150.0, "prefill64_tok_s": 300.0,
+                      "kvmesh_vs_llama_cpp": {"batch1_tok_s": 1.25, "batch16_tok_s": 2.0, "prefill64_tok_s": 1.5}}
+    rows = ENGINE_EXTRACT["engine"](r)[1][len(plain):]
+    assert [(f.value, f.baseline, f.versus) for f in rows] == [
+        ("100 tok/s", "80 tok/s (llama.cpp S_TG)", "1.25x"), ("300 tok/s", "150 tok/s (llama.cpp S_TG)", "2.00x"),
+        ("450 tok/s", "300 tok/s (llama.cpp S_PP)", "1.50x"), ("100 tok/s", "200 tok/s (roofline)", "0.5 of roofline")]
+    assert rows[0].name == "batch 1 decode vs llama.cpp (q8_0: q8_0 (211), 2 threads)"
