@@ -32,6 +32,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers started with --role prefill: they compute prompts and hand the KV to a decode worker")
     g.add_argument("--decode-workers", type=int, default=0,
                    help="workers started with --role decode: they take handed-off prompts and stream the tokens")
+    g.add_argument("--decode-step-prefill-tokens", type=int, default=None,
+                   help="the decode workers' prompt tokens per step beside their decodes (kvmesh worker "
+                        "--decode-step-prefill-tokens; default: the worker's)")
     g.add_argument("--cpu-affinity-per-worker", action="store_true",
                    help="pin each worker to its own share of the CPUs (kvmesh worker --cpu-affinity), one thread "
                         "per CPU; with --ray, each share of its node's CPUs")
@@ -89,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         routing_config(args)
         return ServeConfig(workers=_mixed_workers(args), prefill_workers=args.prefill_workers,
                            decode_workers=args.decode_workers, cpu_affinity_per_worker=args.cpu_affinity_per_worker,
+                           decode_step_prefill_tokens=args.decode_step_prefill_tokens,
                            model=args.model, host=args.host, grpc_port=args.grpc_port,
                            http_port=args.http_port, redis_url=args.redis_url, cluster_name=args.cluster_name,
                            engine_argv=engine_argv_from_args(args), log_dir=args.log_dir,

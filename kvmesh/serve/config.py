@@ -28,12 +28,15 @@ class ServeConfig:
     tokenizer). `redis_url=None` starts an embedded redis-server. `log_dir=None` keeps child
     logs in a temp dir removed by stop(). `workers` mixed workers, `prefill_workers` with
     --role prefill and `decode_workers` with --role decode (kvmesh.serve.roles: the order);
-    `cpu_affinity_per_worker` pins each to its own share of the CPUs it is placed on."""
+    `cpu_affinity_per_worker` pins each to its own share of the CPUs it is placed on;
+    `decode_step_prefill_tokens` is the decode workers' --decode-step-prefill-tokens (None: the
+    worker's default)."""
 
     workers: int = 2
     prefill_workers: int = 0
     decode_workers: int = 0
     cpu_affinity_per_worker: bool = False
+    decode_step_prefill_tokens: int | None = None
     model: str = "smollm2"
     host: str = "127.0.0.1"
     grpc_port: int = GRPC_PORT
@@ -70,6 +73,9 @@ class ServeConfig:
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) \
                     or getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
+        d = self.decode_step_prefill_tokens
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"decode_step_prefill_tokens={d!r} must be an integer >= 0 (0: no cap)")
         if self.num_workers < 1:
             raise ValueError(f"workers={self.workers!r} must be >= 1 (with no --prefill-workers/--decode-workers)")
         if self.prefill_workers and not (self.decode_workers or self.workers):

@@ -76,7 +76,7 @@ class LocalPlacement:
 
     def _worker_argv(self, cfg: ServeConfig, i: int, port: int) -> list[str]:
         """Worker i's command line: its role, its CPUs when pinned, its ports."""
-        extra = [*_peer_argv(cfg.num_workers), *role_argv(cfg.roles[i]),
+        extra = [*_peer_argv(cfg.num_workers), *role_argv(cfg.roles[i], cfg.decode_step_prefill_tokens),
                  *affinity_argv(self.cpus[i] if self.cpus is not None else None)]
         return _worker_argv(cfg, f"worker-{i}", port, self.metrics_ports[i], extra)
 

@@ -43,7 +43,12 @@ from kvmesh.serve.supervise import Cluster, PartExited, Supervisor
 from kvstore.metadata.registry import parse_redis_url
 from worker.cli import add_engine_arguments, engine_config_from_args
 from worker.server.affinity import pin_process
-from worker.server.cli import PREFILL_CHUNK_TOKENS, peer_flags_from_env, role_engine_config
+from worker.server.cli import (
+    DECODE_STEP_PREFILL_TOKENS,
+    PREFILL_CHUNK_TOKENS,
+    peer_flags_from_env,
+    role_engine_config,
+)
 from worker.server.service import WorkerServer, WorkerServerConfig
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -104,6 +109,7 @@ class WorkerSpec:
     tls: TlsConfig = PLAINTEXT   # mutual TLS with --tls-ca (the files must exist on the actor's node)
     role: Role = Role.MIXED
     cpu_share: tuple[int, int] | None = None   # (i, n): pinned to share i of n of its node's CPUs
+    decode_step_prefill_tokens: int = DECODE_STEP_PREFILL_TOKENS   # a decode worker's (--decode-step-prefill-tokens)
 
 
 class WorkerActor:
@@ -132,7 +138,8 @@ class WorkerActor:
             pin_process(cpus)
             args.threads = args.threads or len(cpus)
         # the role's engine settings, as `kvmesh worker --role` applies them (the default prefill chunk)
-        engine_cfg = role_engine_config(engine_config_from_args(args), spec.role.value, PREFILL_CHUNK_TOKENS)
+        engine_cfg = role_engine_config(engine_config_from_args(args), spec.role.value, PREFILL_CHUNK_TOKENS,
+                                        spec.decode_step_prefill_tokens)
         host = self.host(spec.loopback)
         peer = peer_flags_from_env(os.environ)   # KVMESH_PEER_TRANSFER, from spec.env
         self._server = server = WorkerServer(engine_cfg, WorkerServerConfig(
@@ -386,6 +393,7 @@ def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool,
     peer = (("KVMESH_PEER_TRANSFER", "1"),) if cfg.num_workers > 1 else ()
     node_of = nodes if nodes is not None else dict.fromkeys(range(cfg.num_workers), "")
     shares: list[tuple[int, int] | None] = [None] * cfg.num_workers
+    budget = DECODE_STEP_PREFILL_TOKENS if cfg.decode_step_prefill_tokens is None else cfg.decode_step_prefill_tokens
     if cfg.cpu_affinity_per_worker:
         for index in range(cfg.num_workers):
             peers = sorted(i for i, n in node_of.items() if n == node_of[index])
@@ -394,5 +402,5 @@ def worker_specs(cfg: ServeConfig, redis_url: str, loopback: bool,
                        redis_url=redis_url, cluster_name=cfg.cluster_name, loopback=loopback,
                        env=(*peer, *token),
                        startup_timeout_s=cfg.startup_timeout_s, tls=cfg.tls if cfg.tls.ca is not None else PLAINTEXT,
-                       role=cfg.roles[index], cpu_share=shares[index])
+                       role=cfg.roles[index], cpu_share=shares[index], decode_step_prefill_tokens=budget)
             for index in range(cfg.num_workers)]

@@ -18,9 +18,14 @@ def worker_roles(prefill: int, decode: int, mixed: int) -> tuple[Role, ...]:
     return (Role.PREFILL,) * prefill + (Role.DECODE,) * decode + (Role.MIXED,) * mixed
 
 
-def role_argv(role: Role) -> list[str]:
-    """A worker's --role flag; none for a mixed worker (the worker's default)."""
-    return [] if role is Role.MIXED else ["--role", role.value]
+def role_argv(role: Role, decode_step_prefill_tokens: int | None = None) -> list[str]:
+    """A worker's --role flag (none for a mixed worker: the worker's default), and a decode
+    worker's --decode-step-prefill-tokens when given (None: the worker's default)."""
+    if role is Role.MIXED:
+        return []
+    budget = ["--decode-step-prefill-tokens", str(decode_step_prefill_tokens)] \
+        if role is Role.DECODE and decode_step_prefill_tokens is not None else []
+    return ["--role", role.value, *budget]
 
 
 def split_cpus(cpus: tuple[int, ...] | list[int], num_workers: int) -> tuple[tuple[int, ...], ...]:

@@ -20,7 +20,7 @@ from kvmesh.cli import build_parser
 from kvmesh.serve.cli import config_from_args
 from kvmesh.serve.config import ServeConfig
 from kvmesh.serve.ray_launch import worker_specs
-from kvmesh.serve.roles import Role, split_cpus
+from kvmesh.serve.roles import Role, role_argv, split_cpus
 from worker.server.affinity import format_cpu_list, parse_cpu_list
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +62,26 @@ def test_serve_flags_give_each_worker_its_role() -> None:
         with pytest.raises(ValueError, match=match):
             ServeConfig(**bad)  # type: ignore[arg-type]
     assert ServeConfig(workers=0, decode_workers=1).roles == (Role.DECODE,)
+
+
+def test_the_decode_workers_step_budget_reaches_only_the_decode_workers() -> None:
+    from worker.server.cli import DECODE_STEP_PREFILL_TOKENS
+    args = build_parser().parse_args(["serve", "--prefill-workers", "1", "--decode-workers", "1",
+                                      "--decode-step-prefill-tokens", "24"])
+    cfg = config_from_args(args)
+    assert cfg.decode_step_prefill_tokens == 24
+    assert role_argv(Role.DECODE, 24) == ["--role", "decode", "--decode-step-prefill-tokens", "24"]
+    assert role_argv(Role.PREFILL, 24) == ["--role", "prefill"] and role_argv(Role.MIXED, 24) == []
+    assert role_argv(Role.DECODE) == ["--role", "decode"]          # None: the worker's default
+    assert config_from_args(build_parser().parse_args(["serve"])).decode_step_prefill_tokens is None
+    assert [s.decode_step_prefill_tokens for s in worker_specs(cfg, "redis://x:1/0", loopback=True)] == [24, 24]
+    default = worker_specs(ServeConfig(workers=0, decode_workers=1), "redis://x:1/0", loopback=True)
+    assert default[0].decode_step_prefill_tokens == DECODE_STEP_PREFILL_TOKENS
+    with pytest.raises(ValueError, match="decode_step_prefill_tokens=-1"):
+        ServeConfig(decode_step_prefill_tokens=-1)
+    r = subprocess.run([sys.executable, "-m", "kvmesh.cli", "worker", "--decode-step-prefill-tokens", "-1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("kvmesh worker: --decode-step-prefill-tokens:"), r.stderr
 
 
 def test_ray_specs_carry_roles_and_split_each_nodes_cpus() -> None:
@@ -141,7 +161,8 @@ def _cluster(http_base: str) -> dict[str, Any]:
 @pytest.mark.multiproc
 def test_serve_starts_prefill_and_decode_workers_and_a_restart_keeps_the_role(tmp_path: Path) -> None:
     serve = ServeProcess(0, tmp_path, ("--prefill-workers", "1", "--decode-workers", "1", "--restart-policy",
-                                       "always", "--num-blocks", "128", "--disagg-min-prompt-tokens", "32")).start()
+                                       "always", "--num-blocks", "128", "--disagg-min-prompt-tokens", "32",
+                                       "--decode-step-prefill-tokens", "16")).start()
     try:
         roles = {w["worker_id"]: w["role"] for w in _cluster(serve.http_base)["workers"]}
         assert roles == {"worker-0": "prefill", "worker-1": "decode"}
@@ -154,6 +175,9 @@ def test_serve_starts_prefill_and_decode_workers_and_a_restart_keeps_the_role(tm
         assert wait_until(lambda: serve.restarts("worker-0") == 1, 120) is not None
         cmdline = Path(f"/proc/{serve.pid('worker-0')}/cmdline").read_bytes().split(b"\0")
         assert cmdline[cmdline.index(b"--role") + 1] == b"prefill"
+        assert b"--decode-step-prefill-tokens" not in cmdline
+        decode = Path(f"/proc/{serve.pid('worker-1')}/cmdline").read_bytes().split(b"\0")
+        assert decode[decode.index(b"--decode-step-prefill-tokens") + 1] == b"16"
         assert wait_until(lambda: {w["worker_id"]: w["role"] for w in _cluster(serve.http_base)["workers"]
                                    if w.get("up", True)} == roles, 180) is not None
     finally:

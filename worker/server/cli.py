@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvmesh.worker")
 REDIS_URL_ENV = "KVMESH_REDIS_URL"
 PREFILL_CHUNK_TOKENS = 256   # a prefill-role worker's chunk: a ~1,500-token prompt streams in 6 (docs/ARCHITECTURE.md)
-# A decode-role worker's prefill tokens per step beside its decodes: on a CPU core a prefill token
-# costs about a quarter of a two-sequence decode step, so a step that admits a short prompt or the
-# tail of a handed-off one lasts at most about two decode steps (docs/ARCHITECTURE.md)
+# A decode-role worker's prompt tokens per step beside its decodes (--decode-step-prefill-tokens):
+# the largest budget whose step lasts at most about two plain decode steps on a CPU core, measured
+# by kvmesh bench disagg (`decode_step_budget`, kvmesh/bench/disagg_step.py; docs/ARCHITECTURE.md)
 DECODE_STEP_PREFILL_TOKENS = 4
 
 
@@ -89,6 +89,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="on a prefill-role worker: the prefill chunk (caps --max-num-batched-tokens), so that a "
                         "decode worker fetches each chunk's blocks while the next one computes; 0 = "
                         "--max-num-batched-tokens")
+    g.add_argument("--decode-step-prefill-tokens", type=int, default=DECODE_STEP_PREFILL_TOKENS,
+                   help="on a decode-role worker: prompt tokens computed per step beside its decodes (a prompt "
+                        "that skipped the prefill hop, the tail of a handed-off one), so no stream waits behind a "
+                        f"long chunk; 0 = no cap (default {DECODE_STEP_PREFILL_TOKENS}, measured: "
+                        "kvmesh bench disagg)")
     g.add_argument("--cpu-affinity", default=None, metavar="CPUS",
                    help="pin the worker to these CPUs (e.g. 0 or 0-1,3) before its engine starts; the engine "
                         "then runs one thread per CPU unless --threads is set")
@@ -118,15 +123,17 @@ def metrics_port_for(port: int, metrics_port: int | None) -> int | None:
     return None if metrics_port == -1 else metrics_port
 
 
-def role_engine_config(engine_cfg: EngineConfig, role: str, prefill_chunk_tokens: int) -> EngineConfig:
+def role_engine_config(engine_cfg: EngineConfig, role: str, prefill_chunk_tokens: int,
+                       decode_step_prefill_tokens: int = DECODE_STEP_PREFILL_TOKENS) -> EngineConfig:
     """The engine config of a worker of `role`: a prefill worker's steps are at most
     `prefill_chunk_tokens` (0: as configured), a decode worker's carry at most
-    DECODE_STEP_PREFILL_TOKENS prompt tokens beside their decodes; a mixed worker's as configured."""
+    `decode_step_prefill_tokens` prompt tokens beside their decodes (0: no cap); a mixed
+    worker's as configured."""
     if role == "prefill" and prefill_chunk_tokens:
         return dataclasses.replace(engine_cfg, max_num_batched_tokens=min(engine_cfg.max_num_batched_tokens,
                                                                           prefill_chunk_tokens))
     if role == "decode":
-        return dataclasses.replace(engine_cfg, step_prefill_tokens=DECODE_STEP_PREFILL_TOKENS)
+        return dataclasses.replace(engine_cfg, step_prefill_tokens=decode_step_prefill_tokens)
     return engine_cfg
 
 
@@ -143,7 +150,10 @@ def run_worker(args: argparse.Namespace) -> int:
             args.threads = len(cpus)
     if args.prefill_chunk_tokens < 0:
         raise CLIError(f"--prefill-chunk-tokens: {args.prefill_chunk_tokens} must be >= 0")
-    engine_cfg = role_engine_config(engine_config_from_args(args), args.role, args.prefill_chunk_tokens)
+    if args.decode_step_prefill_tokens < 0:
+        raise CLIError(f"--decode-step-prefill-tokens: {args.decode_step_prefill_tokens} must be >= 0 (0: no cap)")
+    engine_cfg = role_engine_config(engine_config_from_args(args), args.role, args.prefill_chunk_tokens,
+                                    args.decode_step_prefill_tokens)
     try:
         peer = peer_flags(args, os.environ)
     except ValueError as e:
