@@ -40,7 +40,9 @@ BENCHES: dict[str, str] = {
     "scale": "N synthetic workers publishing real registry records and KV event streams to a real Redis, the "
     "router's real consumer, block index and policy in one process; the legacy index in the same run",
     "disagg": "1 prefill + 1 decode worker vs 2 mixed workers, each pinned to its own core, under decoding streams "
-    "while long uncached prompts arrive at a steady rate; a sweep of prompt length x arrival rate for the crossover",
+    "while long uncached prompts arrive at a steady rate; a sweep of prompt length x arrival rate for the crossover; "
+    "the same disaggregated cluster with every prompt skipping the hop, for the router's skip threshold; the decode "
+    "worker's step time per prompt-token budget",
     "restart": "2 workers + router + Redis on a shared-prefix workload; kill -9 and restart, SIGTERM drain, "
     "scale-out by one; the cached-token fraction after each event vs before, with and without the disk tier + "
     "drain hand-over + warm start",

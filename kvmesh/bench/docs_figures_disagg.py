@@ -35,7 +35,45 @@ def _disagg(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     by_rate = ", ".join(f"{rate}/s: {_g(v)}" for rate, v in (cross.get("by_rate") or {}).items())
     out.append(Figure("crossover: shortest prompt from which on it pays", _g(cross.get("min_prompt_tokens")),
                       "", f"per rate {by_rate}" if by_rate else ""))
+    out += _skip_rule(r)
     return "mixed serving (2 mixed workers) on the same pinned cores, same prompts, same run", out
+
+
+def _skip_rule(r: dict[str, Any]) -> list[Figure]:
+    """The skip rule's figures: every prompt skipping the hop (the decode worker computes it at
+    its step budget) against the hop, the crossover the router's default follows, and the budget."""
+    out = []
+    for p in r.get("sweep") or []:
+        skip = p.get("skip")
+        if skip:
+            where = f"{_g(p.get('prompt_tokens'))}-token prompts at {_g(p.get('arrival_rate'))}/s"
+            out.append(Figure(f"skip vs hop: {where}",
+                              f"TTFT p50 hop/skip {_x(skip.get('hop_vs_skip_ttft_p50_ratio'))}, ITL p99 hop/skip "
+                              f"{_x(skip.get('hop_vs_skip_itl_p99_ratio'))}",
+                              f"skip vs mixed: TTFT {_x(skip.get('skip_vs_mixed_ttft_p50_ratio'))}, ITL p99 "
+                              f"{_x(skip.get('skip_vs_mixed_itl_p99_ratio'))}",
+                              "hop pays" if p.get("hop_pays_over_skip") else "skip pays"))
+    cross = r.get("skip_crossover")
+    if cross:
+        by_rate = ", ".join(f"{rate}/s: {_g(v)}" for rate, v in (cross.get("by_rate") or {}).items())
+        out.append(Figure("skip crossover: shortest prompt from which on the hop beats skipping it",
+                          _g(cross.get("min_prompt_tokens")), "", f"per rate {by_rate}" if by_rate else ""))
+    rule = r.get("default_rule")
+    if rule:
+        out.append(Figure("router default --disagg-min-prompt-tokens", _g(rule.get("min_prompt_tokens")), "",
+                          f"longest skipped sweep prompt ({_g(rule.get('skipped_prompt_tokens'))} tokens): TTFT "
+                          f"{_x(rule.get('skipped_ttft_vs_mixed'))} mixed"))
+    budget = r.get("decode_step_budget")
+    if budget:
+        in_use: dict[str, Any] = next((b for b in budget.get("budgets") or []
+                                       if b.get("step_prefill_tokens") == budget.get("in_use")), {})
+        out.append(Figure("decode worker's prompt tokens per step (in use / recommended)",
+                          f"{_g(budget.get('in_use'))} / {_g(budget.get('recommended'))}",
+                          f"step p90 within {_g(budget.get('slo_s'), 's')} (half of mixed ITL p99)",
+                          f"in use: step p90 {_g(in_use.get('step_p90_s'), 's')}, a "
+                          f"{_g(budget.get('prompt_tokens'))}-token prompt's TTFT {_x(in_use.get('ttft_vs_whole'))} "
+                          "of computing it whole"))
+    return out
 
 
 DISAGG_EXTRACT: dict[str, Extract] = {"disagg": _disagg}
