@@ -284,7 +284,7 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     # llama-batched-bench's shape: 1 and 16 cold 64-token prompts, then n1 decode steps, the
     # decode timed apart from the prefill (its S_TG); batch*.kvmesh_tok_s above include the prefill
     phase_prompts = random_prompts(rng, vocab, [64] * batch_n)
-    for name, b, runs in (("batch1", 1, 3), ("batch16", batch_n, 2)):
+    for name, b, runs in (("batch1", 1, 5), ("batch16", batch_n, 2)):
         ph = best_decode_phase(engine, phase_prompts[:b], n1, runs)
         results[name].update(decode_tok_s=ph.decode_tok_s, decode_prefill64_tok_s=64 * b / ph.prefill_s)
     results["batch1"]["decode_roofline_frac"] = results["batch1"]["decode_tok_s"] / roof1
@@ -326,14 +326,15 @@ ENGINE_NOTES = {
     "decode_tok_s": "llama-batched-bench's shape: 1 (batch1) or 16 (batch16) cold 64-token random prompts admitted "
                     "at once, each run to 1 + <batch-1 new tokens> tokens; the steps after every request has its "
                     "first token are timed apart from the prefill before them (its T_TG vs T_PP): decode tokens / "
-                    "decode seconds, best of 3 (batch 1) or 2 runs; decode_prefill64_tok_s: the prompt tokens / the "
+                    "decode seconds, best of 5 (batch 1) or 2 runs; decode_prefill64_tok_s: the prompt tokens / the "
                     "prefill of the same run (fastest). kvmesh_tok_s counts the prefill of its own workload too",
     "decode_roofline_frac": "batch1.decode_tok_s over the batch-1 read roofline (roofline.read_gb_s / the weight "
                             "bytes of one token): the decode alone against one weight read per token",
     "llama_cpp": "--llama-cpp: llama-batched-bench on the same GGUF (--weight-dtype auto: the checkpoint itself; "
                  "a named format: llama-quantize --allow-requantize --pure of it with the embedding and output in "
                  "that format too, the weights kvmesh runs) and thread count, -npp 64 -ntg <batch-1 new tokens> "
-                 "-npl 1,16: S_TG of batch 1 and 16 against kvmesh's batch1 / batch16 decode_tok_s (the same shape, "
+                 "-npl 1,16, run twice (the best of each figure, as kvmesh's side): S_TG of batch 1 and 16 "
+                 "against kvmesh's batch1 / batch16 decode_tok_s (the same shape, "
                  "decode timed apart from the prefill), S_PP of batch 1 against prefill.tok_s_64",
     "linear_gb_s": "weight bytes / time of one decode step's linear layers (fused norms, gated MLP, residual "
                    "adds, LM head) run alone with 1 or 16 rows: the speed the weights are streamed at",
