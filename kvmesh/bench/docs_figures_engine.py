@@ -46,8 +46,9 @@ def _engine(r: dict[str, Any]) -> tuple[str, list[Figure]]:
             _x(mc.get("on_vs_off")),
         )
     )
-    out += _llama_cpp(r)
-    return "HF transformers and the measured rooflines, same run", out
+    lc = _llama_cpp(r)   # first when present: the README's row for the file is its first figure
+    base = "HF transformers and the measured rooflines, same run"
+    return (f"llama.cpp on the same GGUF and threads, {base}", lc + out) if lc else (base, out)
 
 
 def _llama_cpp(r: dict[str, Any]) -> list[Figure]:

@@ -277,7 +277,7 @@ def test_llama_cpp_gguf_for_each_weight_dtype(tmp_path: Path) -> None:
 
 
 def test_docs_engine_section_shows_llama_cpp_rows() -> None:
-    """`kvmesh bench docs`: an engine result with --llama-cpp figures gets their rows (decode
+    """`kvmesh bench docs`: an engine result with --llama-cpp figures gets their rows first (decode
     against S_TG, prefill against S_PP, the decode against the read roofline); one without, none."""
     from kvmesh.bench.docs_figures_engine import ENGINE_EXTRACT
 
@@ -287,7 +287,9 @@ def test_docs_engine_section_shows_llama_cpp_rows() -> None:
     plain = ENGINE_EXTRACT["engine"](r)[1]
     r["llama_cpp"] = {"threads": 2, "batch1_tok_s": 80.0, "batch16_tok_s": 150.0, "prefill64_tok_s": 300.0,
                       "kvmesh_vs_llama_cpp": {"batch1_tok_s": 1.25, "batch16_tok_s": 2.0, "prefill64_tok_s": 1.5}}
-    rows = ENGINE_EXTRACT["engine"](r)[1][len(plain):]
+    baseline, figures = ENGINE_EXTRACT["engine"](r)
+    assert baseline.startswith("llama.cpp on the same GGUF") and figures[4:] == plain   # llama.cpp rows first
+    rows = figures[:4]
     assert [(f.value, f.baseline, f.versus) for f in rows] == [
         ("100 tok/s", "80 tok/s (llama.cpp S_TG)", "1.25x"), ("300 tok/s", "150 tok/s (llama.cpp S_TG)", "2.00x"),
         ("450 tok/s", "300 tok/s (llama.cpp S_PP)", "1.50x"), ("100 tok/s", "200 tok/s (roofline)", "0.5 of roofline")]
