@@ -62,8 +62,11 @@ class RouterConfig:
     grpc_idle_timeout_s: float = 300.0      # a gRPC connection with no call is closed after this
     migration_limit: int = 3                # re-submissions per request when its worker is lost; 0 = off
     # Disaggregated serving (router/routing/disagg.py): prompts with fewer uncached tokens on their decode
-    # worker skip the prefill hop; the hop (prefill + hand-off) takes at most the timeout.
-    disagg_min_prompt_tokens: int = 256
+    # worker skip the prefill hop; the hop (prefill + hand-off) takes at most the timeout. The threshold
+    # follows kvmesh bench disagg's skip_crossover at the decode worker's default step budget: the hop's
+    # TTFT beat computing the prompt on the decode worker, 4 tokens a step, from 128 tokens on in both
+    # --quick runs (from 64 in one) (docs/ARCHITECTURE.md, Disaggregated serving).
+    disagg_min_prompt_tokens: int = 128
     disagg_transfer_timeout_s: float = 10.0
     share_pending: bool = False             # replicas: share pending blocks through Redis (router/routing/replicas.py)
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish

@@ -62,7 +62,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                         "other routers through Redis, so that all predict as one (docs/operations.md)")
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=_DEFAULTS["disagg_min_prompt_tokens"],
                    help="disaggregated serving (prefill and decode workers live): a prompt with fewer uncached "
-                        "tokens on its decode worker skips the prefill hop and is computed there")
+                        "tokens on its decode worker skips the prefill hop and is computed there, "
+                        "--decode-step-prefill-tokens a step beside its decodes (default: where the hop starts to "
+                        "beat that on TTFT, measured by kvmesh bench disagg: skip_crossover)")
     p.add_argument("--disagg-transfer-timeout-s", type=float, default=_DEFAULTS["disagg_transfer_timeout_s"],
                    help="disaggregated serving: the longest the prefill hop may go without progress (the "
                         "prefill worker's first chunk, each next chunk, each next block the decode worker "

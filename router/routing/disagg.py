@@ -6,10 +6,12 @@ On whenever the live workers include both a prefill and a decode worker (`kvmesh
 the core picked the decode worker (its pool: decode and mixed workers, `decode_pool`):
 
 1. `plan`: hop or skip. Skipped (and counted by reason, `SkipReason`): a prompt shorter than
-   `disagg_min_prompt_tokens`, a prompt whose uncached part on the decode worker is shorter
-   (it holds the rest, or a peer sends it), a request asking for prompt logprobs, and workers
-   without a peer plane. Otherwise the prefill workers to try are the routing policy's pick
-   over the prefill pool (prefix overlap and queue, the same scorers) and its next pick.
+   `disagg_min_prompt_tokens` (default: where the hop's TTFT starts to beat computing the prompt
+   on the decode worker at its step budget, `kvmesh bench disagg`'s `skip_crossover`), a prompt
+   whose uncached part on the decode worker is shorter (it holds the rest, or a peer sends it),
+   a request asking for prompt logprobs, and workers without a peer plane. Otherwise the
+   prefill workers to try are the routing policy's pick over the prefill pool (prefix overlap
+   and queue, the same scorers) and its next pick.
 2. `hand_off`: the prefill worker gets the request as `prefill_only` (it computes the prompt in
    chunks, keeps each chunk's full blocks cached as it completes, reports each chunk, answers a
    final response and samples nothing). At its first response the decode worker gets the

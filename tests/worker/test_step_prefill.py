@@ -109,6 +109,37 @@ def test_a_decode_worker_caps_its_steps_prefill_and_a_mixed_one_does_not() -> No
     from worker.server.cli import DECODE_STEP_PREFILL_TOKENS, role_engine_config
     base = EngineConfig(max_num_batched_tokens=2048)
     assert role_engine_config(base, "decode", 256).step_prefill_tokens == DECODE_STEP_PREFILL_TOKENS > 0
-    assert role_engine_config(base, "mixed", 256) == base
-    prefill = role_engine_config(base, "prefill", 256)
+    assert role_engine_config(base, "decode", 256, 24).step_prefill_tokens == 24   # --decode-step-prefill-tokens
+    assert role_engine_config(base, "decode", 256, 0).step_prefill_tokens == 0     # 0: no cap
+    assert role_engine_config(base, "mixed", 256, 24) == base
+    prefill = role_engine_config(base, "prefill", 256, 24)
     assert (prefill.max_num_batched_tokens, prefill.step_prefill_tokens) == (256, 0)
+
+
+# A prompt that skips the prefill hop is computed by its decode worker at the worker's budget
+# beside every decode there. With both defaults, one just under the router's threshold reaches its
+# first token within this many steps of a busy decode worker: ~1.5 s at the 35-55 ms such a step
+# lasts beside two streams on a CPU core (kvmesh bench disagg: decode_step_budget), about the hop's
+# TTFT there (skip_crossover). Raising the threshold without the budget, or lowering the budget,
+# fails here instead of in a user's TTFT.
+MAX_SKIPPED_PROMPT_STEPS = 32
+
+
+def test_a_prompt_just_under_the_skip_threshold_gets_its_first_token_in_bounded_steps_of_a_busy_decode_worker() \
+        -> None:
+    from router.config import RouterConfig
+    from worker.server.cli import role_engine_config
+    threshold = RouterConfig().disagg_min_prompt_tokens
+    cfg = role_engine_config(EngineConfig(max_num_batched_tokens=1024), "decode", 256)
+    budget = cfg.step_prefill_tokens
+    s = _scheduler(step_prefill_tokens=budget)
+    decoding = _decoding(s, 4)                 # a busy decode worker: four streams
+    skipped = _request("skipped", threshold - 1, 4)
+    s.add(skipped)
+    steps = 0
+    while not skipped.output_token_ids:
+        batch = _step(s)
+        steps += 1
+        assert {r.request_id for r in decoding} <= {r.request_id for r in batch.requests}   # no decode waits
+        assert steps <= MAX_SKIPPED_PROMPT_STEPS, f"{threshold - 1} tokens at {budget} a step: past the bound"
+    assert steps == -(-(threshold - 1) // budget)
