@@ -3,11 +3,13 @@
 Per N (`--workers 16,128,1000`): a real `redis-server` (kvmesh/serve/processes.py `start_redis`),
 a child process of N synthetic workers publishing real records, heartbeats, inventories and KV
 event streams (kvmesh/bench/scale_workers.py), and in this process the router's real consumer,
-index and pick (kvmesh/bench/scale_router.py), once per structure (`--index`), one after the
-other against the same fleet: `legacy` — router/index/blocks.py `BlockIndex` with the consumer
-reading back to back (`read_interval_s=0`) — and `compact` — router/index/compact.py with the
-consumer's batched reads (its default). `runs` holds the last structure named, `baseline` the
-others, measured in the same run. Picks may take at most half the router loop's time (the rest
+index and pick (kvmesh/bench/scale_router.py), once per router variant (`--index`), one after
+the other against the same fleet: `legacy` — router/index/blocks.py `BlockIndex`, the consumer
+reading back to back (`read_interval_s=0`) and the pick over per-worker dicts (router/routing/pick.py
+`reference_view` + `Policy.pick`) —, `compact-dicts` — router/index/compact.py, the consumer's
+batched reads (its default), the same dict pick — and `compact` — the router as it is: that index
+and those reads with the column pick (router/routing/fastpick.py). `runs` holds the last variant
+named, `baseline` the others, measured in the same run. Picks may take at most half the router loop's time (the rest
 is the consumer's); decisions due beyond that are shed and counted (`details`).
 
 The modelled event rate (the derivation):
@@ -63,7 +65,7 @@ TARGETS = {"decision_p99_ms": 2.0, "event_lag_p99_ms": 250.0, "index_bytes_per_e
 @dataclass(frozen=True, slots=True)
 class ScaleConfig:
     workers: tuple[int, ...] = (16, 128, 1000)
-    indexes: tuple[str, ...] = ("legacy", "compact")
+    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact")
     pool_blocks: int = 1000
     tokens_per_s: float = MEASURED_TOKENS_PER_S
     tokens_source: str = "constant"
@@ -192,6 +194,10 @@ def _detail(n: int, kind: str, r: PassResult, extra: dict[str, Any]) -> dict[str
             "decision_rate": round(extra["decision_rate"], 1),
             "requests_per_s_demanded": extra["requests_per_s_demanded"],
             "decision_cpu_s": round(r.decision_cpu_s, 3), "decision_parts_ms": r.decision_parts_ms,
+            "decision_cpu_p50_ms": round(_pct(r.decision_cpu_ms, 0.5), 3),
+            "decision_cpu_p99_ms": round(_pct(r.decision_cpu_ms, 0.99), 3),
+            "gc_passes": len(r.gc_pauses_ms), "gc_pause_max_ms": round(max(r.gc_pauses_ms, default=0.0), 1),
+            "gc_pause_total_ms": round(sum(r.gc_pauses_ms), 1), "first_pick_ms": round(r.warm_pick_ms, 1),
             "steady_s": round(r.wall_s, 2), "steady_hash_events": r.hash_events, "steady_entries": r.entries,
             "ingest_cpu_s": round(r.ingest_cpu_s, 3), "event_lag_p50_ms": round(_pct(r.lag_ms, 0.5), 1),
             "fill_s": round(r.fill_s, 2), "fill_hash_events": r.fill_hash_events,
@@ -211,10 +217,12 @@ def bottleneck(runs: list[dict[str, Any]], details: list[dict[str, Any]]) -> str
                 why = ""
                 if key == "decision_p99_ms":
                     parts = d["decision_parts_ms"]
-                    top = max((k for k in parts if k != "routing_state"), key=lambda k: parts[k])
-                    why = (f"; per pick: routing_state {parts['routing_state']} ms (index match_prefix x2 "
-                           f"{parts['match_prefix_x2']}, shared_blocks over the workers {parts['shared_blocks']}, "
-                           f"queued_tokens {parts['queued_tokens']}), policy {parts['policy']} ms; largest part: {top}")
+                    wholes = ("routing_state", "routing_view")    # they contain the other view parts
+                    top = max((k for k in parts if k not in wholes), key=lambda k: parts[k])
+                    why = ("; per pick (ms, each part timed alone): "
+                           + ", ".join(f"{k} {v}" for k, v in parts.items())
+                           + f"; largest part: {top}; decision p50 {row['decision_p50_ms']} ms, "
+                           f"decision CPU p99 {d.get('decision_cpu_p99_ms')} ms")
                 elif key == "event_lag_p99_ms":
                     why = (f"; steady ingest {row['events_per_s_per_core']} hash events per router CPU s, "
                            f"Redis CPU {row['redis_cpu_frac']} of a core")
@@ -288,8 +296,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shorter steady phase, fewer decisions (1,000 workers included)")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--workers", type=_counts, default=(16, 128, 1000), help="worker counts (default 16,128,1000)")
-    p.add_argument("--index", default="legacy,compact",
-                   help="index structures, comma-separated, the last one reported in runs (default legacy,compact)")
+    p.add_argument("--index", default="legacy,compact-dicts,compact",
+                   help="router variants (index structure, reads, pick: kvmesh/bench/scale_router.py INDEXES), "
+                        "comma-separated, the last one reported in runs (default legacy,compact-dicts,compact)")
     p.add_argument("--pool-blocks", type=int, default=1000, help="blocks per worker pool (default 1000: 10^6 at 1,000)")
     p.add_argument("--tokens-per-s", type=float, default=None,
                    help="tokens a worker computes per second (default: the measured prefill rate)")

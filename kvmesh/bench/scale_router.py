@@ -33,13 +33,19 @@ from router.index.blocks import BlockIndex
 from router.index.compact import CompactBlockIndex
 from router.index.gate import GatedIndex
 from router.routing.core import Router
+from router.routing.pick import pick_worker, reference_view
 from router.routing.types import RouteRequest, WorkerInfo
 from router.workers.registry import WorkerEntry, WorkerRegistry
 
-INDEXES: dict[str, Callable[[], BlockIndex]] = {"legacy": BlockIndex, "compact": CompactBlockIndex}
-# the consumer's read_interval_s per structure: `legacy` is the router before the changes this
-# bench showed (reads back to back), `compact` the router as it is (batched reads, the default)
-READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact": None}
+# The router variants a pass runs (`--index`): its index structure, its consumer's read_interval_s
+# and its pick. `legacy` is the router before the changes this bench showed (dict-per-block index,
+# reads back to back, the pick over per-worker dicts); `compact-dicts` the compact index and
+# batched reads with that pick (router/routing/pick.py `reference_view` + `Policy.pick`);
+# `compact` the router as it is (the column pick, router/routing/fastpick.py).
+INDEXES: dict[str, Callable[[], BlockIndex]] = {"legacy": BlockIndex, "compact-dicts": CompactBlockIndex,
+                                                "compact": CompactBlockIndex}
+READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact-dicts": None, "compact": None}
+COLUMN_PICK: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact": True}
 DECISION_DUTY = 0.5     # the most of the loop's time picks may take
 
 
@@ -76,6 +82,9 @@ class PassResult(NamedTuple):
     decision_parts_ms: dict[str, float]
     held: int                       # what the fleet holds once paused (the oracle)
     decisions_shed: int
+    decision_cpu_ms: list[float]    # each pick's thread CPU time (wall time less descheduling)
+    gc_pauses_ms: list[float]       # the garbage collector's passes during the steady phase
+    warm_pick_ms: float             # the first pick, before the steady phase (builds the ring)
 
 
 class CountingSink:
@@ -111,6 +120,7 @@ class RouterPass:
         self.registry.model_info = pb.ModelInfo(model="scale-model", block_size=cfg.block_size,
                                                 hash_salt_hex="5ca1e", vocab_size=50000, max_model_len=8192)
         self.router = Router(self.registry.cfg, self.registry)
+        self.router.column_pick = COLUMN_PICK[cfg.index]
         self.lags: list[float] = []
         self.sink = CountingSink(GatedIndex(self.index))
         self.consumer = EventConsumer(cfg.redis, self.sink, lag_observer=self.lags.append,
@@ -119,6 +129,16 @@ class RouterPass:
         self._known: set[str] = set()
         self._flights: dict[str, WorkerEntry] = {}
         self.shed = 0                   # decisions due while the loop was the consumer's
+        self.pick_cpu_ms: list[float] = []
+        self.warm_pick_ms = 0.0
+        self.gc_ms: list[float] = []
+        self._gc_t0 = 0.0
+
+    def _gc_timer(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_ms.append((time.perf_counter() - self._gc_t0) * 1000)
 
     async def _consume(self) -> None:
         """The registry's consume loop: a poll, then its membership follows the Redis registry."""
@@ -151,12 +171,20 @@ class RouterPass:
         print(f"kvmesh bench scale: {cfg.index} index filled to {self.index.stats().num_entries} entries "
               f"in {fill_s:.1f} s, its streams read to {drained:.2f} s of their heads",
               file=sys.stderr, flush=True)
+        # one pick first, as a router's first request does: the hash ring is built once per worker set
+        warm = time.perf_counter()
+        self.router.pick(self.trace[0], set())
+        self.warm_pick_ms = (time.perf_counter() - warm) * 1000
         self.lags.clear()
         admin = connect_async(cfg.redis)
         redis_cpu0 = _redis_cpu(await admin.info("cpu"))
         hashes0, entries0 = self.sink.hashes, self.consumer.stats().entries
         cpu0, wall0 = time.process_time(), time.monotonic()
-        decision_ms, decision_cpu = await self._decide(cfg.steady_s)
+        gc.callbacks.append(self._gc_timer)
+        try:
+            decision_ms, decision_cpu = await self._decide(cfg.steady_s)
+        finally:
+            gc.callbacks.remove(self._gc_timer)
         wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
         redis_cpu = _redis_cpu(await admin.info("cpu")) - redis_cpu0
         hashes, entries = self.sink.hashes - hashes0, self.consumer.stats().entries - entries0
@@ -171,7 +199,8 @@ class RouterPass:
         stats = self.index.stats()
         result = PassResult(decision_ms, lags, hashes, entries, max(0.0, cpu - decision_cpu), decision_cpu, wall,
                             fill_s, fill_hashes, fill_cpu, redis_cpu, mem, stats.num_entries, stats.num_blocks,
-                            deep_size(self.index), self.consumer.stats().gaps, parts, held, self.shed)
+                            deep_size(self.index), self.consumer.stats().gaps, parts, held, self.shed,
+                            self.pick_cpu_ms, self.gc_ms, self.warm_pick_ms)
         await self.consumer.aclose()
         await self.registry.stop()
         return result
@@ -216,6 +245,7 @@ class RouterPass:
             pick = router.pick(route, set())
             took = time.perf_counter() - t0
             times.append(took * 1000)
+            self.pick_cpu_ms.append((time.thread_time() - c0) * 1000)
             free_at = time.monotonic() + took * (1 - DECISION_DUTY) / DECISION_DUTY
             router.prefills.dispatched(index, rid, pick.worker.info.worker_id,  # type: ignore[union-attr]
                                        route, pick.predicted_tokens)
@@ -249,10 +279,32 @@ class RouterPass:
             await asyncio.sleep(0.2)
 
     def _parts(self, samples: int = 20) -> dict[str, float]:
-        """Mean ms of the pick's parts on a few trace requests (each part timed alone)."""
+        """Mean ms of the pick's parts on a few trace requests (each part timed alone): for the
+        column pick its view (`routing_view`: the index's sparse lookups, the shared-blocks pass,
+        the columns) and the pick over the columns; for the reference, the dict state's parts
+        and `Policy.pick` on it."""
         router, index = self.router, self.index
         live = router.live_workers()
         ids = [w.worker_id for w in live]
+        bs = self.cfg.block_size
+        if router.column_pick:
+            out = dict.fromkeys(("match_leading_x2", "shared_blocks_of", "routing_view", "pick"), 0.0)
+            for route in self.trace[:samples]:
+                t = time.perf_counter()
+                index.match_leading(route.block_hashes)
+                index.match_leading(route.block_hashes, pending=False)
+                out["match_leading_x2"] += time.perf_counter() - t
+                t = time.perf_counter()
+                index.shared_blocks_of(ids)
+                out["shared_blocks_of"] += time.perf_counter() - t
+                t = time.perf_counter()
+                view = router._routing_view(route)
+                out["routing_view"] += time.perf_counter() - t
+                t = time.perf_counter()
+                pick_worker(router.policy, self.registry, view, view.decode_pool, route, set(), bs,
+                            router.column_picker)
+                out["pick"] += time.perf_counter() - t
+            return {k: round(v * 1000 / samples, 3) for k, v in out.items()}
         out = dict.fromkeys(("match_prefix_x2", "shared_blocks", "queued_tokens", "routing_state", "policy"), 0.0)
         for route in self.trace[:samples]:
             t = time.perf_counter()
@@ -267,7 +319,7 @@ class RouterPass:
             router.prefills.queued_tokens(index, ids, route)
             out["queued_tokens"] += time.perf_counter() - t
             t = time.perf_counter()
-            state = router.routing_state(route)
+            state = reference_view(self.registry, router.prefills, route, bs).state
             out["routing_state"] += time.perf_counter() - t
             t = time.perf_counter()
             router.policy.pick(live, route, state)

@@ -28,7 +28,7 @@ from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
-from router.routing.disagg import Disaggregation, is_active
+from router.routing.disagg import Disaggregation, decode_pool, is_active
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.fastpick import KvAwareFast
 from router.routing.inflight import InFlightPrefills
@@ -41,7 +41,7 @@ from router.routing.migrate import (
     read_until_lost,
 )
 from router.routing.observer import RouteObserver, RoutingStats
-from router.routing.pick import Pick, RoutingView, pick_worker, routing_view
+from router.routing.pick import Pick, RoutingView, pick_reference, pick_worker, reference_view, routing_view
 from router.routing.policy import Policy, make_policy
 from router.routing.predictions import HitPredictions
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
@@ -76,6 +76,8 @@ class Router:
         self.registry = registry
         self.policy: Policy = make_policy(cfg.routing_policy, cfg.load_factor)
         self._fast: KvAwareFast | None = None
+        # False: the dict state and Policy.pick (the reference; `kvmesh bench scale`'s baseline)
+        self.column_pick = True
         self._fast_of: Policy | None = None
         self.stats = RoutingStats()
         self.observer = RouteObserver()   # replaced by RouterServer with its RouterMetrics
@@ -338,14 +340,26 @@ class Router:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
         cached, and the peer to hint when another live worker holds more of the prompt."""
         info = self.model_info
-        if self._fast_of is not self.policy:     # the policy's column pick (router/routing/fastpick.py)
-            self._fast, self._fast_of = KvAwareFast.of(self.policy), self.policy
+        if not self.column_pick:
+            bs = info.block_size if info is not None else 0
+            ref = reference_view(self.registry, self.prefills, route, bs or None)
+            picked = pick_reference(self.policy, self.registry, ref, decode_pool(self.live_workers()), route, tried, bs)
+            if picked is None:
+                raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
+            return picked
         view = self._routing_view(route)
         chosen = pick_worker(self.policy, self.registry, view, view.decode_pool, route, tried,
-                             info.block_size if info is not None else 0, self._fast)
+                             info.block_size if info is not None else 0, self.column_picker)
         if chosen is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
         return chosen
+
+    @property
+    def column_picker(self) -> KvAwareFast | None:
+        """The policy's column pick (router/routing/fastpick.py; None: the policy has none)."""
+        if self._fast_of is not self.policy:
+            self._fast, self._fast_of = KvAwareFast.of(self.policy), self.policy
+        return self._fast
 
     async def _hand_off(self, rid: str, request: pb.GenerateRequest, route: RouteRequest, pick: Pick,
                         deadline: float) -> Pick:

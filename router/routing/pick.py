@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -150,6 +151,52 @@ def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, wor
     hint = best_peer_hint(chosen_id, view.stored, view.peers, max_blocks) if view.stored else None
     fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
     return Pick(chosen_entry, blocks * bs, hint, fetched * bs)
+
+
+class ReferenceView(NamedTuple):
+    """The routing state as dicts computed per worker, as the router built it before the
+    columns: dense index lookups, each peer's fetchable from every other peer's stored count —
+    O(workers) Python per figure, O(peers × workers) for fetchable. The definition
+    `routing_view` is held to (tests/router/test_fastpick.py), and `kvmesh bench scale`'s
+    baseline pick."""
+
+    state: RoutingState
+    stored: dict[WorkerId, int]
+    peers: dict[WorkerId, str]
+
+
+def reference_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: RouteRequest,
+                   block_size: int | None) -> ReferenceView:
+    live = [(w.info.worker_id, w) for w in registry.live() if w.info is not None]
+    index = registry.index
+    loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
+    prefills.expire(index)
+    cached = index.match_prefix(route.block_hashes, list(loads))
+    stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
+    peers = {wid: w.address for wid, w in live if w.peer_plane}
+    fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers), default=0)
+                          - cached.get(wid, 0))
+                 for wid in peers}
+    capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
+    index.set_capacity(capacity)
+    state = RoutingState(loads, cached, prefills.queued_tokens(index, loads, route), block_size or 16,
+                         prefills.mean_in_flight(loads), fetchable,
+                         min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
+    return ReferenceView(state, stored, peers)
+
+
+def pick_reference(policy: Policy, registry: WorkerRegistry, view: ReferenceView, workers: Sequence[WorkerInfo],
+                   route: RouteRequest, tried: set[WorkerId], block_size: int) -> Pick | None:
+    """`pick_worker` by `Policy.pick` on a `reference_view`."""
+    chosen = policy.pick(workers, route, view.state, exclude=tried)
+    if chosen is None:
+        return None
+    bs = block_size
+    max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
+    blocks = min(view.state.cached_blocks.get(chosen.worker_id, 0), max_blocks)
+    hint = best_peer_hint(chosen.worker_id, view.stored, view.peers, max_blocks)
+    fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
+    return Pick(registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
 
 
 def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],

@@ -1,7 +1,8 @@
 """The kv_aware column pick (router/routing/fastpick.py) against the reference `Policy.pick`:
 the same worker on random states (loads, holders, pending, queues, exclusions, ties), and,
 through a real registry, block index and in-flight table, the same `Router.pick` as the
-reference on the dict state the router built before the columns (recomputed here)."""
+reference on the dict state the router built before the columns (router/routing/pick.py
+`reference_view`)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import pytest
 
 from kvstore.keys import BlockHash
 from router.routing.fastpick import Columns, KvAwareFast
-from router.routing.pick import pick_worker
+from router.routing.pick import reference_view
 from router.routing.policy import Policy, make_policy
 from router.routing.scorers import BoundedLoadFilter, PrefillCostScorer, RingScorer
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad
@@ -97,22 +98,6 @@ def test_other_policies_have_no_column_pick() -> None:
     assert KvAwareFast.of(make_policy("kv_aware")) is not None
 
 
-def _old_state(router, route: RouteRequest) -> RoutingState:  # type: ignore[no-untyped-def]
-    """The routing state as router/routing/pick.py built it before the columns: dicts over the
-    live workers, dense index lookups, each peer's fetchable from every other peer's count."""
-    registry, prefills, index = router.registry, router.prefills, router.registry.index
-    live = [(w.info.worker_id, w) for w in registry.live() if w.info is not None]
-    loads = {wid: replace(w.load, shared_blocks=index.shared_blocks(wid)) for wid, w in live}
-    cached = index.match_prefix(route.block_hashes, list(loads))
-    stored = index.match_prefix(route.block_hashes, list(loads), pending=False)
-    peers = {wid: w.address for wid, w in live if w.peer_plane}
-    fetchable = {wid: max(0, max((n for o, n in stored.items() if o != wid and o in peers), default=0)
-                          - cached.get(wid, 0)) for wid in peers}
-    capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
-    return RoutingState(loads, cached, prefills.queued_tokens(index, loads, route), 16, prefills.mean_in_flight(loads),
-                        fetchable, min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
-
-
 def test_router_pick_matches_the_reference_over_a_real_index() -> None:
     from kvmesh.bench.scale_pick import SyntheticConfig, synthetic_router
 
@@ -126,11 +111,12 @@ def test_router_pick_matches_the_reference_over_a_real_index() -> None:
             now[0] += rng.choice([0.0, 0.01, 0.5, 7.0])
             tried = {e.info.worker_id for e in rng.sample(entries, 3)} if i % 4 == 0 else set()  # type: ignore[union-attr]
             view = router._routing_view(route)
-            assert view.state == _old_state(router, route)
+            assert view.state == reference_view(router.registry, router.prefills, route, 16).state
             got = router.pick(route, tried)
-            want = pick_worker(router.policy, router.registry, router._routing_view(route),
-                               router.live_workers(), route, tried, 16)
-            assert want is not None and got == want, i
+            router.column_pick = False
+            want = router.pick(route, tried)
+            router.column_pick = True
+            assert got == want, i
             router.prefills.dispatched(index, f"t-{i}", got.worker.info.worker_id, route,  # type: ignore[union-attr]
                                        got.predicted_tokens)
             got.worker.in_flight += 1
