@@ -41,10 +41,15 @@ def bench_weight_axis(args: argparse.Namespace, text: str, text_path: Path) -> d
     rows: dict[str, Any] = {}
     base = 0.0
     bin_dir = getattr(args, "llama_cpp", None)
+    lc_ids: list[int] | None = None
+    if bin_dir is not None:   # both sides score llama.cpp's token stream (see llama_cpp.tokenize)
+        from kvmesh.bench.llama_cpp import llama_tokens
+
+        lc_ids = llama_tokens(bin_dir, args.model, text_path)
     for wd in WEIGHT_DTYPES:
         engine = Engine(EngineConfig(model=args.model, dtype="fp32", weight_dtype=wd, kv_cache_dtype="fp32",
                                      block_size=16, num_blocks=-(-ctx // 16) + 4))
-        ids = encode_text(engine, text)
+        ids = lc_ids if lc_ids is not None else encode_text(engine, text)
         windows = min(len(ids) // ctx, 4 if args.quick else 16)
         if windows < 2:
             from contracts.cli import CLIError
@@ -63,6 +68,8 @@ def bench_weight_axis(args: argparse.Namespace, text: str, text_path: Path) -> d
     return {**rows, "notes": {
         "ppl": f"llama-perplexity's protocol over {ctx}-token windows of the text (at most {4 if args.quick else 16}): "
                "next-token NLL over the second half of each window, teacher-forced, fp32 activations and KV",
+        "tokens": "with --llama-cpp, the text's tokens by llama.cpp's tokenizer (llama-tokenize) on both sides, "
+                  "the stream llama-perplexity scores; else the model's HF tokenizer",
         "ppl_delta_frac": "ppl / ppl with fp32 weights - 1",
         "auto": "the checkpoint's own format (the shipped GGUF: Q4_1 layers, Q8_0 embedding and tied LM head)",
         "llama_cpp_ppl": "--llama-cpp: llama-perplexity -c <window> --chunks <windows> on the GGUF of the same "

@@ -95,6 +95,30 @@ def perplexity(bin_dir: Path, gguf: Path, text: Path, ctx: int, chunks: int, thr
     return float(found.group(1))
 
 
+def tokenize(bin_dir: Path, gguf: Path, text: Path) -> list[int]:
+    """`text`'s tokens by llama.cpp's own tokenizer (llama-tokenize, no BOS): the stream
+    llama-perplexity scores. HF's tokenizer splits some whitespace runs differently (SmolLM2:
+    "\n\n    " is one token here, "\n\n   " + " " there), which shifts every later window."""
+    cmd = [str(_binary(bin_dir, "llama-tokenize")), "-m", str(gguf), "-f", str(text), "--ids", "--log-disable",
+           "--no-bos"]
+    run = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    return parse_token_ids(run.stdout)
+
+
+def parse_token_ids(out: str) -> list[int]:
+    """The id list llama-tokenize --ids prints ("[1, 2, 3]", its last such line)."""
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("[")]
+    if not lines:
+        raise RuntimeError(f"llama-tokenize printed no ids:\n{out[-2000:]}")
+    body = lines[-1].strip("[]").strip()
+    return [int(t) for t in body.split(",")] if body else []
+
+
+def llama_tokens(bin_dir: Path, model: str, text: Path) -> list[int]:
+    """`tokenize` with the model's own GGUF."""
+    return tokenize(bin_dir, _source(model), text)
+
+
 def _source(model: str) -> Path:
     from contracts.models import locate_model
 

@@ -294,3 +294,13 @@ def test_docs_engine_section_shows_llama_cpp_rows() -> None:
         ("100 tok/s", "80 tok/s (llama.cpp S_TG)", "1.25x"), ("300 tok/s", "150 tok/s (llama.cpp S_TG)", "2.00x"),
         ("450 tok/s", "300 tok/s (llama.cpp S_PP)", "1.50x"), ("100 tok/s", "200 tok/s (roofline)", "0.5 of roofline")]
     assert rows[0].name == "batch 1 decode vs llama.cpp (q8_0: q8_0 (211), 2 threads)"
+
+
+def test_llama_tokenize_ids_are_parsed() -> None:
+    """llama-tokenize --ids prints the ids as one list (its last such line is read)."""
+    from kvmesh.bench.llama_cpp import parse_token_ids
+
+    assert parse_token_ids("load: ...\n[49, 30, 48534, 6016]\n") == [49, 30, 48534, 6016]
+    assert parse_token_ids("[]\n") == []
+    with pytest.raises(RuntimeError, match="no ids"):
+        parse_token_ids("error: cannot open file\n")
