@@ -171,7 +171,28 @@ def _accuracy(r: dict[str, Any]) -> tuple[str, list[Figure]]:
                 f"{_pct(v.get('ppl_delta_frac'))}, agreement {_g(v.get('token_agreement'))}",
             )
         )
+    out += _weight_axis(r.get("weights"))
     return f"the {base} KV cache, same model and text, same run; " + str(_at(r, "notes", "text") or ""), out
+
+
+def _weight_axis(w: Any) -> list[Figure]:
+    """The weight-dtype axis: each format's perplexity against llama-perplexity on the GGUF of the
+    same weights (with --llama-cpp), else against fp32 weights."""
+    if not isinstance(w, dict):
+        return []
+    out = []
+    for name, v in w.items():
+        if not isinstance(v, dict) or not isinstance(v.get("ppl"), (int, float)):   # "notes" has a ppl text
+            continue
+        fmt = v.get("weight_format", name)
+        if "llama_cpp_ppl" in v:
+            out.append(Figure(f"weights {name} ({fmt}): perplexity vs llama.cpp", _g(v.get("ppl"), digits=5),
+                              _g(v.get("llama_cpp_ppl"), digits=5) + " (llama-perplexity)",
+                              _pct(v.get("vs_llama_cpp_frac"))))
+        else:
+            out.append(Figure(f"weights {name} ({fmt}): perplexity vs fp32 weights", _g(v.get("ppl"), digits=5),
+                              "fp32 weights", _pct(v.get("ppl_delta_frac"))))
+    return out
 
 
 def _transfer(r: dict[str, Any]) -> tuple[str, list[Figure]]:

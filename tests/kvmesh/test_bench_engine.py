@@ -304,3 +304,20 @@ def test_llama_tokenize_ids_are_parsed() -> None:
     assert parse_token_ids("[]\n") == []
     with pytest.raises(RuntimeError, match="no ids"):
         parse_token_ids("error: cannot open file\n")
+
+
+def test_docs_accuracy_section_shows_the_weight_axis() -> None:
+    """`kvmesh bench docs`: the accuracy section ends with a row per weight format, against
+    llama-perplexity where it ran, else against fp32 weights; the KV rows stay first."""
+    from kvmesh.bench.docs_figures_engine import ENGINE_EXTRACT
+
+    r = {"fp32": {"ppl": 12.0}, "int8": {"ppl": 12.1, "ppl_delta_frac": 0.0083, "token_agreement": 0.99},
+         "weights": {"fp32": {"ppl": 12.47, "weight_format": "fp32 (211)", "llama_cpp_ppl": 12.5,
+                              "vs_llama_cpp_frac": -0.0024},
+                     "bf16": {"ppl": 12.49, "weight_format": "bf16 (211)", "ppl_delta_frac": 0.0011},
+                     "notes": {"ppl": "..."}}}
+    figs = ENGINE_EXTRACT["accuracy"](r)[1]
+    assert [f.name for f in figs] == ["int8: perplexity", "weights fp32 (fp32 (211)): perplexity vs llama.cpp",
+                                      "weights bf16 (bf16 (211)): perplexity vs fp32 weights"]
+    assert (figs[1].value, figs[1].baseline, figs[1].versus) == ("12.47", "12.5 (llama-perplexity)", "-0.24%")
+    assert figs[2].versus == "+0.11%"
