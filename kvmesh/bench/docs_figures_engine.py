@@ -157,7 +157,7 @@ def _memory(r: dict[str, Any]) -> tuple[str, list[Figure]]:
 
 
 def _accuracy(r: dict[str, Any]) -> tuple[str, list[Figure]]:
-    rows = {k: v for k, v in r.items() if isinstance(v, dict) and "ppl" in v}
+    rows = {k: v for k, v in r.items() if isinstance(v, dict) and isinstance(v.get("ppl"), (int, float))}
     names = list(rows)
     base = names[0] if names else "fp32"
     out = []

@@ -312,6 +312,7 @@ def test_docs_accuracy_section_shows_the_weight_axis() -> None:
     from kvmesh.bench.docs_figures_engine import ENGINE_EXTRACT
 
     r = {"fp32": {"ppl": 12.0}, "int8": {"ppl": 12.1, "ppl_delta_frac": 0.0083, "token_agreement": 0.99},
+         "notes": {"ppl": "exp(mean NLL) ..."},
          "weights": {"fp32": {"ppl": 12.47, "weight_format": "fp32 (211)", "llama_cpp_ppl": 12.5,
                               "vs_llama_cpp_frac": -0.0024},
                      "bf16": {"ppl": 12.49, "weight_format": "bf16 (211)", "ppl_delta_frac": 0.0011},
