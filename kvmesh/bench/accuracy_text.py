@@ -11,13 +11,17 @@ def accuracy_text(path: Path | None = None) -> tuple[str, str]:
     """(text, where it came from): `path`, else real English shipped with every CPython, its
     LICENSE.txt."""
     if path is None:
+        import sys
         import sysconfig
         path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
         if not path.exists():  # some distributions drop it: then the Python docs' topic texts (pydoc)
             import pydoc_data
             path = Path(pydoc_data.__file__).parent / "topics.py"
+        where = f"the interpreter's {path.name} (Python {sys.version.split()[0]}'s stdlib)"
+    else:
+        where = str(path)
     try:
-        return path.read_text(encoding="utf-8"), str(path)
+        return path.read_text(encoding="utf-8"), where
     except (OSError, UnicodeDecodeError) as e:
         from contracts.cli import CLIError
         raise CLIError(f"--text: cannot read {path}: {e}") from None
