@@ -154,7 +154,7 @@ def _scale(r: dict[str, Any]) -> tuple[str, list[Figure]]:
         n, old = run.get("workers"), legacy.get(run.get("workers"), {})
         out.append(Figure(f"{n} workers ({_g(run.get('blocks'))} blocks): decision p50 / p99",
                           f"{_g(run.get('decision_p50_ms'))} / {_g(run.get('decision_p99_ms'))} ms",
-                          f"{_g(old.get('decision_p99_ms'))} ms p99 (legacy index)", "target p99 <= 2 ms"))
+                          f"{_g(old.get('decision_p99_ms'))} ms p99 (legacy index, dict pick)", "target p99 <= 2 ms"))
         out.append(Figure(f"{n} workers: event lag p99; index bytes per (block, worker) entry",
                           f"{_g(run.get('event_lag_p99_ms'))} ms; {_g(run.get('index_bytes_per_entry'))} B",
                           f"{_g(old.get('index_bytes_per_entry'))} B (legacy index)",
@@ -163,7 +163,7 @@ def _scale(r: dict[str, Any]) -> tuple[str, list[Figure]]:
                           f"{_g(run.get('events_per_s_per_core'))}; {_g(run.get('redis_cpu_frac'))}, "
                           f"{_g((_num(run.get('redis_mem_bytes')) or 0) / 2**20)} MiB", "", ""))
     out.append(Figure(f"first bottleneck: {r.get('bottleneck', '—')}", "", "", ""))
-    return "the same run with the legacy (dict-per-block) index", out
+    return "the same run with the legacy (dict-per-block) index and the dict-per-worker pick", out
 
 
 CLUSTER_EXTRACT: dict[str, Extract] = {
