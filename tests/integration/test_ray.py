@@ -51,7 +51,7 @@ def test_ray_worker_actors_get_the_tls_files_with_tls_ca(tmp_path: Path) -> None
     from contracts.tls import PLAINTEXT
     from kvmesh.cli import build_parser
     from kvmesh.serve.cli import ray_config_from_args
-    from kvmesh.serve.ray_launch import worker_specs
+    from kvmesh.serve.ray_specs import worker_specs
     for name in ("c.pem", "k.pem", "ca.pem"):
         (tmp_path / name).write_text("x")
     tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]

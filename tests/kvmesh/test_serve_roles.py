@@ -19,7 +19,7 @@ from kvmesh.bench.chaos_harness import ServeProcess, run_streams, wait_until
 from kvmesh.cli import build_parser
 from kvmesh.serve.cli import config_from_args
 from kvmesh.serve.config import ServeConfig
-from kvmesh.serve.ray_launch import worker_specs
+from kvmesh.serve.ray_specs import worker_specs
 from kvmesh.serve.roles import Role, role_argv, split_cpus
 from worker.server.affinity import format_cpu_list, parse_cpu_list
 
