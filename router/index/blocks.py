@@ -286,25 +286,8 @@ class BlockIndex:
         """For each of `workers` (default: every known worker), how many LEADING blocks of
         `block_hashes` it holds in any tier — or computes (pending), unless `pending=False`:
         the count stops at its first missing block."""
-        counts: dict[WorkerId, int] = {w: 0 for w in (self._by_worker if workers is None else workers)}
-        matching = set(counts)
-        num_matched = 0
-        no_pending: dict[WorkerId, set[str]] = {}
-        for h in block_hashes:
-            holders = self._holders(h)
-            computing = self._pending.by_block.get(h, no_pending) if pending else no_pending
-            if not holders and not computing:
-                break
-            missing = [w for w in matching if w not in holders and w not in computing]
-            for w in missing:
-                counts[w] = num_matched
-                matching.discard(w)
-            if not matching:
-                break
-            num_matched += 1
-        for w in matching:
-            counts[w] = num_matched
-        return counts
+        leading = self.match_leading(block_hashes, pending=pending)
+        return {w: leading.get(w, 0) for w in (self._by_worker if workers is None else workers)}
 
     def match_leading(self, block_hashes: Sequence[BlockHash], *, pending: bool = True) -> dict[WorkerId, int]:
         """`match_prefix` over every worker, sparse: only the workers holding (or computing,
