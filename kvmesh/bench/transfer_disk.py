@@ -104,9 +104,9 @@ def bench_disk_ttft(model: str, prefix_tokens: int, seed: int, vocab: int, path:
         hashes = block_hashes(prefix, eng.cfg.block_size, eng.salt)
         ids = [eng.store.pool.get_cached_block(h) for h in hashes]
         data = eng.store.kv.gather_blocks([int(b) for b in ids if b is not None]).movedim(2, 0).contiguous()
-        for h, row in zip(hashes, data):                                       # the host tier's spill path
-            while not eng.store.disk.write_behind((None, h), row):
-                time.sleep(0.001)
+        for h, row in zip(hashes, data):          # the host tier's spill path (write-through may have been first)
+            while eng.store.disk.wants((None, h)) and not eng.store.disk.write_behind((None, h), row):
+                time.sleep(0.001)                 # the queue is full: wait for room
         eng.store.disk.flush(600)
         eng.store.reset_prefix_cache()
         eng.store.host.clear()

@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.bench.transfer import bench_offload
+from kvmesh.bench.transfer_disk import bench_disk_io, bench_disk_ttft
 from kvmesh.cli import build_parser, main
 from kvstore.layout import KVLayout
 
@@ -30,6 +32,23 @@ def test_offload_figures_on_a_small_layout() -> None:
     for key in ("offload", "onload"):
         assert r[f"{key}_gb_s"] > 0
         assert r[f"{key}_vs_memcpy"] == pytest.approx(r[f"{key}_gb_s"] / r["memcpy_gb_s"])
+
+
+def test_disk_io_figures_on_a_small_layout(tmp_path: Path) -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, kv_cache_dtype="fp32")
+    r = bench_disk_io(layout, num_blocks=8, repeats=1, seed=0, tmp=tmp_path)   # asserts the round trip is exact
+    assert r["num_bytes"] == 8 * layout.bytes_per_block and r["target"] == 0.8
+    assert r["write_vs_raw"] == pytest.approx(r["write_behind_gb_s"] / r["raw_write_gb_s"]) and r["read_vs_raw"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_disk_ttft_with_the_prefix_already_written_through(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """The engine's disk tier writes every cached block through (the default): the bench's own
+    spill of the prefix finds them held or queued and must not wait for a write that never
+    comes (it did: the bench hung)."""
+    r = bench_disk_ttft(str(tiny_model_dir("llama-gqa")), prefix_tokens=64, seed=0, vocab=256, path=tmp_path / "t")
+    assert r["first_token_equal"] is True and r["disk_cached_tokens"] == 64 and r["blocks_read"] >= 4
+    assert min(r["disk_s"], r["recomputed_s"]) > 0
 
 
 @pytest.mark.slow
