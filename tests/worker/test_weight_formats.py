@@ -93,6 +93,30 @@ def test_kernel_matches_dequantized_f_linear(fmt: WeightFormat, shape: tuple[int
                F.linear(normed.abs(), ref_w.abs(), bias.abs()), k, _xq_bound(normed, ref_w.abs(), fmt))
 
 
+def _quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the Q8_0 / Q4_* kernel takes it: per row and block of 32, scale max|x| / 127 and codes
+    round-half-even(x * 127 / max|x|) (fp32, as csrc/qlinear.cpp's quantize_x), dequantized."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).clamp(-127, 127) * (amax / 127)).view(m, k)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1], ids=lambda f: f.value)
+def test_quantized_kernel_is_w_times_the_int8_x(fmt: WeightFormat) -> None:
+    """The integer-dot kernel computes exactly W x̂ for the int8-quantized x̂ (within fp32
+    rounding of that product, no quantization slack): block scales, the Q8_0 + 128 offset and the
+    4-bit offsets' sum term are all accounted for."""
+    for n, k in ((960, 576), (40, 64)):
+        w = _weight(n, k, fmt, n * k)
+        lin = Linear(w)
+        ref_w = dense(w).double()
+        for m in (1, 5, 16):
+            xh = _quantized_x(_randn(m, k)).double()
+            _close(lin(_randn(m, k)), F.linear(xh, ref_w), F.linear(xh.abs(), ref_w.abs()), k)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
 def test_gated_mlp_kernel_matches_reference(fmt: WeightFormat) -> None:
     gate, up = _weight(1536, 576, fmt, 1), _weight(1536, 576, fmt, 2)
