@@ -30,6 +30,7 @@ from router.fronts.grpc_front import GrpcFront
 from router.fronts.openai.app import HttpFrontend
 from router.fronts.openai.openapi import add_openapi_route
 from router.fronts.openai.vllm_fields import generation_default_temperature
+from router.heap import freeze_startup_heap
 from router.observe.metrics import RouterMetrics
 from router.routing.core import Router
 from router.routing.errors import RouterStartError
@@ -207,6 +208,7 @@ async def _serve_until_signal(cfg: RouterConfig) -> int:
             raise CLIError(f"--{'model' if e.field == 'model' else 'worker'}: {e}") from None
         except (RuntimeError, OSError) as e:
             raise CLIError(f"--grpc-port/--http-port: cannot bind on {cfg.host}: {e}") from None
+        log.info("kvmesh router: %d start-up objects frozen out of the collector's passes", freeze_startup_heap())
         http = f"http on {cfg.host}:{http_port}" if http_port is not None else "http off"
         print(f"kvmesh router serving grpc on {cfg.host}:{grpc_port} {http}", flush=True)
         await stop.wait()

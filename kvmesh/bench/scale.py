@@ -7,8 +7,11 @@ index and pick (kvmesh/bench/scale_router.py), once per router variant (`--index
 the other against the same fleet: `legacy` — router/index/blocks.py `BlockIndex`, the consumer
 reading back to back (`read_interval_s=0`) and the pick over per-worker dicts (router/routing/pick.py
 `reference_view` + `Policy.pick`) —, `compact-dicts` — router/index/compact.py, the consumer's
-batched reads (its default), the same dict pick — and `compact` — the router as it is: that index
-and those reads with the column pick (router/routing/fastpick.py). `runs` holds the last variant
+batched reads (its default), the same dict pick —, `compact-tracked` — the column pick
+(router/routing/fastpick.py) over the compact index as it was while the garbage collector
+traversed it (kvmesh/bench/scale_baseline.py) — and `compact` — the router as it is: the compact
+index out of the collector's sight, its start-up heap frozen (router/heap.py), those reads and the
+column pick. `runs` holds the last variant
 named, `baseline` the others, measured in the same run. Picks may take at most half the router loop's time (the rest
 is the consumer's); decisions due beyond that are shed and counted (`details`).
 
@@ -65,7 +68,7 @@ TARGETS = {"decision_p99_ms": 2.0, "event_lag_p99_ms": 250.0, "index_bytes_per_e
 @dataclass(frozen=True, slots=True)
 class ScaleConfig:
     workers: tuple[int, ...] = (16, 128, 1000)
-    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact")
+    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact-tracked", "compact")
     pool_blocks: int = 1000
     tokens_per_s: float = MEASURED_TOKENS_PER_S
     tokens_source: str = "constant"
@@ -197,7 +200,11 @@ def _detail(n: int, kind: str, r: PassResult, extra: dict[str, Any]) -> dict[str
             "decision_cpu_p50_ms": round(_pct(r.decision_cpu_ms, 0.5), 3),
             "decision_cpu_p99_ms": round(_pct(r.decision_cpu_ms, 0.99), 3),
             "gc_passes": len(r.gc_pauses_ms), "gc_pause_max_ms": round(max(r.gc_pauses_ms, default=0.0), 1),
-            "gc_pause_total_ms": round(sum(r.gc_pauses_ms), 1), "first_pick_ms": round(r.warm_pick_ms, 1),
+            "gc_pause_total_ms": round(sum(r.gc_pauses_ms), 1), "gc_full_passes": len(r.gc_full_ms),
+            "gc_full_pause_max_ms": round(max(r.gc_full_ms, default=0.0), 1),
+            "decisions_with_gc": sum(1 for g in r.decision_gc_ms if g > 0),
+            "decision_p99_less_gc_ms": round(_pct([d - g for d, g in zip(r.decision_ms, r.decision_gc_ms)], 0.99), 3),
+            "first_pick_ms": round(r.warm_pick_ms, 1),
             "steady_s": round(r.wall_s, 2), "steady_hash_events": r.hash_events, "steady_entries": r.entries,
             "ingest_cpu_s": round(r.ingest_cpu_s, 3), "event_lag_p50_ms": round(_pct(r.lag_ms, 0.5), 1),
             "fill_s": round(r.fill_s, 2), "fill_hash_events": r.fill_hash_events,
@@ -222,7 +229,10 @@ def bottleneck(runs: list[dict[str, Any]], details: list[dict[str, Any]]) -> str
                     why = ("; per pick (ms, each part timed alone): "
                            + ", ".join(f"{k} {v}" for k, v in parts.items())
                            + f"; largest part: {top}; decision p50 {row['decision_p50_ms']} ms, "
-                           f"decision CPU p99 {d.get('decision_cpu_p99_ms')} ms")
+                           f"decision CPU p99 {d.get('decision_cpu_p99_ms')} ms, "
+                           f"p99 less the collector's time in each pick {d.get('decision_p99_less_gc_ms')} ms "
+                           f"({d.get('gc_full_passes')} full collections, the longest "
+                           f"{d.get('gc_full_pause_max_ms')} ms)")
                 elif key == "event_lag_p99_ms":
                     why = (f"; steady ingest {row['events_per_s_per_core']} hash events per router CPU s, "
                            f"Redis CPU {row['redis_cpu_frac']} of a core")
@@ -296,9 +306,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shorter steady phase, fewer decisions (1,000 workers included)")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--workers", type=_counts, default=(16, 128, 1000), help="worker counts (default 16,128,1000)")
-    p.add_argument("--index", default="legacy,compact-dicts,compact",
+    p.add_argument("--index", default="legacy,compact-dicts,compact-tracked,compact",
                    help="router variants (index structure, reads, pick: kvmesh/bench/scale_router.py INDEXES), "
-                        "comma-separated, the last one reported in runs (default legacy,compact-dicts,compact)")
+                        "comma-separated, the last one reported in runs "
+                        "(default legacy,compact-dicts,compact-tracked,compact)")
     p.add_argument("--pool-blocks", type=int, default=1000, help="blocks per worker pool (default 1000: 10^6 at 1,000)")
     p.add_argument("--tokens-per-s", type=float, default=None,
                    help="tokens a worker computes per second (default: the measured prefill rate)")

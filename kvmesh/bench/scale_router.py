@@ -24,11 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kvmesh.bench.scale_baseline import TrackedCompactIndex
 from kvstore.events import IndexSink, WireEvent, WorkerId
 from kvstore.metadata.registry import RedisConfig, connect_async
 from kvstore.metadata.streams import EventConsumer
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
+from router.heap import freeze_startup_heap
 from router.index.blocks import BlockIndex
 from router.index.compact import CompactBlockIndex
 from router.index.gate import GatedIndex
@@ -37,15 +39,20 @@ from router.routing.pick import pick_worker, reference_view
 from router.routing.types import RouteRequest, WorkerInfo
 from router.workers.registry import WorkerEntry, WorkerRegistry
 
-# The router variants a pass runs (`--index`): its index structure, its consumer's read_interval_s
-# and its pick. `legacy` is the router before the changes this bench showed (dict-per-block index,
-# reads back to back, the pick over per-worker dicts); `compact-dicts` the compact index and
-# batched reads with that pick (router/routing/pick.py `reference_view` + `Policy.pick`);
-# `compact` the router as it is (the column pick, router/routing/fastpick.py).
+# The router variants a pass runs (`--index`): its index structure, its consumer's read_interval_s,
+# its pick and whether its start-up heap is frozen (router/heap.py). `legacy` is the router before
+# the changes this bench showed (dict-per-block index, reads back to back, the pick over per-worker
+# dicts); `compact-dicts` the compact index and batched reads with that pick
+# (router/routing/pick.py `reference_view` + `Policy.pick`); `compact-tracked` the column pick
+# (router/routing/fastpick.py) over the compact index as it was before it left the garbage
+# collector's sight (kvmesh/bench/scale_baseline.py); `compact` the router as it is.
 INDEXES: dict[str, Callable[[], BlockIndex]] = {"legacy": BlockIndex, "compact-dicts": CompactBlockIndex,
+                                                "compact-tracked": TrackedCompactIndex,
                                                 "compact": CompactBlockIndex}
-READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact-dicts": None, "compact": None}
-COLUMN_PICK: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact": True}
+READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact-dicts": None, "compact-tracked": None,
+                                            "compact": None}
+COLUMN_PICK: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": True, "compact": True}
+FREEZE: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": False, "compact": True}
 DECISION_DUTY = 0.5     # the most of the loop's time picks may take
 
 
@@ -84,6 +91,8 @@ class PassResult(NamedTuple):
     decisions_shed: int
     decision_cpu_ms: list[float]    # each pick's thread CPU time (wall time less descheduling)
     gc_pauses_ms: list[float]       # the garbage collector's passes during the steady phase
+    gc_full_ms: list[float]         # of those, the full (gen-2) ones
+    decision_gc_ms: list[float]     # the collector's time inside each pick (aligned with decision_ms)
     warm_pick_ms: float             # the first pick, before the steady phase (builds the ring)
 
 
@@ -132,13 +141,19 @@ class RouterPass:
         self.pick_cpu_ms: list[float] = []
         self.warm_pick_ms = 0.0
         self.gc_ms: list[float] = []
+        self.gc_full_ms: list[float] = []
+        self.gc_total_ms = 0.0
         self._gc_t0 = 0.0
 
     def _gc_timer(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._gc_t0 = time.perf_counter()
         else:
-            self.gc_ms.append((time.perf_counter() - self._gc_t0) * 1000)
+            ms = (time.perf_counter() - self._gc_t0) * 1000
+            self.gc_ms.append(ms)
+            self.gc_total_ms += ms
+            if info["generation"] == 2:
+                self.gc_full_ms.append(ms)
 
     async def _consume(self) -> None:
         """The registry's consume loop: a poll, then its membership follows the Redis registry."""
@@ -157,6 +172,15 @@ class RouterPass:
 
     async def run(self, pause_fleet: Callable[[], int], fleet_alive: Callable[[], bool]) -> PassResult:
         """`pause_fleet()` stops the fleet's traffic and returns the blocks it holds."""
+        cfg = self.cfg
+        if FREEZE[cfg.index]:           # as the router process does once started (router/server.py)
+            freeze_startup_heap()
+        try:
+            return await self._run(pause_fleet, fleet_alive)
+        finally:
+            gc.unfreeze()
+
+    async def _run(self, pause_fleet: Callable[[], int], fleet_alive: Callable[[], bool]) -> PassResult:
         cfg = self.cfg
         task = asyncio.create_task(self._consume())
         t0, cpu0 = time.monotonic(), time.process_time()
@@ -182,7 +206,7 @@ class RouterPass:
         cpu0, wall0 = time.process_time(), time.monotonic()
         gc.callbacks.append(self._gc_timer)
         try:
-            decision_ms, decision_cpu = await self._decide(cfg.steady_s)
+            decision_ms, decision_gc, decision_cpu = await self._decide(cfg.steady_s)
         finally:
             gc.callbacks.remove(self._gc_timer)
         wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
@@ -200,7 +224,7 @@ class RouterPass:
         result = PassResult(decision_ms, lags, hashes, entries, max(0.0, cpu - decision_cpu), decision_cpu, wall,
                             fill_s, fill_hashes, fill_cpu, redis_cpu, mem, stats.num_entries, stats.num_blocks,
                             deep_size(self.index), self.consumer.stats().gaps, parts, held, self.shed,
-                            self.pick_cpu_ms, self.gc_ms, self.warm_pick_ms)
+                            self.pick_cpu_ms, self.gc_ms, self.gc_full_ms, decision_gc, self.warm_pick_ms)
         await self.consumer.aclose()
         await self.registry.stop()
         return result
@@ -216,13 +240,15 @@ class RouterPass:
                 return worst
             await asyncio.sleep(0.5)
 
-    async def _decide(self, seconds: float) -> tuple[list[float], float]:
-        """Route trace requests at `decision_rate` for `seconds`: the time of each `pick`. Picks
+    async def _decide(self, seconds: float) -> tuple[list[float], list[float], float]:
+        """Route trace requests at `decision_rate` for `seconds`: the time of each `pick` and the
+        garbage collector's time within it, and the picks' thread CPU seconds. Picks
         take at most `DECISION_DUTY` of the loop: after a pick of t seconds the loop is the
         consumer's for t × (1 − duty) / duty (decisions due meanwhile are shed, counted in
         `shed`), so that ingest is measured while a pick is slower than the rate allows."""
         cfg, router, index = self.cfg, self.router, self.index
         times: list[float] = []
+        in_gc: list[float] = []
         cpu = 0.0
         in_flight: deque[tuple[float, str]] = deque()
         start = time.monotonic()
@@ -241,10 +267,11 @@ class RouterPass:
                 self.shed += behind
             route = self.trace[i % len(self.trace)]
             rid = f"scale-{i}"
-            c0, t0 = time.thread_time(), time.perf_counter()
+            c0, g0, t0 = time.thread_time(), self.gc_total_ms, time.perf_counter()
             pick = router.pick(route, set())
             took = time.perf_counter() - t0
             times.append(took * 1000)
+            in_gc.append(self.gc_total_ms - g0)
             self.pick_cpu_ms.append((time.thread_time() - c0) * 1000)
             free_at = time.monotonic() + took * (1 - DECISION_DUTY) / DECISION_DUTY
             router.prefills.dispatched(index, rid, pick.worker.info.worker_id,  # type: ignore[union-attr]
@@ -257,7 +284,7 @@ class RouterPass:
             await asyncio.sleep(0)      # let the consumer in between decisions, as requests do
         for _, rid in in_flight:
             self._end(rid)
-        return times, cpu
+        return times, in_gc, cpu
 
     def _end(self, rid: str) -> None:
         worker = self._flights.pop(rid)

@@ -37,7 +37,7 @@ for any more counts as room, whatever it was worth once.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from router.index.check import ALL_TIERS, check_holders
 from router.index.pending import PendingBlocks
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
+_KINDS = tuple(range(2 * _DEPTHS))    # one int object per (depth, num_asks) an ask map holds
 
 
 class IndexStats(NamedTuple):
@@ -79,7 +80,10 @@ class BlockIndex:
         self.num_stale_events = 0
         self._applied = 0
         self._pending = PendingBlocks()
-        self._asked: dict[BlockHash, Ask] = {}
+        # each asked block's `Ask`, in two maps of atomic values the garbage collector never
+        # tracks (a map of Ask tuples would be traversed whole by every full collection):
+        self._asked: dict[BlockHash, int] = {}         # _KINDS[depth << 1 | (num_asks − 1)]
+        self._asked_at: dict[BlockHash, float] = {}    # Ask.at
         self._held_asks = TallyTable()               # each worker's blocks by their asks (a row each)
         self._rows_of: tuple[tuple[WorkerId, ...], int, np.ndarray] | None = None   # shared_blocks_of's last rows
         self._any_asks = Tally()                     # the same over the distinct blocks held anywhere
@@ -101,7 +105,8 @@ class BlockIndex:
             if known is not None and generation > known:
                 self.clear_worker(worker_id)
             self._generations[worker_id] = generation
-        self._by_worker.setdefault(worker_id, set())
+        if worker_id not in self._by_worker:
+            self._by_worker[worker_id] = self._new_held()
         kind = event.type
         if kind is EventType.STORED:
             self.add(worker_id, event.hashes, event.tier)
@@ -144,7 +149,7 @@ class BlockIndex:
     def clear_worker(self, worker_id: WorkerId) -> None:
         """Forget every block of `worker_id`; it stays known (with no blocks)."""
         self._drop(worker_id, self._by_worker.get(worker_id, ()), ALL_TIERS)
-        self._by_worker[worker_id] = set()
+        self._by_worker[worker_id] = self._new_held()
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """Forget `worker_id` altogether (it left routing), with its pending blocks."""
@@ -171,7 +176,10 @@ class BlockIndex:
         hashes = tuple(hashes)
         if not retry:
             self._count_asks(hashes, resubmitted)
-        self._pending.record(request_id, worker_id, hashes, self._by_worker.setdefault(worker_id, set()), expires_at)
+        held = self._by_worker.get(worker_id)
+        if held is None:
+            held = self._by_worker[worker_id] = self._new_held()
+        self._pending.record(request_id, worker_id, hashes, held, expires_at)
 
     def settle_pending(self, request_id: str, expires_at: float) -> None:
         """The request's prefill is done (its blocks are stored on the worker): keep its
@@ -228,7 +236,7 @@ class BlockIndex:
                 self._rebase()
         now = self._decay.now
         for depth, h in enumerate(hashes):
-            seen = self._asked.get(h)
+            seen = self._ask(h)
             if seen is not None and resubmitted:
                 continue
             holders = self._holders(h)
@@ -238,12 +246,13 @@ class BlockIndex:
                 self._count_any(h, -1)
             if seen is None:
                 d = min(depth, _DEPTHS - 1)
-                self._asked[h] = Ask(1, d, now)
+                self._asked[h] = _KINDS[d << 1]
                 self._first[d] += 1
             else:
                 if seen.num_asks < 2:
                     self._again[seen.depth] += 1
-                self._asked[h] = Ask(2, seen.depth, now)
+                self._asked[h] = _KINDS[seen.depth << 1 | 1]
+            self._asked_at[h] = now
             for w in holders:
                 self._count_held(w, h, +1)
             if holders:
@@ -254,19 +263,26 @@ class BlockIndex:
         shared prefixes take with one copy each."""
         return self._any_asks.expected(self._first, self._again, self._decay.scale())
 
+    def _ask(self, h: BlockHash) -> Ask | None:
+        """`h`'s asks (None: no request asked for it, or its count was forgotten)."""
+        kind = self._asked.get(h)
+        return None if kind is None else Ask((kind & 1) + 1, kind >> 1, self._asked_at[h])
+
     def _count_any(self, h: BlockHash, sign: int) -> None:
-        seen = self._asked.get(h)
+        seen = self._ask(h)
         if seen is not None:
             self._any_asks.count(seen, self._decay.weight(seen), sign)
 
     def _count_held(self, worker_id: WorkerId, h: BlockHash, sign: int) -> None:
-        seen = self._asked.get(h)
+        seen = self._ask(h)
         if seen is not None:
             self._held_asks.count(worker_id, seen, self._decay.weight(seen), sign)
 
     def _recount(self) -> tuple[dict[WorkerId, Tally], Tally]:
         """The tallies counted afresh from the blocks held and their asks."""
-        return recount(self._by_worker, self._blocks, self._asked, self._decay)
+        at = self._asked_at
+        asked = {h: Ask((kind & 1) + 1, kind >> 1, at[h]) for h, kind in self._asked.items()}
+        return recount(self._by_worker, self._blocks, asked, self._decay)
 
     def _rebase(self) -> None:
         """Move the weights' base to now (they would soon outgrow floating point)."""
@@ -276,7 +292,8 @@ class BlockIndex:
 
     def _forget_asks(self, h: BlockHash) -> None:
         if h not in self._blocks and h not in self._pending.by_block:
-            self._asked.pop(h, None)
+            if self._asked.pop(h, None) is not None:
+                del self._asked_at[h]
 
     def pending_requests(self) -> list[str]:
         return self._pending.requests()
@@ -306,12 +323,16 @@ class BlockIndex:
             if matching is None:
                 matching = set(holders)
                 matching.update(computing)
-            else:
-                for w in [w for w in matching if w not in holders and w not in computing]:
-                    counts[w] = num_matched
-                    matching.discard(w)
-                if not matching:
-                    break
+            else:       # the workers that stop matching here, in set operations (C, not a loop here)
+                gone = matching.difference(holders)
+                if gone and computing:
+                    gone.difference_update(computing)
+                if gone:
+                    for w in gone:
+                        counts[w] = num_matched
+                    matching -= gone
+                    if not matching:
+                        break
             num_matched += 1
         for w in matching or ():
             counts[w] = num_matched
@@ -344,10 +365,15 @@ class BlockIndex:
         for w in set(held_asks) | set(self._held_asks.keys()):
             self._held_asks.tally(w).check(held_asks.get(w, Tally()), w)
         self._any_asks.check(any_asks, "the distinct blocks")
+        assert self._asked.keys() == self._asked_at.keys(), "the two ask maps name different blocks"
         for h in self._asked:
             assert h in self._blocks or h in self._pending.by_block, \
                 f"ask count kept for {h:032x}, held and computed nowhere"
         self._pending.check(self._holders)
+
+    def _new_held(self) -> Any:
+        """A worker's (empty) container of the blocks it holds: a set here."""
+        return set()
 
     def _holders(self, h: BlockHash) -> Collection[WorkerId]:
         """The workers holding `h` in any tier (the storage's own view: do not mutate)."""

@@ -96,7 +96,8 @@ class PendingBlocks:
         """`h` went from `worker_id` (neither held nor computed there now): the running requests
         there asking for it compute it, so it is pending for them — or, not `evicted` (dropped
         on a correction), they stop asking for it."""
-        rids = self._asking.get(h, {}).get(worker_id)
+        asking = self._asking.get(h)
+        rids = asking.get(worker_id) if asking is not None else None
         if not rids:
             return
         if not evicted:

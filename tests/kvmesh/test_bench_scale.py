@@ -27,7 +27,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_flags_and_their_errors() -> None:
     cfg = config_from_args(_parse("--quick", "--workers", "4,8", "--steady-s", "1.5"))
     assert (cfg.workers, cfg.steady_s, cfg.decision_rate, cfg.indexes) == ((4, 8), 1.5, 20.0,
-                                                                        ("legacy", "compact-dicts", "compact"))
+                                                                        ("legacy", "compact-dicts", "compact-tracked",
+                                                                         "compact"))
     assert config_from_args(_parse()).workers == ScaleConfig().workers == (16, 128, 1000)
     with pytest.raises(CLIError, match="indexes"):
         config_from_args(_parse("--index", "legacy,btree"))
@@ -55,7 +56,7 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
     result = json.loads(out.read_text())
     assert "machine" in result["meta"]
     assert isinstance(result["bottleneck"], str) and result["bottleneck"]
-    assert set(result["baseline"]) == {"legacy", "compact-dicts"}
+    assert set(result["baseline"]) == {"legacy", "compact-dicts", "compact-tracked"}
     for runs in (result["runs"], *result["baseline"].values()):
         assert [r["workers"] for r in runs] == [4, 8]
         for r in runs:
@@ -74,6 +75,8 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
         assert d["index_entries"] == d["oracle_held"] == fleet["held"] == d["workers"] * 100
         assert d["decisions"] > 0 and d["consumer_gaps"] == 0
         assert 0 < d["decision_cpu_p50_ms"] <= d["decision_cpu_p99_ms"]
+        assert 0 <= d["gc_full_passes"] <= d["gc_passes"] and 0 <= d["decisions_with_gc"] <= d["decisions"]
+        assert 0 < d["decision_p99_less_gc_ms"]
     by = {(d["workers"], d["index"]): d for d in result["details"]}
     for n in (4, 8):
         assert by[n, "compact"]["index_bytes"] < by[n, "legacy"]["index_bytes"]

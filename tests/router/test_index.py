@@ -1,6 +1,8 @@
 """BlockIndex: examples, then a hypothesis state machine against a dict model (for both storages)."""
 from __future__ import annotations
 
+import gc
+import random
 import subprocess
 import sys
 
@@ -8,6 +10,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvmesh.bench.scale_baseline import TrackedCompactIndex
 from kvstore.events import EventType, Tier, WireEvent, WorkerId, inventory_events
 from kvstore.keys import BlockHash
 from router.index.blocks import BlockIndex, IndexStats
@@ -265,11 +268,18 @@ TestIndexMachine = IndexMachine.TestCase
 
 class CompactIndexMachine(IndexMachine):
     """The same model against `CompactBlockIndex` (the registry's index): one-holder blocks packed
-    into ints, turning back into dicts and ints as holders come and go."""
+    into ints, shared ones moving to the side map and back as holders come and go — and its
+    large containers never tracked by the garbage collector."""
 
     def __init__(self) -> None:
         super().__init__()
         self.index = CompactBlockIndex(ask_half_life=0.01)
+
+    @invariant()
+    def out_of_the_collectors_sight(self) -> None:
+        index = self.index
+        assert not any(gc.is_tracked(m) for m in (index._blocks, index._asked, index._asked_at))
+        assert not any(gc.is_tracked(held) for held in index._by_worker.values())
 
 
 CompactIndexMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
@@ -289,3 +299,50 @@ def test_a_held_blocks_evidence_survives_a_far_newer_ask_being_dropped() -> None
     index.add_pending("r1", a, [BlockHash(4097)], expires_at=1.0)
     index.apply(a, WireEvent(EventType.CLEARED, tier=Tier.DEVICE))
     index.check_integrity()
+
+
+class TrackedCompactIndexMachine(IndexMachine):
+    """The same model against `kvmesh bench scale`'s `compact-tracked` baseline (the compact
+    storage as it was): a baseline that kept the contract."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = TrackedCompactIndex(ask_half_life=0.01)
+
+
+TrackedCompactIndexMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestTrackedCompactIndexMachine = TrackedCompactIndexMachine.TestCase
+
+
+def test_a_full_collection_does_not_walk_the_compact_index() -> None:
+    """20,000 (block, worker) entries over 20 workers, shared prefixes among them: what a full
+    collection traverses from the index is its few small maps, not one object per entry (the
+    previous storage, sets and dict values, gave the collector every entry)."""
+    rng = random.Random(0)
+    prefix = [BlockHash(rng.getrandbits(128)) for _ in range(32)]
+    indexes = (CompactBlockIndex(), TrackedCompactIndex())
+    for index in indexes:
+        rng.seed(1)
+        for w in range(20):
+            own = [BlockHash(rng.getrandbits(128)) for _ in range(1000 - len(prefix))]
+            index.add(WorkerId(f"w{w}"), [*(prefix if w % 2 else []), *own], Tier.DEVICE)
+        index.add_pending("r", WorkerId("w0"), prefix, expires_at=1.0)
+        index.check_integrity()
+
+    def traversed(index: BlockIndex) -> int:
+        """References the collector visits in the index's tracked containers (classes not followed)."""
+        seen: set[int] = set()
+        stack: list[object] = [vars(index)]
+        n = 0
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen or not gc.is_tracked(obj) or isinstance(obj, type):
+                continue
+            seen.add(id(obj))
+            refs = gc.get_referents(obj)
+            n += len(refs)
+            stack.extend(refs)
+        return n
+
+    new, old = (traversed(index) for index in indexes)
+    assert new < 2_000 and old > 20_000, (new, old)
