@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 
-def accuracy_text(path: Path | None = None) -> tuple[str, str]:
-    """(text, where it came from): `path`, else real English shipped with every CPython, its
-    LICENSE.txt."""
+def accuracy_text(path: Path | None = None) -> tuple[str, str, Path]:
+    """(text, where it came from in words, its file): `path`, else real English shipped with every
+    CPython, its LICENSE.txt (named without this machine's path; llama.cpp's tools read the file)."""
     if path is None:
         import sys
         import sysconfig
@@ -21,7 +21,7 @@ def accuracy_text(path: Path | None = None) -> tuple[str, str]:
     else:
         where = str(path)
     try:
-        return path.read_text(encoding="utf-8"), where
+        return path.read_text(encoding="utf-8"), where, path
     except (OSError, UnicodeDecodeError) as e:
         from contracts.cli import CLIError
         raise CLIError(f"--text: cannot read {path}: {e}") from None

@@ -211,7 +211,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.sampling import SamplingParams
 
-    text, source = accuracy_text(args.text)
+    text, source, text_path = accuracy_text(args.text)
     window = 512 if args.quick else 2048
     gen_len = 64 if args.quick else 256
     prompt_len, num_prompts, block_size = 64, 4, 16
@@ -273,7 +273,7 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
     from kvmesh.bench.accuracy_weights import bench_weight_axis
 
-    results["weights"] = bench_weight_axis(args, text, Path(source))
+    results["weights"] = bench_weight_axis(args, text, text_path)
     return {**results, "notes": {
         "baseline": f"{configs[0][0]!r}; every config runs the fp32 model, only the KV cache differs",
         "weights": "the weight-dtype axis: perplexity per weight format (kvmesh/bench/accuracy_weights.py)",

@@ -223,15 +223,16 @@ def test_bench_accuracy_text_flag(tiny: str, tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().err.startswith("kvmesh bench: --text:")
     assert main(["bench", "accuracy", "--quick", "--model", tiny, "--text", str(tmp_path / "missing.txt")]) == 2
     assert "--text: cannot read" in capsys.readouterr().err
-    text, source = accuracy_text(short)
-    assert text == "too short to score" and source == str(short)
+    text, source, path = accuracy_text(short)
+    assert text == "too short to score" and source == str(short) and path == short
 
 
 def test_accuracy_text_is_the_interpreters_license() -> None:
     import sysconfig
-    text, source = accuracy_text()
+    text, source, path = accuracy_text()
     assert len(text) > 10_000 and "Python" in text
-    assert text == (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
+    assert path == Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"   # the file llama.cpp's tools read
+    assert text == path.read_text(encoding="utf-8")
     assert source.startswith("the interpreter's LICENSE.txt") and "/" not in source   # no machine path in docs
 
 
