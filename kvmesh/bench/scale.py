@@ -36,6 +36,10 @@ Measured per N and structure: decision p50/p99 (`Router.pick`, perf_counter), ev
 from the index, each once), hash events ingested per second of router CPU (process CPU time
 less the decisions' thread CPU, steady phase; `details` also gives the fill: inventories at
 full speed), Redis CPU (INFO cpu, fraction of one core) and memory (INFO memory used_memory).
+`details` also gives the garbage collector's passes in the steady phase (all, full ones, the
+longest), the picks with a pass inside them and the decision p99 less the collector's time in
+each pick, and one full collection timed once the index is full and the fleet paused
+(`gc_collect_full_index_ms`, best of 3; `gc_tracked_objects`: the containers it traverses).
 The oracle: once the fleet pauses and the index has caught up, its entries equal the blocks
 the fleet's workers hold (published stored minus removed).
 """
@@ -202,6 +206,7 @@ def _detail(n: int, kind: str, r: PassResult, extra: dict[str, Any]) -> dict[str
             "gc_passes": len(r.gc_pauses_ms), "gc_pause_max_ms": round(max(r.gc_pauses_ms, default=0.0), 1),
             "gc_pause_total_ms": round(sum(r.gc_pauses_ms), 1), "gc_full_passes": len(r.gc_full_ms),
             "gc_full_pause_max_ms": round(max(r.gc_full_ms, default=0.0), 1),
+            "gc_collect_full_index_ms": round(r.full_gc_ms, 1), "gc_tracked_objects": r.gc_tracked,
             "decisions_with_gc": sum(1 for g in r.decision_gc_ms if g > 0),
             "decision_p99_less_gc_ms": round(_pct([d - g for d, g in zip(r.decision_ms, r.decision_gc_ms)], 0.99), 3),
             "first_pick_ms": round(r.warm_pick_ms, 1),

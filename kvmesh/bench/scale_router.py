@@ -94,6 +94,8 @@ class PassResult(NamedTuple):
     gc_full_ms: list[float]         # of those, the full (gen-2) ones
     decision_gc_ms: list[float]     # the collector's time inside each pick (aligned with decision_ms)
     warm_pick_ms: float             # the first pick, before the steady phase (builds the ring)
+    full_gc_ms: float               # one gc.collect() with the index full, fleet paused (best of 3)
+    gc_tracked: int                 # the objects the collector tracks then (frozen ones not counted)
 
 
 class CountingSink:
@@ -215,6 +217,8 @@ class RouterPass:
         lags = [x * 1000 for x in self.lags]
         held = await asyncio.to_thread(pause_fleet)
         await self._settle(held)
+        full_gc_ms = _full_collection_ms()
+        gc_tracked = len(gc.get_objects())      # tracked and not frozen
         self._stop.set()
         await task
         mem = int((await admin.info("memory"))["used_memory"])
@@ -224,7 +228,8 @@ class RouterPass:
         result = PassResult(decision_ms, lags, hashes, entries, max(0.0, cpu - decision_cpu), decision_cpu, wall,
                             fill_s, fill_hashes, fill_cpu, redis_cpu, mem, stats.num_entries, stats.num_blocks,
                             deep_size(self.index), self.consumer.stats().gaps, parts, held, self.shed,
-                            self.pick_cpu_ms, self.gc_ms, self.gc_full_ms, decision_gc, self.warm_pick_ms)
+                            self.pick_cpu_ms, self.gc_ms, self.gc_full_ms, decision_gc, self.warm_pick_ms,
+                            full_gc_ms, gc_tracked)
         await self.consumer.aclose()
         await self.registry.stop()
         return result
@@ -352,6 +357,17 @@ class RouterPass:
             router.policy.pick(live, route, state)
             out["policy"] += time.perf_counter() - t
         return {k: round(v * 1000 / samples, 3) for k, v in out.items()}
+
+
+def _full_collection_ms(tries: int = 3) -> float:
+    """What one full collection costs the process now (ms, best of `tries`: the least disturbed
+    by other processes): the traversal of every tracked container not frozen."""
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        gc.collect()
+        best = min(best, (time.perf_counter() - t) * 1000)
+    return best
 
 
 def _redis_cpu(info: dict[str, Any]) -> float:
