@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -91,6 +91,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._dir_s = str(self.dir)
         self._subdirs: set[str] = set()      # record subdirectories made (or found) by the writers
+        self._writing = 0                     # bytes of the records being written now (room kept for them)
         self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
         self._index = DiskIndex(self.quota)     # the records held, oldest first
         self._writer = WriteBehind(max_queue, self._encode, self._write)
@@ -269,15 +270,18 @@ class DiskTier:
         """A record's header (the write-behind's first stage); nothing once the tier is off."""
         return encode_header(self.fingerprint, key, payload) if self.enabled else b""
 
-    def _write(self, key: DiskKey, payload: memoryview, header: bytes, owner: Owner | None) -> None:
-        """A record's file, then the index and the event (the write-behind's second stage)."""
+    def _write(self, key: DiskKey, payload: memoryview, header: bytes,
+               owner: Owner | None) -> Callable[[], None] | None:
+        """A record's file (a writer thread's work); returns what adds it to the index and
+        emits its event, which the write-behind runs in queue order (None: nothing to add)."""
         if not self.enabled:
-            return
+            return None
         path = self._path(key)
         t0 = time.perf_counter()
         try:
-            with self._lock:
-                self._evict_to(self.record_bytes, owner)
+            with self._lock:   # room for this record and those the other writers are writing now
+                self._evict_to(self.record_bytes + self._writing, owner)
+                self._writing += self.record_bytes
             subdir = os.path.dirname(path)
             if subdir not in self._subdirs:
                 try:
@@ -287,15 +291,23 @@ class DiskTier:
                 self._subdirs.add(subdir)
             self.io.write(path, (header, payload))
         except OSError as e:
+            with self._lock:
+                self._writing -= self.record_bytes
             self._turn_off(f"writing {path}", e)
-            return
-        with self._lock:
-            self._write_s.observe(time.perf_counter() - t0)
-            if not self.enabled:
-                return
-            self._index.add(key, owner)
-            self._counts["written"] += 1
-            self._emit(BlockStored(key[1], None, BlockId(0)))
+            return None
+        seconds = time.perf_counter() - t0
+
+        def commit() -> None:
+            with self._lock:
+                self._writing -= self.record_bytes
+                self._write_s.observe(seconds)
+                if not self.enabled:
+                    return
+                self._evict_to(self.record_bytes, owner)   # a tier of fewer records than writers: still in bounds
+                self._index.add(key, owner)
+                self._counts["written"] += 1
+                self._emit(BlockStored(key[1], None, BlockId(0)))
+        return commit
 
     def _read(self, keys: tuple[DiskKey, ...]) -> tuple[tuple[DiskKey, ...], torch.Tensor | None]:
         """The leading run of `keys` held and valid, read in the calling thread (the reader's or

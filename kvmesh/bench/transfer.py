@@ -88,7 +88,7 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
     prefix = args.prefix_tokens or (1024 if args.quick else 2048)
     ttft = bench_ttft(args.model, prefix, args.seed, mc.vocab_size)
     from kvmesh.bench.transfer_disk import bench_disk
-    disk = bench_disk(args.model, layout, 64 if args.quick else 256, 3 if args.quick else 5, args.seed,
+    disk = bench_disk(args.model, layout, 64 if args.quick else 256, 9 if args.quick else 15, args.seed,
                       1024, mc.vocab_size)
     return {"bench": "transfer", "model": mc.name, "quick": args.quick,
             "offload_vs_memcpy": offload["offload_vs_memcpy"], "peer_vs_raw": peer["peer_vs_raw"],
