@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.pool import BlockId, BlockPool, BlockRemoved, BlockStored
-from router.index.asks import ASK_HALF_LIFE
+from router.index.asks import ASK_HALF_LIFE, cluster_fill
 from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightConfig, InFlightPrefills
 from router.routing.policy import make_policy
@@ -188,8 +188,7 @@ class _Sim:
                              {WorkerId(k): v for k, v in self.index.match_prefix(route.block_hashes, ids).items()},
                              self.prefills.queued_tokens(self.index, ids, route), cfg.block_size,
                              self.prefills.mean_in_flight(ids),
-                             cluster_committed=min(1.0, self.index.distinct_shared_blocks()
-                                                   / (cfg.cache_blocks * len(ids))))
+                             cluster_committed=cluster_fill(self.index, cfg.cache_blocks * len(ids)))
         chosen = self.policy.pick(self.workers, route, state)
         assert chosen is not None
         wid = chosen.worker_id

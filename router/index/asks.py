@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -91,6 +91,11 @@ class Tally:
         smoothed), each at its weight now."""
         rates = sum(n * (again[d] + 1) / (first[d] + 2) for d, n in sorted(self.once.items()))
         return max(0.0, scale * (self.shared + rates))
+
+    def held(self, scale: float) -> float:
+        """The blocks counted here at their weight now, every one in full (not discounted by the
+        chance that it is asked for again): the pool space the prompts' blocks fill, fading."""
+        return max(0.0, scale * (self.shared + sum(v for _, v in sorted(self.once.items()))))
 
     def check(self, other: Tally, what: str) -> None:
         """AssertionError unless this tally equals `other` (recounted from the blocks), up to
@@ -194,6 +199,20 @@ class TallyTable:
         out = np.maximum(0.0, scale * shared)
         out[rows < 0] = 0.0
         return out
+
+
+def cluster_fill(index: Any, capacity: int) -> float:
+    """The fraction of the pools' `capacity` that the distinct blocks held anywhere fill, each
+    block a prompt asked for at its fading weight (`Tally.held` of the index's tally of the
+    distinct blocks; a block nobody asked for counts nothing): the `R` a copy of a prefix is
+    priced at (router/routing/scorers.py `PrefillCostScorer`). Not the expected shared blocks
+    (`BlockIndex.distinct_shared_blocks`): a prefix asked for once so far counts there at its
+    depth's reuse rate, which runs behind while a workload starts (0.37 with 8 of 12 prefixes
+    seen in `kvmesh bench routing-live --quick`'s pressure run, 0.92 by its end). `index` is a
+    `router.index.blocks.BlockIndex` (read here: it has no method for it)."""
+    if capacity <= 0:
+        return 0.0
+    return min(1.0, index._any_asks.held(index._decay.scale()) / capacity)
 
 
 def recount(by_worker: Mapping[WorkerId, Iterable[BlockHash]], held_anywhere: Iterable[BlockHash],

@@ -126,7 +126,7 @@ class KvAwareFast:
         committed = np.where(has_pool, np.minimum(1.0, np.maximum(0.0, cols.shared)
                                                   / np.where(has_pool, cols.num_blocks, 1)), 0.0)
         displaced = _cascade_past(committed, sc.room_frac)
-        cluster = cascade_past(cluster_committed, sc.room_frac)
+        cluster = cascade_past(cluster_committed, sc.copy_room_frac)
         inner = ((rest - fetched) + sc.fetch_cost_ratio * fetched + displaced * (rest - copies)
                  + np.maximum(displaced, cluster) * copies)
         return (sc.prefill_weight * inner + sc.queue_weight * queued

@@ -15,6 +15,7 @@ import numpy as np
 
 from contracts.requests import PeerHint
 from contracts.roles import WorkerRole
+from router.index.asks import cluster_fill
 from router.routing.disagg import decode_pool
 from router.routing.fastpick import Columns, KvAwareFast
 from router.routing.inflight import InFlightPrefills
@@ -123,8 +124,7 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
     cols = Columns(ids, in_flight, num_blocks, index.shared_blocks_of(ids), prefills.mean_column(ids), queued,
                    cached_col, fetch)
-    return RoutingView(live, ids, cols, cached, stored, peer, block_size or 16,
-                       min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0, slots)
+    return RoutingView(live, ids, cols, cached, stored, peer, block_size or 16, cluster_fill(index, capacity), slots)
 
 
 def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, workers: Sequence[WorkerInfo],
@@ -180,8 +180,7 @@ def reference_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: 
     capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
     index.set_capacity(capacity)
     state = RoutingState(loads, cached, prefills.queued_tokens(index, loads, route), block_size or 16,
-                         prefills.mean_in_flight(loads), fetchable,
-                         min(1.0, index.distinct_shared_blocks() / capacity) if capacity else 0.0)
+                         prefills.mean_in_flight(loads), fetchable, cluster_fill(index, capacity))
     return ReferenceView(state, stored, peers)
 
 

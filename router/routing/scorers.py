@@ -197,21 +197,26 @@ class PrefillCostScorer:
     fill all of it (so a roomy pool's small differences never outweigh prefix affinity), capped
     at 0.9 — a later request recomputes the displaced block, which displaces another with the
     same chance: u = p + p² + … = p / (1 − p); copies(w) the blocks beyond cached(w) that
-    another worker holds or computes (w would hold a second copy), at u'(w), the same cascade
-    with p the larger of w's and the cluster's `RoutingState.cluster_committed` (the fraction
-    of all the workers' pools the shared prefixes fill with one copy each) past the same
-    `room_frac`: a replica takes space some prefix's
-    only copy will need once the cluster fills, even while w itself still has room, where a
-    new prefix must go somewhere anyway and costs only w's own u (in a nearly empty cluster
-    a copy costs only its fetch); queued(w) the prompt tokens requests sent to w that have
-    not started streaming will compute there (less their cached blocks and those a peer hint
-    fetches), less those computing this prompt's own prefix (they are the prefill it saves),
-    weighted γ = `queue_weight` because a request sent where prefills are queued shares their
-    step: it waits for them and they for it (in a closed loop the least loaded worker is
-    the one whose requests just finished together, and all their successors would otherwise
-    prefill there in one step); κ = `running_cost_tokens`, what one running request costs a new
-    one (it shares every step); β = `prefill_weight`: a prefill counts once as this request's
-    wait and once more as the worker time it takes from every request queued behind it. κ̄ =
+    another worker holds or computes (w would hold a second copy), at u'(w), the larger of w's
+    u and the cascade with p the cluster's `RoutingState.cluster_committed` (the fraction of all
+    the workers' pools the prompts' blocks fill with one copy each, at their fading weight,
+    router/index/asks.py `cluster_fill`) past `copy_room_frac` (0: a copy has no free room): a
+    replica takes space some prefix's only copy will need once the cluster fills, even while w
+    itself still has room, where a new prefix must go somewhere anyway and costs only w's own u
+    (in a nearly empty cluster a copy costs little more than its fetch). Counted as the expected
+    shared blocks past a 20% room, as w's own u is, the fraction ran behind the pools early in a
+    workload (a prefix asked once so far counts there at its depth's reuse rate): in
+    `kvmesh bench routing-live --quick`'s pressure run a fetched replica was priced at u' = 0.07
+    with the pools ~60% full, and its 16 blocks took the pools' last slack; queued(w) the prompt
+    tokens requests sent to w that have not started streaming will compute there (less their
+    cached blocks and those a peer hint fetches), less those computing this prompt's own prefix
+    (they are the prefill it saves), weighted γ = `queue_weight` because a request sent where
+    prefills are queued shares their step: it waits for them and they for it (in a closed loop
+    the least loaded worker is the one whose requests just finished together, and all their
+    successors would otherwise prefill there in one step); κ = `running_cost_tokens`, what one
+    running request costs a new one (it shares every step); β = `prefill_weight`: a prefill
+    counts once as this request's wait and once more as the worker time it takes from every
+    request queued behind it. κ̄ =
     `sustained_cost_tokens` prices the worker's sustained load above its fair share (in-flight
     averaged over the last `load_window_s`, router/routing/inflight.py): routing to a holder is a
     decision for all the prefix's later requests too, so a worker that has carried more load
@@ -230,6 +235,7 @@ class PrefillCostScorer:
     queue_weight: float = 2.0
     room_frac: float = 0.2
     sustained_tolerance: float = 0.1
+    copy_room_frac: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("running_cost_tokens", "sustained_cost_tokens", "queue_weight"):
@@ -241,8 +247,9 @@ class PrefillCostScorer:
             raise ValueError(f"fetch_cost_ratio={self.fetch_cost_ratio!r} must be in [0, 1]")
         if not self.sustained_tolerance >= 0.0:
             raise ValueError(f"sustained_tolerance={self.sustained_tolerance!r} must be >= 0")
-        if not 0.0 <= self.room_frac < 1.0:
-            raise ValueError(f"room_frac={self.room_frac!r} must be in [0, 1)")
+        for name in ("room_frac", "copy_room_frac"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
 
     def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0,
              most_cached: int | None = None) -> float:
@@ -263,7 +270,7 @@ class PrefillCostScorer:
         displaced = cascade_past(load.committed, self.room_frac)
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
-                                       + max(displaced, cascade_past(state.cluster_committed, self.room_frac))
+                                       + max(displaced, cascade_past(state.cluster_committed, self.copy_room_frac))
                                        * copies)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)

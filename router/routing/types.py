@@ -93,9 +93,9 @@ class RoutingState:
     # Leading prompt blocks beyond its own `cached_blocks` that the worker can fetch from a
     # peer that has stored them (peer transfer; 0 or missing without a peer plane).
     fetchable_blocks: Mapping[WorkerId, int] = field(default_factory=dict)
-    # The fraction of the pool's capacity (all its workers') the shared prefixes would fill
-    # with one copy each (router/index/blocks.py `distinct_shared_blocks`): past the room, a replica
-    # displaces someone's only copy.
+    # The fraction of the pool's capacity (all its workers') the prompts' blocks fill with one copy
+    # each, at their fading weight (router/index/asks.py `cluster_fill`): a replica displaces
+    # someone's only copy with that chance.
     cluster_committed: float = 0.0
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:

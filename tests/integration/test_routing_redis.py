@@ -17,6 +17,7 @@ import pytest
 
 from contracts.tokenizer import ModelTokenizer
 from kvstore.metadata.registry import RedisConfig, WorkerRegistry
+from router.index.asks import cluster_fill
 from tests.integration.test_routing import (
     INDEX_LAG_S,
     SYSTEM,
@@ -84,11 +85,11 @@ def test_redis_restart_resyncs_index(tokenizer: ModelTokenizer, tmp_path: Path) 
                 expected = _expected_hit(shared, len(a2.route.token_ids), bs)
                 assert done.worker_id == "w-solo" and done.cached_tokens == expected > 0
                 # Both prompts held the shared blocks: the index counts them shared on w-solo,
-                # and in the cluster's one-copy fill of the pool.
+                # and the prompts' blocks in the cluster's one-copy fill of the pool.
                 seen = router.core.routing_state(a2.route)
                 assert seen.loads["w-solo"].shared_blocks >= shared
                 assert 0 < seen.cluster_committed == pytest.approx(
-                    router.registry.index.distinct_shared_blocks() / seen.loads["w-solo"].num_blocks)
+                    cluster_fill(router.registry.index, seen.loads["w-solo"].num_blocks))
                 assert (router.core.stats.routed_hit_tokens - routed0, router.core.stats.mismatches) == (
                     expected, mismatches0)
                 # Blocks stored while Redis is down cannot reach the index yet.

@@ -51,7 +51,8 @@ def _state(rng: random.Random, workers: list[WorkerInfo], bs: int) -> RoutingSta
 def _policies(rng: random.Random) -> list[Policy]:
     lf = rng.choice([1.0, 1.25, 2.0])
     tuned = PrefillCostScorer(running_cost_tokens=rng.choice([0.0, 16.0, 100.0]), fetch_cost_ratio=rng.random(),
-                              room_frac=rng.choice([0.0, 0.2, 0.9]), sustained_tolerance=rng.random())
+                              room_frac=rng.choice([0.0, 0.2, 0.9]), sustained_tolerance=rng.random(),
+                              copy_room_frac=rng.choice([0.0, 0.2, 0.5]))
     return [make_policy("kv_aware", lf),
             replace(make_policy("kv_aware", lf), scorers=(replace(make_policy("kv_aware").scorers[0],
                                                                   scorer=tuned, weight=rng.choice([0.5, 3.0])),),
