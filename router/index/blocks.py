@@ -36,7 +36,7 @@ for any more counts as room, whatever it was worth once.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -337,6 +337,18 @@ class BlockIndex:
         for w in matching or ():
             counts[w] = num_matched
         return counts
+
+    def disk_only(self, block_hashes: Sequence[BlockHash], counts: Mapping[WorkerId, int]) -> dict[WorkerId, int]:
+        """Of each worker's `counts[w]` leading `block_hashes` (`match_leading`'s counts), how many
+        it holds in its disk tier only (no device or host copy): blocks it must read back before
+        they count. Sparse: workers with none are left out. O(the counted blocks)."""
+        disk = _BIT[Tier.DISK]
+        out: dict[WorkerId, int] = {}
+        for w, n in counts.items():
+            k = sum(1 for h in block_hashes[:n] if self._masks(h).get(w, 0) == disk)
+            if k:
+                out[w] = k
+        return out
 
     def computing_any(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, set[str]]:
         """`computing` for every worker at once, sparse (the workers where it is not empty)."""

@@ -59,6 +59,7 @@ class WorkerEntry:
     reused_blocks: int = 0                  # cached blocks a later request reused
     peer_plane: bool = False                # it reported a peer plane (GetLoad's `peer`)
     num_waiting: int = 0                    # its queue at its last GetLoad (requests waiting for admission)
+    disk_read_cost: float = 0.0             # GetLoad's disk_read_cost_ratio: a disk-held block's read / its prefill
     refused: str | None = None              # why it may never serve (logged once)
     lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/routing/migrate.py)
     failed_probes: int = 0                  # consecutive probes that got no answer
@@ -279,6 +280,7 @@ class WorkerRegistry:
                 w.reused_blocks = load.num_reused_blocks
                 w.peer_plane = load.HasField("peer")    # pairs of such workers form on demand
                 w.num_waiting = load.num_waiting
+                w.disk_read_cost = max(0.0, load.disk_read_cost_ratio)
                 role = WorkerRole.parse(load.role) if load.role in _ROLES else WorkerRole.MIXED
                 if w.info is not None and w.info.role is not role:
                     w.info = WorkerInfo(w.info.worker_id, w.address, role)

@@ -54,6 +54,23 @@ def test_tiers_are_tracked_per_worker() -> None:
     index.check_integrity()
 
 
+@pytest.mark.parametrize("make", [BlockIndex, CompactBlockIndex])
+def test_disk_only_counts_the_leading_blocks_held_on_disk_alone(make: type[BlockIndex]) -> None:
+    index = make()
+    index.apply(A, stored(H[0], H[1]))
+    index.apply(A, stored(H[2], H[3], tier=Tier.DISK))
+    index.apply(B, stored(H[0], H[1], H[2], tier=Tier.DISK))
+    index.apply(B, stored(H[0], tier=Tier.HOST))              # H[0] on host and disk: not disk-only
+    index.apply(C, stored(H[0]))
+    counts = index.match_leading(H[:4])
+    assert counts == {A: 4, B: 3, C: 1}
+    assert index.disk_only(H[:4], counts) == {A: 2, B: 2}
+    assert index.disk_only(H[:4], {A: 3, B: 1}) == {A: 1}      # only the counted leading blocks
+    index.apply(A, removed(H[3], tier=Tier.DISK))
+    index.apply(A, stored(H[2], tier=Tier.HOST))              # read back into host: no longer disk-only
+    assert index.disk_only(H[:4], index.match_leading(H[:4])) == {B: 2}
+
+
 def test_inventory_replaces_and_workers_come_and_go() -> None:
     index = BlockIndex()
     index.apply(A, stored(*H[:3]))

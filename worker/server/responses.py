@@ -46,6 +46,18 @@ def handover_room(s: EngineStats) -> int:
     return max(0, s.host_num_blocks - s.num_host_blocks)
 
 
+PREFILL_PROBE_TOKENS = 64      # the start-up prefill probe a disk read is priced against (as the peer plane's)
+
+
+def disk_read_cost_ratio(payload_bytes: int, read_bytes_s: float, block_size: int, prefill_tokens_s: float) -> float:
+    """Load's disk_read_cost_ratio: reading one block back from the disk tier (its payload at
+    the measured read speed) over computing its `block_size` tokens at the measured prefill
+    rate; 0 while either rate is unmeasured (the router then prices a disk hit as a host hit)."""
+    if read_bytes_s <= 0 or prefill_tokens_s <= 0 or block_size <= 0:
+        return 0.0
+    return (payload_bytes / read_bytes_s) / (block_size / prefill_tokens_s)
+
+
 def load_response(worker_id: str, s: EngineStats, prompt_tokens: int, cached_prompt_tokens: int,
                   peer: PeerFigures | None) -> pb.Load:
     """GetLoad's answer: an engine snapshot, the server's token totals, the peer plane's figures."""

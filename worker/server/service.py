@@ -45,7 +45,7 @@ from worker.server.health import WORKER_SERVICE, WorkerHealth
 from worker.server.liveness import Liveness, watch
 from worker.server.load import model_info, read_tokenizer, start_peer
 from worker.server.metadata_hook import WorkerMetadata as _Metadata
-from worker.server.responses import LOAD_WAIT_S, load_response
+from worker.server.responses import LOAD_WAIT_S, PREFILL_PROBE_TOKENS, disk_read_cost_ratio, load_response
 from worker.server.scaling import Scaling
 from worker.server.status import RpcGate, parse_or_none
 
@@ -91,6 +91,7 @@ class WorkerServer:
         self._idle = asyncio.Event()
         self._metadata: _Metadata | None = None
         self._peer: PeerPlane | None = None
+        self._prefill_tokens_s = 0.0      # measured at start with a disk tier and no peer plane
         self._peer_calls = cluster_auth.PeerCalls(cfg)   # the control-plane calls of fetches
         self._gen = GenerateStreams(cfg.worker_id, self._peer_calls.ask)
         self.scaling = Scaling(cfg)        # drain hand-over, warm start (worker/server/scaling.py)
@@ -166,6 +167,8 @@ class WorkerServer:
             raise
         if self.cfg.peer_transfer:     # before the engine thread and the event publisher start
             self._peer = await asyncio.to_thread(start_peer, self.cfg, engine)
+        elif engine.store.disk is not None:   # what a disk read is priced against (the peer plane has its own)
+            self._prefill_tokens_s = await asyncio.to_thread(engine.measure_prefill, PREFILL_PROBE_TOKENS)
         self._tokenizer = await asyncio.to_thread(read_tokenizer, self.cfg.worker_id, engine)
         self._model_info = model_info(engine, self._tokenizer)
         self._engine = engine
@@ -390,4 +393,7 @@ class WorkerServer:
         disk = self._engine.store.disk if self._engine is not None else None
         if disk is not None:
             load.disk_read_bytes_s = disk.stats().read_bytes_s(disk.payload_bytes)
+            prefill = self._peer.prefill_tokens_per_s if self._peer is not None else self._prefill_tokens_s
+            load.disk_read_cost_ratio = disk_read_cost_ratio(disk.payload_bytes, load.disk_read_bytes_s,
+                                                             ae.engine.cfg.block_size, prefill)
         return load

@@ -260,7 +260,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks", "disk_read_bytes_s", "blocks_handed_over", "blocks_warmed", "handover_room_blocks", "role", "prefill_only_requests")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_free_blocks", "num_used_blocks", "num_blocks", "prefix_query_blocks", "prefix_hit_blocks", "prompt_tokens", "cached_prompt_tokens", "num_preemptions", "peer", "num_host_blocks", "host_num_blocks", "num_onloaded_blocks", "num_cached_blocks", "num_offloaded_blocks", "num_protected_blocks", "num_reused_blocks", "disk_read_bytes_s", "blocks_handed_over", "blocks_warmed", "handover_room_blocks", "disk_read_cost_ratio", "role", "prefill_only_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class Load(_message.Message):
     BLOCKS_HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_WARMED_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_ROOM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_COST_RATIO_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ONLY_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -309,9 +310,10 @@ class Load(_message.Message):
     blocks_handed_over: int
     blocks_warmed: int
     handover_room_blocks: int
+    disk_read_cost_ratio: float
     role: str
     prefill_only_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ..., disk_read_bytes_s: _Optional[float] = ..., blocks_handed_over: _Optional[int] = ..., blocks_warmed: _Optional[int] = ..., handover_room_blocks: _Optional[int] = ..., role: _Optional[str] = ..., prefill_only_requests: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., peer: _Optional[_Union[PeerStats, _Mapping]] = ..., num_host_blocks: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., num_onloaded_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_protected_blocks: _Optional[int] = ..., num_reused_blocks: _Optional[int] = ..., disk_read_bytes_s: _Optional[float] = ..., blocks_handed_over: _Optional[int] = ..., blocks_warmed: _Optional[int] = ..., handover_room_blocks: _Optional[int] = ..., disk_read_cost_ratio: _Optional[float] = ..., role: _Optional[str] = ..., prefill_only_requests: _Optional[int] = ...) -> None: ...
 
 class PeerLink(_message.Message):
     __slots__ = ("rank", "bandwidth_bytes_s", "latency_s", "lost", "worker_id")
