@@ -9,6 +9,19 @@ gRPC API (greedy, ignore_eos): `streams` closed-loop streams decoding all the ti
 `prompt_tokens` tokens (`long_output_tokens` tokens each) arrive at a steady `arrival_rate` per
 second for `window_s` seconds. Both modes see the same prompts (same seed).
 
+STALLS. A mixed worker computes an arriving prompt in one step (its default budget,
+`--max-num-batched-tokens` 2,048, holds it whole, as vLLM's and SGLang's default chunk sizes
+would), so each arrival stalls each stream decoding on that worker for one gap the length of
+the prefill. ITL p99 over every gap sees those stalls only while they are over 1% of the gaps:
+per mixed worker, about (its arrivals per second) x (ITL p50) / (the share of its time not
+prefilling) of them. 1,000-token prompts at the 0.25/s one prefill core sustains make that
+~0.5%, so the p99 fell on ordinary steps or on a stall by where the router had placed the
+streams (1.77x one run, 0.42x another). The defaults are sized so stalls are ~2% of mixed
+serving's gaps with the disaggregated prefill worker ~80% busy: 4 streams of 128 tokens (2 per
+mixed worker), 200-token prompts at 1.8/s. Each mode reports `stall_gap_frac` (gaps over 5x its ITL p50),
+`streams_per_worker`, the streams each arriving prompt stalled and what ran beside each slow
+gap (kvmesh.bench.disagg_measure.stalls), so a reader sees why its p99 is what it is.
+
 Per mode (kvmesh.bench.disagg_measure.Window): TTFT p50/p99 of the arriving long prompts, ITL
 p50/p99 over every request's token gaps, output tok/s and req/s over the window's wall time, and
 `handoff_s_mean`, the decode workers' hand-off seconds per handed-off request (their
@@ -61,12 +74,12 @@ TARGET_TOK_RATIO = 0.8         # with output tok/s >= 0.8x mixed
 
 @dataclass(frozen=True, slots=True)
 class DisaggConfig:
-    streams: int = 2
+    streams: int = 4                     # 2 per mixed worker: whichever gets a prompt has streams to stall
     stream_prompt_tokens: int = 24
-    stream_output_tokens: int = 64
-    prompt_tokens: int = 2000
+    stream_output_tokens: int = 128
+    prompt_tokens: int = 200             # with arrival_rate: stalls ~2% of mixed serving's gaps (module docstring)
     long_output_tokens: int = 8
-    arrival_rate: float = 0.2
+    arrival_rate: float = 1.8
     window_s: float = 60.0
     sweep_prompt_tokens: tuple[int, ...] = (256, 1000, 2000)
     sweep_rates: tuple[float, ...] = (0.1, 0.3)
@@ -107,8 +120,8 @@ class DisaggConfig:
             raise ValueError(f"modes={','.join(self.modes)!r}; accepted: {', '.join(MODES)}")
 
 
-QUICK = DisaggConfig(stream_output_tokens=32, prompt_tokens=1000, arrival_rate=0.25, window_s=24.0,
-                     sweep_prompt_tokens=(64, 128, 256, 512, 1000), sweep_rates=(0.25,), sweep_window_s=12.0)
+QUICK = DisaggConfig(window_s=30.0, sweep_prompt_tokens=(64, 128, 256, 512, 1000), sweep_rates=(0.25,),
+                     sweep_window_s=12.0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -223,7 +236,7 @@ def _sweep_point(cfg: DisaggConfig, load: Load, by_mode: dict[str, Window]) -> d
     point: dict[str, Any] = {"prompt_tokens": load.prompt_tokens, "arrival_rate": load.rate}
     for mode, w in by_mode.items():
         s = w.summary()
-        point[mode] = {k: s[k] for k in ("ttft_p50_s", "itl_p99_s", "output_tok_s", "handoff_s_mean")}
+        point[mode] = {k: s[k] for k in ("ttft_p50_s", "itl_p99_s", "output_tok_s", "handoff_s_mean", "stall_gap_frac")}
     if {"disaggregated", "disaggregated_skip"} <= set(by_mode):
         hop, skip = point["disaggregated"], point["disaggregated_skip"]
         ttft = _ratio(hop["ttft_p50_s"], skip["ttft_p50_s"])

@@ -26,6 +26,8 @@ _TIMEOUT_S = 600.0
 _WORKER_SERIES = ("kvmesh:handoff_seconds_sum", "kvmesh:handoff_seconds_count")
 _ROUTER_SERIES = ("kvmesh:router_disagg_prefill_seconds_sum", "kvmesh:router_disagg_prefill_seconds_count",
                   "kvmesh:router_disagg_failures_total", "kvmesh:router_disagg_skipped_total")
+STALL_FACTOR = 5.0   # a token gap this many times the window's ITL p50: a stream stalled (a prefill beside it)
+SLOW_FACTOR = 2.0    # a token gap this many times the ITL p50: a slow step (what `slow_gaps_during` sorts)
 
 
 class LoadShape(Protocol):
@@ -97,6 +99,7 @@ class Window:
             "itl_max_s": gaps[-1] if gaps else None,
             "long_requests": len(long), "stream_requests": len(self.served) - len(long),
             "output_tokens": tokens, "wall_s": self.wall_s, "requests_per_worker": dict(sorted(per_worker.items())),
+            **stalls(self.served),
         }
 
     def equal_frac(self, other: Window) -> float | None:
@@ -104,6 +107,76 @@ class Window:
         mine = {s.key: s.tokens for s in self.served}
         common = [(mine[s.key], s.tokens) for s in other.served if s.key in mine]
         return sum(a == b for a, b in common) / len(common) if common else None
+
+
+def stalls(served: list[Served]) -> dict[str, Any]:
+    """Why the window's ITL p99 is what it is. `stall_gap_frac`: the share of token gaps over
+    STALL_FACTOR x the ITL p50 (the p99 is a stall when it is above 1%); `streams_per_worker`:
+    the stream requests open on each worker, averaged over the window; per arriving prompt, the
+    streams on its worker while it waited for its first token (`streams_on_worker_per_long`)
+    and those of them stalled then (`streams_stalled_per_long`; a mixed worker computes the
+    prompt in one step, so each stalls once, for the whole prefill). `slow_gaps_during`: the
+    gaps over SLOW_FACTOR x the p50 by what else ran on their worker meanwhile (an arriving
+    prompt before its first token: `long_prefill`, its prefill or hop, hand-off and admission;
+    `long_decode`; another stream's prompt: `stream_prompt`; none of these: `none`), a gap
+    counted under each that overlapped it."""
+    gaps = sorted(g for s in served for g in s.gaps)
+    if not gaps:
+        return {"gaps": 0, "stall_gap_frac": None}
+    p50 = statistics.median(gaps)
+    stall_s, slow_s = STALL_FACTOR * p50, SLOW_FACTOR * p50
+    streams = [s for s in served if s.kind == "stream"]
+    t0, t1 = min(s.start for s in served), max(s.end for s in served)
+    open_s: dict[str, float] = {}
+    for s in streams:
+        open_s[s.worker_id] = open_s.get(s.worker_id, 0.0) + s.end - s.start
+    on_worker, stalled = [], []
+    for long in (s for s in served if s.kind == "long"):
+        a, b = long.start, long.start + long.ttft_s
+        near = [s for s in streams if s.worker_id == long.worker_id and s.start < b and s.end > a]
+        on_worker.append(len({_loop(s) for s in near}))
+        stalled.append(len({_loop(s) for s in near if any(y - x > stall_s and x < b and y > a for x, y in _spans(s))}))
+    during = dict.fromkeys(("long_prefill", "long_decode", "stream_prompt", "none"), 0)
+    for s in served:
+        others = [o for o in served if o is not s and o.worker_id == s.worker_id]
+        for x, y in _spans(s):
+            if y - x <= slow_s:
+                continue
+            tags = {tag for o in others for tag in _phases(o, x, y)}
+            for tag in tags or {"none"}:
+                during[tag] += 1
+    return {"gaps": len(gaps), "stall_factor": STALL_FACTOR, "stall_gaps": sum(g > stall_s for g in gaps),
+            "stall_gap_frac": sum(g > stall_s for g in gaps) / len(gaps),
+            "streams_per_worker": {w: v / (t1 - t0) for w, v in sorted(open_s.items())} if t1 > t0 else {},
+            "streams_on_worker_per_long": on_worker, "streams_stalled_per_long": stalled,
+            "slow_gaps": sum(g > slow_s for g in gaps), "slow_gaps_during": during}
+
+
+def _spans(s: Served) -> list[tuple[float, float]]:
+    """The (from, to) clock times of `s`'s token gaps."""
+    out, t = [], s.start + s.ttft_s
+    for g in s.gaps:
+        out.append((t, t + g))
+        t += g
+    return out
+
+
+def _phases(o: Served, x: float, y: float) -> list[str]:
+    """What `o` was doing on its worker during (x, y): waiting for its first token (an
+    arriving prompt's `long_prefill`, a stream's `stream_prompt`) and/or decoding (`long_decode`;
+    a stream's decoding is not named)."""
+    first = o.start + o.ttft_s
+    out = []
+    if x < first and y > o.start:
+        out.append("long_prefill" if o.kind == "long" else "stream_prompt")
+    if o.kind == "long" and x < o.end and y > first:
+        out.append("long_decode")
+    return out
+
+
+def _loop(s: Served) -> str:
+    """The closed-loop stream a stream request came from (its key: s<seed>-<stream>-<n>)."""
+    return s.key.split("-")[1] if s.kind == "stream" else s.key
 
 
 def quantile(sorted_values: list[float], q: float) -> float | None:

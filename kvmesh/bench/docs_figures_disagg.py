@@ -17,6 +17,10 @@ def _disagg(r: dict[str, Any]) -> tuple[str, list[Figure]]:
                f"{_x(t.get('itl_p99_ratio'))} (target <= {_g(t.get('itl_p99_ratio_target'))}x)"),
         Figure("ITL max (the longest stall of a stream)", _g(dis.get("itl_max_s"), "s"),
                f"{_g(mixed.get('itl_max_s'), 's')} mixed", ""),
+        Figure("stalls: gaps over 5x ITL p50 (p99 falls on stalls above 1%)", _pct1(dis.get("stall_gap_frac")),
+               f"{_pct1(mixed.get('stall_gap_frac'))} mixed",
+               f"mixed: {_per_worker(mixed.get('streams_per_worker'))} streams per worker, "
+               f"{_mean(mixed.get('streams_stalled_per_long'))} stalled per arriving prompt"),
         Figure("output tok/s", _g(dis.get("output_tok_s")), _g(mixed.get("output_tok_s")) + " mixed",
                f"{_x(t.get('output_tok_s_ratio'))} (target >= {_g(t.get('output_tok_s_ratio_target'))}x)"),
         Figure("TTFT p50 / p99 of the arriving prompts",
@@ -37,6 +41,18 @@ def _disagg(r: dict[str, Any]) -> tuple[str, list[Figure]]:
                       "", f"per rate {by_rate}" if by_rate else ""))
     out += _skip_rule(r)
     return "mixed serving (2 mixed workers) on the same pinned cores, same prompts, same run", out
+
+
+def _pct1(x: Any) -> str:
+    return "—" if not isinstance(x, (int, float)) else f"{x * 100:.1f}%"
+
+
+def _per_worker(x: Any) -> str:
+    return " / ".join(_g(v, digits=2) for v in x.values()) if isinstance(x, dict) and x else "—"
+
+
+def _mean(x: Any) -> str:
+    return _g(sum(x) / len(x), digits=2) if isinstance(x, list) and x else "—"
 
 
 def _skip_rule(r: dict[str, Any]) -> list[Figure]:

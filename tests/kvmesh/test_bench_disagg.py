@@ -111,3 +111,25 @@ def test_tiny_skip_mode_computes_every_prompt_on_the_decode_worker(tmp_path: Pat
     assert skip["skipped_hop"] == skip["long_requests"] + skip["stream_requests"]
     assert set(skip["requests_per_worker"]) == {"worker-1"}
     assert out["config"]["decode_step_prefill_tokens"] == 8 and "targets" not in out
+
+
+def test_stalls_count_the_gaps_a_prefill_stalled_and_the_streams_it_stalled() -> None:
+    from kvmesh.bench.disagg_measure import Served, stalls
+
+    def stream(key: str, worker: str, start: float, gaps: list[float]) -> Served:
+        return Served("stream", key, start, start + 0.1 + sum(gaps), 0.1, tuple(gaps), (), worker)
+    # worker-0: stream 0 decodes every 10 ms but one 4 s gap while a long prompt is computed beside it;
+    # worker-1: stream 1 decodes throughout, and its next request's prompt is computed at 1.1 s
+    s0 = stream("s0-0-0", "worker-0", 0.0, [0.01] * 50 + [4.0] + [0.01] * 49)
+    s1 = stream("s0-1-0", "worker-1", 0.0, [0.01] * 100 + [0.03] + [0.01] * 99)
+    s1b = stream("s0-1-1", "worker-1", 1.05, [0.01] * 5)
+    long = Served("long", "l0-1000-0", 0.5, 4.7, 4.15, (0.01, 0.01), (), "worker-0")
+    out = stalls([s0, s1, s1b, long])
+    assert out["gaps"] == 100 + 200 + 5 + 2 and out["stall_gaps"] == 1
+    assert out["stall_gap_frac"] == pytest.approx(1 / 307)
+    assert out["streams_on_worker_per_long"] == [1] and out["streams_stalled_per_long"] == [1]
+    assert out["slow_gaps"] == 2
+    assert out["slow_gaps_during"] == {"long_prefill": 1, "long_decode": 0, "stream_prompt": 1, "none": 0}
+    assert set(out["streams_per_worker"]) == {"worker-0", "worker-1"}
+    assert out["streams_per_worker"] == {"worker-0": pytest.approx(1.0),     # open for the whole window
+                                         "worker-1": pytest.approx((s1.end + s1b.end - s1b.start) / s0.end)}
