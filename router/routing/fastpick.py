@@ -61,6 +61,8 @@ class Columns(NamedTuple):
     queued: np.ndarray          # int64: queued_tokens
     cached: np.ndarray          # int64: cached_blocks
     fetchable: np.ndarray       # int64: fetchable_blocks
+    disk: np.ndarray            # int64: disk_blocks
+    disk_cost: np.ndarray       # float64: WorkerLoad.disk_read_cost
 
     @classmethod
     def from_state(cls, pool: Sequence[WorkerInfo], state: RoutingState) -> Columns:
@@ -76,7 +78,8 @@ class Columns(NamedTuple):
                    np.fromiter((ld.shared_blocks for ld in loads), dtype=float, count=n),
                    np.fromiter((state.mean_in_flight.get(w, 0.0) for w in ids), dtype=float, count=n),
                    ints(state.queued_tokens.get(w, 0) for w in ids), ints(state.cached_blocks.get(w, 0) for w in ids),
-                   ints(state.fetchable_blocks.get(w, 0) for w in ids))
+                   ints(state.fetchable_blocks.get(w, 0) for w in ids), ints(state.disk_blocks.get(w, 0) for w in ids),
+                   np.fromiter((ld.disk_read_cost for ld in loads), dtype=float, count=n))
 
     def take(self, rows: np.ndarray) -> Columns:
         """The columns of the workers at `rows`, in that order."""
@@ -127,8 +130,9 @@ class KvAwareFast:
                                                   / np.where(has_pool, cols.num_blocks, 1)), 0.0)
         displaced = _cascade_past(committed, sc.room_frac)
         cluster = cascade_past(cluster_committed, sc.copy_room_frac)
+        on_disk = np.minimum(cached, bs * np.maximum(0, cols.disk))
         inner = ((rest - fetched) + sc.fetch_cost_ratio * fetched + displaced * (rest - copies)
-                 + np.maximum(displaced, cluster) * copies)
+                 + np.maximum(displaced, cluster) * copies + cols.disk_cost * on_disk)
         return (sc.prefill_weight * inner + sc.queue_weight * queued
                 + sc.running_cost_tokens * np.maximum(0, cols.in_flight) + sc.sustained_cost_tokens * excess)
 

@@ -62,11 +62,13 @@ class RoutingView:
     def state(self) -> RoutingState:
         cols, ids = self.cols, self.ids
         loads = {wid: WorkerLoad(int(cols.in_flight[i]), e.free_blocks, e.num_blocks, e.reused_blocks,
-                                 float(cols.shared[i])) for i, (wid, e) in enumerate(zip(ids, self.live))}
+                                 float(cols.shared[i]), float(cols.disk_cost[i]))
+                 for i, (wid, e) in enumerate(zip(ids, self.live))}
         return RoutingState(loads, {w: self.cached.get(w, 0) for w in ids},
                             dict(zip(ids, cols.queued.tolist())), self.block_size, dict(zip(ids, cols.mean.tolist())),
                             {ids[i]: int(cols.fetchable[i]) for i in np.flatnonzero(self.peer).tolist()},
-                            self.cluster_committed)
+                            self.cluster_committed,
+                            {ids[i]: int(cols.disk[i]) for i in np.flatnonzero(cols.disk).tolist()})
 
     @functools.cached_property
     def decode_pool(self) -> list[WorkerInfo]:
@@ -105,6 +107,12 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     cached_col = np.zeros(n, dtype=np.int64)
     for w, c in cached.items():
         cached_col[slots[w]] = c
+    disk_cost = np.fromiter((w.disk_read_cost for w in live), dtype=float, count=n)
+    disk = np.zeros(n, dtype=np.int64)     # of the cached, on disk only: where disk reads are priced
+    if cached and disk_cost.any():
+        for w, k in index.disk_only(route.block_hashes, {w: c for w, c in cached.items()
+                                                         if disk_cost[slots[w]] > 0}).items():
+            disk[slots[w]] = k
     # fetchable, peers only: the most leading blocks another peer has stored, less its own cached
     # (`max(0, max(stored of the other peers, default 0) − cached)`, from the two best)
     fetch = np.zeros(n, dtype=np.int64)
@@ -123,7 +131,7 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     capacity = int(np.maximum(0, num_blocks).sum())
     index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
     cols = Columns(ids, in_flight, num_blocks, index.shared_blocks_of(ids), prefills.mean_column(ids), queued,
-                   cached_col, fetch)
+                   cached_col, fetch, disk, disk_cost)
     return RoutingView(live, ids, cols, cached, stored, peer, block_size or 16, cluster_fill(index, capacity), slots)
 
 
@@ -179,8 +187,9 @@ def reference_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: 
                  for wid in peers}
     capacity = sum(max(0, ld.num_blocks) for ld in loads.values())
     index.set_capacity(capacity)
+    disk = index.disk_only(route.block_hashes, {w: c for w, c in cached.items() if loads[w].disk_read_cost > 0})
     state = RoutingState(loads, cached, prefills.queued_tokens(index, loads, route), block_size or 16,
-                         prefills.mean_in_flight(loads), fetchable, cluster_fill(index, capacity))
+                         prefills.mean_in_flight(loads), fetchable, cluster_fill(index, capacity), disk)
     return ReferenceView(state, stored, peers)
 
 

@@ -183,10 +183,14 @@ class PrefillCostScorer:
     worker and waits behind there:
 
         cost(w) = β × (L − bs × (cached(w) + fetched(w)) + φ × bs × fetched(w)
-                       + u(w) × (L − bs × (cached(w) + copies(w))) + u'(w) × bs × copies(w))
+                       + u(w) × (L − bs × (cached(w) + copies(w))) + u'(w) × bs × copies(w)
+                       + ψ(w) × bs × disk(w))
                   + γ × queued(w) + κ × in_flight(w) + κ̄ × excess(w)
 
-    L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending);
+    L the prompt's tokens; cached(w) the leading blocks w holds or is computing (pending), of
+    which disk(w) it holds in its disk tier only, priced at ψ(w) = `WorkerLoad.disk_read_cost`
+    of their prefill (the worker's measured read time of a block over its compute time; 0 while
+    unmeasured, as a device or host hit);
     fetched(w) the further leading blocks a peer has stored, which w would fetch (peer transfer)
     at φ = `fetch_cost_ratio` of their prefill; u(w) the recompute each new block placed there
     (computed or fetched) causes by displacing shared prefix blocks: with p the chance that it
@@ -268,10 +272,11 @@ class PrefillCostScorer:
             most_cached = max(state.cached_blocks.values(), default=0)
         copies = min(total - cached, bs * max(0, most_cached - own))
         displaced = cascade_past(load.committed, self.room_frac)
+        on_disk = min(cached, bs * max(0, state.disk_blocks.get(worker_id, 0)))
         return (self.prefill_weight * (total - cached - fetched + self.fetch_cost_ratio * fetched
                                        + displaced * (total - cached - copies)
                                        + max(displaced, cascade_past(state.cluster_committed, self.copy_room_frac))
-                                       * copies)
+                                       * copies + load.disk_read_cost * on_disk)
                 + self.queue_weight * queued + self.running_cost_tokens * max(0, load.in_flight)
                 + self.sustained_cost_tokens * excess)
 

@@ -56,6 +56,7 @@ class WorkerLoad:
     num_blocks: int = 0           # 0: the worker has not reported its pool yet
     reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
     shared_blocks: float = 0.0    # blocks it holds that 2+ requests' prompts held, expected (the router's index)
+    disk_read_cost: float = 0.0   # reading a block back from its disk tier / computing it (GetLoad; 0: unmeasured)
 
     @property
     def committed(self) -> float:
@@ -97,6 +98,9 @@ class RoutingState:
     # each, at their fading weight (router/index/asks.py `cluster_fill`): a replica displaces
     # someone's only copy with that chance.
     cluster_committed: float = 0.0
+    # Of `cached_blocks`, those the worker holds in its disk tier only (read back before they
+    # count); missing: none, or a worker whose disk reads are not priced (`disk_read_cost` 0).
+    disk_blocks: Mapping[WorkerId, int] = field(default_factory=dict)
 
     def load(self, worker_id: WorkerId) -> WorkerLoad:
         return self.loads.get(worker_id, _NO_LOAD)

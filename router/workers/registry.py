@@ -70,7 +70,8 @@ class WorkerEntry:
 
     @property
     def load(self) -> WorkerLoad:
-        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks, self.reused_blocks)
+        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks, self.reused_blocks,
+                          disk_read_cost=self.disk_read_cost)
 
 
 class WorkerRegistry:

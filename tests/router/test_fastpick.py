@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvstore.events import EventType, Tier, WireEvent
 from kvstore.keys import BlockHash
 from router.routing.fastpick import Columns, KvAwareFast
 from router.routing.pick import reference_view
@@ -30,13 +31,14 @@ def _state(rng: random.Random, workers: list[WorkerInfo], bs: int) -> RoutingSta
     """A random state; `tie` draws from few values so that equal scores are common."""
     tie = rng.random() < 0.5
     small = (lambda hi: rng.choice([0, hi // 2, hi])) if tie else (lambda hi: rng.randrange(hi + 1))
-    loads, cached, queued, mean, fetchable = {}, {}, {}, {}, {}
+    loads, cached, queued, mean, fetchable, disk = {}, {}, {}, {}, {}, {}
     for w in workers:
         wid = w.worker_id
         if rng.random() < 0.9:
             nb = rng.choice([0, 64, 256, 1000])
             loads[wid] = WorkerLoad(in_flight=small(8), free_blocks=rng.randrange(nb + 1), num_blocks=nb,
-                                    shared_blocks=rng.choice([0.0, nb * 0.1, nb * rng.random(), 1e-12]))
+                                    shared_blocks=rng.choice([0.0, nb * 0.1, nb * rng.random(), 1e-12]),
+                                    disk_read_cost=rng.choice([0.0, 0.0, 0.05, rng.random() * 2]))
         if rng.random() < 0.3:
             cached[wid] = small(12)
         if rng.random() < 0.5:
@@ -45,7 +47,9 @@ def _state(rng: random.Random, workers: list[WorkerInfo], bs: int) -> RoutingSta
             mean[wid] = rng.choice([0.0, 1.0, rng.random() * 6]) if tie else rng.random() * 6
         if rng.random() < 0.3:
             fetchable[wid] = small(8)
-    return RoutingState(loads, cached, queued, bs, mean, fetchable, rng.choice([0.0, 0.1, rng.random(), 1.0]))
+        if wid in cached and rng.random() < 0.5:
+            disk[wid] = rng.randrange(cached[wid] + 1)
+    return RoutingState(loads, cached, queued, bs, mean, fetchable, rng.choice([0.0, 0.1, rng.random(), 1.0]), disk)
 
 
 def _policies(rng: random.Random) -> list[Policy]:
@@ -108,11 +112,18 @@ def test_router_pick_matches_the_reference_over_a_real_index() -> None:
                                                          in_flight=30, seed=3), clock=lambda: now[0])
         rng = random.Random(5)
         index, entries = router.registry.index, router.registry.live()
+        for e in entries[::3]:              # a third of the workers price their disk reads; some hold prompts on disk
+            e.disk_read_cost = rng.choice([0.1, 0.6, 1.3])
+        for k, route in enumerate(trace[:60:4]):
+            wid = entries[(7 * k) % len(entries)].info.worker_id  # type: ignore[union-attr]
+            index.apply(wid, WireEvent(EventType.STORED, route.block_hashes, None, Tier.DISK))
+        disk_seen = 0
         for i, route in enumerate(trace):
             now[0] += rng.choice([0.0, 0.01, 0.5, 7.0])
             tried = {e.info.worker_id for e in rng.sample(entries, 3)} if i % 4 == 0 else set()  # type: ignore[union-attr]
             view = router._routing_view(route)
             assert view.state == reference_view(router.registry, router.prefills, route, 16).state
+            disk_seen += bool(view.state.disk_blocks)
             got = router.pick(route, tried)
             router.column_pick = False
             want = router.pick(route, tried)
@@ -127,5 +138,6 @@ def test_router_pick_matches_the_reference_over_a_real_index() -> None:
                 got.worker.in_flight -= 1
                 router.prefills.done(index, f"t-{i}", streamed=True)
         index.check_integrity()
+        assert disk_seen > 0            # disk-held prefixes were priced in some picks
 
     asyncio.run(go())

@@ -199,6 +199,30 @@ def test_prefill_cost_adds_its_terms():
     assert WorkerLoad(0, num_blocks=40, reused_blocks=38, shared_blocks=4.0).committed == 0.1
 
 
+def test_a_prefix_held_on_disk_only_costs_its_measured_read():
+    """Leading blocks a worker holds on disk only cost ψ = its disk_read_cost of their prefill:
+    the holder still wins over recomputing while ψ < 1, and loses to a worker holding the prefix
+    in memory; unmeasured (ψ = 0) they count as any hit."""
+    route = _route(3, blocks=5)                     # 83 tokens
+    L = len(route.token_ids)
+    scorer = PrefillCostScorer(running_cost_tokens=0.0)
+    a, b, c = WorkerId("a"), WorkerId("b"), WorkerId("c")
+    loads = {a: WorkerLoad(0, disk_read_cost=0.25), b: WorkerLoad(0, disk_read_cost=0.25), c: WorkerLoad(0)}
+    state = RoutingState(loads, {a: 4, b: 4}, disk_blocks={a: 3, b: 0})
+    assert scorer.cost(a, route, state) == pytest.approx(2.0 * (L - 64 + 0.25 * 48))
+    assert scorer.cost(b, route, state) == 2.0 * (L - 64)                         # all in memory
+    assert scorer.cost(c, route, state) == 2.0 * L
+    assert scorer.cost(a, route, state) < scorer.cost(c, route, state)            # the read beats recomputing
+    unmeasured = RoutingState({a: WorkerLoad(0)}, {a: 4}, disk_blocks={a: 3})
+    assert scorer.cost(a, route, unmeasured) == 2.0 * (L - 64)
+    slow = RoutingState({a: WorkerLoad(0, disk_read_cost=1.5)}, {a: 4}, disk_blocks={a: 4})
+    assert scorer.cost(a, route, slow) > scorer.cost(c, route, state)             # slower than computing it
+    picked = make_policy("kv_aware").pick(_workers(3), route, RoutingState(
+        {WorkerId("w0"): WorkerLoad(0, disk_read_cost=0.5), WorkerId("w1"): WorkerLoad(0)},
+        {WorkerId("w0"): 5, WorkerId("w1"): 5}, disk_blocks={WorkerId("w0"): 5}))
+    assert picked is not None and picked.worker_id == "w1"                        # memory over disk
+
+
 def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     """Blocks another worker holds are a second copy on w: they displace at the larger of
     w's u and the cascade of the cluster's (past `copy_room_frac`), while w's own new blocks
