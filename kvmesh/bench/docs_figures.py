@@ -27,7 +27,8 @@ BENCHES: dict[str, str] = {
     "accuracy": "perplexity on a real text and teacher-forced greedy agreement per KV dtype and token-eviction "
     "policy vs the fp32 cache",
     "transfer": "host-tier offload/onload vs a raw copy of the same bytes; peer transfer (gloo, 2 processes) vs "
-    "one raw `torch.distributed` send; TTFT of a peer-held prefix fetched vs recomputed",
+    "one raw `torch.distributed` send; TTFT of a peer-held prefix fetched vs recomputed; the disk tier's "
+    "write-behind and read-back vs plain sequential file I/O, and a prefix read back from disk vs recomputed",
     "router": "simulated Zipf multi-tenant trace: each policy's hit rate vs an oracle pool and round robin at "
     "4/8/16 workers; routing-live's scenarios simulated; then (without `--no-live`) 3 live workers",
     "service": "closed-loop chat load through the router to 2 workers vs straight to 1 worker",

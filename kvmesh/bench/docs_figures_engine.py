@@ -197,7 +197,30 @@ def _weight_axis(w: Any) -> list[Figure]:
 
 def _transfer(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     off, peer, ttft = r.get("offload", {}), r.get("peer", {}), r.get("ttft", {})
-    return "a raw copy / raw `torch.distributed` send of the same bytes; the prefix recomputed; same run", [
+    disk = r.get("disk", {})
+    disk_rows = [
+        Figure(
+            f"disk tier write-behind ({disk.get('num_blocks', '?')} blocks, "
+            f"median of {disk.get('rounds', '?')} rounds)",
+            _g(disk.get("write_behind_gb_s"), "GB/s"),
+            _g(disk.get("raw_write_gb_s"), "GB/s (sequential write)"),
+            _x(disk.get("write_vs_raw")),
+        ),
+        Figure(
+            "disk tier read-back",
+            _g(disk.get("read_back_gb_s"), "GB/s"),
+            _g(disk.get("raw_read_gb_s"), "GB/s (sequential read)"),
+            _x(disk.get("read_vs_raw")),
+        ),
+        Figure(
+            f"TTFT, {_at(disk, 'ttft', 'prefix_tokens') or '?'}-token prefix read back from disk",
+            _g(_at(disk, "ttft", "disk_s"), "s"),
+            _g(_at(disk, "ttft", "recomputed_s"), "s (recomputed)"),
+            _x(disk.get("ttft_speedup"), "faster"),
+        ),
+    ] if disk else []
+    return "a raw copy / raw `torch.distributed` send / plain file I/O of the same bytes; the prefix recomputed; " \
+        "same run", [
         Figure(
             "offload to the host tier",
             _g(off.get("offload_gb_s"), "GB/s"),
@@ -228,6 +251,7 @@ def _transfer(r: dict[str, Any]) -> tuple[str, list[Figure]]:
             _g(ttft.get("recomputed_s"), "s (recomputed)"),
             _x(_ratio(ttft.get("recomputed_s"), ttft.get("local_hit_s")), "faster"),
         ),
+        *disk_rows,
     ]
 
 
