@@ -51,9 +51,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
 @pytest.mark.parametrize("mode", ["one_at_a_time", "batch", "batch_no_prefix_cache", "preemption"])
 def test_smollm2_matches_hf(smol, smollm2_dir, mode):
     hf, prompts, expected = smol
-    # fp32 weights: the Q8_0 / Q4 kernels of the default (auto: the GGUF's Q4_1) take int8 activations,
-    # which HF's fp32 forward does not; that path is tested in test_weight_formats*.py
-    cfg = dict(model=str(smollm2_dir), check_integrity=True, weight_dtype="fp32")
+    cfg = dict(model=str(smollm2_dir), check_integrity=True)
     if mode == "batch_no_prefix_cache":
         cfg["enable_prefix_caching"] = False
     if mode == "preemption":
