@@ -45,6 +45,7 @@ from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
 from router.index.asks import ASK_HALF_LIFE, DEPTHS as _DEPTHS, Ask, Decay, Tally, TallyTable, recount
 from router.index.check import ALL_TIERS, check_holders
+from router.index.lookup import disk_only_counts, leading_counts
 from router.index.pending import PendingBlocks
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
@@ -309,46 +310,14 @@ class BlockIndex:
     def match_leading(self, block_hashes: Sequence[BlockHash], *, pending: bool = True) -> dict[WorkerId, int]:
         """`match_prefix` over every worker, sparse: only the workers holding (or computing,
         unless `pending=False`) at least the first block, with their counts — O(the prompt's
-        blocks × their holders), whatever the number of workers."""
-        no_pending: dict[WorkerId, set[str]] = {}
-        by_block = self._pending.by_block if pending else {}
-        counts: dict[WorkerId, int] = {}
-        matching: set[WorkerId] | None = None
-        num_matched = 0
-        for h in block_hashes:
-            holders = self._holders(h)
-            computing = by_block.get(h, no_pending)
-            if not holders and not computing:
-                break
-            if matching is None:
-                matching = set(holders)
-                matching.update(computing)
-            else:       # the workers that stop matching here, in set operations (C, not a loop here)
-                gone = matching.difference(holders)
-                if gone and computing:
-                    gone.difference_update(computing)
-                if gone:
-                    for w in gone:
-                        counts[w] = num_matched
-                    matching -= gone
-                    if not matching:
-                        break
-            num_matched += 1
-        for w in matching or ():
-            counts[w] = num_matched
-        return counts
+        blocks × their holders), whatever the number of workers (router/index/lookup.py)."""
+        return leading_counts(block_hashes, self._holders, self._pending.by_block if pending else {})
 
     def disk_only(self, block_hashes: Sequence[BlockHash], counts: Mapping[WorkerId, int]) -> dict[WorkerId, int]:
         """Of each worker's `counts[w]` leading `block_hashes` (`match_leading`'s counts), how many
         it holds in its disk tier only (no device or host copy): blocks it must read back before
         they count. Sparse: workers with none are left out. O(the counted blocks)."""
-        disk = _BIT[Tier.DISK]
-        out: dict[WorkerId, int] = {}
-        for w, n in counts.items():
-            k = sum(1 for h in block_hashes[:n] if self._masks(h).get(w, 0) == disk)
-            if k:
-                out[w] = k
-        return out
+        return disk_only_counts(block_hashes, counts, self._masks, _BIT[Tier.DISK])
 
     def computing_any(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, set[str]]:
         """`computing` for every worker at once, sparse (the workers where it is not empty)."""
