@@ -1,5 +1,5 @@
 """`kvmesh bench scale`'s `compact-tracked` variant: router/index/compact.py's storage as it was
-before the index moved out of the garbage collector's sight (issue #36), kept so that one run
+before the index moved out of the garbage collector's sight, kept so that one run
 measures both.
 
 The same packed one-holder ints, but each worker's blocks in a `set` and a block with two or

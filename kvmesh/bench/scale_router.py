@@ -18,13 +18,13 @@ import asyncio
 import gc
 import sys
 import time
-import types
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvmesh.bench.scale_baseline import TrackedCompactIndex
+from kvmesh.bench.scale_memory import deep_size, full_collection_ms
 from kvstore.events import IndexSink, WireEvent, WorkerId
 from kvstore.metadata.registry import RedisConfig, connect_async
 from kvstore.metadata.streams import EventConsumer
@@ -217,7 +217,7 @@ class RouterPass:
         lags = [x * 1000 for x in self.lags]
         held = await asyncio.to_thread(pause_fleet)
         await self._settle(held)
-        full_gc_ms = _full_collection_ms()
+        full_gc_ms = full_collection_ms()
         gc_tracked = len(gc.get_objects())      # tracked and not frozen
         self._stop.set()
         await task
@@ -359,49 +359,5 @@ class RouterPass:
         return {k: round(v * 1000 / samples, 3) for k, v in out.items()}
 
 
-def _full_collection_ms(tries: int = 3) -> float:
-    """What one full collection costs the process now (ms, best of `tries`: the least disturbed
-    by other processes): the traversal of every tracked container not frozen."""
-    best = float("inf")
-    for _ in range(tries):
-        t = time.perf_counter()
-        gc.collect()
-        best = min(best, (time.perf_counter() - t) * 1000)
-    return best
-
-
 def _redis_cpu(info: dict[str, Any]) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
-_NOT_FOLLOWED = (type, types.FunctionType, types.MethodType, types.ModuleType, types.BuiltinFunctionType)
-
-
-def deep_size(root: object) -> int:
-    """Bytes of every object reachable from `root` (sys.getsizeof, each object once; types,
-    functions and modules are not followed). Canonical ints shared by many entries count once."""
-    seen: set[int] = set()
-    stack = [root]
-    total = 0
-    gc.collect()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _NOT_FOLLOWED):
-            continue
-        seen.add(id(obj))
-        total += sys.getsizeof(obj)
-        if isinstance(obj, dict):
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset, deque)):
-            stack.extend(obj)
-        elif isinstance(obj, (int, float, str, bytes, bool)) or obj is None:
-            continue
-        else:
-            if hasattr(obj, "__dict__"):
-                stack.append(vars(obj))
-            for cls in type(obj).__mro__:
-                for name in getattr(cls, "__slots__", ()):
-                    if hasattr(obj, name):
-                        stack.append(getattr(obj, name))
-    return total

@@ -10,7 +10,7 @@ import pytest
 
 from contracts.cli import CLIError
 from kvmesh.bench.scale import ScaleConfig, config_from_args, register
-from kvmesh.bench.scale_router import deep_size
+from kvmesh.bench.scale_memory import deep_size
 from kvmesh.cli import main
 from tests.support.redis_server import REDIS_SERVER
 
