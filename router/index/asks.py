@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -201,18 +201,22 @@ class TallyTable:
         return out
 
 
-def cluster_fill(index: Any, capacity: int) -> float:
+class HeldBlocks(Protocol):
+    def distinct_held_blocks(self) -> float: ...
+
+
+def cluster_fill(index: HeldBlocks, capacity: int) -> float:
     """The fraction of the pools' `capacity` that the distinct blocks held anywhere fill, each
     block a prompt asked for at its fading weight (`Tally.held` of the index's tally of the
     distinct blocks; a block nobody asked for counts nothing): the `R` a copy of a prefix is
     priced at (router/routing/scorers.py `PrefillCostScorer`). Not the expected shared blocks
     (`BlockIndex.distinct_shared_blocks`): a prefix asked for once so far counts there at its
     depth's reuse rate, which runs behind while a workload starts (0.37 with 8 of 12 prefixes
-    seen in `kvmesh bench routing-live --quick`'s pressure run, 0.92 by its end). `index` is a
-    `router.index.blocks.BlockIndex` (read here: it has no method for it)."""
+    seen in `kvmesh bench routing-live --quick`'s pressure run, 0.92 by its end). `index`: a
+    `router.index.blocks.BlockIndex`."""
     if capacity <= 0:
         return 0.0
-    return min(1.0, index._any_asks.held(index._decay.scale()) / capacity)
+    return min(1.0, index.distinct_held_blocks() / capacity)
 
 
 def recount(by_worker: Mapping[WorkerId, Iterable[BlockHash]], held_anywhere: Iterable[BlockHash],

@@ -264,6 +264,10 @@ class BlockIndex:
         shared prefixes take with one copy each."""
         return self._any_asks.expected(self._first, self._again, self._decay.scale())
 
+    def distinct_held_blocks(self) -> float:
+        """Distinct blocks held anywhere that a prompt asked for, in full at their fading weight."""
+        return self._any_asks.held(self._decay.scale())
+
     def _ask(self, h: BlockHash) -> Ask | None:
         """`h`'s asks (None: no request asked for it, or its count was forgotten)."""
         kind = self._asked.get(h)
