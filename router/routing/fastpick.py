@@ -62,7 +62,7 @@ class Columns(NamedTuple):
     cached: np.ndarray          # int64: cached_blocks
     fetchable: np.ndarray       # int64: fetchable_blocks
     disk: np.ndarray            # int64: disk_blocks
-    disk_cost: np.ndarray       # float64: WorkerLoad.disk_read_cost
+    disk_cost: np.ndarray       # float64: WorkerLoad.disk_read_cost (read only where disk > 0)
 
     @classmethod
     def from_state(cls, pool: Sequence[WorkerInfo], state: RoutingState) -> Columns:

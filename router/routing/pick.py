@@ -62,7 +62,7 @@ class RoutingView:
     def state(self) -> RoutingState:
         cols, ids = self.cols, self.ids
         loads = {wid: WorkerLoad(int(cols.in_flight[i]), e.free_blocks, e.num_blocks, e.reused_blocks,
-                                 float(cols.shared[i]), float(cols.disk_cost[i]))
+                                 float(cols.shared[i]), e.disk_read_cost)
                  for i, (wid, e) in enumerate(zip(ids, self.live))}
         return RoutingState(loads, {w: self.cached.get(w, 0) for w in ids},
                             dict(zip(ids, cols.queued.tolist())), self.block_size, dict(zip(ids, cols.mean.tolist())),
@@ -107,12 +107,13 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     cached_col = np.zeros(n, dtype=np.int64)
     for w, c in cached.items():
         cached_col[slots[w]] = c
-    disk_cost = np.fromiter((w.disk_read_cost for w in live), dtype=float, count=n)
-    disk = np.zeros(n, dtype=np.int64)     # of the cached, on disk only: where disk reads are priced
-    if cached and disk_cost.any():
-        for w, k in index.disk_only(route.block_hashes, {w: c for w, c in cached.items()
-                                                         if disk_cost[slots[w]] > 0}).items():
-            disk[slots[w]] = k
+    # of the cached, those on disk only, where disk reads are priced (sparse: the holders only;
+    # a worker with none costs nothing for them, whatever its price)
+    disk = np.zeros(n, dtype=np.int64)
+    disk_cost = np.zeros(n, dtype=float)
+    priced = {w: c for w, c in cached.items() if live[slots[w]].disk_read_cost > 0}
+    for w, k in (index.disk_only(route.block_hashes, priced) if priced else {}).items():
+        disk[slots[w]], disk_cost[slots[w]] = k, live[slots[w]].disk_read_cost
     # fetchable, peers only: the most leading blocks another peer has stored, less its own cached
     # (`max(0, max(stored of the other peers, default 0) − cached)`, from the two best)
     fetch = np.zeros(n, dtype=np.int64)
