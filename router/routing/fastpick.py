@@ -40,6 +40,7 @@ from router.routing.scorers import (
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
 
 _MANY_TIED = 48     # more tied workers than this: walk the pool's ring in numpy
+_WALK = 256         # ring points looked at first in that walk (then 4x as many each time)
 
 
 def _cascade_past(committed: np.ndarray, room: float) -> np.ndarray:
@@ -96,6 +97,7 @@ class KvAwareFast:
         self.bounded = bounded
         self.ring = ring
         self._ring_ids: tuple[WorkerId, ...] | None = None
+        self._ring_of: Sequence[WorkerId] | None = None     # the `ids` the ring was last asked for
         self._ring_points = np.zeros(0, dtype=np.uint64)
         self._ring_owners = np.zeros(0, dtype=np.intp)
 
@@ -161,7 +163,10 @@ class KvAwareFast:
         best_total = float(total[keep].max())
         rounded = round(best_total, ROUND_DIGITS)
         near = np.flatnonzero(keep & (total >= best_total - 2.0 * 10.0 ** -ROUND_DIGITS))
-        tied = [int(i) for i in near if round(float(total[i]), ROUND_DIGITS) == rounded]
+        # rounded once per distinct score (an idle pool's workers share one)
+        values, which = np.unique(total[near], return_inverse=True)
+        hit = np.array([round(float(v), ROUND_DIGITS) == rounded for v in values.tolist()], dtype=bool)
+        tied = near[hit[which.reshape(-1)]].tolist()
         if len(tied) == 1:
             return tied[0]
         return self._first_on_ring(cols.ids, tied, route_key(request, self.ring.num_prefix_blocks))
@@ -180,15 +185,25 @@ class KvAwareFast:
         points, owners = self._pool_ring(ids, vnodes)
         hit = np.zeros(len(ids), dtype=bool)
         hit[tied] = True
-        hits = hit[owners]
+        # the walk from the key, a stretch of points at a time (with many tied the first
+        # stretch holds one), wrapping round once
         start = int(np.searchsorted(points, np.uint64(key), side="left"))
-        after = np.flatnonzero(hits[start:])
-        return int(owners[start + after[0]] if len(after) else owners[np.flatnonzero(hits[:start])[0]])
+        m, step, at = len(points), _WALK, start
+        while at < start + m:
+            stretch = owners[np.arange(at, min(at + step, start + m)) % m]
+            found = np.flatnonzero(hit[stretch])
+            if len(found):
+                return int(stretch[found[0]])
+            at, step = at + step, step * 4
+        raise AssertionError("a tied worker has no point on the ring")
 
     def _pool_ring(self, ids: Sequence[WorkerId], vnodes: int) -> tuple[np.ndarray, np.ndarray]:
         """The ring of `ids`: every point ascending (equal points by worker id, as `HashRing`
         sorts them) and the position in `ids` of its owner."""
+        if ids is self._ring_of:     # the live columns' ids: one list per ready set, never changed in place
+            return self._ring_points, self._ring_owners
         key = tuple(ids)
+        self._ring_of = ids
         if key != self._ring_ids:
             n = len(ids)
             points = np.array([p for w in ids for p in vnode_points(w, vnodes)], dtype=np.uint64)

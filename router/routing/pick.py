@@ -14,13 +14,12 @@ from typing import NamedTuple
 import numpy as np
 
 from contracts.requests import PeerHint
-from contracts.roles import WorkerRole
 from router.index.asks import cluster_fill
-from router.routing.disagg import decode_pool
 from router.routing.fastpick import Columns, KvAwareFast
 from router.routing.inflight import InFlightPrefills
 from router.routing.policy import Policy
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad
+from router.workers.live import LiveColumns
 from router.workers.registry import WorkerEntry, WorkerRegistry
 
 
@@ -38,72 +37,69 @@ class RoutingView:
     """What the policy sees for one request, kept in columns over the live workers (`ids`,
     router/routing/fastpick.py `Columns`) with the request's sparse figures beside them: the
     leading prompt blocks each worker holds or computes (`cached`) and has stored (`stored`: a
-    peer can send only those), zeros left out. `state` (the dicts `Policy.pick` reads) and
-    `peers` (id → address of the workers with a peer plane) are built only when asked for."""
+    peer can send only those), zeros left out. The workers' own figures come from the
+    registry's live columns, kept between decisions (router/workers/live.py `LiveColumns`);
+    `state` (the dicts `Policy.pick` reads) is built only when asked for. `peers` (id → address
+    of the workers with a peer plane) and `decode_pool` are the live columns' (read-only)."""
 
-    def __init__(self, live: Sequence[WorkerEntry], ids: list[WorkerId], cols: Columns, cached: dict[WorkerId, int],
-                 stored: dict[WorkerId, int], peer: np.ndarray, block_size: int,
-                 cluster_committed: float, slots: dict[WorkerId, int] | None = None) -> None:
+    def __init__(self, live: LiveColumns, cols: Columns, cached: dict[WorkerId, int], stored: dict[WorkerId, int],
+                 block_size: int, cluster_committed: float) -> None:
         self.live = live
-        self.ids = ids
+        self.ids = live.ids
+        self.slots = live.slots
         self.cols = cols
         self.cached = cached
         self.stored = stored
-        self.peer = peer
+        self.peer = live.peer
+        self.peers = live.peers
+        self.decode_pool = live.decode_pool
         self.block_size = block_size
         self.cluster_committed = cluster_committed
-        self.slots = slots if slots is not None else {w: i for i, w in enumerate(ids)}
-
-    @functools.cached_property
-    def peers(self) -> dict[WorkerId, str]:
-        return {self.ids[i]: self.live[i].address for i in np.flatnonzero(self.peer).tolist()}
 
     @functools.cached_property
     def state(self) -> RoutingState:
         cols, ids = self.cols, self.ids
         loads = {wid: WorkerLoad(int(cols.in_flight[i]), e.free_blocks, e.num_blocks, e.reused_blocks,
                                  float(cols.shared[i]), e.disk_read_cost)
-                 for i, (wid, e) in enumerate(zip(ids, self.live))}
+                 for i, (wid, e) in enumerate(zip(ids, self.live.entries))}
         return RoutingState(loads, {w: self.cached.get(w, 0) for w in ids},
                             dict(zip(ids, cols.queued.tolist())), self.block_size, dict(zip(ids, cols.mean.tolist())),
                             {ids[i]: int(cols.fetchable[i]) for i in np.flatnonzero(self.peer).tolist()},
                             self.cluster_committed,
                             {ids[i]: int(cols.disk[i]) for i in np.flatnonzero(cols.disk).tolist()})
 
-    @functools.cached_property
-    def decode_pool(self) -> list[WorkerInfo]:
-        """router/routing/disagg.py `decode_pool` of the live workers."""
-        infos: list[WorkerInfo] = [w.info for w in self.live]  # type: ignore[misc]
-        return decode_pool(infos) if any(i.role is WorkerRole.PREFILL for i in infos) else infos
-
     def pool(self, workers: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> Columns | None:
-        """The columns of `workers` less `exclude`, in their order (None: a worker not in the view)."""
-        if not exclude and len(workers) == len(self.ids) and (workers is self.decode_pool or all(
-                w.worker_id == i for w, i in zip(workers, self.ids))):
-            return self.cols
+        """The columns of `workers` less `exclude`, in their order (None: a worker not in the view).
+        The decode pool's are taken by its rows in the live columns (no per-worker Python)."""
+        if workers is self.decode_pool:
+            rows = self.live.decode_rows
+            if not exclude:
+                return self.cols if rows is None else self.cols.take(rows)
+            keep = np.ones(len(self.ids), dtype=bool)
+            keep[[self.slots[w] for w in exclude if w in self.slots]] = False
+            rows = np.flatnonzero(keep) if rows is None else rows[keep[rows]]
+            return self.cols.take(rows)
         slots = self.slots
-        rows = [slots.get(w.worker_id, -1) for w in workers if w.worker_id not in exclude]
-        if any(r < 0 for r in rows):
+        picked = [slots.get(w.worker_id, -1) for w in workers if w.worker_id not in exclude]
+        if any(r < 0 for r in picked):
             return None
-        return self.cols.take(np.array(rows, dtype=np.intp))
+        return self.cols.take(np.array(picked, dtype=np.intp))
 
 
 def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: RouteRequest,
                  block_size: int | None) -> RoutingView:
-    """The view now (`block_size`: the model's, None before a worker told it). O(workers) in
-    array passes and comprehensions; the request's own figures come from the index's sparse
-    lookups (the prompt's blocks and their holders)."""
-    live = [w for w in registry.live() if w.info is not None]
-    ids = [w.info.worker_id for w in live]  # type: ignore[union-attr]
-    slots = {w: i for i, w in enumerate(ids)}
-    n = len(ids)
+    """The view now (`block_size`: the model's, None before a worker told it). The workers'
+    figures are the registry's live columns (copied: the view keeps them as they are now) and
+    a few vectorized passes (expected shared blocks, sustained load); the request's own figures
+    come from the index's sparse lookups (the prompt's blocks and their holders) — no Python
+    work per worker."""
+    live = registry.live_columns()
+    ids, slots, n = live.ids, live.slots, len(live)
     index = registry.index
     prefills.expire(index)
     cached = {w: c for w, c in index.match_leading(route.block_hashes).items() if w in slots}
     stored = {w: c for w, c in index.match_leading(route.block_hashes, pending=False).items() if w in slots}
-    in_flight = np.fromiter((w.in_flight for w in live), dtype=np.int64, count=n)
-    num_blocks = np.fromiter((w.num_blocks for w in live), dtype=np.int64, count=n)
-    peer = np.fromiter((w.peer_plane for w in live), dtype=bool, count=n)
+    peer = live.peer
     cached_col = np.zeros(n, dtype=np.int64)
     for w, c in cached.items():
         cached_col[slots[w]] = c
@@ -111,9 +107,10 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     # a worker with none costs nothing for them, whatever its price)
     disk = np.zeros(n, dtype=np.int64)
     disk_cost = np.zeros(n, dtype=float)
-    priced = {w: c for w, c in cached.items() if live[slots[w]].disk_read_cost > 0}
+    entries = live.entries
+    priced = {w: c for w, c in cached.items() if entries[slots[w]].disk_read_cost > 0}
     for w, k in (index.disk_only(route.block_hashes, priced) if priced else {}).items():
-        disk[slots[w]], disk_cost[slots[w]] = k, live[slots[w]].disk_read_cost
+        disk[slots[w]], disk_cost[slots[w]] = k, entries[slots[w]].disk_read_cost
     # fetchable, peers only: the most leading blocks another peer has stored, less its own cached
     # (`max(0, max(stored of the other peers, default 0) − cached)`, from the two best)
     fetch = np.zeros(n, dtype=np.int64)
@@ -129,11 +126,12 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     for w, t in prefills.queued_less(index, route).items():
         if w in slots:
             queued[slots[w]] -= t
+    num_blocks = live.num_blocks.copy()
     capacity = int(np.maximum(0, num_blocks).sum())
     index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
-    cols = Columns(ids, in_flight, num_blocks, index.shared_blocks_of(ids), prefills.mean_column(ids), queued,
-                   cached_col, fetch, disk, disk_cost)
-    return RoutingView(live, ids, cols, cached, stored, peer, block_size or 16, cluster_fill(index, capacity), slots)
+    cols = Columns(ids, live.in_flight.copy(), num_blocks, index.shared_blocks_of(ids), prefills.mean_column(ids),
+                   queued, cached_col, fetch, disk, disk_cost)
+    return RoutingView(live, cols, cached, stored, block_size or 16, cluster_fill(index, capacity))
 
 
 def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, workers: Sequence[WorkerInfo],
@@ -147,7 +145,7 @@ def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, wor
         if at is None:
             return None
         chosen_id = pool.ids[at]
-        chosen_entry = view.live[view.slots[chosen_id]]
+        chosen_entry = view.live.entries[view.slots[chosen_id]]
     else:
         chosen = policy.pick(workers, route, view.state, exclude=tried)
         if chosen is None:

@@ -34,6 +34,7 @@ from router.index.compact import CompactBlockIndex
 from router.index.gate import GatedIndex
 from router.routing.types import WorkerId, WorkerInfo, WorkerLoad
 from router.security.attest import Admitter, Verdict, worker_channel
+from router.workers.live import IN_PLACE, REBUILD, LiveColumns
 
 log = logging.getLogger("kvmesh.router")
 
@@ -41,6 +42,9 @@ WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _ROLES = frozenset(r.value for r in WorkerRole) | {""}
 LOST_AFTER_PROBES = 2   # unanswered probes in a row before a worker's open streams migrate
+
+
+_WATCHED = IN_PLACE | REBUILD
 
 
 @dataclass(eq=False)
@@ -67,6 +71,18 @@ class WorkerEntry:
     worker_id: WorkerId | None = None       # last known (its Redis record, its GetLoad)
     mismatched: bool = False                # `refused` because it disagreed with the reference model
     probing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # the registry's listener: hears every assignment of a field its live columns keep
+    watch: Callable[[WorkerEntry, str], None] | None = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        watch = self.__dict__.get("watch") if name in _WATCHED else None
+        if watch is None:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name, value)
+        object.__setattr__(self, name, value)
+        if old != value:
+            watch(self, name)
 
     @property
     def load(self) -> WorkerLoad:
@@ -93,6 +109,7 @@ class WorkerRegistry:
         self.on_forget: Callable[[], None] | None = None
         self._on_ready = on_ready
         self._workers: dict[str, WorkerEntry] = {}
+        self._live: LiveColumns | None = None        # the ready workers as columns (None: to rebuild)
         self._consume_task: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -154,9 +171,10 @@ class WorkerRegistry:
             if address not in self._workers:
                 channel = worker_channel(self.cfg, address, lambda a=address: self._admitted(a))
                 self._workers[address] = WorkerEntry(address, channel, pb_grpc.WorkerStub(channel),
-                                                     health_pb2_grpc.HealthStub(channel))
+                                                     health_pb2_grpc.HealthStub(channel), watch=self._changed)
             if worker_ids and address in worker_ids:
                 self._workers[address].worker_id = worker_ids[address]
+        self._live = None
         self._update_ready()
         if probe:
             self._wake.set()
@@ -168,6 +186,24 @@ class WorkerRegistry:
     def live(self) -> list[WorkerEntry]:
         """Entries of the ready workers."""
         return [w for w in self._workers.values() if w.info is not None]
+
+    def live_columns(self) -> LiveColumns:
+        """The ready workers as columns, kept between calls (router/workers/live.py): rebuilt only
+        after the ready set, a role or a peer plane changed. Read-only."""
+        live = self._live
+        if live is None:
+            live = self._live = LiveColumns(list(self._workers.values()))
+        return live
+
+    def _changed(self, entry: WorkerEntry, name: str) -> None:
+        """`entry.<name>` was assigned (a field the live columns keep)."""
+        live = self._live
+        if live is None:
+            return
+        if name in IN_PLACE:
+            live.changed(entry, name)
+        elif entry in live or entry.info is not None:   # (a worker not ready stays out)
+            self._live = None
 
     def entry(self, address: str) -> WorkerEntry:
         return self._workers[address]

@@ -141,3 +141,59 @@ def test_router_pick_matches_the_reference_over_a_real_index() -> None:
         assert disk_seen > 0            # disk-held prefixes were priced in some picks
 
     asyncio.run(go())
+
+
+def test_router_pick_follows_the_registry_between_picks() -> None:
+    """The live columns kept between picks (router/workers/live.py) follow every change the
+    registry sees — in-flight counts, a probe's pool size and peer plane, a worker marked down
+    and ready again, a prefill-role worker (out of the decode pool), a worker leaving — and the
+    pick stays the reference's."""
+    from contracts.roles import WorkerRole
+    from kvmesh.bench.scale_pick import SyntheticConfig, synthetic_router
+
+    async def go() -> None:
+        now = [0.0]
+        router, trace = synthetic_router(SyntheticConfig(workers=40, pool_blocks=200, trace_requests=120,
+                                                         in_flight=20, seed=4), clock=lambda: now[0])
+        registry, rng = router.registry, random.Random(9)
+        index, entries = registry.index, registry.live()
+        down: list = []
+        changes = 0
+        for i, route in enumerate(trace):
+            now[0] += rng.choice([0.0, 0.01, 0.5])
+            e = rng.choice(entries)
+            kind = i % 6
+            if kind == 1:                                   # a probe's figures
+                e.num_blocks, e.peer_plane = rng.choice([0, 100, 200, 400]), rng.random() < 0.5
+            elif kind == 2 and e.info is not None and len(down) < 5:       # a failed call
+                down.append((e, e.info))
+                registry.mark_down(e, "test")
+            elif kind == 3 and down:                        # ready again, perhaps as a prefill worker
+                back, info = down.pop(0)
+                back.info = replace(info, role=WorkerRole.PREFILL) if rng.random() < 0.5 else info
+            elif kind == 4 and i == 100:                    # a worker leaves the registry
+                gone = entries.pop()
+                registry.set_workers([x.address for x in entries], probe=False)
+                down = [d for d in down if d[0] is not gone]
+            changes += kind in (1, 2, 3)
+            tried = {x.info.worker_id for x in rng.sample(registry.live(), 2)} if i % 5 == 0 else set()  # type: ignore[union-attr]
+            view = router._routing_view(route)
+            assert view.state == reference_view(registry, router.prefills, route, 16).state, i
+            got = router.pick(route, tried)
+            router.column_pick = False
+            want = router.pick(route, tried)
+            router.column_pick = True
+            assert got == want, i
+            router.prefills.dispatched(index, f"f-{i}", got.worker.info.worker_id, route,  # type: ignore[union-attr]
+                                       got.predicted_tokens)
+            got.worker.in_flight += 1
+            if i % 2:
+                got.worker.in_flight -= 1
+                router.prefills.done(index, f"f-{i}", streamed=True)
+        assert changes > 50
+        live = registry.live_columns()
+        assert live.ids == [x.info.worker_id for x in registry.live()]  # type: ignore[union-attr]
+        assert live.in_flight.tolist() == [x.in_flight for x in registry.live()]
+        assert live.num_blocks.tolist() == [x.num_blocks for x in registry.live()]
+
+    asyncio.run(go())
