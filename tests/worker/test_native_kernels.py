@@ -61,9 +61,9 @@ def test_large_logits_stay_finite() -> None:
         torch.testing.assert_close(out[i:i + 1], dense_oracle(big.query[i:i + 1], k, v, 0.25, None), **TOL)
 
 
-def test_paged_attention_uses_it_for_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pure decode batch and the decode rows of a mixed batch go through the kernel; prefill
-    rows, score collection and half-precision caches do not."""
+def test_paged_attention_uses_it_for_every_fp32_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pure decode batch and every row of a mixed batch (prefill tokens as decode rows of their
+    own) go through the kernel, in one call; score collection and half-precision caches do not."""
     calls: list[int] = []
     real = native.paged_decode
 
@@ -74,24 +74,46 @@ def test_paged_attention_uses_it_for_decode_rows(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native, "paged_decode", spy)
     check(make_case([(1, 30), (1, 9), (1, 17)], 4, 2, 8, block_size=4))
     check(make_case([(1, 30), (6, 6), (3, 20), (1, 9)], 4, 2, 8, block_size=4), sliding_window=5)
-    assert calls == [3, 2]
+    assert calls == [3, 11]
     check(make_case([(1, 30), (1, 9)], 4, 2, 8, block_size=4, cache_dtype=torch.float16))
-    case = make_case([(1, 30), (1, 9)], 4, 2, 8, block_size=4)
+    case = make_case([(1, 30), (6, 8)], 4, 2, 8, block_size=4)
     meta = type(case.meta).build(case.meta.query_lens_list, case.meta.seq_lens_list, case.block_tables, 4,
                                  collect_scores=True)
     paged_attention(case.query, case.k_cache, case.v_cache, meta, 0.5)
-    assert calls == [3, 2]
+    assert calls == [3, 11]
 
 
-def test_mixed_step_selects_its_decode_rows_once() -> None:
-    """The decode rows of a mixed step are selected by the first layer and reused; no torch
-    decode plan is built for them."""
+def test_token_rows_are_built_once_per_step() -> None:
+    """Each new token's row: its sequence's block table and its position + 1 as its length;
+    built by the first layer and reused, and no torch decode plan is built."""
     case = make_case([(1, 30), (1, 9), (5, 17), (1, 12)], 4, 2, 8, block_size=4)
     for _ in range(3):  # three layers
         check(case)
-    rows = case.meta.decode_rows()
-    assert rows.rows.tolist() == [0, 1, 7] and rows.seq_lens.tolist() == [30, 9, 12]
-    assert case.meta.decode_rows() is rows and not case.meta._plans
+    rows = case.meta.token_rows()
+    assert rows.rows.tolist() == list(range(8)) and rows.seq_lens.tolist() == [30, 9, 13, 14, 15, 16, 17, 12]
+    assert torch.equal(rows.block_tables[2:7], case.meta.block_tables[2].expand(5, -1))
+    assert case.meta.token_rows() is rows and not case.meta._plans
+
+
+def test_a_prompt_attends_alike_whole_in_chunks_and_token_by_token() -> None:
+    """The attention of a prompt's tokens is the same bits whichever way the prompt is cut into
+    steps, and beside another sequence: each token runs the decode kernel's arithmetic."""
+    whole = make_case([(23, 23)], 9, 3, 16, block_size=4, seed=3)
+    q, kc, vc, table = whole.query, whole.k_cache, whole.v_cache, whole.block_tables[0]
+    expected = paged_attention(q, kc, vc, whole.meta, 0.25)
+    for chunk in (1, 4, 16):
+        parts = []
+        for start in range(0, 23, chunk):
+            n = min(chunk, 23 - start)
+            meta = type(whole.meta).build([n], [start + n], [table], 4)
+            parts.append(paged_attention(q[start:start + n], kc, vc, meta, 0.25))
+        assert torch.equal(torch.cat(parts), expected), chunk
+    other = make_case([(5, 11)], 9, 3, 16, block_size=4, seed=4)
+    rows = torch.cat([other.query, q[10:15]])
+    kc2, vc2 = torch.cat([kc, other.k_cache]), torch.cat([vc, other.v_cache])
+    shift = kc.shape[0]
+    meta = type(whole.meta).build([5, 5], [11, 15], [[b + shift for b in other.block_tables[0]], table], 4)
+    assert torch.equal(paged_attention(rows, kc2, vc2, meta, 0.25)[5:], expected[10:15])
 
 
 def test_falls_back_to_torch_when_it_cannot_build(monkeypatch: pytest.MonkeyPatch,

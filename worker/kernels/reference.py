@@ -1,8 +1,10 @@
 """Paged attention in plain torch: the CPU kernels and the oracle for every GPU twin.
 
-One exception on CPU: fp32 decode rows (one new token), when no scores are collected, go to
-the native kernel in `worker.kernels.native`, which reads the cache in place; the torch
-decode path here stays its oracle and its fallback (tests run both).
+One exception on CPU: fp32 queries over fp32 caches, when no scores are collected, go to the
+native kernel in `worker.kernels.native`, which reads the cache in place: decode rows, and
+prefill tokens as decode rows of their own (`AttnMetadata.token_rows`), so that a token's
+attention is the same bits however its prompt is cut into steps; the torch paths here stay its
+oracle and its fallback (tests run both).
 
 Cache layout (see `kvstore.tensors`): `k_cache`, `v_cache` are `[num_blocks, block_size,
 num_kv_heads, head_dim]`; token slot `slot = block_id * block_size + offset`.
@@ -46,7 +48,7 @@ from worker.kernels.decode import DecodePlan, decode_attention, explicit_attenti
 
 
 class DecodeRows(NamedTuple):
-    rows: torch.Tensor  # [b] int64 query row (token index) of each q_len == 1 sequence
+    rows: torch.Tensor  # [b] int64 query row (token index) of each row
     block_tables: torch.Tensor  # [b, max_blocks] their block table rows
     seq_lens: torch.Tensor  # [b]
 
@@ -72,7 +74,8 @@ class AttnMetadata:
     # weight of new token j of q in score_acc: score_decay ** (q - 1 - j) (1.0: a plain sum)
     score_decay: float = 1.0
     _plans: dict[tuple[int, int | None], DecodePlan] = field(default_factory=dict, init=False, repr=False)
-    _rows: dict[None, DecodeRows] = field(default_factory=dict, init=False, repr=False)  # decode_rows() memo
+    # token_rows() memo
+    _rows: dict[str, DecodeRows] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.query_lens_list) != len(self.seq_lens_list):
@@ -119,16 +122,19 @@ class AttnMetadata:
             self._plans[key] = plan
         return plan
 
-    def decode_rows(self) -> DecodeRows:
-        """The q_len == 1 sequences of this step as the native kernel takes them (memoised
-        like `decode_plan`)."""
-        rows = self._rows.get(None)
+    def token_rows(self) -> DecodeRows:
+        """Every new token as a decode row of its own: its sequence's block table and, as its
+        length, its position + 1 (what it may attend to). The native kernel runs a prefill this
+        way, so that each token's attention is the arithmetic of a decode step (memoised)."""
+        rows = self._rows.get("tokens")
         if rows is None:
-            seqs = torch.tensor([i for i, q in enumerate(self.query_lens_list) if q == 1],
-                                dtype=torch.int64, device=self.seq_lens.device)  # [b]
-            rows = DecodeRows(self.query_start_loc.index_select(0, seqs),
-                              self.block_tables.index_select(0, seqs), self.seq_lens.index_select(0, seqs))
-            self._rows[None] = rows
+            dev = self.seq_lens.device
+            q_lens = torch.tensor(self.query_lens_list, dtype=torch.int64, device=dev)  # [B]
+            seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=dev), q_lens)  # [T]
+            tokens = torch.arange(self.num_tokens, dtype=torch.int64, device=dev)
+            lens = tokens - self.query_start_loc[seq_of_token] + (self.seq_lens - q_lens)[seq_of_token] + 1
+            rows = DecodeRows(tokens, self.block_tables.index_select(0, seq_of_token), lens)
+            self._rows["tokens"] = rows
         return rows
 
     @classmethod
@@ -263,13 +269,18 @@ def paged_attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
 def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                meta: AttnMetadata, scale: float, sliding_window: int | None, allow_native: bool) -> torch.Tensor:
     acc = meta.score_acc
-    # fp32 decode rows on CPU read the cache in place (worker.kernels.native) unless scores are collected
+    # fp32 rows on CPU read the cache in place (worker.kernels.native) unless scores are collected
     in_place = allow_native and acc is None and native.decode_supported(query, k_cache, v_cache)
-    if in_place and meta.is_decode:
-        return native.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,  # type: ignore[arg-type]
+    if in_place:
+        # every row, prefill tokens included, by the decode kernel's arithmetic: a token's
+        # attention (each key's dot, the softmax's sum, the V pass, all in key order) is then the
+        # same bits whichever way its prompt is computed: whole, in chunks, a token a step, beside
+        # other sequences (SDPA's blocking depends on the query and key counts)
+        each = meta if meta.is_decode else meta.token_rows()
+        return native.paged_decode(query, k_cache, v_cache, each.block_tables, each.seq_lens, scale,  # type: ignore[arg-type]
                                    sliding_window)
-    plan = None if in_place else meta.decode_plan(k_cache.shape[1], sliding_window)
-    if plan is not None and plan.identity and len(plan.seqs) == meta.num_tokens:  # pure decode, order kept
+    plan = meta.decode_plan(k_cache.shape[1], sliding_window)
+    if plan.identity and len(plan.seqs) == meta.num_tokens:  # pure decode, order kept
         return decode_attention(query, k_cache, v_cache, plan, scale, acc)
     out = torch.empty_like(query)  # [T, Hq, D]
     start = 0
@@ -279,12 +290,7 @@ def _attention(query: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                 query[start:start + q_len], k_cache, v_cache, meta.block_tables[i], seq_len,
                 scale, sliding_window, None if acc is None else acc[i], meta.score_decay)
         start += q_len
-    if plan is None:  # in place: the decode rows of a mixed step
-        if 1 in meta.query_lens_list:
-            d = meta.decode_rows()
-            out.index_copy_(0, d.rows, native.paged_decode(query.index_select(0, d.rows), k_cache, v_cache,  # type: ignore[arg-type]
-                                                           d.block_tables, d.seq_lens, scale, sliding_window))
-    elif plan.seqs:
+    if plan.seqs:
         # the query row of each decode sequence, in the plan's order
         rows = plan.seqs_t if meta.is_decode else meta.query_start_loc.index_select(0, plan.seqs_t)
         res = decode_attention(query.index_select(0, rows), k_cache, v_cache, plan, scale, acc)  # [b, Hq, D]
