@@ -16,7 +16,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import replace
 from typing import NamedTuple
 
 import grpc
@@ -31,6 +32,7 @@ from router.config import RouterConfig
 from router.routing.disagg import Disaggregation, decode_pool, is_active
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.fastpick import KvAwareFast
+from router.routing.going import as_listed, discount_view
 from router.routing.inflight import InFlightPrefills
 from router.routing.migrate import (
     MAX_WAIT_FOR_WORKER_S,
@@ -330,29 +332,42 @@ class Router:
         """The policy's view now: in-flight and KV load per live worker, the leading prompt
         blocks each holds according to the block index (none where no event stream feeds it)
         and those it could fetch from a peer."""
-        return self._routing_view(route).state
+        return self._going_view(route)[0].state
 
     def _routing_view(self, route: RouteRequest) -> RoutingView:
         info = self.model_info
         return routing_view(self.registry, self.prefills, route, info.block_size if info is not None else None)
 
+    def _going_view(self, route: RouteRequest) -> tuple[RoutingView, Mapping[WorkerId, int]]:
+        """The routing view, in which a prefix a worker is evicting (router/routing/going.py)
+        counts none of its blocks there, and what the index lists (the hit predicted)."""
+        view = self._routing_view(route)
+        listed = view.cached
+        return discount_view(view, self.prefills.going_less(listed, route)), listed
+
     def pick(self, route: RouteRequest, tried: set[WorkerId]) -> Pick:
         """The policy's worker (not in `tried`), the prompt tokens the index says it will find
-        cached, and the peer to hint when another live worker holds more of the prompt."""
+        cached, and the peer to hint when another live worker holds more of the prompt. A
+        prefix its worker is evicting does not draw the request there (router/routing/going.py);
+        sent there anyway, it is promised what the index lists."""
         info = self.model_info
+        bs = info.block_size if info is not None else 0
+        picked: Pick | None
         if not self.column_pick:
-            bs = info.block_size if info is not None else 0
             ref = reference_view(self.registry, self.prefills, route, bs or None)
+            listed = ref.state.cached_blocks
+            cached = self.prefills.going_less(listed, route)
+            if cached is not listed:
+                ref = ref._replace(state=replace(ref.state, cached_blocks={w: cached.get(w, 0) for w in listed}))
             picked = pick_reference(self.policy, self.registry, ref, decode_pool(self.live_workers()), route, tried, bs)
-            if picked is None:
-                raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
-            return picked
-        view = self._routing_view(route)
-        chosen = pick_worker(self.policy, self.registry, view, view.decode_pool, route, tried,
-                             info.block_size if info is not None else 0, self.column_picker)
-        if chosen is None:
+        else:
+            view, listed = self._going_view(route)
+            cached = view.cached
+            picked = pick_worker(self.policy, self.registry, view, view.decode_pool, route, tried, bs,
+                                 self.column_picker)
+        if picked is None:
             raise NoWorkerAvailable("no worker is available" + (" (retry failed)" if tried else ""))
-        return chosen
+        return picked if cached is listed else as_listed(picked, listed, route, bs)
 
     @property
     def column_picker(self) -> KvAwareFast | None:

@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from router.index.blocks import BlockIndex
+from router.routing.going import GoingPrefixes
 from router.routing.types import RouteRequest, WorkerId
 
 
@@ -89,6 +90,7 @@ class InFlightPrefills:
         self.wait_s = 0.0
         self.listener: PrefillListener | None = None
         self._joined: set[str] = set()              # request ids of other routers' attempts
+        self.going = GoingPrefixes(clock=clock)     # prefixes a worker is evicting (router/routing/going.py)
 
     def dispatched(self, index: BlockIndex, request_id: str, worker_id: WorkerId, route: RouteRequest,
                    predicted_tokens: int, resubmitted: bool = False) -> None:
@@ -99,6 +101,7 @@ class InFlightPrefills:
         self.done(index, request_id, streamed=False)
         self._count(worker_id, +1)
         self._attempts[request_id] = worker_id
+        self.going.started(request_id, worker_id, route.block_hashes)
         self._leaders[request_id] = {r for r in index.computing(worker_id, route.block_hashes) if r in self._queued}
         index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s,
                           resubmitted)
@@ -115,6 +118,7 @@ class InFlightPrefills:
         self._joined.add(request_id)
         self._count(worker_id, +1)
         self._attempts[request_id] = worker_id
+        self.going.started(request_id, worker_id, route.block_hashes)
         index.add_pending(request_id, worker_id, route.block_hashes, self._clock() + self.cfg.pending_ttl_s)
         self._enqueue(request_id, _Queued(worker_id, max(0, queued_tokens), asyncio.Event()))
 
@@ -157,10 +161,16 @@ class InFlightPrefills:
             if self.listener is not None and request_id not in self._joined:
                 self.listener.done(request_id, streamed)
         self._joined.discard(request_id)
+        self.going.ended(request_id, streamed)
         if streamed:
             index.settle_pending(request_id, self._clock() + self.cfg.settle_s)
         else:
             index.drop_pending(request_id)
+
+    def going_less(self, cached: Mapping[WorkerId, int], route: RouteRequest) -> Mapping[WorkerId, int]:
+        """`cached` (leading prompt blocks per worker) without the workers evicting the prompt's
+        prefix (router/routing/going.py): the pick counts none of it there."""
+        return self.going.less(cached, route.block_hashes)
 
     def expire(self, index: BlockIndex) -> None:
         """Drop the index's predictions that are past their expiry now."""
