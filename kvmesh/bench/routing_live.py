@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -217,7 +218,7 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
             async with sem:
                 return await _complete(clients[n % len(clients)], cfg, prefix, list(w.prefixes[prefix] + question))
 
-        start = time.perf_counter()
+        start, load0 = time.perf_counter(), _load_avg()
         served = await asyncio.gather(*(one(n, p, q) for n, (p, q) in enumerate(workload.requests)))
         wall = time.perf_counter() - start
         if i < len(phases) - 1:
@@ -229,7 +230,14 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
         await client.close()
     router = _since(await _routers_view(urls), before)
     out = summarize(cfg, len(phases[-1].prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
+    # the machine's 1-minute load average as the measured phase began and ended: other work on the
+    # shared cores slows every step (itl_p50_s) and shows here, not in the placement
+    out["diagnostics"]["load_avg"] = [load0, _load_avg()]
     return out | ({"fill": fill} if fill is not None else {})
+
+
+def _load_avg() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

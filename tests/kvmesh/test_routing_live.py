@@ -96,11 +96,12 @@ def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(path.read_text())
-    assert set(doc) == {"no_pressure"} and set(doc["no_pressure"]) == {"round_robin", "kv_aware"}
+    assert set(doc) - {"meta"} == {"no_pressure"} and set(doc["no_pressure"]) == {"round_robin", "kv_aware"}
     for entry in doc["no_pressure"].values():
         assert KEYS <= set(entry)
         assert sum(sum(v.values()) for v in entry["requests_per_worker_per_prefix"].values()) == 8
         assert entry["cold_requests"] >= entry["min_cold_requests"] == 2
+        assert len(entry["diagnostics"]["load_avg"]) == 2       # the machine's load as the phase began and ended
     # the pending prefix draws the followers: kv_aware computes no prefix more often than round robin
     kv, rr = doc["no_pressure"]["kv_aware"], doc["no_pressure"]["round_robin"]
     assert kv["cold_requests"] <= rr["cold_requests"] and 0.0 <= kv["mismatch_rate"] <= 1.0
