@@ -1,4 +1,4 @@
-"""The disk tier: KV blocks the host tier evicts, kept as checksummed files in a local directory.
+"""The disk tier: KV blocks the host tier evicts, kept as checksummed records in a local directory.
 
 Below the host tier (`kvstore.tiers.HostTier`): when the host tier drops a block from its LRU,
 the store (`kvstore.store.KVStore`) hands a copy of its bytes to `write_behind`, which queues it
@@ -9,17 +9,18 @@ admission whose prefix goes on past the device pool and the host tier finds the 
 `ReadAhead`), the engine thread picks the blocks up with `take_reads` and stages them into the
 host tier, and the admission onloads them from there like any host hit.
 
-Records: one checksummed file per block (`kvstore/disk_record.py`: file layout, record format);
-another fingerprint's records are never read (said once at open). `match_prefix` and `read_ahead`
-find a block only under the salt root the asking request has. A record that fails any check (a
-torn write, flipped bytes, a truncated file) is never served: deleted and counted (`dropped_checksum`).
+Records: one checksummed record per block, in slots of two slab files (`kvstore/disk_record.py`:
+layout, record format); another fingerprint's records are never read (said once at open).
+`match_prefix` and `read_ahead` find a block only under the salt root the asking request has.
+A record that fails any check (a torn write, flipped bytes, a file cut short) is never served:
+its slot is erased and freed, and it is counted (`dropped_checksum`). A slot being read is not
+given to a writer until the read ends (an evicted record's slot waits for it).
 
-Reopen: a tier opened on a directory that holds records of its fingerprint reads every
-record's header (72 bytes, not its payload): name, size, magic, version, fingerprint and key
-are checked, a bad record is deleted; the LRU order is the files' mtimes (write order). Cost: 9.0 s per 10^5
-blocks on the 2-core development box while other jobs shared it (2.1 s per 2x10^4; about 90 us
-a record, mostly Python per file: open, readv, fstat, close), measured by
-`tests/kvstore/test_disk_tier.py::test_reopen_cost` (marked slow).
+Reopen: a tier opened on a directory that holds records of its fingerprint reads every slot's
+header (88 bytes, not its payload): magic, header checksum, version, fingerprint and payload
+length are checked, a bad slot is erased and counted; the LRU order is the records' write
+sequence numbers. Cost: measured by `tests/kvstore/test_disk_tier.py::test_reopen_cost`
+(marked slow), per 10^5 blocks: see that test's figure in docs/kv-memory.md.
 
 Errors: any OSError while writing or reading (disk full, read-only, the directory gone) logs
 one line naming the path and the error and turns the tier off (`enabled` False, every hash
@@ -28,14 +29,14 @@ holds (the lock) or cannot create leaves the tier off from the start, with one l
 
 Per-owner caps (`quota`, `kvstore.quota.OwnerLRU`): a block written with an owner (the tenant
 that cached it) counts against that owner's cap (`max_cached_frac` of the records the tier
-holds, or `set_owner_cap`); to make room the tier deletes the oldest records of owners over
+holds, or `set_owner_cap`); to make room the tier frees the oldest records of owners over
 their cap first, then its oldest (the index and its choice: `kvstore/disk_index.py`).
 Reopened records have no owner (owners are not on disk).
 
 Threads: `write_behind`, `match_prefix`, `read_ahead`, `take_reads`, `take_events` and the
 queries may be called from any thread (the store calls them on the engine thread); the index
-(`DiskIndex`) is guarded by one lock, file I/O happens outside it on the tier's daemon threads (a write:
-checksum, then file, two stages in queue order; a read).
+(`DiskIndex`) and the free slots are guarded by one lock; file I/O happens outside it on the tier's
+daemon threads (a write: its checksum, then its slot; commits in queue order; a read).
 """
 from __future__ import annotations
 
@@ -53,15 +54,17 @@ from kvstore.disk_read import DiskRead, ReadAhead
 from kvstore.disk_record import (
     FORMAT_VERSION,
     HEADER_BYTES,
+    SLAB_FILES,
     DiskKey,
-    FileIO,
     RecordError,
+    SlabIO,
     encode_header,
     lock_dir,
     read_record,
-    record_name,
-    scan_records,
+    scan_slots,
+    slot_bytes,
 )
+from kvstore.disk_slots import SlotTable
 from kvstore.disk_stats import DiskTierStats, Histogram
 from kvstore.disk_write import WriteBehind
 from kvstore.keys import BlockHash
@@ -77,22 +80,23 @@ class DiskTier:
     module docstring). Build it with `open`; `enabled` says whether it serves."""
 
     def __init__(self, path: Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
-                 block_shape: tuple[int, ...], fingerprint: bytes, max_queue: int, io: FileIO,
+                 block_shape: tuple[int, ...], fingerprint: bytes, max_queue: int, io: SlabIO,
                  max_cached_frac: float = 1.0) -> None:
         self.root_dir = Path(path)
         self.dir = self.root_dir / f"v{FORMAT_VERSION}-{fingerprint.hex()}"
         self.capacity_bytes = capacity_bytes
         self.layout, self.dtype, self.block_shape = layout, dtype, block_shape
         self.payload_bytes = int(torch.Size(block_shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-        self.record_bytes = HEADER_BYTES + self.payload_bytes
+        self.record_bytes = slot_bytes(self.payload_bytes)   # a record's slot on disk
+        self.num_slots = capacity_bytes // self.record_bytes
         self.fingerprint = fingerprint
         self.io = io
         self.enabled = False
         self._lock = threading.Lock()
         self._dir_s = str(self.dir)
-        self._subdirs: set[str] = set()      # record subdirectories made (or found) by the writers
-        self._writing = 0                     # bytes of the records being written now (room kept for them)
-        self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, capacity_bytes // self.record_bytes), max_cached_frac)
+        self._slots = SlotTable(0, SLAB_FILES)   # made at open, from the slots the scan found used
+        self._seq = 0                         # the next record's write sequence number
+        self.quota: OwnerLRU[DiskKey] = OwnerLRU(max(1, self.num_slots), max_cached_frac)
         self._index = DiskIndex(self.quota)     # the records held, oldest first
         self._writer = WriteBehind(max_queue, self._encode, self._write)
         self._reads = ReadAhead(self._read)
@@ -106,7 +110,7 @@ class DiskTier:
     @classmethod
     def open(cls, path: str | Path, capacity_bytes: int, layout: KVLayout, dtype: torch.dtype,
              block_shape: Sequence[int], fingerprint: bytes, *, max_queue: int | None = None,
-             io: FileIO | None = None, max_cached_frac: float = 1.0) -> DiskTier:
+             io: SlabIO | None = None, max_cached_frac: float = 1.0) -> DiskTier:
         """The tier on `path`, its records of `fingerprint` reopened (headers only). Never
         raises for the directory: a failure leaves it off with one log line."""
         shape = tuple(int(s) for s in block_shape)
@@ -117,7 +121,7 @@ class DiskTier:
         block_bytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
         if max_queue is None:   # the write-behind queue holds up to 256 MiB of blocks
             max_queue = max(4, min(1024, (256 << 20) // block_bytes))
-        tier = cls(Path(path), capacity_bytes, layout, dtype, shape, fingerprint, max_queue, io or FileIO(),
+        tier = cls(Path(path), capacity_bytes, layout, dtype, shape, fingerprint, max_queue, io or SlabIO(),
                    max_cached_frac)
         try:
             tier._open()
@@ -222,6 +226,7 @@ class DiskTier:
         """Stop the threads (queued writes are dropped) and release the directory's lock."""
         self._writer.stop()
         self._reads.stop()
+        self.io.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -243,24 +248,29 @@ class DiskTier:
             assert self.used_bytes <= self.capacity_bytes or not self.enabled, "disk tier over its capacity"
             assert self.enabled or not self._index, "a disk tier that is off holds records"
             self._index.check_integrity()
+            self._slots.check_integrity(self._index.slots(), self.num_slots)
 
     # -- internals: open ------------------------------------------------------------------
-    def _path(self, key: DiskKey) -> str:
-        name = record_name(key)
-        return f"{self._dir_s}/{name[:2]}/{name}"
+    def record_location(self, key: DiskKey) -> tuple[str, int] | None:
+        """The slab file and byte offset of `key`'s record (None: not held); for tests and tools."""
+        with self._lock:
+            slot = self._index.slot_of(key)
+        return None if slot is None else self.io.location(slot)
 
     def _open(self) -> None:
         self._lock_fd = lock_dir(self.dir)
         others = [p for p in self.root_dir.iterdir() if p.is_dir() and p.name.startswith("v") and p != self.dir]
         if others:
-            self._counts["fingerprint"] = sum(1 for d in others for _ in d.glob("*/*.kvb"))
-            log.warning("KV disk tier %s: %d record(s) of another model/KV layout fingerprint or format version "
-                        "ignored (%s)", self.root_dir, self._counts["fingerprint"],
-                        ", ".join(sorted(p.name for p in others)))
-        found = scan_records(self.dir, self.fingerprint, self.payload_bytes, self.io, self._count_bad)
-        self._index.add_reopened(found)
+            self._counts["fingerprint"] = len(others)
+            log.warning("KV disk tier %s: %d director(ies) of another model/KV layout fingerprint or format version "
+                        "ignored (%s)", self.root_dir, len(others), ", ".join(sorted(p.name for p in others)))
+        self.io.open(self.dir, self.num_slots, self.record_bytes)
+        found = scan_slots(self.io, self.fingerprint, self.payload_bytes, self._count_bad)
+        self.io.resize()
+        self._slots = SlotTable(self.num_slots, SLAB_FILES, (slot for _, slot, _ in found))
+        self._index.add_reopened([(key, slot) for key, slot, _ in found])
+        self._seq = max((seq for _, _, seq in found), default=-1) + 1
         self._counts["reopened"] = len(found)
-        self._evict_to(0)
         if found:
             log.info("KV disk tier %s: reopened %d blocks (%.1f MiB)", self.dir, len(self._index),
                      self.used_bytes / 2**20)
@@ -268,43 +278,44 @@ class DiskTier:
     # -- internals: the writer's and the reader's work ------------------------------------
     def _encode(self, key: DiskKey, payload: memoryview) -> bytes:
         """A record's header (the write-behind's first stage); nothing once the tier is off."""
-        return encode_header(self.fingerprint, key, payload) if self.enabled else b""
+        if not self.enabled:
+            return b""
+        with self._lock:
+            seq, self._seq = self._seq, self._seq + 1
+        return encode_header(self.fingerprint, key, payload, seq)
 
     def _write(self, key: DiskKey, payload: memoryview, header: bytes,
                owner: Owner | None) -> Callable[[], None] | None:
-        """A record's file (a writer thread's work); returns what adds it to the index and
-        emits its event, which the write-behind runs in queue order (None: nothing to add)."""
+        """A record into a free slot (a writer thread's work); returns what adds it to the
+        index and emits its event, which the write-behind runs in queue order (None: nothing
+        to add)."""
         if not self.enabled:
             return None
-        path = self._path(key)
         t0 = time.perf_counter()
+        with self._lock:
+            slot = self._take_slot(owner)
+            if slot is None:
+                self._writer.num_dropped += 1        # every slot is being read or written
+                return None
         try:
-            with self._lock:   # room for this record and those the other writers are writing now
-                self._evict_to(self.record_bytes + self._writing, owner)
-                self._writing += self.record_bytes
-            subdir = os.path.dirname(path)
-            if subdir not in self._subdirs:
-                try:
-                    os.mkdir(subdir)   # not makedirs: a tier whose directory is gone turns off
-                except FileExistsError:
-                    pass
-                self._subdirs.add(subdir)
-            self.io.write(path, (header, payload))
+            self.io.write(slot, header, payload)
         except OSError as e:
             with self._lock:
-                self._writing -= self.record_bytes
-            self._turn_off(f"writing {path}", e)
+                self._slots.written(slot)
+                self._slots.free(slot)
+            path, offset = self.io.location(slot)
+            self._turn_off(f"writing {path} at {offset}", e)
             return None
         seconds = time.perf_counter() - t0
+        with self._lock:
+            self._slots.written(slot)
 
         def commit() -> None:
             with self._lock:
-                self._writing -= self.record_bytes
                 self._write_s.observe(seconds)
                 if not self.enabled:
                     return
-                self._evict_to(self.record_bytes, owner)   # a tier of fewer records than writers: still in bounds
-                self._index.add(key, owner)
+                self._index.add(key, owner, slot)
                 self._counts["written"] += 1
                 self._emit(BlockStored(key[1], None, BlockId(0)))
         return commit
@@ -318,27 +329,30 @@ class DiskTier:
         n = 0
         for key in keys:
             with self._lock:
-                held = self.enabled and key in self._index
-            if not held:
-                break
-            path = self._path(key)
+                slot = self._index.slot_of(key) if self.enabled else None
+                if slot is None:
+                    break
+                self._slots.pin(slot)                # not reused while read
             row = out[n].numpy().data.cast("B")
             try:
-                read_record(self.io, path, header, row, self.fingerprint, key)
-            except FileNotFoundError:
-                with self._lock:
-                    self._drop(key, None)
-                break
+                read_record(self.io, slot, header, row, self.fingerprint, key)
             except RecordError as e:
-                log.warning("KV disk tier: dropping %s: %s", path, e)
+                path, offset = self.io.location(slot)
+                log.warning("KV disk tier: dropping the record at %s:%d: %s", path, offset, e)
+                self.io.erase(slot)
                 with self._lock:
                     self._counts["checksum"] += 1
-                    self._drop(key, path)
+                    self._drop(key)
+                    self._slots.unpin(slot)
                 break
             except OSError as e:
-                self._turn_off(f"reading {path}", e)
+                with self._lock:
+                    self._slots.unpin(slot)
+                path, offset = self.io.location(slot)
+                self._turn_off(f"reading {path} at {offset}", e)
                 break
             with self._lock:
+                self._slots.unpin(slot)
                 self._index.touch(key)
                 self._counts["read"] += 1
             n += 1
@@ -351,22 +365,24 @@ class DiskTier:
         return keys[:n], blocks
 
     # -- internals: bookkeeping (under the lock) ------------------------------------------
-    def _evict_to(self, room: int, owner: Owner | None = None) -> None:
-        while self._index and self.used_bytes + room > self.capacity_bytes:
-            key = self._index.victim(owner, for_write=room > 0)
-            self._index.remove(key)
+    def _take_slot(self, owner: Owner | None) -> int | None:
+        """A free slot for a record of `owner`, evicting the index's victims until one is free,
+        from the slab file fewer writers are writing now; None when every slot is being read
+        or written."""
+        while not self._slots.has_free():
+            if not self._index:
+                return None
+            key = self._index.victim(owner, for_write=True)
             self._counts["evicted"] += 1
-            self.io.unlink(self._path(key))
-            self._emit(BlockRemoved(key[1], BlockId(0)))
+            self._drop(key)
+        return self._slots.take()
 
-    def _drop(self, key: DiskKey, path: str | None) -> None:
-        if self._index.remove(key):
+    def _drop(self, key: DiskKey) -> None:
+        """Forget `key`'s record; its slot is free (once no read holds it)."""
+        slot = self._index.remove(key)
+        if slot is not None:
+            self._slots.free(slot)
             self._emit(BlockRemoved(key[1], BlockId(0)))
-        if path is not None:
-            try:
-                self.io.unlink(path)
-            except OSError:
-                pass   # the read already failed its check: it is out of the index either way
 
     def _count_bad(self) -> None:
         self._counts["checksum"] += 1

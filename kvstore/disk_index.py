@@ -1,7 +1,7 @@
 """The disk tier's index: which records it holds, in LRU order, and which one to evict next.
 
-`DiskIndex` keeps the keys `(salt root, block hash)` of the records on disk, oldest first (a
-write or a read makes a record the youngest), each hash's salt root (a hash is chained from
+`DiskIndex` keeps the keys `(salt root, block hash)` of the records on disk with their slots,
+oldest first (a write or a read makes a record the youngest), each hash's salt root (a hash is chained from
 its root, so it names one record), and the owners' caps (`kvstore.quota.OwnerLRU`): the next
 victim is the oldest record of an owner over its cap, else the oldest record. It touches no
 file and takes no lock: `kvstore.disk.DiskTier` calls it under its lock and does the I/O.
@@ -21,7 +21,7 @@ class DiskIndex:
 
     def __init__(self, quota: OwnerLRU[DiskKey]) -> None:
         self.quota = quota
-        self._lru: OrderedDict[DiskKey, None] = OrderedDict()    # oldest first
+        self._lru: OrderedDict[DiskKey, int] = OrderedDict()     # -> its slot, oldest first
         self._roots: dict[BlockHash, BlockHash | None] = {}       # block hash -> its record's salt root
 
     def __len__(self) -> int:
@@ -49,6 +49,12 @@ class DiskIndex:
             return None
         return self._roots[block_hash], block_hash
 
+    def slot_of(self, key: DiskKey) -> int | None:
+        return self._lru.get(key)
+
+    def slots(self) -> list[int]:
+        return list(self._lru.values())
+
     def touch(self, key: DiskKey) -> bool:
         """Make a held record the youngest; False when `key` is not held."""
         if key not in self._lru:
@@ -57,27 +63,27 @@ class DiskIndex:
         self.quota.touched(key)
         return True
 
-    def add(self, key: DiskKey, owner: Owner | None) -> None:
-        """A record written for `owner`: the youngest."""
-        self._lru[key] = None
+    def add(self, key: DiskKey, owner: Owner | None, slot: int) -> None:
+        """A record written for `owner` into `slot`: the youngest."""
+        self._lru[key] = slot
         self._lru.move_to_end(key)
         self.quota.added(key, owner)
         self._roots[key[1]] = key[0]
 
-    def add_reopened(self, keys: Sequence[DiskKey]) -> None:
-        """Records found on disk at open, oldest first, after the ones held (no owner: owners are
-        not on disk)."""
-        self._lru.update((key, None) for key in keys)
-        self._roots.update((h, root) for root, h in keys)
+    def add_reopened(self, found: Sequence[tuple[DiskKey, int]]) -> None:
+        """Records (key, slot) found on disk at open, oldest first, after the ones held (no
+        owner: owners are not on disk)."""
+        self._lru.update(found)
+        self._roots.update((h, root) for (root, h), _ in found)
 
-    def remove(self, key: DiskKey) -> bool:
-        """Forget `key`; False when it was not held."""
-        if key not in self._lru:
-            return False
-        del self._lru[key]
+    def remove(self, key: DiskKey) -> int | None:
+        """Forget `key`: its slot; None when it was not held."""
+        slot = self._lru.pop(key, None)
+        if slot is None:
+            return None
         self.quota.removed(key)
         self._roots.pop(key[1], None)
-        return True
+        return slot
 
     def victim(self, adding: Owner | None = None, *, for_write: bool = False) -> DiskKey:
         """The record to evict next (the index is not empty): the oldest of an owner over its cap,

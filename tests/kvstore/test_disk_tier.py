@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from kvstore.disk import DiskTier
-from kvstore.disk_record import HEADER_BYTES, FileIO
+from kvstore.disk_record import HEADER_BYTES, SlabIO, slot_bytes
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import AllBlocksCleared, BlockRemoved, BlockStored
 
 LAYOUT = KVLayout(2, 2, 8, 4, "fp32")
 SHAPE = (2, 2, 4, 2, 8)                       # [L, 2, bs, H, D]
-RECORD = HEADER_BYTES + LAYOUT.bytes_per_block
+RECORD = slot_bytes(LAYOUT.bytes_per_block)
 FP = b"fingerprint-0001"
 
 
@@ -53,8 +53,23 @@ def _read(tier: DiskTier, ids: range, root: BlockHash | None = None) -> list[tor
     return [] if read.blocks is None else [read.blocks[:, :, k] for k in range(len(read.keys))]
 
 
-def _files(tier: DiskTier) -> list[Path]:
-    return sorted(tier.dir.glob("*/*.kvb"))
+def _disk_bytes(tier: DiskTier) -> int:
+    """The bytes the tier's slab files take (their sizes: sparse files count their holes)."""
+    return sum(p.stat().st_size for p in tier.dir.glob("slab-*.kvs"))
+
+
+def _at(tier: DiskTier, key) -> tuple[Path, int]:
+    loc = tier.record_location(key)
+    assert loc is not None
+    return Path(loc[0]), loc[1]
+
+
+def _flip(path: Path, offset: int, mask: int = 0x01) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
 
 
 def test_records_round_trip_with_events(tmp_path):
@@ -88,14 +103,15 @@ def test_flipped_payload_byte_is_dropped_not_served(tmp_path, caplog):
     tier.set_event_recording(True)
     _fill(tier, range(1, 4))
     tier.take_events()
-    path = Path(tier._path((None, BlockHash(2))))
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + 100] ^= 0x01
-    path.write_bytes(bytes(raw))
+    path, offset = _at(tier, (None, BlockHash(2)))
+    _flip(path, offset + HEADER_BYTES + 100)
     with caplog.at_level(logging.WARNING, "kvmesh.disk"):
         got = _read(tier, range(1, 4))
     assert len(got) == 1 and torch.equal(got[0], _block(1))            # the run stops at the bad record
-    assert tier.stats().dropped_checksum == 1 and not path.exists()
+    assert tier.stats().dropped_checksum == 1 and tier.record_location((None, BlockHash(2))) is None
+    with open(path, "rb") as f:                                         # its slot is erased: empty
+        f.seek(offset)
+        assert f.read(HEADER_BYTES) == bytes(HEADER_BYTES)
     assert tier.match_prefix(None, [BlockHash(2)]) == 0
     assert tier.take_events() == [BlockRemoved(BlockHash(2), 0)]
     assert "checksum mismatch" in caplog.text
@@ -106,22 +122,24 @@ def test_flipped_header_and_truncated_records_are_dropped_at_reopen(tmp_path):
     tier = _open(tmp_path)
     _fill(tier, range(1, 5))
     tier.close()
-    flipped, truncated = Path(tier._path((None, BlockHash(1)))), Path(tier._path((None, BlockHash(2))))
-    raw = bytearray(flipped.read_bytes())
-    raw[20] ^= 0xFF                                                    # inside the block hash field
-    flipped.write_bytes(bytes(raw))
-    truncated.write_bytes(truncated.read_bytes()[:RECORD // 2])
+    where = {i: _at(tier, (None, BlockHash(i))) for i in range(1, 5)}
+    tier.close()
+    path, offset = where[1]
+    _flip(path, offset + 20, 0xFF)                                     # inside the block hash field
+    # cut a slab file inside its last record (the records before it in that file stay whole)
+    last = max((i for i in range(2, 5)), key=lambda i: (where[i][0] == where[2][0], where[i][1]))
+    os.truncate(where[last][0], where[last][1] + RECORD // 2)
     again = _open(tmp_path)
-    assert sorted(again.cached_hashes()) == [3, 4] and again.stats().dropped_checksum == 2
-    assert not flipped.exists() and not truncated.exists()
+    assert sorted(again.cached_hashes()) == sorted({2, 3, 4} - {last}) and again.stats().dropped_checksum == 2
+    assert again.stats().reopened == 2
     again.close()
 
 
 def test_truncated_after_open_is_not_served(tmp_path):
     tier = _open(tmp_path)
     _fill(tier, range(1, 3))
-    path = Path(tier._path((None, BlockHash(1))))
-    path.write_bytes(path.read_bytes()[:-7])
+    path, offset = _at(tier, (None, BlockHash(1)))
+    os.truncate(path, offset + HEADER_BYTES + LAYOUT.bytes_per_block - 7)
     assert _read(tier, range(1, 3)) == []
     assert tier.stats().dropped_checksum == 1
     tier.close()
@@ -149,13 +167,13 @@ def test_salt_root_is_part_of_the_key_and_checked_on_read(tmp_path):
     assert tier.match_prefix(a, [BlockHash(1), BlockHash(2)]) == 2
     assert tier.match_prefix(None, [BlockHash(1)]) == 0 and tier.match_prefix(b, [BlockHash(1)]) == 0
     assert _read(tier, range(1, 2), root=b) == []
+    # a record's root field changed on disk fails the header check: never served under any root
+    path, offset = _at(tier, (a, BlockHash(1)))
     tier.close()
-    # a record renamed to another root's name fails the header check: never served under it
-    src = Path(tier._path((a, BlockHash(1))))
-    dst = Path(tier._path((b, BlockHash(1))))
-    os.rename(src, dst)
+    _flip(path, offset + 4 + 2 + 2 + 16 + 16)                          # the salt root field
     again = _open(tmp_path)
-    assert again.match_prefix(b, [BlockHash(1)]) == 0 and again.stats().dropped_checksum == 1
+    assert again.match_prefix(b, [BlockHash(1)]) == 0 and again.match_prefix(a, [BlockHash(1)]) == 0
+    assert again.stats().dropped_checksum == 1 and again.match_prefix(a, [BlockHash(2)]) == 1   # the other intact
     again.close()
 
 
@@ -165,7 +183,7 @@ def test_lru_bound_evicts_oldest_and_a_read_refreshes(tmp_path):
     _fill(tier, range(1, 4))
     assert len(_read(tier, range(1, 2))) == 1                          # 1 becomes the youngest
     _fill(tier, range(4, 6))
-    assert sorted(tier.cached_hashes()) == [1, 4, 5] and len(_files(tier)) == 3
+    assert sorted(tier.cached_hashes()) == [1, 4, 5] and _disk_bytes(tier) == 3 * RECORD
     assert tier.stats().evicted == 2 and tier.used_bytes <= 3 * RECORD
     removed = [e.block_hash for e in tier.take_events() if isinstance(e, BlockRemoved)]
     assert removed == [2, 3]
@@ -173,16 +191,17 @@ def test_lru_bound_evicts_oldest_and_a_read_refreshes(tmp_path):
     tier.close()
 
 
-class _BlockedIO(FileIO):
+class _BlockedIO(SlabIO):
     """A disk that takes its time: each write waits for `go`."""
 
     def __init__(self) -> None:
         import threading
+        super().__init__()
         self.go = threading.Event()
 
-    def write(self, path, parts):
+    def write(self, slot, header, payload):
         self.go.wait(10)
-        super().write(path, parts)
+        super().write(slot, header, payload)
 
 
 def test_full_queue_drops_the_write_and_counts_it(tmp_path):
@@ -201,17 +220,18 @@ def test_full_queue_drops_the_write_and_counts_it(tmp_path):
     tier.close()
 
 
-class _FullDisk(FileIO):
+class _FullDisk(SlabIO):
     """ENOSPC after `room` records, as a full file system answers write(2)."""
 
     def __init__(self, room: int) -> None:
+        super().__init__()
         self.room = room
 
-    def write(self, path, parts):
+    def write(self, slot, header, payload):
         if self.room <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.location(slot)[0])
         self.room -= 1
-        super().write(path, parts)
+        super().write(slot, header, payload)
 
 
 def test_disk_full_turns_the_tier_off_with_one_line(tmp_path, caplog):
@@ -286,7 +306,6 @@ def test_kill_9_during_write_behind_serves_no_torn_record(tmp_path):
     shape = (8, 2, 16, 8, 64)
     tier = DiskTier.open(tmp_path, 1 << 34, KVLayout(8, 8, 64, 16, "fp32"), torch.float32, shape, FP)
     assert tier.enabled and tier.num_blocks >= 1
-    assert not list(tier.dir.glob("*/*.tmp"))                          # cut-short writes are cleaned up
     for h in tier.cached_hashes():                                     # every record kept reads back whole
         assert tier.read_ahead([(None, h)])
         while not (done := tier.take_reads()):
@@ -300,7 +319,7 @@ def test_kill_9_during_write_behind_serves_no_torn_record(tmp_path):
 def test_reopen_cost(tmp_path):
     """The header scan at reopen, per 10^5 blocks (the figure in kvstore/disk.py)."""
     n = 100_000
-    tier = DiskTier.open(tmp_path, n * (HEADER_BYTES + 64), KVLayout(1, 1, 8, 1, "fp32"), torch.float32,
+    tier = DiskTier.open(tmp_path, n * slot_bytes(64), KVLayout(1, 1, 8, 1, "fp32"), torch.float32,
                          (1, 2, 1, 1, 8), FP, max_queue=4096)
     for i in range(1, n + 1):
         while not tier.write_behind((None, BlockHash(i)), torch.zeros(1, 2, 1, 1, 8)):
@@ -308,7 +327,7 @@ def test_reopen_cost(tmp_path):
     tier.flush(600)
     tier.close()
     t0 = time.perf_counter()
-    again = DiskTier.open(tmp_path, n * (HEADER_BYTES + 64), KVLayout(1, 1, 8, 1, "fp32"), torch.float32,
+    again = DiskTier.open(tmp_path, n * slot_bytes(64), KVLayout(1, 1, 8, 1, "fp32"), torch.float32,
                           (1, 2, 1, 1, 8), FP)
     seconds = time.perf_counter() - t0
     assert again.num_blocks == n
@@ -317,20 +336,21 @@ def test_reopen_cost(tmp_path):
     again.close()
 
 
-class _SlowFirstIO(FileIO):
+class _SlowFirstIO(SlabIO):
     """The first record's write waits until a later one's file is on disk."""
 
     def __init__(self) -> None:
         import threading
+        super().__init__()
         self.later_done = threading.Event()
-        self.first: str | None = None
+        self.first: int | None = None
 
-    def write(self, path, parts):
+    def write(self, slot, header, payload):
         if self.first is None:
-            self.first = path
+            self.first = slot
             assert self.later_done.wait(10)
-        super().write(path, parts)
-        if path != self.first:
+        super().write(slot, header, payload)
+        if slot != self.first:
             self.later_done.set()
 
 
@@ -350,6 +370,6 @@ def test_two_writers_commit_in_queue_order(tmp_path):
 def test_a_tier_smaller_than_its_writers_stays_in_bounds(tmp_path):
     tier = DiskTier.open(tmp_path, RECORD, LAYOUT, torch.float32, SHAPE, FP)    # one record
     _fill(tier, range(1, 9))
-    assert tier.num_blocks == 1 and tier.used_bytes == RECORD and len(_files(tier)) == 1
+    assert tier.num_blocks == 1 and tier.used_bytes == RECORD and _disk_bytes(tier) == RECORD
     tier.check_integrity()
     tier.close()

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from kvstore.disk_record import DiskSpec
+from kvstore.disk_record import DiskSpec, slot_bytes
 from kvstore.hot import HitTracker
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
@@ -57,7 +57,7 @@ def test_rebase_keeps_the_order_and_the_bound_forgets_the_coldest():
 
 def _store(tmp_path) -> KVStore:
     return KVStore(LAYOUT, 4, offload_bytes=2 * LAYOUT.bytes_per_block,
-                   disk=DiskSpec(str(tmp_path), 32 * (LAYOUT.bytes_per_block + 72), FP))
+                   disk=DiskSpec(str(tmp_path), 32 * slot_bytes(LAYOUT.bytes_per_block), FP))
 
 
 def _cache_chain(store: KVStore, hashes: list[BlockHash], fill: float, root: BlockHash | None = None) -> None:
@@ -100,7 +100,7 @@ def test_read_goes_on_from_device_to_host_to_disk_and_hottest_lists_every_tier(t
 
 
 def test_write_through_puts_cached_blocks_on_disk_and_a_new_store_finds_them(tmp_path):
-    spec = DiskSpec(str(tmp_path), 32 * (LAYOUT.bytes_per_block + 72), FP, write_through=True)
+    spec = DiskSpec(str(tmp_path), 32 * slot_bytes(LAYOUT.bytes_per_block), FP, write_through=True)
     store = KVStore(LAYOUT, 4, offload_bytes=2 * LAYOUT.bytes_per_block, disk=spec)
     root = BlockHash(0xB2)
     chain = [H(i) for i in range(3)]

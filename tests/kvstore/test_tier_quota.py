@@ -12,7 +12,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.disk import DiskTier
-from kvstore.disk_record import HEADER_BYTES, DiskSpec
+from kvstore.disk_record import DiskSpec, slot_bytes
 from kvstore.keys import BlockHash
 from kvstore.layout import KVLayout
 from kvstore.pool import BlockId
@@ -61,7 +61,7 @@ def test_a_pinned_block_of_an_owner_over_its_cap_is_kept() -> None:
 
 def test_the_disk_tier_deletes_an_owner_over_its_cap_first(tmp_path: Path) -> None:
     shape = (2, 2, 4, 2, 8)
-    record = HEADER_BYTES + LAYOUT.bytes_per_block
+    record = slot_bytes(LAYOUT.bytes_per_block)
     tier = DiskTier.open(tmp_path, 4 * record, LAYOUT, torch.float32, shape, b"fingerprint-0002", max_cached_frac=0.5)
     try:
         for i, owner in enumerate(["alpha", "beta", "beta", "beta"]):
@@ -82,7 +82,7 @@ def test_the_disk_tier_deletes_an_owner_over_its_cap_first(tmp_path: Path) -> No
 
 
 def test_an_owner_follows_its_blocks_from_the_device_pool_to_host_and_disk(tmp_path: Path) -> None:
-    spec = DiskSpec(str(tmp_path), 64 * (HEADER_BYTES + LAYOUT.bytes_per_block), b"fingerprint-0003")
+    spec = DiskSpec(str(tmp_path), 64 * (slot_bytes(LAYOUT.bytes_per_block)), b"fingerprint-0003")
     store = KVStore(LAYOUT, 4, offload_bytes=4 * LAYOUT.bytes_per_block, disk=spec, max_cached_frac=0.5)
     try:
         owners = ["alpha", "alpha", "beta", "beta", "beta", "beta", "beta", "beta", "beta", "beta", "beta"]
@@ -169,7 +169,7 @@ def test_owner_lru_rejects_bad_caps() -> None:
 
 
 def test_blocks_written_through_to_disk_keep_their_owner(tmp_path: Path) -> None:
-    spec = DiskSpec(str(tmp_path), 8 * (HEADER_BYTES + LAYOUT.bytes_per_block), b"fingerprint-0004", True)
+    spec = DiskSpec(str(tmp_path), 8 * (slot_bytes(LAYOUT.bytes_per_block)), b"fingerprint-0004", True)
     store = KVStore(LAYOUT, 4, offload_bytes=4 * LAYOUT.bytes_per_block, disk=spec, max_cached_frac=0.5)
     assert store.disk is not None
     try:

@@ -15,7 +15,7 @@ import tempfile
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.disk_record import DiskSpec
+from kvstore.disk_record import DiskSpec, slot_bytes
 from kvstore.errors import OutOfBlocks
 from kvstore.events import Tier
 from kvstore.keys import BlockHash
@@ -39,7 +39,7 @@ def content(h: BlockHash) -> float:
 
 def _store(path: str) -> KVStore:
     return KVStore(LAYOUT, 8, offload_bytes=2 * LAYOUT.bytes_per_block,
-                   disk=DiskSpec(path, 12 * (LAYOUT.bytes_per_block + 72), FP))
+                   disk=DiskSpec(path, 12 * slot_bytes(LAYOUT.bytes_per_block), FP))
 
 
 class TiersMachine(RuleBasedStateMachine):

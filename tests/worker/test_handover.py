@@ -64,7 +64,7 @@ def test_handover_room_is_the_free_host_room_or_with_a_disk_tier_the_whole_host_
     (nothing lost), so the room is the whole host tier; without one only the free slots."""
     import torch
 
-    from kvstore.disk_record import DiskSpec
+    from kvstore.disk_record import DiskSpec, slot_bytes
     from kvstore.layout import KVLayout
     from kvstore.store import KVStore
     from worker.server.responses import handover_room
@@ -72,7 +72,7 @@ def test_handover_room_is_the_free_host_room_or_with_a_disk_tier_the_whole_host_
     assert handover_room(_stats(6, 8)) == 2 and handover_room(_stats(8, 8)) == 0
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, kv_cache_dtype="fp32")
     store = KVStore(layout, 4, offload_bytes=2 * layout.bytes_per_block,
-                    disk=DiskSpec(str(tmp_path), 32 * (layout.bytes_per_block + 72), b"fingerprint-0009"))
+                    disk=DiskSpec(str(tmp_path), 32 * slot_bytes(layout.bytes_per_block), b"fingerprint-0009"))
     try:
         assert store.disk is not None and store.host is not None
         assert handover_room(_stats(2, 2, store.disk.stats())) == 2
