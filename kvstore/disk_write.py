@@ -3,13 +3,13 @@
 `kvstore.disk.DiskTier.write_behind` submits a block; when the bounded queue is full the write
 is dropped and counted (`num_dropped`), the caller never waits. Each of `writers` daemon threads
 takes the oldest queued block and runs both steps of its write: `encode` (the record header,
-i.e. the checksum over the payload), then `write` (the file), which returns the block's commit
+i.e. the checksum over the payload), then `write` (the record into a slot), which returns the block's commit
 (the tier's index and event); commits run one at a time in queue order.
 Two writers by default: a block's bytes are read twice (the checksum, then write(2)'s copy into
 the page cache, which is the larger part) and both release the GIL, so two blocks written at
 once keep two cores busy where one writer — or one checksum thread feeding one file thread —
 ran at 0.6-0.7x a plain sequential write of the same bytes (`kvmesh bench transfer`). Blocks
-are taken in queue order, their files may be finished out of it, and a block's commit waits
+are taken in queue order, their records may be finished out of it, and a block's commit waits
 for those of the blocks queued before it, so the index, the events and the LRU follow queue order
 as with one writer. A key stays queued, with its owner, from its
 submit until its `write` returned. Every method may be called from any thread; `encode` and
