@@ -30,7 +30,7 @@ class DiskTierStats(NamedTuple):
     read: int
     dropped_checksum: int      # records that failed a check (torn, flipped, truncated, wrong key)
     dropped_queue_full: int    # writes dropped because the write-behind queue was full
-    dropped_fingerprint: int   # records of other fingerprints found beside this tier's (ignored, kept)
+    dropped_fingerprint: int   # directories of other fingerprints or format versions beside this tier's (ignored, kept)
     evicted: int               # records deleted by the tier's LRU
     reopened: int              # records found valid at open
     write_seconds: TimeHistogram
