@@ -85,6 +85,8 @@ class InFlightPrefills:
         self._running = np.zeros(16)
         self._mean = np.zeros(16)
         self._rows: tuple[tuple[WorkerId, ...], np.ndarray] = ((), np.zeros(0, dtype=np.intp))
+        # each worker's position in `_rows`' key (None: a key naming a worker twice)
+        self._row_at: dict[WorkerId, int] | None = {}
         self._mean_at = clock()
         self.waits = 0                              # requests held for another's prefill
         self.wait_s = 0.0
@@ -226,6 +228,8 @@ class InFlightPrefills:
         key = tuple(workers)
         if key != self._rows[0]:
             self._rows = (key, np.array([self._slots.get(w, -1) for w in key], dtype=np.intp))
+            row_at = {w: i for i, w in enumerate(key)}
+            self._row_at = row_at if len(row_at) == len(key) else None
         rows = self._rows[1]
         out = self._mean[np.where(rows >= 0, rows, 0)]
         out[rows < 0] = 0.0
@@ -236,7 +240,10 @@ class InFlightPrefills:
         slot = self._slots.get(worker_id)
         if slot is None:
             slot = self._slots[worker_id] = len(self._slots)
-            self._rows = ((), self._rows[1])
+            if self._row_at is None:
+                self._rows = ((), self._rows[1])
+            elif (at := self._row_at.get(worker_id)) is not None:    # its row in the last map, in place
+                self._rows[1][at] = slot
             if slot == len(self._running):
                 self._running = np.concatenate([self._running, np.zeros(slot)])
                 self._mean = np.concatenate([self._mean, np.zeros(slot)])
