@@ -119,7 +119,7 @@ class TallyTable:
         self._rows: dict[WorkerId, int] = {}
         self._free: list[int] = []
         self.shared = np.zeros(capacity)
-        self.once = np.zeros((capacity, DEPTHS))
+        self.once = np.zeros((DEPTHS, capacity))    # [depth, row]: a depth's figures side by side
         self.depths = 0             # 1 + the deepest depth counted (columns past it are zero)
         self.version = 0            # moves whenever a key gets or loses its row
 
@@ -143,7 +143,7 @@ class TallyTable:
                 r = len(self._rows)
                 if r == len(self.shared):
                     self.shared = np.concatenate([self.shared, np.zeros(r)])
-                    self.once = np.concatenate([self.once, np.zeros((r, DEPTHS))])
+                    self.once = np.concatenate([self.once, np.zeros((DEPTHS, r))], axis=1)
             self._rows[key] = r
             self.version += 1
         return r
@@ -154,7 +154,7 @@ class TallyTable:
         if ask.num_asks >= 2:
             self.shared[r] += sign * weight
         else:
-            self.once[r, ask.depth] += sign * weight
+            self.once[ask.depth, r] += sign * weight
             if ask.depth >= self.depths:
                 self.depths = ask.depth + 1
 
@@ -162,7 +162,7 @@ class TallyTable:
         r = self._rows.pop(key, None)
         if r is not None:
             self.shared[r] = 0.0
-            self.once[r] = 0.0
+            self.once[:, r] = 0.0
             self._free.append(r)
             self.version += 1
 
@@ -174,7 +174,7 @@ class TallyTable:
             r = self._row(key)
             self.shared[r] = tally.shared
             for d, n in tally.once.items():
-                self.once[r, d] = n
+                self.once[d, r] = n
                 self.depths = max(self.depths, d + 1)
 
     def tally(self, key: WorkerId) -> Tally:
@@ -183,7 +183,7 @@ class TallyTable:
         r = self._rows.get(key)
         if r is not None:
             out.shared = float(self.shared[r])
-            out.once = {d: float(n) for d, n in enumerate(self.once[r, :self.depths]) if n != 0.0}
+            out.once = {d: float(n) for d, n in enumerate(self.once[:self.depths, r]) if n != 0.0}
         return out
 
     def expected(self, rows: np.ndarray, first: Sequence[int], again: Sequence[int], scale: float) -> np.ndarray:
@@ -192,10 +192,16 @@ class TallyTable:
         rows = np.asarray(rows, dtype=np.intp)
         safe = np.where(rows >= 0, rows, 0)
         shared = self.shared[safe]
-        if d:
-            terms = self.once[safe, :d] * (np.asarray(again[:d], dtype=float) + 1.0) \
-                / (np.asarray(first[:d], dtype=float) + 2.0)
-            shared = shared + np.cumsum(terms, axis=1)[:, -1]
+        if d and len(rows):
+            # every row up to the highest asked for, a depth at a time (contiguous: no gather of
+            # rows × depths), each row's terms added in ascending depth, left to right
+            hi = int(safe.max()) + 1
+            terms = self.once[:d, :hi] * (np.asarray(again[:d], dtype=float) + 1.0)[:, None] \
+                / (np.asarray(first[:d], dtype=float) + 2.0)[:, None]
+            rates = terms[0].copy()
+            for j in range(1, d):
+                rates += terms[j]
+            shared = shared + rates[safe]
         out = np.maximum(0.0, scale * shared)
         out[rows < 0] = 0.0
         return out
