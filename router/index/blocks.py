@@ -45,7 +45,7 @@ from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
 from router.index.asks import ASK_HALF_LIFE, DEPTHS as _DEPTHS, Ask, Decay, Tally, TallyTable, recount
 from router.index.check import ALL_TIERS, check_holders
-from router.index.lookup import disk_only_counts, leading_counts
+from router.index.lookup import disk_only_counts, leading_counts, leading_pair
 from router.index.pending import PendingBlocks
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
@@ -316,6 +316,10 @@ class BlockIndex:
         unless `pending=False`) at least the first block, with their counts — O(the prompt's
         blocks × their holders), whatever the number of workers (router/index/lookup.py)."""
         return leading_counts(block_hashes, self._holders, self._pending.by_block if pending else {})
+
+    def match_leading_pair(self, block_hashes: Sequence[BlockHash]) -> tuple[dict[WorkerId, int], dict[WorkerId, int]]:
+        """`match_leading` with pending blocks and without, for about the cost of one (lookup.py)."""
+        return leading_pair(block_hashes, self._holders, self._pending.by_block)
 
     def disk_only(self, block_hashes: Sequence[BlockHash], counts: Mapping[WorkerId, int]) -> dict[WorkerId, int]:
         """Of each worker's `counts[w]` leading `block_hashes` (`match_leading`'s counts), how many

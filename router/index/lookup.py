@@ -9,12 +9,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from kvstore.events import WorkerId
 from kvstore.keys import BlockHash
 
+Counts = dict[WorkerId, int]
+
 
 def leading_counts(block_hashes: Sequence[BlockHash], holders_of: Callable[[BlockHash], Collection[WorkerId]],
-                   computing: Mapping[BlockHash, Collection[WorkerId]]) -> dict[WorkerId, int]:
+                   computing: Mapping[BlockHash, Collection[WorkerId]],
+                   among: Collection[WorkerId] | None = None) -> dict[WorkerId, int]:
     """How many leading `block_hashes` each worker holds (`holders_of`) or computes
-    (`computing`), for the workers with at least the first: the count stops at its first
-    missing block."""
+    (`computing`), for the workers with at least the first (of `among` only, if given: the
+    work is then O(blocks × `among`), whatever the number of holders): the count stops at its
+    first missing block."""
     nobody: tuple[WorkerId, ...] = ()
     counts: dict[WorkerId, int] = {}
     matching: set[WorkerId] | None = None
@@ -25,8 +29,13 @@ def leading_counts(block_hashes: Sequence[BlockHash], holders_of: Callable[[Bloc
         if not holders and not busy:
             break
         if matching is None:
-            matching = set(holders)
-            matching.update(busy)
+            if among is None:
+                matching = set(holders)
+                matching.update(busy)
+            else:
+                matching = {w for w in among if w in holders or w in busy}
+                if not matching:
+                    break
         else:       # the workers that stop matching here, in set operations (C, not a loop here)
             gone = matching.difference(holders)
             if gone and busy:
@@ -41,6 +50,23 @@ def leading_counts(block_hashes: Sequence[BlockHash], holders_of: Callable[[Bloc
     for w in matching or ():
         counts[w] = num_matched
     return counts
+
+
+def leading_pair(block_hashes: Sequence[BlockHash], holders_of: Callable[[BlockHash], Collection[WorkerId]],
+                 computing: Mapping[BlockHash, Collection[WorkerId]]) -> tuple[Counts, Counts]:
+    """`leading_counts` with `computing` and without it, in one pass over the holders: a
+    worker computing none of the prompt's blocks has the same count in both, so the second
+    count is redone only for the workers computing one (few: the requests in flight)."""
+    stored = leading_counts(block_hashes, holders_of, {})
+    busy: set[WorkerId] = set()
+    for h in block_hashes:
+        if (b := computing.get(h)) is not None:
+            busy.update(b)
+    if not busy:
+        return dict(stored), stored
+    cached = dict(stored)
+    cached.update(leading_counts(block_hashes, holders_of, computing, among=busy))
+    return cached, stored
 
 
 def disk_only_counts(block_hashes: Sequence[BlockHash], counts: Mapping[WorkerId, int],

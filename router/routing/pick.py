@@ -97,8 +97,9 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     ids, slots, n = live.ids, live.slots, len(live)
     index = registry.index
     prefills.expire(index)
-    cached = {w: c for w, c in index.match_leading(route.block_hashes).items() if w in slots}
-    stored = {w: c for w, c in index.match_leading(route.block_hashes, pending=False).items() if w in slots}
+    leading, leading_stored = index.match_leading_pair(route.block_hashes)
+    cached = {w: c for w, c in leading.items() if w in slots}
+    stored = {w: c for w, c in leading_stored.items() if w in slots}
     peer = live.peer
     cached_col = np.zeros(n, dtype=np.int64)
     for w, c in cached.items():
