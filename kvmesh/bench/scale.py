@@ -9,9 +9,11 @@ reading back to back (`read_interval_s=0`) and the pick over per-worker dicts (r
 `reference_view` + `Policy.pick`) —, `compact-dicts` — router/index/compact.py, the consumer's
 batched reads (its default), the same dict pick —, `compact-tracked` — the column pick
 (router/routing/fastpick.py) over the compact index as it was while the garbage collector
-traversed it (kvmesh/bench/scale_baseline.py) — and `compact` — the router as it is: the compact
+traversed it (kvmesh/bench/scale_baseline.py) —, `compact-per-pick` — the router as it is but for
+the live workers' columns, built afresh at every pick as the view was before they were kept
+between picks (router/workers/live.py) — and `compact` — the router as it is: the compact
 index out of the collector's sight, its start-up heap frozen (router/heap.py), those reads and the
-column pick. `runs` holds the last variant
+column pick over the kept columns. `runs` holds the last variant
 named, `baseline` the others, measured in the same run. Picks may take at most half the router loop's time (the rest
 is the consumer's); decisions due beyond that are shed and counted (`details`).
 
@@ -72,7 +74,7 @@ TARGETS = {"decision_p99_ms": 2.0, "event_lag_p99_ms": 250.0, "index_bytes_per_e
 @dataclass(frozen=True, slots=True)
 class ScaleConfig:
     workers: tuple[int, ...] = (16, 128, 1000)
-    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact-tracked", "compact")
+    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact-tracked", "compact-per-pick", "compact")
     pool_blocks: int = 1000
     tokens_per_s: float = MEASURED_TOKENS_PER_S
     tokens_source: str = "constant"
@@ -311,10 +313,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shorter steady phase, fewer decisions (1,000 workers included)")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--workers", type=_counts, default=(16, 128, 1000), help="worker counts (default 16,128,1000)")
-    p.add_argument("--index", default="legacy,compact-dicts,compact-tracked,compact",
+    p.add_argument("--index", default="legacy,compact-dicts,compact-tracked,compact-per-pick,compact",
                    help="router variants (index structure, reads, pick: kvmesh/bench/scale_router.py INDEXES), "
                         "comma-separated, the last one reported in runs "
-                        "(default legacy,compact-dicts,compact-tracked,compact)")
+                        "(default legacy,compact-dicts,compact-tracked,compact-per-pick,compact)")
     p.add_argument("--pool-blocks", type=int, default=1000, help="blocks per worker pool (default 1000: 10^6 at 1,000)")
     p.add_argument("--tokens-per-s", type=float, default=None,
                    help="tokens a worker computes per second (default: the measured prefill rate)")

@@ -1,6 +1,12 @@
-"""`kvmesh bench scale`'s `compact-tracked` variant: router/index/compact.py's storage as it was
-before the index moved out of the garbage collector's sight, kept so that one run
-measures both.
+"""`kvmesh bench scale`'s baseline variants, kept so that one run measures before and after.
+
+`compact-per-pick`: the router's decision path before the live workers' columns were kept
+between decisions (router/workers/live.py): `rebuild_per_pick` makes the registry build them
+afresh at every pick — the walk over every entry (the live list, ids, slots, a numpy column per
+figure, the decode pool, the peers) that `routing_view` did per request.
+
+`compact-tracked`: router/index/compact.py's storage as it was
+before the index moved out of the garbage collector's sight.
 
 The same packed one-holder ints, but each worker's blocks in a `set` and a block with two or
 more holders as a `{worker_id: tier mask}` dict value in the map itself: the map and every set
@@ -15,6 +21,13 @@ from typing import Any
 from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
 from router.index.compact import _BIT, _MASK, _SHIFT, CompactBlockIndex
+from router.workers.live import LiveColumns
+from router.workers.registry import WorkerRegistry
+
+
+def rebuild_per_pick(registry: WorkerRegistry) -> None:
+    """`registry.live_columns()` builds the columns at every call (module docstring)."""
+    registry.live_columns = lambda: LiveColumns(registry.live())  # type: ignore[method-assign]
 
 
 class TrackedCompactIndex(CompactBlockIndex):

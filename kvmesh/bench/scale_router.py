@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvmesh.bench.scale_baseline import TrackedCompactIndex
+from kvmesh.bench.scale_baseline import TrackedCompactIndex, rebuild_per_pick
 from kvmesh.bench.scale_memory import deep_size, full_collection_ms
 from kvstore.events import IndexSink, WireEvent, WorkerId
 from kvstore.metadata.registry import RedisConfig, connect_async
@@ -45,14 +45,20 @@ from router.workers.registry import WorkerEntry, WorkerRegistry
 # dicts); `compact-dicts` the compact index and batched reads with that pick
 # (router/routing/pick.py `reference_view` + `Policy.pick`); `compact-tracked` the column pick
 # (router/routing/fastpick.py) over the compact index as it was before it left the garbage
-# collector's sight (kvmesh/bench/scale_baseline.py); `compact` the router as it is.
+# collector's sight (kvmesh/bench/scale_baseline.py); `compact-per-pick` the router as it is but
+# for the live workers' columns, built afresh at every pick as the view was before they were
+# kept between picks (router/workers/live.py; kvmesh/bench/scale_baseline.py `rebuild_per_pick`);
+# `compact` the router as it is.
 INDEXES: dict[str, Callable[[], BlockIndex]] = {"legacy": BlockIndex, "compact-dicts": CompactBlockIndex,
                                                 "compact-tracked": TrackedCompactIndex,
+                                                "compact-per-pick": CompactBlockIndex,
                                                 "compact": CompactBlockIndex}
 READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact-dicts": None, "compact-tracked": None,
-                                            "compact": None}
-COLUMN_PICK: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": True, "compact": True}
-FREEZE: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": False, "compact": True}
+                                            "compact-per-pick": None, "compact": None}
+COLUMN_PICK: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": True,
+                                "compact-per-pick": True, "compact": True}
+FREEZE: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": False,
+                           "compact-per-pick": True, "compact": True}
 DECISION_DUTY = 0.5     # the most of the loop's time picks may take
 
 
@@ -132,6 +138,8 @@ class RouterPass:
                                                 hash_salt_hex="5ca1e", vocab_size=50000, max_model_len=8192)
         self.router = Router(self.registry.cfg, self.registry)
         self.router.column_pick = COLUMN_PICK[cfg.index]
+        if cfg.index == "compact-per-pick":
+            rebuild_per_pick(self.registry)
         self.lags: list[float] = []
         self.sink = CountingSink(GatedIndex(self.index))
         self.consumer = EventConsumer(cfg.redis, self.sink, lag_observer=self.lags.append,

@@ -28,7 +28,7 @@ def test_flags_and_their_errors() -> None:
     cfg = config_from_args(_parse("--quick", "--workers", "4,8", "--steady-s", "1.5"))
     assert (cfg.workers, cfg.steady_s, cfg.decision_rate, cfg.indexes) == ((4, 8), 1.5, 20.0,
                                                                         ("legacy", "compact-dicts", "compact-tracked",
-                                                                         "compact"))
+                                                                         "compact-per-pick", "compact"))
     assert config_from_args(_parse()).workers == ScaleConfig().workers == (16, 128, 1000)
     with pytest.raises(CLIError, match="indexes"):
         config_from_args(_parse("--index", "legacy,btree"))
@@ -56,7 +56,7 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
     result = json.loads(out.read_text())
     assert "machine" in result["meta"]
     assert isinstance(result["bottleneck"], str) and result["bottleneck"]
-    assert set(result["baseline"]) == {"legacy", "compact-dicts", "compact-tracked"}
+    assert set(result["baseline"]) == {"legacy", "compact-dicts", "compact-tracked", "compact-per-pick"}
     for runs in (result["runs"], *result["baseline"].values()):
         assert [r["workers"] for r in runs] == [4, 8]
         for r in runs:
