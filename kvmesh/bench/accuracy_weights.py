@@ -67,7 +67,8 @@ def bench_weight_axis(args: argparse.Namespace, text: str, text_path: Path) -> d
         gc.collect()
     return {**rows, "notes": {
         "ppl": f"llama-perplexity's protocol over {ctx}-token windows of the text (at most {4 if args.quick else 16}): "
-               "next-token NLL over the second half of each window, teacher-forced, fp32 activations and KV",
+               "next-token NLL over the second half of each window, teacher-forced, fp32 activations and KV "
+               "(Q8_0 / Q4_* linears take their input quantized to int8 per block of 32, as llama.cpp's)",
         "tokens": "with --llama-cpp, the text's tokens by llama.cpp's tokenizer (llama-tokenize) on both sides, "
                   "the stream llama-perplexity scores; else the model's HF tokenizer",
         "ppl_delta_frac": "ppl / ppl with fp32 weights - 1",

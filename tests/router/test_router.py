@@ -67,7 +67,10 @@ class Cluster:
 def start_cluster(model_dir: Path, num_workers: int, http: bool) -> Cluster:
     from worker.engine.engine import Engine, EngineConfig
     # Loaded one after the other in this thread: transformers' lazy imports race across threads.
-    engines = [Engine(EngineConfig(model=str(model_dir), num_blocks=NUM_BLOCKS)) for _ in range(num_workers)]
+    # fp32 weights: these tests hold logprobs and greedy tokens to HF's fp32 forward, the bar for fp32
+    # weights; the default (the GGUF's Q4_1) runs int8-input kernels, tested in tests/worker/test_weight_formats*
+    engines = [Engine(EngineConfig(model=str(model_dir), num_blocks=NUM_BLOCKS, weight_dtype="fp32"))
+               for _ in range(num_workers)]
     lt = LoopThread()
     cluster = Cluster(lt, None, 0, None, [None] * num_workers, engines, model_dir)  # type: ignore[arg-type]
     for i in range(num_workers):

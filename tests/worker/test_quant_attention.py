@@ -227,14 +227,16 @@ def _agreement(reference: list[tuple[int, ...]], other: list[tuple[int, ...]]) -
 
 @pytest.mark.slow
 def test_smollm2_with_every_kv_dtype(smollm2_dir) -> None:
-    """Every KV dtype generates on the real model with integrity checks; int8 agrees with fp32."""
+    """Every KV dtype generates on the real model with integrity checks; int8 agrees with fp32.
+    fp32 weights: on the default (Q4_1, int8-input kernels) a KV dtype's rounding moves activation
+    codes, and free-running greedy agreement measures that rather than the KV dtype."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs: dict[str, list[tuple[int, ...]]] = {}
     forced: dict[str, list[list[int]]] = {}
     for dtype in ALL_DTYPES:
-        engine = Engine(EngineConfig(model=str(smollm2_dir), dtype="fp32", kv_cache_dtype=dtype, num_blocks=64,
-                                     check_integrity=True))
+        engine = Engine(EngineConfig(model=str(smollm2_dir), dtype="fp32", weight_dtype="fp32", kv_cache_dtype=dtype,
+                                     num_blocks=64, check_integrity=True))
         ids = [engine.encode(p) for p in prompts]
         outputs[dtype] = [o.token_ids for o in engine.generate(ids, params)]
         ref = outputs["fp32"]

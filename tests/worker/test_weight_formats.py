@@ -1,5 +1,7 @@
 """Weights in their own format (worker.model.weights / formats, csrc/qlinear.cpp): the native
-kernel against dequantize-then-F.linear on every SmolLM2 layer shape, format and row count; the
+kernel against dequantize-then-F.linear on every SmolLM2 layer shape, format and row count (for
+Q8_0 / Q4_*, whose kernel takes x quantized to int8 per block of 32, within that quantization's
+bound: `_xq_bound`); the
 GGUF reader against transformers' dequantization and the gguf package; the quantizers against
 ggml's (the gguf package's numpy port); the engine on each format against HF transformers."""
 from __future__ import annotations
@@ -39,13 +41,26 @@ def _weight(n: int, k: int, fmt: WeightFormat, seed: int) -> QuantRows | Bf16Wei
     return Bf16Weight(w.bfloat16()) if fmt is WeightFormat.BF16 else quantize(w, fmt)
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor, k: int) -> None:
+def _close(out: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor, k: int,
+           xq: torch.Tensor | float = 0.0) -> None:
     """`out` (fp32 sums in the kernel's order) within fp32 rounding of the float64 `ref`: per
     output, sqrt(k) eps of the sum of the absolute terms (`abs_sum`), the scale of the rounding
-    error of a k-term fp32 dot product; a wrong block, scale or row is off by orders more."""
+    error of a k-term fp32 dot product, plus `xq`, the bound of the activation's int8 quantization
+    (`_xq_bound`); a wrong block, scale or row is off by orders more."""
     err = (out.double() - ref).abs()
-    bound = k**0.5 * EPS32 * abs_sum + EPS32 * ref.abs()
+    bound = k**0.5 * EPS32 * abs_sum + EPS32 * ref.abs() + xq
     assert (err <= bound).all(), (err - bound).max().item()
+
+
+def _xq_bound(x: torch.Tensor, w_abs: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """What quantizing x to int8 per block of 32 (scale max|x| / 127, codes rounded to nearest) can
+    move x Wᵀ by, [M, N]: each x_k moves by at most half a step, max_block |x| / 254, so output n
+    by at most sum_k |W_nk| max_block(k) |x| / 254 (0 for bf16, whose kernel keeps x fp32)."""
+    if not fmt.quantized:
+        return torch.zeros(x.shape[0], w_abs.shape[0], dtype=torch.float64)
+    m, k = x.shape
+    step = x.double().abs().view(m, k // 32, 32).amax(-1, keepdim=True).expand(m, k // 32, 32).reshape(m, k) / 254
+    return F.linear(step, w_abs) * (1 + 1e-5)
 
 
 def _randn(*shape: int) -> torch.Tensor:
@@ -61,19 +76,45 @@ def test_kernel_matches_dequantized_f_linear(fmt: WeightFormat, shape: tuple[int
     """Batch 1, 2, 5 and 16 (decode) and 40 rows (a prefill), with bias, residual and the fused norm."""
     n, k = shape
     w = _weight(n, k, fmt, n + k)
-    lin = Linear(w, _randn(n))
+    b = _randn(n)
+    lin = Linear(w, b)
     assert lin.qweight is not None and lin.packed is None and lin.weight.numel() == 0, "no fp32 copy is kept"
-    ref_w, bias = dense(w).double(), lin.bias.double()
+    ref_w, bias = dense(w).double(), b.double()
     norm = torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5
     for m in ([1, 16] if n * k > 10**7 else [1, 2, 5, 16, 40]):
         x, residual = _randn(m, k), _randn(m, n, 1)[..., 0]
         abs_sum = F.linear(x.double().abs(), ref_w.abs(), bias.abs())
-        _close(lin(x), F.linear(x.double(), ref_w, bias), abs_sum, k)
+        xq = _xq_bound(x, ref_w.abs(), fmt)
+        _close(lin(x), F.linear(x.double(), ref_w, bias), abs_sum, k, xq)
         _close(lin.add_to(residual, x), residual.double() + F.linear(x.double(), ref_w, bias),
-               abs_sum + residual.double().abs(), k)
+               abs_sum + residual.double().abs(), k, xq)
         normed = (norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))).double()
         _close(lin.normed(x, norm, 1e-5), F.linear(normed, ref_w, bias),
-               F.linear(normed.abs(), ref_w.abs(), bias.abs()), k)
+               F.linear(normed.abs(), ref_w.abs(), bias.abs()), k, _xq_bound(normed, ref_w.abs(), fmt))
+
+
+def _quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the Q8_0 / Q4_* kernel takes it: per row and block of 32, scale max|x| / 127 and codes
+    round-half-even(x * 127 / max|x|) (fp32, as csrc/qlinear.cpp's quantize_x), dequantized."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).clamp(-127, 127) * (amax / 127)).view(m, k)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1], ids=lambda f: f.value)
+def test_quantized_kernel_is_w_times_the_int8_x(fmt: WeightFormat) -> None:
+    """The integer-dot kernel computes exactly W x̂ for the int8-quantized x̂ (within fp32
+    rounding of that product, no quantization slack): block scales, the Q8_0 + 128 offset and the
+    4-bit offsets' sum term are all accounted for."""
+    for n, k in ((960, 576), (40, 64)):
+        w = _weight(n, k, fmt, n * k)
+        lin = Linear(w)
+        ref_w = dense(w).double()
+        for m in (1, 5, 16):
+            xh = _quantized_x(_randn(m, k)).double()
+            _close(lin(_randn(m, k)), F.linear(xh, ref_w), F.linear(xh.abs(), ref_w.abs()), k)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
@@ -85,8 +126,10 @@ def test_gated_mlp_kernel_matches_reference(fmt: WeightFormat) -> None:
         x = _randn(m, 576).double()
         g, u = F.linear(x, dense(gate).double()), F.linear(x, dense(up).double())
         g_abs, u_abs = F.linear(x.abs(), dense(gate).double().abs()), F.linear(x.abs(), dense(up).double().abs())
-        # silu' <= 1.1: the rounding of g moves silu(g) u by at most 1.1 |u| times it
-        _close(mlp(x.float()), F.silu(g) * u, 1.1 * u.abs() * g_abs + F.silu(g).abs() * u_abs, 576)
+        gq, uq = _xq_bound(x, dense(gate).double().abs(), fmt), _xq_bound(x, dense(up).double().abs(), fmt)
+        # silu' <= 1.1: an error e_g of g moves silu(g) u by at most 1.1 |u| e_g (and e_u by |silu(g)| e_u)
+        _close(mlp(x.float()), F.silu(g) * u, 1.1 * u.abs() * g_abs + F.silu(g).abs() * u_abs, 576,
+               1.1 * (u.abs() + uq) * gq + F.silu(g).abs() * uq)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
@@ -119,7 +162,8 @@ def test_bytes_per_weight_of_the_packed_layout() -> None:
 
 
 def test_avx2_path_matches_too() -> None:
-    """The AVX2 + FMA + F16C kernel (chosen where AVX-512 is missing), forced in a child process."""
+    """The AVX2 + FMA + F16C kernel (chosen where AVX-512 VNNI is missing), forced in a child process:
+    the activation's int8 quantization bound (`_xq_bound`) for Q8_0 / Q4_1, fp32 rounding for bf16."""
     code = (
         "import torch, torch.nn.functional as F\n"
         "from worker.kernels import native\n"
@@ -132,8 +176,10 @@ def test_avx2_path_matches_too() -> None:
         "    for m in (1, 3, 16):\n"
         "        x = torch.randn(m, 128)\n"
         "        ref = F.linear(x.double(), dense(q).double())\n"
+        "        step = x.double().abs().view(m, 4, 32).amax(-1, keepdim=True).expand(m, 4, 32).reshape(m, 128) / 254\n"
+        "        bound = F.linear(step, dense(q).double().abs()) if fmt.quantized else 0\n"
         "        out = native.qlinear(x, p.data, fmt.kernel_code, 96)\n"
-        "        assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max(), fmt\n"
+        "        assert ((out.double() - ref).abs() <= bound + 1e-5 * ref.abs().max()).all(), fmt\n"
         "print('ok')\n")
     env = dict(os.environ, KVMESH_QLINEAR_ISA="avx2")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

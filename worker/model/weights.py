@@ -9,10 +9,13 @@ qkv and the interleaved gate/up weights) before `pack` lays them out for the nat
 
 Packed layout (`PackedWeight.data`, uint8 [P, K / 32, B], P = ceil(N / 16) panels of 16 rows):
 one record of B bytes per panel and block of 32 columns, read by csrc/qlinear.inc in order:
-  Q8_0: d [16] fp16, then q [32 k][16 rows] int8                     B = 32 + 512 = 544
-  Q4_*: d [16] fp16, m [16] fp16, then [16 k-pairs][16 rows] bytes,
-        low nibble column 2i, high nibble column 2i + 1              B = 64 + 256 = 320
+  Q8_0: d [16] fp16, then q + 128 [8 quads][16 rows][4 k] uint8      B = 32 + 512 = 544
+  Q4_*: d [16] fp16, m [16] fp16, then [4 quads][16 rows][4 k] bytes,
+        low nibble column 4c + i, high nibble column 16 + 4c + i     B = 64 + 256 = 320
   BF16: w [32 k][16 rows] bf16                                       B = 1024
+The codes of 4 consecutive columns of a row sit in one 32-bit lane, 16 rows in 64 bytes: the
+lanes of one integer dot-product instruction (vpdpbusd: unsigned codes x signed activation
+codes, hence Q8_0's + 128, which the kernel takes off per block).
 Rows past N are zero. The bytes per weight equal GGUF's (8.5, 5 and 16 bits).
 """
 from __future__ import annotations
@@ -229,15 +232,16 @@ def pack(w: Weight, fmt: WeightFormat, out: torch.Tensor | None = None) -> Packe
         data.view(p, nb, BLOCK * PANEL * 2).copy_(t.contiguous().view(torch.uint8).view(p, nb, -1))
         return PackedWeight(fmt, data, n, k)
     assert isinstance(w, QuantRows) and w.fmt.kernel_code == fmt.kernel_code
-    q = torch.nn.functional.pad(w.q, (0, 0, 0, pad)).view(p, PANEL, nb, BLOCK)
+    q = torch.nn.functional.pad(w.q, (0, 0, 0, pad)).view(p, PANEL, nb, BLOCK // 4, 4)   # [P, 16, nb, 8, 4]
     d = torch.nn.functional.pad(w.d, (0, 0, 0, pad)).view(p, PANEL, nb).transpose(1, 2)   # [P, nb, 16]
     data[..., :32].copy_(d.contiguous().view(torch.uint8).view(p, nb, 32))
     if fmt is WeightFormat.Q8_0:
-        data[..., 32:].copy_(q.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(p, nb, -1))
+        codes = (q.to(torch.int16) + 128).to(torch.uint8)                            # q + 128
+        data[..., 32:].copy_(codes.permute(0, 2, 3, 1, 4).reshape(p, nb, -1))
         return PackedWeight(fmt, data, n, k)
     assert w.m is not None
     m = torch.nn.functional.pad(w.m, (0, 0, 0, pad)).view(p, PANEL, nb).transpose(1, 2)
     data[..., 32:64].copy_(m.contiguous().view(torch.uint8).view(p, nb, 32))
-    qk = q.permute(0, 2, 3, 1).to(torch.uint8).view(p, nb, BLOCK // 2, 2, PANEL)     # [P, nb, 16, 2, 16]
-    data[..., 64:].copy_((qk[:, :, :, 0] | (qk[:, :, :, 1] << 4)).reshape(p, nb, -1))
+    qk = q.permute(0, 2, 3, 1, 4).to(torch.uint8)                                  # [P, nb, 8, 16, 4]
+    data[..., 64:].copy_((qk[:, :, :4] | (qk[:, :, 4:] << 4)).reshape(p, nb, -1))
     return PackedWeight(fmt, data, n, k)

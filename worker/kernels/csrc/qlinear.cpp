@@ -1,13 +1,18 @@
 // y = x Wᵀ (+ b) (+ residual) over a weight kept in its own format: GGUF Q8_0 / Q4_0 / Q4_1 or
-// bf16, packed once into 16-row panels (layout: worker/model/weights.py) and widened to fp32 in
-// registers; x and every sum stay fp32. The same fused prologue / epilogues as linear.cpp: the
-// input RMSNorm, bias, residual add and, for the interleaved gate/up weight, silu(gate) * up.
+// bf16, packed once into 16-row panels (layout: worker/model/weights.py). The same fused prologue /
+// epilogues as linear.cpp: the input RMSNorm, bias, residual add and, for the interleaved gate/up
+// weight, silu(gate) * up.
+//
+// Q8_0 / Q4_*: x is quantized to int8 once per call, per row and block of 32 columns (scale
+// dx = max|x| / 127, codes round(x / dx), as llama.cpp's Q8 activations), and the kernel takes
+// integer dot products of those codes with the weight's (qlinear.inc); the fp32 sums apply each
+// block's scales once. bf16: widened to fp32 in registers, x and every sum fp32.
 //
 // Any number of rows: decode reads each panel once for all rows (up to 8 per pass against a
 // panel that stays in L1/L2), prefill runs the same loop with more passes (the weight is never
-// dequantized to memory). The instruction set is chosen at run time: AVX-512 (F, BW, VL) when
-// the CPU has it, else AVX2 + FMA + F16C; `qlinear_isa` says which ("" = neither: the caller
-// keeps dequantized fp32 weights).
+// dequantized to memory). The instruction set is chosen at run time: AVX-512 (F, BW, VL, DQ and
+// VNNI) when the CPU has it, else AVX2 + FMA + F16C; `qlinear_isa` says which ("" = neither: the
+// caller keeps dequantized fp32 weights).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -34,7 +39,10 @@ struct QProblem {
   const uint8_t* w;       // packed [P, nb, rec]
   int64_t P, nb, rec;
   int fmt;
-  const float* xsum;      // [M, nb] sums of x over each block (4-bit formats), else null
+  const int8_t* xq;       // [M, K] x's int8 codes (Q8 / Q4), else null
+  const float* xd;        // [M, nb] their scales per block
+  const int32_t* xcorr;   // [M, nb] 128 x the sum of each block's codes (Q8 on AVX-512: its + 128 offset)
+  const float* xsum;      // [M, nb] sums of the quantized x over each block (4-bit formats: the offsets' term)
   const float* bias;      // [N] or null
   const float* residual;  // [M, N], row stride ldr, or null
   int64_t ldr;
@@ -63,7 +71,7 @@ void store(const QProblem& pr, float* acc, int R, int64_t m0, int64_t panel) {
 
 namespace qlin_avx512 {
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #define QLIN_AVX512 1
 #include "qlinear.inc"
 #undef QLIN_AVX512
@@ -83,7 +91,7 @@ std::string isa() {
   __builtin_cpu_init();
   if (std::getenv("KVMESH_QLINEAR_ISA") != nullptr) return std::getenv("KVMESH_QLINEAR_ISA");  // tests: force a path
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
     return "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return "avx2";
   return "";
@@ -93,6 +101,32 @@ float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// x [M, K] (rows contiguous) -> int8 codes [M, K], per block of 32: scale max|x| / 127, code
+// round-to-nearest-even(x / scale) in [-127, 127]; 128 x the codes' sum, and the quantized x's
+// sum (scale x the codes' sum, as llama.cpp's Q8_1 s), which the 4-bit offsets multiply: the
+// kernel's result is then exactly W x̂ for the quantized x̂, off from W x by at most
+// sum_k |W_k| scale / 2 (tests/worker/test_weight_formats.py's bound)
+void quantize_x(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* corr, float* sum) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = x + i * kBlock;
+      float amax = 0.f;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t qs = 0;
+      for (int k = 0; k < kBlock; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
+        q[i * kBlock + k] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        qs += q[i * kBlock + k];
+      }
+      d[i] = scale;
+      corr[i] = 128 * qs;
+      sum[i] = scale * static_cast<float>(qs);
+    }
+  });
 }
 
 }  // namespace
@@ -113,7 +147,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_
   TORCH_CHECK(!gated || (N % kPanel == 0 && !residual), "qlinear: a gated weight has 16k rows and no residual");
   auto xc = x.stride(1) == 1 ? x : x.contiguous();
   if (norm_weight) xc = kvmesh_rms_norm_rows(xc, *norm_weight, eps);
-  torch::Tensor b, res, xsum;
+  torch::Tensor b, res;
   if (bias) {
     b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "qlinear: bias [N] fp32");
@@ -123,14 +157,25 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_
     TORCH_CHECK(res.scalar_type() == at::kFloat && res.dim() == 2 && res.size(0) == M && res.size(1) == N,
                 "qlinear: residual [M, N] fp32");
   }
-  if (fmt == kQ4) xsum = xc.view({M, nb, kBlock}).sum(-1).contiguous();  // xc rows are contiguous here
   auto out = torch::empty({M, gated ? N / 2 : N}, x.options());
   if (M == 0) return out;
-  if (fmt == kQ4 && xc.stride(0) != K) xc = xc.contiguous();
+  const bool quant = fmt != kBF16;
+  torch::Tensor xq, xd, xcorr, xsum;
+  if (quant) {
+    if (xc.stride(0) != K) xc = xc.contiguous();
+    xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+    xd = torch::empty({M, nb}, x.options());
+    xcorr = torch::empty({M, nb}, x.options().dtype(at::kInt));
+    xsum = torch::empty({M, nb}, x.options());
+    quantize_x(xc.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xcorr.data_ptr<int32_t>(),
+               xsum.data_ptr<float>());
+  }
   const QProblem pr{xc.data_ptr<float>(), xc.stride(0), M, K, N, packed.data_ptr<uint8_t>(), P, nb, kRecord[fmt],
-                    static_cast<int>(fmt), fmt == kQ4 ? xsum.data_ptr<float>() : nullptr,
-                    bias ? b.data_ptr<float>() : nullptr, residual ? res.data_ptr<float>() : nullptr,
-                    residual ? res.stride(0) : 0, gated, out.data_ptr<float>()};
+                    static_cast<int>(fmt), quant ? xq.data_ptr<int8_t>() : nullptr,
+                    quant ? xd.data_ptr<float>() : nullptr, quant ? xcorr.data_ptr<int32_t>() : nullptr,
+                    quant ? xsum.data_ptr<float>() : nullptr, bias ? b.data_ptr<float>() : nullptr,
+                    residual ? res.data_ptr<float>() : nullptr, residual ? res.stride(0) : 0, gated,
+                    out.data_ptr<float>()};
   if (kIsa == "avx512") qlin_avx512::run(pr);
   else qlin_avx2::run(pr);
   return out;
@@ -164,13 +209,17 @@ torch::Tensor qrows(torch::Tensor packed, int64_t fmt, int64_t N, torch::Tensor 
           continue;
         }
         const float d = half_to_float(r + 2 * j);
+        // codes [8 quads of k][16 rows][4 k]; Q8 stored + 128, Q4 k < 16 low nibbles, k >= 16 high
         if (fmt == kQ8) {
-          for (int64_t kk = 0; kk < kBlock; ++kk) o[kk] = d * static_cast<float>(static_cast<int8_t>(r[32 + kk * kPanel + j]));
+          for (int64_t kk = 0; kk < kBlock; ++kk) {
+            const uint8_t code = r[32 + (kk / 4) * 64 + j * 4 + kk % 4] ^ 0x80;
+            o[kk] = d * static_cast<float>(static_cast<int8_t>(code));
+          }
         } else {
           const float m = half_to_float(r + 32 + 2 * j);
           for (int64_t kk = 0; kk < kBlock; ++kk) {
-            const uint8_t byte = r[64 + (kk / 2) * kPanel + j];
-            o[kk] = d * static_cast<float>(kk % 2 ? byte >> 4 : byte & 15) + m;
+            const uint8_t byte = r[64 + ((kk % 16) / 4) * 64 + j * 4 + kk % 4];
+            o[kk] = d * static_cast<float>(kk < 16 ? byte & 15 : byte >> 4) + m;
           }
         }
       }
