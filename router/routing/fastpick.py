@@ -197,6 +197,12 @@ class KvAwareFast:
             at, step = at + step, step * 4
         raise AssertionError("a tied worker has no point on the ring")
 
+    def prepare(self, ids: Sequence[WorkerId]) -> None:
+        """Build the ring of the pool `ids` now (the live pool, once per ready set), so that the
+        first request whose scores tie widely does not pay for it (64 points a worker)."""
+        if self.ring.ring.vnodes > 0:
+            self._pool_ring(ids, self.ring.ring.vnodes)
+
     def _pool_ring(self, ids: Sequence[WorkerId], vnodes: int) -> tuple[np.ndarray, np.ndarray]:
         """The ring of `ids`: every point ascending (equal points by worker id, as `HashRing`
         sorts them) and the position in `ids` of its owner."""

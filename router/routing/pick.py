@@ -142,6 +142,8 @@ def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, wor
     column pick (router/routing/fastpick.py; None: `Policy.pick` on the view's state)."""
     pool = view.pool(workers, tried) if fast is not None else None
     if fast is not None and pool is not None:
+        if pool is view.cols:       # the live pool: its ring is ready from its first pick on
+            fast.prepare(pool.ids)
         at = fast.pick(pool, route, view.block_size, max(view.cached.values(), default=0), view.cluster_committed)
         if at is None:
             return None
