@@ -120,6 +120,7 @@ class TallyTable:
         self._free: list[int] = []
         self.shared = np.zeros(capacity)
         self.once = np.zeros((DEPTHS, capacity))    # [depth, row]: a depth's figures side by side
+        self.nonzero = np.zeros(DEPTHS, dtype=np.int64)  # per depth: the rows not 0.0 there (the rest add 0)
         self.depths = 0             # 1 + the deepest depth counted (columns past it are zero)
         self.version = 0            # moves whenever a key gets or loses its row
 
@@ -154,7 +155,10 @@ class TallyTable:
         if ask.num_asks >= 2:
             self.shared[r] += sign * weight
         else:
-            self.once[ask.depth, r] += sign * weight
+            at = self.once[ask.depth]
+            before = at[r]
+            at[r] = after = before + sign * weight
+            self.nonzero[ask.depth] += int(after != 0.0) - int(before != 0.0)
             if ask.depth >= self.depths:
                 self.depths = ask.depth + 1
 
@@ -162,6 +166,7 @@ class TallyTable:
         r = self._rows.pop(key, None)
         if r is not None:
             self.shared[r] = 0.0
+            self.nonzero -= self.once[:, r] != 0.0
             self.once[:, r] = 0.0
             self._free.append(r)
             self.version += 1
@@ -175,6 +180,7 @@ class TallyTable:
             self.shared[r] = tally.shared
             for d, n in tally.once.items():
                 self.once[d, r] = n
+                self.nonzero[d] += n != 0.0
                 self.depths = max(self.depths, d + 1)
 
     def tally(self, key: WorkerId) -> Tally:
@@ -192,14 +198,16 @@ class TallyTable:
         rows = np.asarray(rows, dtype=np.intp)
         safe = np.where(rows >= 0, rows, 0)
         shared = self.shared[safe]
-        if d and len(rows):
+        active = np.flatnonzero(self.nonzero[:d])     # the depths where some row is not 0.0
+        if len(active) and len(rows):
             # every row up to the highest asked for, a depth at a time (contiguous: no gather of
-            # rows × depths), each row's terms added in ascending depth, left to right
+            # rows × depths), each row's terms added in ascending depth, left to right (the
+            # depths left out would add 0.0 to every row)
             hi = int(safe.max()) + 1
-            terms = self.once[:d, :hi] * (np.asarray(again[:d], dtype=float) + 1.0)[:, None] \
-                / (np.asarray(first[:d], dtype=float) + 2.0)[:, None]
+            terms = self.once[active, :hi] * (np.asarray(again[:d], dtype=float)[active] + 1.0)[:, None] \
+                / (np.asarray(first[:d], dtype=float)[active] + 2.0)[:, None]
             rates = terms[0].copy()
-            for j in range(1, d):
+            for j in range(1, len(active)):
                 rates += terms[j]
             shared = shared + rates[safe]
         out = np.maximum(0.0, scale * shared)

@@ -36,6 +36,7 @@ def test_the_table_expects_what_each_tally_expects_bit_for_bit() -> None:
             want = [tallies[k].expected(first, again, scale) if k in tallies else 0.0 for k in asked]
             assert got.tolist() == want, step
             assert isinstance(got, np.ndarray) and got.shape == (len(asked),)
+            assert table.nonzero.tolist() == np.count_nonzero(table.once, axis=1).tolist(), step
     for key, tally in tallies.items():
         mine = table.tally(key)
         assert mine.shared == tally.shared
