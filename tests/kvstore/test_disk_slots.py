@@ -22,6 +22,12 @@ def _block(i: int) -> torch.Tensor:
     return torch.full(SHAPE, float(i))
 
 
+def _fill(tier: DiskTier, ids: range) -> None:
+    for i in ids:
+        assert tier.write_behind((None, BlockHash(i)), _block(i))
+    tier.flush()
+
+
 def test_slot_table_spreads_writers_and_holds_a_read_slot() -> None:
     t = SlotTable(4, 2, used=[0])
     a = t.take()
@@ -51,8 +57,7 @@ class _SlowRead(SlabIO):
 def test_a_slot_being_read_is_not_rewritten_until_the_read_ends(tmp_path) -> None:
     io = _SlowRead()
     tier = DiskTier.open(tmp_path, RECORD, LAYOUT, torch.float32, SHAPE, FP, io=io)   # one slot
-    assert tier.write_behind((None, BlockHash(1)), _block(1))
-    tier.flush()
+    _fill(tier, range(1, 2))
     got: list = []
     reader = threading.Thread(target=lambda: got.append(tier.read_now([(None, BlockHash(1))])))
     reader.start()
@@ -64,8 +69,7 @@ def test_a_slot_being_read_is_not_rewritten_until_the_read_ends(tmp_path) -> Non
     reader.join(10)
     (keys, blocks), = got
     assert keys == ((None, BlockHash(1)),) and bool((blocks == 1.0).all())   # read whole, not overwritten
-    assert tier.write_behind((None, BlockHash(3)), _block(3))   # the slot is free again
-    tier.flush()
+    _fill(tier, range(3, 4))                                    # the slot is free again
     assert tier.num_blocks == 1 and tier.stats().dropped_checksum == 0
     tier.check_integrity()
     tier.close()
@@ -73,8 +77,7 @@ def test_a_slot_being_read_is_not_rewritten_until_the_read_ends(tmp_path) -> Non
 
 def test_reopen_keeps_the_later_of_two_records_of_one_key(tmp_path) -> None:
     tier = DiskTier.open(tmp_path, 4 * RECORD, LAYOUT, torch.float32, SHAPE, FP)
-    assert tier.write_behind((None, BlockHash(1)), _block(1))
-    tier.flush()
+    _fill(tier, range(1, 2))
     first = tier.record_location((None, BlockHash(1)))
     tier.close()
     io = SlabIO()                                         # a later write of key 1 in another slot
@@ -89,9 +92,7 @@ def test_reopen_keeps_the_later_of_two_records_of_one_key(tmp_path) -> None:
     assert again.num_blocks == 1 and again.record_location((None, BlockHash(1))) == io.location(other)
     (_, blocks) = again.read_now([(None, BlockHash(1))])
     assert blocks is not None and bool((blocks == 5.0).all())
-    for i in range(2, 5):                                 # the older record's slot is free for new writes
-        assert again.write_behind((None, BlockHash(i)), _block(i))
-    again.flush()
+    _fill(again, range(2, 5))                             # the older record's slot is free for new writes
     assert again.num_blocks == 4 and again.stats().evicted == 0
     again.check_integrity()
     again.close()
@@ -99,9 +100,7 @@ def test_reopen_keeps_the_later_of_two_records_of_one_key(tmp_path) -> None:
 
 def test_writes_land_in_both_slab_files(tmp_path) -> None:
     tier = DiskTier.open(tmp_path, 16 * RECORD, LAYOUT, torch.float32, SHAPE, FP)
-    for i in range(1, 17):
-        assert tier.write_behind((None, BlockHash(i)), _block(i))
-    tier.flush()
+    _fill(tier, range(1, 17))
     files = {loc[0] for i in range(1, 17) if (loc := tier.record_location((None, BlockHash(i)))) is not None}
     assert len(files) == SLAB_FILES
     tier.close()
