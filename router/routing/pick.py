@@ -7,6 +7,7 @@ worker holds more of the prompt. torch-free.
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
@@ -115,7 +116,7 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     # fetchable, peers only: the most leading blocks another peer has stored, less its own cached
     # (`max(0, max(stored of the other peers, default 0) − cached)`, from the two best)
     fetch = np.zeros(n, dtype=np.int64)
-    top = sorted(((c, w) for w, c in stored.items() if peer[slots[w]]), reverse=True)[:2]
+    top = heapq.nlargest(2, ((c, w) for w, c in stored.items() if peer[slots[w]]))
     if top:
         fetch = np.where(peer, np.maximum(0, top[0][0] - cached_col), 0)
         first = slots[top[0][1]]
@@ -217,12 +218,12 @@ def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
     if chosen not in peers:
         return None
     own = min(cached_blocks.get(chosen, 0), max_blocks)
-    best: PeerHint | None = None
-    for worker_id in sorted(cached_blocks):
+    best: tuple[int, WorkerId, str] | None = None      # one pass over the holders, no sort
+    for worker_id, count in cached_blocks.items():
         address = peers.get(worker_id)
         if worker_id == chosen or address is None:
             continue
-        n = min(cached_blocks[worker_id], max_blocks)
-        if n > own and (best is None or n > best.num_blocks):
-            best = PeerHint(worker_id, address, n)
-    return best
+        n = min(count, max_blocks)
+        if n > own and (best is None or n > best[0] or (n == best[0] and worker_id < best[1])):
+            best = (n, worker_id, address)
+    return None if best is None else PeerHint(best[1], best[2], best[0])
