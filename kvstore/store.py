@@ -186,6 +186,16 @@ class KVStore:
         """Give back a sequence's blocks in sequence order: its tail is evicted first."""
         self.pool.free_sequence(block_ids)
 
+    def refresh(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Move the free device blocks of the leading `block_hashes` cached here to their free
+        queue's tail (a waiting request will reuse them: they count as reused and are evicted
+        after every other free block, tail first); returns how many. No event, no counter."""
+        free = [b for b in self.lookup(block_hashes).device if self.pool.ref_cnt(b) == 0]
+        if free:
+            self.pool.touch(free)
+            self.pool.free_sequence(free)
+        return len(free)
+
     def cache(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
               parent_hash: BlockHash | None = None, salt_root: BlockHash | None = None,
               owner: Owner | None = None) -> None:

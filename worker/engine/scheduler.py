@@ -127,6 +127,10 @@ class Scheduler:
     # -- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.update_block_hashes(self.cfg.block_size, self.salt)
+        if self.cfg.enable_prefix_caching and not req.needs_prompt_logits:
+            # its cached prefix is evicted last while it waits: the admissions ahead of it (in this
+            # step too) take other free blocks first, so it finds what the router's index listed
+            self.store.refresh(req.block_hashes[:(req.num_tokens - 1) // self.cfg.block_size])
         if req.tenant.name:
             default = max(1, int(self.cfg.tenant_max_cached_frac * self.store.num_blocks))
             cap = req.tenant.max_cached_blocks
