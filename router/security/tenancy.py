@@ -103,7 +103,8 @@ def bound_max_tokens(inp: GenerateInput, prompt_tokens: int, max_model_len: int,
                      limit: int | None) -> SamplingParams:
     """`inp.params` with `max_tokens` checked (given by the client) or shortened (a front's
     default) against `limit` (--max-tokens-limit; None: none) and the room the context
-    leaves after `prompt_tokens` (< max_model_len). Raises BadRequest naming max_tokens."""
+    leaves after `prompt_tokens` (< max_model_len). Raises BadRequest naming max_tokens, or
+    min_tokens when it is above the shortened default."""
     params, room = inp.params, max_model_len - prompt_tokens
     if inp.max_tokens_given:
         if limit is not None and params.max_tokens > limit:
@@ -113,7 +114,13 @@ def bound_max_tokens(inp: GenerateInput, prompt_tokens: int, max_model_len: int,
             raise BadRequest(context_length_error(max_model_len, prompt_tokens, params.max_tokens))
         return params
     cap = room if limit is None else min(room, limit)
-    return params if params.max_tokens <= cap else dataclasses.replace(params, max_tokens=cap)
+    if params.max_tokens <= cap:
+        return params
+    if params.min_tokens > cap:   # min_tokens above the shortened default: the client's error, named
+        why = "--max-tokens-limit" if limit is not None and limit < room else "the context left after the prompt"
+        raise BadRequest(f"min_tokens: {params.min_tokens} exceeds the {cap} token(s) this request may "
+                         f"generate ({why})")
+    return dataclasses.replace(params, max_tokens=cap)
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:

@@ -299,10 +299,17 @@ def test_max_tokens_limit_default_and_cap(ten: Tenancy) -> None:
     assert err["param"] == "max_tokens" and "--max-tokens-limit" in err["message"]
     ok = client.completions.create(model="smollm2", prompt="Hello", max_tokens=LIMIT, extra_body={"ignore_eos": True})
     assert ok.usage is not None and ok.usage.completion_tokens == LIMIT
+    with pytest.raises(openai.BadRequestError) as e:     # min_tokens above the default the limit gives: a 400
+        client.completions.create(model="smollm2", prompt="Hello", extra_body={"min_tokens": LIMIT + 1})
+    err = e.value.response.json()["error"]
+    assert err["param"] == "min_tokens" and "--max-tokens-limit" in err["message"]
     inp = GenerateInput("", "x", None, None, SamplingParams(max_tokens=100), max_tokens_given=False)
     assert bound_max_tokens(inp, 10, 50, None).max_tokens == 40      # a default fits the context
     with pytest.raises(BadRequest, match="max_tokens"):
         bound_max_tokens(GenerateInput("", "x", None, None, SamplingParams(max_tokens=41)), 10, 50, None)
+    short = GenerateInput("", "x", None, None, SamplingParams(max_tokens=100, min_tokens=45), max_tokens_given=False)
+    with pytest.raises(BadRequest, match="^min_tokens: 45 exceeds the 40 token"):
+        bound_max_tokens(short, 10, 50, None)
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
