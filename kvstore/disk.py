@@ -19,8 +19,7 @@ given to a writer until the read ends (an evicted record's slot waits for it).
 Reopen: a tier opened on a directory that holds records of its fingerprint reads every slot's
 header (88 bytes, not its payload): magic, header checksum, version, fingerprint and payload
 length are checked, a bad slot is erased and counted; the LRU order is the records' write
-sequence numbers. Cost: measured by `tests/kvstore/test_disk_tier.py::test_reopen_cost`
-(marked slow), per 10^5 blocks: see that test's figure in docs/kv-memory.md.
+sequence numbers. Cost per 10^5 blocks: `test_disk_tier.py::test_reopen_cost` (slow; docs/kv-memory.md).
 
 Errors: any OSError while writing or reading (disk full, read-only, the directory gone) logs
 one line naming the path and the error and turns the tier off (`enabled` False, every hash
