@@ -29,10 +29,9 @@ from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
-from router.routing.disagg import Disaggregation, decode_pool, is_active
+from router.routing.disagg import Disaggregation, is_active
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.fastpick import KvAwareFast
-from router.routing.going import as_listed, discount_view
 from router.routing.inflight import InFlightPrefills
 from router.routing.migrate import (
     MAX_WAIT_FOR_WORKER_S,
@@ -43,10 +42,19 @@ from router.routing.migrate import (
     read_until_lost,
 )
 from router.routing.observer import RouteObserver, RoutingStats
-from router.routing.pick import Pick, RoutingView, pick_reference, pick_worker, reference_view, routing_view
+from router.routing.pick import (
+    Pick,
+    RoutingView,
+    as_listed,
+    discount_view,
+    pick_reference,
+    pick_worker,
+    reference_view,
+    routing_view,
+)
 from router.routing.policy import Policy, make_policy
 from router.routing.predictions import HitPredictions
-from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo
+from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, decode_pool
 from router.security.auth import ANONYMOUS, ApiKey, TenantId
 from router.security.bounds import PromptBounds
 from router.security.tenancy import TenantActivity, TenantSalts, bound_max_tokens

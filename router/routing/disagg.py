@@ -3,7 +3,7 @@ handed to the decode worker over the peer plane, the tokens streamed by the deco
 
 On whenever the live workers include both a prefill and a decode worker (`kvmesh worker
 --role`); a cluster of mixed workers routes exactly as without this module. Per request, after
-the core picked the decode worker (its pool: decode and mixed workers, `decode_pool`):
+the core picked the decode worker (its pool: decode and mixed workers, `router.routing.types.decode_pool`):
 
 1. `plan`: hop or skip. Skipped (and counted by reason, `SkipReason`): a prompt shorter than
    `disagg_min_prompt_tokens` (default: where the hop's TTFT starts to beat computing the prompt
@@ -109,13 +109,6 @@ def is_active(workers: Sequence[WorkerInfo]) -> bool:
     """Disaggregated serving is on: the live workers include a prefill and a decode worker."""
     roles = roles_present(workers)
     return WorkerRole.PREFILL in roles and WorkerRole.DECODE in roles
-
-
-def decode_pool(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
-    """The workers a request may decode on: all but the prefill-role ones, unless those are
-    all there is (a last resort: a prefill worker decodes like a mixed one)."""
-    pool = [w for w in workers if w.role is not WorkerRole.PREFILL]
-    return pool if pool else list(workers)
 
 
 def skip_reason(prompt_tokens: int, cached_tokens: int, min_prompt_tokens: int,

@@ -227,3 +227,24 @@ def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
         if n > own and (best is None or n > best[0] or (n == best[0] and worker_id < best[1])):
             best = (n, worker_id, address)
     return None if best is None else PeerHint(best[1], best[2], best[0])
+
+
+def discount_view(view: RoutingView, cached: Mapping[WorkerId, int]) -> RoutingView:
+    """`view` with `cached` (its own less the going workers, `GoingPrefixes.less`) as the
+    leading blocks each worker holds, in its map and its column (the same object if unchanged)."""
+    if cached is view.cached:
+        return view
+    column = view.cols.cached.copy()
+    for w in view.cached.keys() - cached.keys():
+        column[view.slots[w]] = 0
+    view.cached, view.cols = dict(cached), view.cols._replace(cached=column)
+    return view
+
+
+def as_listed(pick: Pick, listed: Mapping[WorkerId, int], route: RouteRequest, bs: int) -> Pick:
+    """`pick` promising what the index lists on its worker (`listed`), and a peer hint fetching
+    past that: a request sent to a worker evicting its prefix is promised what it may still find."""
+    assert pick.worker.info is not None
+    blocks = min(listed.get(pick.worker.info.worker_id, 0), (len(route.token_ids) - 1) // bs if bs else 0)
+    fetched = max(0, pick.hint.num_blocks - blocks) if pick.hint is not None else 0
+    return pick._replace(predicted_tokens=blocks * bs, fetched_tokens=fetched * bs)

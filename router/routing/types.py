@@ -123,3 +123,10 @@ class Filter(Protocol):
     non-empty pool (a filter that would reject everyone keeps everyone)."""
 
     def keep(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> list[WorkerInfo]: ...
+
+
+def decode_pool(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+    """The workers a request may decode on: all but the prefill-role ones, unless those are
+    all there is (a last resort: a prefill worker decodes like a mixed one)."""
+    pool = [w for w in workers if w.role is not WorkerRole.PREFILL]
+    return pool if pool else list(workers)

@@ -12,16 +12,26 @@ arrays that it keeps). torch-free.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
 from contracts.roles import WorkerRole
-from router.routing.types import WorkerId, WorkerInfo
+from router.routing.types import WorkerId, WorkerInfo, decode_pool
 
-if TYPE_CHECKING:
-    from router.workers.registry import WorkerEntry
+
+class _Entry(Hashable, Protocol):
+    """What the columns read of a registry entry (router/workers/registry.py `WorkerEntry`)."""
+
+    info: WorkerInfo | None
+    address: str
+    in_flight: int
+    num_blocks: int
+    peer_plane: bool
+
+
+WorkerEntry = TypeVar("WorkerEntry", bound=_Entry)
 
 # the entry fields kept in columns: a change of one of these updates its column in place
 IN_PLACE = frozenset({"in_flight", "num_blocks"})
@@ -29,7 +39,7 @@ IN_PLACE = frozenset({"in_flight", "num_blocks"})
 REBUILD = frozenset({"info", "peer_plane"})
 
 
-class LiveColumns:
+class LiveColumns(Generic[WorkerEntry]):
     """The ready workers (`WorkerEntry.info` set) in the registry's order; see the module docstring."""
 
     def __init__(self, entries: Sequence[WorkerEntry]) -> None:
@@ -44,9 +54,7 @@ class LiveColumns:
         self.num_blocks = np.fromiter((e.num_blocks for e in live), dtype=np.int64, count=n)
         self.peer = np.fromiter((e.peer_plane for e in live), dtype=bool, count=n)
         self.peers: dict[WorkerId, str] = {self.ids[i]: live[i].address for i in np.flatnonzero(self.peer).tolist()}
-        # router/routing/disagg.py `decode_pool` (the pool a request's decode worker comes from)
-        # and its rows in these columns
-        from router.routing.disagg import decode_pool  # (it imports the registry, which imports this)
+        # `decode_pool` (the pool a request's decode worker comes from) and its rows in these columns
         prefill = any(i.role is WorkerRole.PREFILL for i in self.infos)
         self.decode_pool: list[WorkerInfo] = decode_pool(self.infos) if prefill else self.infos
         self.decode_rows: np.ndarray | None = (

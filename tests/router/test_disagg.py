@@ -12,8 +12,8 @@ from contracts.wire import to_generate_input, to_peer_hint
 from kvstore.metadata.registry import MetadataError, WorkerRecord
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
-from router.routing.disagg import SkipReason, decode_pool, is_active, skip_reason
-from router.routing.types import WorkerId, WorkerInfo
+from router.routing.disagg import SkipReason, is_active, skip_reason
+from router.routing.types import WorkerId, WorkerInfo, decode_pool
 
 P = WorkerInfo(WorkerId("p"), "h:1", WorkerRole.PREFILL)
 D = WorkerInfo(WorkerId("d"), "h:2", WorkerRole.DECODE)
