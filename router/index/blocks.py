@@ -20,19 +20,13 @@ prefill (`drop_pending`), or at its expiry (`add_pending`'s `expires_at`, shorte
 block a running request asks for that goes from its worker becomes pending for the request
 (unless a correction dropped it: `forget`).
 
-Shared blocks: `add_pending` also counts, per block, the requests whose prompts held it
-(up to two). A block two requests asked for is *shared* (a prefix, not one request's own
-tail). One asked for once may still be: the index learns, per depth in the prompt (block
-position), how often a block asked once was asked again (a system prompt's depths: mostly;
-a question's: never), and `shared_blocks(worker)` is the blocks the worker holds that are
-shared plus those asked once, each at its depth's rate ((again + 1) / (once + 2)) — the part
-of its pool a new placement would displace. Kept per worker and depth as blocks come and
-go; a block's count is forgotten once no worker holds or computes it.
+Shared blocks: `add_pending` also counts, per block, the requests whose prompts held it (up to
+two); `shared_blocks(worker)` is the part of a worker's pool a new placement would displace:
+its blocks asked for twice, plus those asked once at their depth's measured reuse rate (the
+tallies: router/index/asks.py), forgotten once no worker holds or computes the block.
 
-Evidence fades (router/index/asks.py): each block's part in `shared_blocks` halves with every
-`ask_half_life` pool-fulls of prompt blocks routed since its last ask (the traffic clock,
-which runs once `set_capacity` has told the index the pools' size), so a prefix no one asks
-for any more counts as room, whatever it was worth once.
+Evidence fades with the traffic since a block's last ask (router/index/asks.py), so a prefix
+no one asks for any more counts as room, whatever it was worth once.
 """
 from __future__ import annotations
 

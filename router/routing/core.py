@@ -23,9 +23,9 @@ from typing import NamedTuple
 import grpc
 
 from contracts.logs import REQUEST_ID, REQUEST_ID_HEADER
-from contracts.requests import BadRequest, GenerateInput, PeerHint, TenantShare
+from contracts.requests import BadRequest, GenerateInput, TenantShare
 from contracts.tokenizer import ModelTokenizer, TokenizerError
-from contracts.wire import from_sampling_params, to_peer_hint, to_tenant_share
+from contracts.wire import from_sampling_params, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
@@ -51,6 +51,7 @@ from router.routing.pick import (
     pick_worker,
     reference_view,
     routing_view,
+    with_hint,
 )
 from router.routing.policy import Policy, make_policy
 from router.routing.predictions import HitPredictions
@@ -265,7 +266,8 @@ class Router:
         call = responses = None
         try:
             await self.prefills.wait_for_leaders(rid, deadline - time.monotonic())
-            call = worker.stub.Generate(self._with_hint(request, pick.hint),
+            self.stats.peer_hints += pick.hint is not None
+            call = worker.stub.Generate(with_hint(request, pick.hint),
                                         timeout=max(deadline - time.monotonic(), 0.001),
                                         metadata=((REQUEST_ID_HEADER, rid),))
             responses = read_until_lost(call, worker.lost)
@@ -308,19 +310,12 @@ class Router:
                 await responses.aclose()
 
     def _check_prediction(self, worker_id: WorkerId, route: RouteRequest, predicted: int, served: int) -> None:
-        """Compare the hit the index predicted on `worker_id` with the one it served; where the
-        worker's over-prediction persists, drop the promised blocks it did not serve from the
-        index and ask it for an inventory (router/routing/predictions.py)."""
+        """The hit predicted on `worker_id` against the one served (router/routing/predictions.py); a
+        persisting over-prediction drops the stale blocks from the index and asks for an inventory."""
         info = self.model_info
         seen = self.predictions.observe(worker_id, route, predicted, served, info.block_size if info is not None else 0)
         self.observer.hit_predicted(worker_id, seen.error)
-        if predicted != served:
-            log.info("kvmesh router: hit mismatch on %s: the index predicted %d cached prompt tokens, it served %d",
-                     worker_id, predicted, served)
         if seen.correction is not None:
-            log.warning("kvmesh router: worker %s keeps serving fewer cached tokens than its index entries promise "
-                        "(%d predicted, %d served); dropping %d stale blocks, asking for its inventory",
-                        worker_id, predicted, served, len(seen.correction.lost))
             self.registry.index.forget(worker_id, seen.correction.lost)
             self.registry.request_inventory(worker_id)
 
@@ -400,12 +395,3 @@ class Router:
             return pick
         fetched = max(0, hint.num_blocks * info.block_size - pick.predicted_tokens)
         return pick._replace(hint=hint, fetched_tokens=fetched)
-
-    def _with_hint(self, request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
-        if hint is None:
-            return request
-        hinted = pb.GenerateRequest()
-        hinted.CopyFrom(request)
-        hinted.peer_hints.append(to_peer_hint(hint))
-        self.stats.peer_hints += 1
-        return hinted

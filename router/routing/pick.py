@@ -15,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from contracts.requests import PeerHint
+from contracts.wire import to_peer_hint
+from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.index.asks import cluster_fill
 from router.routing.fastpick import Columns, KvAwareFast
 from router.routing.inflight import InFlightPrefills
@@ -248,3 +250,13 @@ def as_listed(pick: Pick, listed: Mapping[WorkerId, int], route: RouteRequest, b
     blocks = min(listed.get(pick.worker.info.worker_id, 0), (len(route.token_ids) - 1) // bs if bs else 0)
     fetched = max(0, pick.hint.num_blocks - blocks) if pick.hint is not None else 0
     return pick._replace(predicted_tokens=blocks * bs, fetched_tokens=fetched * bs)
+
+
+def with_hint(request: pb.GenerateRequest, hint: PeerHint | None) -> pb.GenerateRequest:
+    """`request` with `hint` among its peer hints (a copy; `request` itself when there is none)."""
+    if hint is None:
+        return request
+    hinted = pb.GenerateRequest()
+    hinted.CopyFrom(request)
+    hinted.peer_hints.append(to_peer_hint(hint))
+    return hinted

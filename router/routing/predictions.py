@@ -15,11 +15,14 @@ core, on its loop; torch-free.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvstore.keys import BlockHash
 from router.routing.types import RouteRequest, WorkerId
+
+log = logging.getLogger("kvmesh.router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,9 @@ class HitPredictions:
         average over-prediction passed the threshold."""
         prompt = max(1, len(route.token_ids))
         error = max(-1.0, min(1.0, (predicted_tokens - served_tokens) / prompt))
+        if predicted_tokens != served_tokens:
+            log.info("kvmesh router: hit mismatch on %s: the index predicted %d cached prompt tokens, it served %d",
+                     worker_id, predicted_tokens, served_tokens)
         a = self.cfg.ewma_weight
         mean = self._ewma[worker_id] = (1.0 - a) * self._ewma.get(worker_id, 0.0) + a * max(0.0, error)
         shown = self.shown(worker_id)
@@ -76,6 +82,9 @@ class HitPredictions:
         self._shown[worker_id] = shown._replace(corrections=shown.corrections + 1)
         served_blocks = max(0, served_tokens) // block_size
         lost = route.block_hashes[served_blocks:max(served_blocks, predicted_tokens // block_size)]
+        log.warning("kvmesh router: worker %s keeps serving fewer cached tokens than its index entries promise "
+                    "(%d predicted, %d served); dropping %d stale blocks, asking for its inventory",
+                    worker_id, predicted_tokens, served_tokens, len(lost))
         return Observed(error, Correction(worker_id, tuple(lost)))
 
     def shown(self, worker_id: WorkerId) -> Shown:

@@ -1,45 +1,82 @@
-"""The ready workers as columns, kept between routing decisions (router/routing/pick.py
-`routing_view` reads them): the entries, ids and slots, the decode pool, the peers, and one
-numpy array per figure the kv_aware column pick reads from the entries (in-flight count, pool
-size, peer plane). Rebuilt — O(workers), once — only when the ready set changes (a worker
-joins, leaves, becomes ready or not, changes role or peer plane); a figure that changes on one
-entry (`in_flight` as the router counts a request, `num_blocks` from a probe) is written into
-its column there and then (`WorkerRegistry` hears every such assignment, router/workers/registry.py
-`WorkerEntry.__setattr__`). So a decision does no Python work per worker for them.
+"""A worker's registry entry (`WorkerEntry`), and the ready workers as columns kept between
+routing decisions (router/routing/pick.py `routing_view` reads them): the entries, ids and
+slots, the decode pool, the peers, and one numpy array per figure the kv_aware column pick
+reads from the entries (in-flight count, pool size, peer plane). Rebuilt — O(workers), once —
+only when the ready set changes (a worker joins, leaves, becomes ready or not, changes role or
+peer plane); a figure that changes on one entry (`in_flight` as the router counts a request,
+`num_blocks` from a probe) is written into its column there and then (`WorkerRegistry` hears
+every such assignment through `WorkerEntry.__setattr__`). So a decision does no Python work
+per worker for them.
 
 The arrays and collections are read-only for their readers (a view takes copies of the
 arrays that it keeps). torch-free.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Generic, Protocol, TypeVar
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2_grpc
 
 from contracts.roles import WorkerRole
-from router.routing.types import WorkerId, WorkerInfo, decode_pool
-
-
-class _Entry(Hashable, Protocol):
-    """What the columns read of a registry entry (router/workers/registry.py `WorkerEntry`)."""
-
-    info: WorkerInfo | None
-    address: str
-    in_flight: int
-    num_blocks: int
-    peer_plane: bool
-
-
-WorkerEntry = TypeVar("WorkerEntry", bound=_Entry)
+from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from router.routing.types import WorkerId, WorkerInfo, WorkerLoad, decode_pool
 
 # the entry fields kept in columns: a change of one of these updates its column in place
 IN_PLACE = frozenset({"in_flight", "num_blocks"})
 # the entry fields that decide the ready set, the pool or the peers: a change rebuilds
 REBUILD = frozenset({"info", "peer_plane"})
 
+_WATCHED = IN_PLACE | REBUILD
 
-class LiveColumns(Generic[WorkerEntry]):
+
+@dataclass(eq=False)
+class WorkerEntry:
+    """One worker address: its channel and stubs, and what the router knows of it. The
+    router core counts `in_flight`; probes write the rest."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    health: health_pb2_grpc.HealthStub
+    info: WorkerInfo | None = None          # set while the worker is ready
+    in_flight: int = 0                      # streams the router has open on it
+    free_blocks: int = 0                    # from its last GetLoad
+    num_blocks: int = 0
+    reused_blocks: int = 0                  # cached blocks a later request reused
+    peer_plane: bool = False                # it reported a peer plane (GetLoad's `peer`)
+    num_waiting: int = 0                    # its queue at its last GetLoad (requests waiting for admission)
+    disk_read_cost: float = 0.0             # GetLoad's disk_read_cost_ratio: a disk-held block's read / its prefill
+    refused: str | None = None              # why it may never serve (logged once)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/routing/migrate.py)
+    failed_probes: int = 0                  # consecutive probes that got no answer
+    admitted: bool = False                  # passed router/security/attest.py's handshake on this connection
+    worker_id: WorkerId | None = None       # last known (its Redis record, its GetLoad)
+    mismatched: bool = False                # `refused` because it disagreed with the reference model
+    probing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # the registry's listener: hears every assignment of a field its live columns keep
+    watch: Callable[[WorkerEntry, str], None] | None = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        watch = self.__dict__.get("watch") if name in _WATCHED else None
+        if watch is None:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name, value)
+        object.__setattr__(self, name, value)
+        if old != value:
+            watch(self, name)
+
+    @property
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks, self.reused_blocks,
+                          disk_read_cost=self.disk_read_cost)
+
+
+class LiveColumns:
     """The ready workers (`WorkerEntry.info` set) in the registry's order; see the module docstring."""
 
     def __init__(self, entries: Sequence[WorkerEntry]) -> None:

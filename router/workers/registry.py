@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,9 +31,9 @@ from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.index.compact import CompactBlockIndex
 from router.index.gate import GatedIndex
-from router.routing.types import WorkerId, WorkerInfo, WorkerLoad
+from router.routing.types import WorkerId, WorkerInfo
 from router.security.attest import Admitter, Verdict, worker_channel
-from router.workers.live import IN_PLACE, REBUILD, LiveColumns
+from router.workers.live import IN_PLACE, LiveColumns, WorkerEntry
 
 log = logging.getLogger("kvmesh.router")
 
@@ -42,52 +41,6 @@ WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _ROLES = frozenset(r.value for r in WorkerRole) | {""}
 LOST_AFTER_PROBES = 2   # unanswered probes in a row before a worker's open streams migrate
-
-
-_WATCHED = IN_PLACE | REBUILD
-
-
-@dataclass(eq=False)
-class WorkerEntry:
-    """One worker address: its channel and stubs, and what the router knows of it. The
-    router core counts `in_flight`; probes write the rest."""
-
-    address: str
-    channel: grpc.aio.Channel
-    stub: pb_grpc.WorkerStub
-    health: health_pb2_grpc.HealthStub
-    info: WorkerInfo | None = None          # set while the worker is ready
-    in_flight: int = 0                      # streams the router has open on it
-    free_blocks: int = 0                    # from its last GetLoad
-    num_blocks: int = 0
-    reused_blocks: int = 0                  # cached blocks a later request reused
-    peer_plane: bool = False                # it reported a peer plane (GetLoad's `peer`)
-    num_waiting: int = 0                    # its queue at its last GetLoad (requests waiting for admission)
-    disk_read_cost: float = 0.0             # GetLoad's disk_read_cost_ratio: a disk-held block's read / its prefill
-    refused: str | None = None              # why it may never serve (logged once)
-    lost: asyncio.Event = field(default_factory=asyncio.Event)   # set: streams on it move (router/routing/migrate.py)
-    failed_probes: int = 0                  # consecutive probes that got no answer
-    admitted: bool = False                  # passed router/security/attest.py's handshake on this connection
-    worker_id: WorkerId | None = None       # last known (its Redis record, its GetLoad)
-    mismatched: bool = False                # `refused` because it disagreed with the reference model
-    probing: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # the registry's listener: hears every assignment of a field its live columns keep
-    watch: Callable[[WorkerEntry, str], None] | None = field(default=None, repr=False)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        watch = self.__dict__.get("watch") if name in _WATCHED else None
-        if watch is None:
-            object.__setattr__(self, name, value)
-            return
-        old = self.__dict__.get(name, value)
-        object.__setattr__(self, name, value)
-        if old != value:
-            watch(self, name)
-
-    @property
-    def load(self) -> WorkerLoad:
-        return WorkerLoad(self.in_flight, self.free_blocks, self.num_blocks, self.reused_blocks,
-                          disk_read_cost=self.disk_read_cost)
 
 
 class WorkerRegistry:
