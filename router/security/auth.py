@@ -40,6 +40,10 @@ PRIORITY_FLAG = "priority"
 ADMIN_FLAG = "admin"
 SALT_OPTION = "salt="                             # keys file: the tenant's explicit cache_salt
 TENANT_KEY = web.RequestKey("kvmesh_tenant", "ApiKey")   # the caller's key on an authenticated request
+# The tenant slot of a counted HTTP request, released once (`release_slot`): a streaming
+# handler frees it before its last bytes, so a client that sends its next request the moment
+# this one ends is not refused for a slot the finished request still held.
+SLOT_KEY = web.RequestKey("kvmesh_tenant_slot", "Callable[[], None]")
 # the probes, and /dashboard (a page without data)
 _OPEN_HTTP_PATHS = frozenset({"/health", "/readyz", "/live", "/livez", "/dashboard"})
 _METRICS_PATH = "/metrics"                        # open too unless --metrics-require-key
@@ -209,6 +213,19 @@ class TenantLimiter:
         else:
             self._in_flight.pop(tenant, None)
 
+    def hold(self, tenant: TenantId) -> Callable[[], None] | None:
+        """A slot for `tenant` and the callable that frees it (a second call does nothing),
+        or None when the tenant is at its limit."""
+        if not self.acquire(tenant):
+            return None
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                self.release(tenant)
+        return release
+
     def too_many(self, tenant: TenantId) -> str:
         return f"tenant {tenant!r} has {self.limit} requests in flight (--max-concurrent-per-tenant)"
 
@@ -264,13 +281,15 @@ class Authenticator:
             request[TENANT_KEY] = key
             if request.method != "POST" or not request.path.startswith(_LIMITED_HTTP_PREFIX):
                 return await handler(request)
-            if not self.limiter.acquire(key.tenant):
+            release = self.limiter.hold(key.tenant)
+            if release is None:
                 return _error_response(429, self.limiter.too_many(key.tenant), "too_many_requests",
                                        "rate_limit_error")
+            request[SLOT_KEY] = release
             try:
                 return await handler(request)
             finally:
-                self.limiter.release(key.tenant)
+                release()
         return authenticate
 
     # -- gRPC ---------------------------------------------------------------------------------
@@ -330,6 +349,27 @@ class _GrpcAuth(grpc.aio.ServerInterceptor):
         return handler
 
 
+class _ReleasingContext:
+    """A servicer context whose `abort` frees the tenant slot before the status goes out."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, release: Callable[[], None]) -> None:
+        self._context, self._release = context, release
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> Any:
+        self._release()
+        return await self._context.abort(code, details, trailing_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def release_slot(request: web.Request) -> None:
+    """Frees the request's tenant slot now (a no-op on requests not counted)."""
+    release = request.get(SLOT_KEY)
+    if release is not None:
+        release()
+
+
 def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter, key: ApiKey) -> grpc.RpcMethodHandler:
     """`handler` (unary-stream Generate) counted against the key's tenant for as long as its
     stream runs; a `priority` from a tenant not flagged for it is PERMISSION_DENIED."""
@@ -339,12 +379,18 @@ def _limited_stream(handler: grpc.RpcMethodHandler, limiter: TenantLimiter, key:
         message = getattr(request, "message", None)   # a ParsedRequest (contracts.wire)
         if not key.priority and message is not None and message.priority:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, PRIORITY_DENIED)
-        if not limiter.acquire(tenant):
+        release = limiter.hold(tenant)
+        if release is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, limiter.too_many(tenant))
+            return
+        # The slot is freed before the client can see the call end: before the finished
+        # response is sent, and before an abort's status (grpc.aio sends it inside `abort`).
         try:
-            async for response in inner(request, context):
+            async for response in inner(request, _ReleasingContext(context, release)):
+                if getattr(response, "finished", False):
+                    release()
                 yield response
         finally:
-            limiter.release(tenant)
+            release()
     return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
                                                 response_serializer=handler.response_serializer)

@@ -49,7 +49,7 @@ from router.fronts.openai.utility_routes import add_utility_routes
 from router.fronts.openai.vllm_fields import FieldError, UnknownFieldLog, apply_vllm_fields
 from router.routing.core import Router
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
-from router.security.auth import ANONYMOUS, TENANT_KEY, authenticator_for
+from router.security.auth import ANONYMOUS, TENANT_KEY, authenticator_for, release_slot
 
 
 class HttpFrontend:
@@ -299,6 +299,8 @@ class HttpFrontend:
             r: pb.GenerateResponse | None = first
             while r is not None:
                 last = r
+                if r.finished:
+                    release_slot(request)   # over: the tenant's next request may start as this one's last chunk goes
                 completion_tokens += len(r.token_ids)
                 deltas = choices.delta(r)   # one chunk per choice: n choices stream interleaved
                 for i, choice in enumerate(deltas):
@@ -312,6 +314,7 @@ class HttpFrontend:
             assert last is not None and last.finished, "Router.generate ends with a finished response or raises"
             if include_usage:
                 await send([], **{"kvmesh": {"worker_id": last.worker_id}, "usage": _usage(last)})
+        release_slot(request)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
