@@ -18,7 +18,7 @@ blocks). Once settled a request asks for nothing more. Not thread-safe; torch-fr
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvstore.events import WorkerId
 from kvstore.keys import BlockHash
@@ -31,6 +31,10 @@ class PendingBlocks:
 
     def __init__(self) -> None:
         self.by_block: dict[BlockHash, dict[WorkerId, set[str]]] = {}
+        # per block, the requests of every worker computing it (`by_block[h]`'s sets, joined:
+        # a request is recorded on one worker), so `computing_any` is O(the prompt's blocks and
+        # the requests computing them), not O(blocks × the workers computing each)
+        self._rids: dict[BlockHash, set[str]] = {}
         self._requests: dict[str, Pending] = {}
         self._on: dict[WorkerId, int] = {}            # records per worker (none: no pending there)
         self._asking: dict[BlockHash, dict[WorkerId, set[str]]] = {}   # the running requests asking for it
@@ -49,6 +53,7 @@ class PendingBlocks:
         self._on[worker_id] = self._on.get(worker_id, 0) + 1
         for h in todo:
             self.by_block.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
+            self._rids.setdefault(h, set()).add(request_id)
         for h in hashes:
             self._asking.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
         heapq.heappush(self._expiry, (expires_at, request_id))
@@ -83,6 +88,7 @@ class PendingBlocks:
             if computing is None or rids is None:
                 continue
             rids.discard(request_id)
+            self._unlist(h, (request_id,))
             if not rids:
                 del computing[p.worker_id]
                 if not computing:
@@ -108,7 +114,12 @@ class PendingBlocks:
             if not self._asking[h]:
                 del self._asking[h]
             return
-        self.by_block.setdefault(h, {})[worker_id] = set(rids)
+        computing = self.by_block.setdefault(h, {})
+        old = computing.get(worker_id)
+        if old:
+            self._unlist(h, old)
+        computing[worker_id] = set(rids)
+        self._rids.setdefault(h, set()).update(rids)
         for rid in rids:
             p = self._requests[rid]
             if h not in p.hashes:
@@ -117,8 +128,19 @@ class PendingBlocks:
     def confirm(self, worker_id: WorkerId, h: BlockHash) -> None:
         """`worker_id` stored `h`: no longer a prediction there."""
         computing = self.by_block.get(h)
-        if computing is not None and computing.pop(worker_id, None) is not None and not computing:
-            del self.by_block[h]
+        rids = computing.pop(worker_id, None) if computing is not None else None
+        if rids is not None:
+            self._unlist(h, rids)
+            if not computing:
+                del self.by_block[h]
+
+    def _unlist(self, h: BlockHash, rids: Iterable[str]) -> None:
+        """`rids` compute `h` no more (on their worker): out of `_rids[h]`."""
+        listed = self._rids.get(h)
+        if listed is not None:
+            listed.difference_update(rids)
+            if not listed:
+                del self._rids[h]
 
     def expired(self, now: float) -> list[str]:
         """The requests whose record expires at or before `now` (the caller drops them)."""
@@ -147,11 +169,21 @@ class PendingBlocks:
 
     def computing_any(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, set[str]]:
         """`computing` of every worker where it is not empty."""
-        out: dict[WorkerId, set[str]] = {}
+        found: set[str] = set()
+        listed = self._rids
         for h in block_hashes:
-            for w, rids in self.by_block.get(h, {}).items():
-                if rids and w in self._on:
-                    out.setdefault(w, set()).update(rids)
+            rids = listed.get(h)
+            if rids:
+                found |= rids
+        out: dict[WorkerId, set[str]] = {}
+        requests = self._requests
+        for rid in found:       # every request in by_block[h][w] is recorded on w (check_pending)
+            w = requests[rid].worker_id
+            got = out.get(w)
+            if got is None:
+                out[w] = {rid}
+            else:
+                got.add(rid)
         return out
 
     def requests(self) -> list[str]:
@@ -163,6 +195,8 @@ class PendingBlocks:
 
     def check(self, holders: Callable[[BlockHash], Collection[WorkerId]]) -> None:
         check_pending(self.by_block, self._requests, self._on, holders, self._asking)
+        joined = {h: set().union(*computing.values()) for h, computing in self.by_block.items()}
+        assert joined == self._rids, "the requests computing each block disagree with the pending map"
 
     def _unask(self, request_id: str, p: Pending) -> None:
         for h in set(p.asking):

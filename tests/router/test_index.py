@@ -277,6 +277,15 @@ class IndexMachine(RuleBasedStateMachine):
         for h in H:
             assert self.index.locate(h) == {w: frozenset(held[h]) for w, held in self.model.items()
                                             if h in held}
+        # the requests computing the blocks, per worker: as the pending map names them (sparse)
+        computing: dict[WorkerId, set[str]] = {}
+        for h in H:
+            for w, rids in self.index._pending.by_block.get(h, {}).items():
+                computing.setdefault(w, set()).update(rids)
+        assert self.index.computing_any(H) == computing
+        assert self.index.computing_any(H[:2]) == {
+            w: set().union(*(self.index._pending.by_block.get(h, {}).get(w, set()) for h in H[:2]))
+            for w in {w for h in H[:2] for w in self.index._pending.by_block.get(h, {})}}
 
 
 IndexMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
