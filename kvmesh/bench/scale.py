@@ -17,6 +17,12 @@ column pick over the kept columns. `runs` holds the last variant
 named, `baseline` the others, measured in the same run. Picks may take at most half the router loop's time (the rest
 is the consumer's); decisions due beyond that are shed and counted (`details`).
 
+Pinning (`--pin split`, the default; kvmesh/bench/scale_pin.py): this process — the router's
+consumer and its picks — runs on one core, the fleet child and redis-server on the others, as a
+deployed router has cores of its own; `config.pinning` records the split (none on a 1-core
+machine). The fleet then shares its core with Redis: `details[].fleet.requests_per_s` is the
+request rate it achieved, beside `requests_per_s_demanded`.
+
 The modelled event rate (the derivation):
 - A worker computes `tokens_per_s` tokens a second whose blocks it stores: its measured prefill
   rate, read from `docs/results/prefix-quick.json` (`kvmesh bench prefix`: prefix + suffix
@@ -61,6 +67,7 @@ from typing import Any
 
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
+from kvmesh.bench.scale_pin import MODES, Pinning, pin_children, pin_router, plan, unpin_router
 from kvmesh.bench.scale_router import INDEXES, PassConfig, PassResult, RouterPass
 from kvmesh.bench.scale_workers import FleetConfig, fleet_argv
 from kvmesh.bench.sim import make_trace
@@ -84,6 +91,7 @@ class ScaleConfig:
     service_s: float = 2.0
     trace_requests: int = 2000
     fill_timeout_s: float = 300.0
+    pin: str = "split"              # kvmesh/bench/scale_pin.py MODES
 
     def __post_init__(self) -> None:
         if not self.workers or any(n <= 0 for n in self.workers):
@@ -92,6 +100,8 @@ class ScaleConfig:
             raise ValueError(f"indexes={self.indexes!r}; accepted: {sorted(INDEXES)}")
         if self.pool_blocks < 64:
             raise ValueError(f"pool_blocks={self.pool_blocks!r} must be >= 64 (a request takes up to 40)")
+        if self.pin not in MODES:
+            raise ValueError(f"pin={self.pin!r}; accepted: {', '.join(MODES)}")
         for name in ("tokens_per_s", "steady_s", "decision_rate", "service_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
@@ -157,14 +167,19 @@ class _FleetProcess:
         return summary
 
 
-def run_point(cfg: ScaleConfig, n: int, log_dir: Path) -> list[tuple[str, PassResult, dict[str, Any]]]:
-    """Every index structure at `n` workers, against one Redis and one fleet."""
+def run_point(cfg: ScaleConfig, n: int, log_dir: Path,
+              pinning: Pinning | None = None) -> list[tuple[str, PassResult, dict[str, Any]]]:
+    """Every index structure at `n` workers, against one Redis and one fleet (both on
+    `pinning.others`, this process on `pinning.router`: kvmesh/bench/scale_pin.py)."""
+    pinning = pinning if pinning is not None else Pinning()
     redis_url, redis_child = start_redis(log_dir)
+    pin_children(pinning, [redis_child.proc.pid])
     fleet_cfg = cfg.fleet(redis_url, n)
     trace = make_trace(fleet_cfg.sim())
     out: list[tuple[str, PassResult, dict[str, Any]]] = []
     try:
         fleet = _FleetProcess(fleet_cfg)
+        pin_children(pinning, [fleet.proc.pid])
         try:
             ready = fleet.expect("ready")
             for kind in cfg.indexes:
@@ -251,13 +266,18 @@ def run(cfg: ScaleConfig) -> dict[str, Any]:
     load0 = [round(x, 2) for x in os.getloadavg()]
     by_kind: dict[str, list[dict[str, Any]]] = {k: [] for k in cfg.indexes}
     details: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvmesh-scale-") as tmp:
-        for n in cfg.workers:
-            log_dir = Path(tmp) / f"n{n}"
-            log_dir.mkdir()
-            for kind, result, extra in run_point(cfg, n, log_dir):
-                by_kind[kind].append(_run_row(n, result))
-                details.append(_detail(n, kind, result, extra))
+    pinning = plan(cfg.pin)
+    pin_router(pinning)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvmesh-scale-") as tmp:
+            for n in cfg.workers:
+                log_dir = Path(tmp) / f"n{n}"
+                log_dir.mkdir()
+                for kind, result, extra in run_point(cfg, n, log_dir, pinning):
+                    by_kind[kind].append(_run_row(n, result))
+                    details.append(_detail(n, kind, result, extra))
+    finally:
+        unpin_router(pinning)
     main_kind = cfg.indexes[-1]
     runs = by_kind[main_kind]
     text = bottleneck([dict(r, _index=main_kind) for r in runs], details)
@@ -274,6 +294,7 @@ def run(cfg: ScaleConfig) -> dict[str, Any]:
                        "max_decision_rate": cfg.decision_rate, "service_s": cfg.service_s,
                        "router": "in the bench process (one asyncio loop: consumer + picks)",
                        "workers_process": "one child process for all N workers",
+                       "pinning": pinning.describe(),
                        "load_avg_start": load0, "load_avg_end": [round(x, 2) for x in os.getloadavg()]}}
 
 
@@ -292,7 +313,7 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
                                                                  default.trace_requests)
     try:
         return ScaleConfig(workers=args.workers, indexes=tuple(args.index.split(",")), pool_blocks=args.pool_blocks,
-                           tokens_per_s=tokens, tokens_source=source, trace_requests=trace,
+                           tokens_per_s=tokens, tokens_source=source, trace_requests=trace, pin=args.pin,
                            steady_s=args.steady_s if args.steady_s is not None else steady_s,
                            decision_rate=args.decision_rate if args.decision_rate is not None else rate)
     except ValueError as e:
@@ -324,4 +345,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default 20, --quick 8)")
     p.add_argument("--decision-rate", type=float, default=None,
                    help="routing decisions per second, at most (default 50, --quick 20)")
+    p.add_argument("--pin", choices=MODES, default="split",
+                   help="split (default): this process (the router: consumer and picks) on one core, the worker "
+                        "fleet and redis-server on the others, as a deployed router has cores of its own "
+                        "(skipped on a 1-core machine); none: no pinning")
     p.set_defaults(run=main)

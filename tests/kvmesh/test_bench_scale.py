@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from contracts.cli import CLIError
 from kvmesh.bench.scale import ScaleConfig, config_from_args, register
 from kvmesh.bench.scale_memory import deep_size
+from kvmesh.bench.scale_pin import pin_process, plan
 from kvmesh.cli import main
 from tests.support.redis_server import REDIS_SERVER
 
@@ -38,6 +42,39 @@ def test_flags_and_their_errors() -> None:
         _parse("--workers", "4,many")
 
 
+def test_the_pinning_splits_the_router_from_the_fleet_and_redis() -> None:
+    split = plan("split", [0, 1, 2])
+    assert (split.router, split.others, split.active) == ((0,), (1, 2), True)
+    assert split.describe()["router_cpus"] == [0] and split.describe()["redis_cpus"] == [1, 2]
+    one = plan("split", [3])
+    assert not one.active and "1 core" in one.skipped and one.describe() == {"pinned": False, "why": one.skipped}
+    assert not plan("none", [0, 1]).active
+    with pytest.raises(ValueError, match="pin"):
+        plan("half")
+    with pytest.raises(ValueError, match="pin"):
+        ScaleConfig(pin="half")
+    assert config_from_args(_parse("--pin", "none")).pin == "none" and ScaleConfig().pin == "split"
+    with pytest.raises(SystemExit):
+        _parse("--pin", "half")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to pin to")
+def test_pin_process_moves_every_thread_of_a_child() -> None:
+    code = ("import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); "
+            "print(1, flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "1"
+        core = max(os.sched_getaffinity(0))
+        assert pin_process(child.pid, [core]) == 2
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert all(os.sched_getaffinity(t) == {core} for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_the_size_walk_counts_shared_objects_once() -> None:
     key = 2**100
     d = {key: 1}
@@ -55,6 +92,7 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "machine" in result["meta"]
+    assert result["config"]["pinning"]["pinned"] == (len(os.sched_getaffinity(0)) >= 2)
     assert isinstance(result["bottleneck"], str) and result["bottleneck"]
     assert set(result["baseline"]) == {"legacy", "compact-dicts", "compact-tracked", "compact-per-pick"}
     for runs in (result["runs"], *result["baseline"].values()):
