@@ -29,7 +29,7 @@ from contracts.wire import from_sampling_params, to_tenant_share
 from kvstore.keys import block_hashes, cache_salt_root
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.config import RouterConfig
-from router.routing.disagg import Disaggregation, is_active
+from router.routing.disagg import Disaggregation
 from router.routing.errors import NoWorkerAvailable, TokenizerNotLoaded, UpstreamError
 from router.routing.fastpick import KvAwareFast
 from router.routing.inflight import InFlightPrefills
@@ -383,9 +383,10 @@ class Router:
                         deadline: float) -> Pick:
         """In a disaggregated cluster, the prefill hop before `pick`'s decode worker streams
         (router/routing/disagg.py): `pick` with a hand-off hint, or as it is (hop skipped or failed)."""
-        workers, info = self.live_workers(), self.model_info
-        if not is_active(workers) or pick.worker.info is None or info is None or not info.block_size:
-            return pick
+        live, info = self.registry.live_columns(), self.model_info
+        if not live.disaggregated or pick.worker.info is None or info is None or not info.block_size:
+            return pick     # (the common case: no per-worker work per request)
+        workers = live.infos
         view = self._routing_view(route)
         plan = self.disagg.plan(workers, self.policy, route, view.state, view.peers, pick.worker.info.worker_id,
                                 pick.predicted_tokens + pick.fetched_tokens,

@@ -92,7 +92,11 @@ class LiveColumns:
         self.peer = np.fromiter((e.peer_plane for e in live), dtype=bool, count=n)
         self.peers: dict[WorkerId, str] = {self.ids[i]: live[i].address for i in np.flatnonzero(self.peer).tolist()}
         # `decode_pool` (the pool a request's decode worker comes from) and its rows in these columns
-        prefill = any(i.role is WorkerRole.PREFILL for i in self.infos)
+        roles = frozenset(i.role for i in self.infos)
+        prefill = WorkerRole.PREFILL in roles
+        # a prefill and a decode worker are ready: disaggregated serving is on (router/routing/disagg.py
+        # `is_active` of these workers, decided once per ready set)
+        self.disaggregated = prefill and WorkerRole.DECODE in roles
         self.decode_pool: list[WorkerInfo] = decode_pool(self.infos) if prefill else self.infos
         self.decode_rows: np.ndarray | None = (
             np.array([self.slots[i.worker_id] for i in self.decode_pool], dtype=np.intp) if prefill else None)

@@ -150,6 +150,7 @@ def test_router_pick_follows_the_registry_between_picks() -> None:
     pick stays the reference's."""
     from contracts.roles import WorkerRole
     from kvmesh.bench.scale_pick import SyntheticConfig, synthetic_router
+    from router.routing.disagg import is_active
 
     async def go() -> None:
         now = [0.0]
@@ -158,7 +159,7 @@ def test_router_pick_follows_the_registry_between_picks() -> None:
         registry, rng = router.registry, random.Random(9)
         index, entries = registry.index, registry.live()
         down: list = []
-        changes = 0
+        changes = seen_active = 0
         for i, route in enumerate(trace):
             now[0] += rng.choice([0.0, 0.01, 0.5])
             e = rng.choice(entries)
@@ -168,14 +169,19 @@ def test_router_pick_follows_the_registry_between_picks() -> None:
             elif kind == 2 and e.info is not None and len(down) < 5:       # a failed call
                 down.append((e, e.info))
                 registry.mark_down(e, "test")
-            elif kind == 3 and down:                        # ready again, perhaps as a prefill worker
+            elif kind == 3 and down:                        # ready again, perhaps as a prefill or decode worker
                 back, info = down.pop(0)
-                back.info = replace(info, role=WorkerRole.PREFILL) if rng.random() < 0.5 else info
+                role = rng.choice([WorkerRole.PREFILL, WorkerRole.PREFILL, WorkerRole.DECODE])
+                back.info = replace(info, role=role) if rng.random() < 0.5 else info
             elif kind == 4 and i == 100:                    # a worker leaves the registry
                 gone = entries.pop()
                 registry.set_workers([x.address for x in entries], probe=False)
                 down = [d for d in down if d[0] is not gone]
             changes += kind in (1, 2, 3)
+            # the hand-off's test (router/routing/core.py `_hand_off`), kept with the columns
+            active = is_active([x.info for x in registry.live()])  # type: ignore[misc]
+            assert registry.live_columns().disaggregated == active, i
+            seen_active += active
             tried = {x.info.worker_id for x in rng.sample(registry.live(), 2)} if i % 5 == 0 else set()  # type: ignore[union-attr]
             view = router._routing_view(route)
             assert view.state == reference_view(registry, router.prefills, route, 16).state, i
@@ -190,7 +196,7 @@ def test_router_pick_follows_the_registry_between_picks() -> None:
             if i % 2:
                 got.worker.in_flight -= 1
                 router.prefills.done(index, f"f-{i}", streamed=True)
-        assert changes > 50
+        assert changes > 50 and 0 < seen_active < len(trace)
         live = registry.live_columns()
         assert live.ids == [x.info.worker_id for x in registry.live()]  # type: ignore[union-attr]
         assert live.in_flight.tolist() == [x.in_flight for x in registry.live()]
