@@ -201,15 +201,15 @@ class TallyTable:
         active = np.flatnonzero(self.nonzero[:d])     # the depths where some row is not 0.0
         if len(active) and len(rows):
             # every row up to the highest asked for, a depth at a time (contiguous: no gather of
-            # rows × depths), each row's terms added in ascending depth, left to right (the
-            # depths left out would add 0.0 to every row)
+            # rows × depths): n * (again + 1) / (first + 2) as Tally.expected computes it, in
+            # place, then each row's terms added in ascending depth, left to right — a reduce
+            # over the outer axis of a C-ordered block is that loop, row by row (no pairwise
+            # summation: that is for the contiguous axis) — the depths left out would add 0.0
             hi = int(safe.max()) + 1
-            terms = self.once[active, :hi] * (np.asarray(again[:d], dtype=float)[active] + 1.0)[:, None] \
-                / (np.asarray(first[:d], dtype=float)[active] + 2.0)[:, None]
-            rates = terms[0].copy()
-            for j in range(1, len(active)):
-                rates += terms[j]
-            shared = shared + rates[safe]
+            terms = self.once[active, :hi]
+            terms *= np.array([again[j] for j in active.tolist()], dtype=float)[:, None] + 1.0
+            terms /= np.array([first[j] for j in active.tolist()], dtype=float)[:, None] + 2.0
+            shared = shared + np.add.reduce(terms, axis=0)[safe]
         out = np.maximum(0.0, scale * shared)
         out[rows < 0] = 0.0
         return out
