@@ -14,7 +14,7 @@ BlockId = NewType("BlockId", int)
 class Block:
     """Metadata of one block; `prev`/`next` link it into the free queue while free."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "reused", "protected", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "reused", "protected", "freed_at", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = BlockId(block_id)
@@ -22,6 +22,7 @@ class Block:
         self.block_hash: BlockHash | None = None
         self.reused = False      # its cached hash was reused by a later request (`touch`)
         self.protected = False   # free, in the protected queue
+        self.freed_at = 0        # the pool's allocation count when it was last freed (kvstore/pool.py)
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -70,3 +71,25 @@ class FreeQueue:
             out.append(node)
             node = node.next if forward else node.prev
         return out
+
+
+def eviction_order(probation: list[Block], protected: list[Block], n: int, stale_before: int) -> list[Block]:
+    """The first `n` blocks of the two free queues' heads in the order the pool evicts them
+    once protection fades: a probation block first, unless the protected head is stale (freed
+    at or before `stale_before`) and was freed before it; an empty probation block (no hash)
+    always first. Once the probation blocks run out, the protected ones in order."""
+    out: list[Block] = []
+    i = j = 0
+    while len(out) < n:
+        p = probation[i] if i < len(probation) else None
+        q = protected[j] if j < len(protected) else None
+        if q is not None and (p is None or (q.freed_at <= stale_before and p.block_hash is not None
+                                            and q.freed_at < p.freed_at)):
+            out.append(q)
+            j += 1
+        elif p is not None:
+            out.append(p)
+            i += 1
+        else:
+            break
+    return out

@@ -19,8 +19,11 @@ The design of vLLM v1 (0.10) `BlockPool`, without tensors (this module imports n
   its requests share and evicts the one-off questions first, where a plain LRU (vLLM's)
   evicts an idle shared prefix as soon as it is older than the last few requests' tails.
   The protected queue holds at most `protected_frac` of the pool; past that its least
-  recently freed block moves back to the probation queue's tail (so a stale prefix still
-  ages out). `protected_frac=0` is vLLM's plain LRU.
+  recently freed block moves back to the probation queue's tail. `protected_frac=0` is
+  vLLM's plain LRU.
+- Protection fades: a protected block not reused while the pool allocated `protect_turnovers`
+  x its size is *stale*: `allocate` weighs it against cached probation blocks by age alone, so
+  yesterday's shared prefixes give way to today's (a workload that shifts). None: never fades.
 - Per-owner caps (`kvstore.quota`): `cache_full_blocks` records the owner (tenant) of each
   newly cached block; while an owner holds more cached blocks than its cap (`set_owner_cap`,
   else `max_cached_frac` of the pool), `allocate` takes empty free blocks, then that owner's
@@ -36,11 +39,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
-from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue
+from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue, eviction_order
 from kvstore.hash_index import HashIndex, NullHashIndex
 from kvstore.keys import BlockHash
-from kvstore.pool_check import check_pool_integrity
+from kvstore.pool_check import check_pool_args, check_pool_integrity
 from kvstore.quota import CachedQuota, Owner, OwnerUsage
+
+PROTECT_TURNOVERS = 1.0   # the fade (module docstring); measured: kvmesh.bench.routing.sweep_protect_turnovers
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +112,14 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
                  on_evict: EvictCallback | None = None,
                  enable_kv_cache_events: bool = True, protected_frac: float = 0.8,
-                 max_cached_frac: float = 1.0) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
-        if not 0.0 <= protected_frac <= 1.0:
-            raise ValueError(f"protected_frac={protected_frac!r} must be in [0, 1]")
+                 max_cached_frac: float = 1.0, protect_turnovers: float | None = PROTECT_TURNOVERS) -> None:
+        check_pool_args(num_blocks, protected_frac, protect_turnovers)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free = _FreeQueue(self._blocks)           # probation: allocate takes these first
         self._protected = _FreeQueue(())                # free blocks a later request reused
         self._max_protected = int(protected_frac * num_blocks)
+        self._stale_after = None if protect_turnovers is None else int(protect_turnovers * num_blocks)
+        self._allocated = 0          # blocks handed out since the pool was built: the fade's clock
         self._num_reused = 0
         self._quota = CachedQuota(num_blocks, max_cached_frac)
         self._index: HashIndex = HashIndex() if enable_prefix_caching else NullHashIndex()
@@ -147,6 +151,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._drop_hash(block)
             block.ref_cnt = 1
+        self._allocated += n
         return [block.block_id for block in taken]
 
     def _victims(self, n: int) -> list[_Block]:
@@ -155,7 +160,10 @@ class BlockPool:
         first = self._quota.victims(n)
         if first is None:
             head = self._free.walk(forward=True, limit=n)
-            return head + self._protected.walk(forward=True, limit=n - len(head))
+            if self._stale_after is None or not len(self._protected):
+                return head + self._protected.walk(forward=True, limit=n - len(head))
+            return eviction_order(head, self._protected.walk(forward=True, limit=n), n,
+                                  self._allocated - self._stale_after)
         chosen = [self._blocks[b] for b in first]
         skip = set(first)
         for queue in (self._free, self._protected):
@@ -183,6 +191,7 @@ class BlockPool:
     def _release(self, block: _Block) -> None:
         """A block at ref_cnt 0 joins its free queue's tail (a reused cached block the
         protected one, whose oldest block moves to probation when it is over its cap)."""
+        block.freed_at = self._allocated
         if block.reused and block.block_hash is not None and self._max_protected > 0:
             block.protected = True
             self._protected.append(block)

@@ -9,6 +9,16 @@ from kvstore.keys import BlockHash
 from kvstore.quota import CachedQuota
 
 
+def check_pool_args(num_blocks: int, protected_frac: float, protect_turnovers: float | None) -> None:
+    """ValueError naming the first `BlockPool` argument out of range."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks={num_blocks!r} must be a positive integer")
+    if not 0.0 <= protected_frac <= 1.0:
+        raise ValueError(f"protected_frac={protected_frac!r} must be in [0, 1]")
+    if protect_turnovers is not None and not protect_turnovers > 0:
+        raise ValueError(f"protect_turnovers={protect_turnovers!r} must be > 0 (None: never fades)")
+
+
 def check_pool_integrity(blocks: Sequence[Block], free: FreeQueue, protected: FreeQueue, max_protected: int,
                          num_reused: int, index: Mapping[BlockHash, BlockId], quota: CachedQuota) -> None:
     """Raise AssertionError describing the first broken invariant, if any (`free`: the probation

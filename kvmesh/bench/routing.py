@@ -159,10 +159,11 @@ def live_sim_config(live: bench_live.LiveConfig, scenario: str, seed: int) -> Si
 
 
 def simulate_live_scenario(policy: RoutingPolicy, live: bench_live.LiveConfig, scenario: str, seed: int,
-                           ask_half_life: float | None = None) -> SimResult:
+                           ask_half_life: float | None = None, **pool: float | None) -> SimResult:
     """One routing-live scenario simulated; `shift`: the second phase's figures, after a fill
-    by a trace of other prefixes on the same pools and router index."""
-    cfg = live_sim_config(live, scenario, seed)
+    by a trace of other prefixes on the same pools and router index. `pool`: SimConfig fields
+    of the workers' pools (`protect_turnovers`)."""
+    cfg = replace(live_sim_config(live, scenario, seed), **pool)  # type: ignore[arg-type]
     if ask_half_life is not None:
         cfg = replace(cfg, ask_half_life=ask_half_life)
     if scenario != "shift":
@@ -194,6 +195,31 @@ def sweep_ask_half_life(quick: bool = True, seeds: int = 10,
             row[scenario] = {"hit_rate": statistics.mean(r.hit_rate for r in runs),
                              "cold_requests": statistics.mean(r.cold_requests for r in runs),
                              "imbalance": statistics.mean(r.imbalance for r in runs)}
+    return out
+
+
+def sweep_protect_turnovers(quick: bool = True, seeds: int = 20,
+                            turnovers: tuple[float | None, ...] = (None, 4.0, 2.0, 1.0, 0.5, 0.25)) -> dict[str, Any]:
+    """kv_aware and round robin over the simulated routing-live scenarios as the workers' pools'
+    `protect_turnovers` (kvstore/pool.py: how long a reused block stays protected unused) varies:
+    hit rate and cold requests averaged over `seeds` traces. The default `PROTECT_TURNOVERS` is
+    the best kv_aware shift hit rate that costs the pressure scenario nothing at either size and
+    keeps `kvmesh bench router --quick --no-live` within its targets (docs/routing.md has the
+    figures). Run it with
+        .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_protect_turnovers as s;
+                             print(json.dumps(s(), indent=1))"
+    (one line; quick sizes; `s(quick=False)` for the default ones)."""
+    live = bench_live.QUICK if quick else bench_live.LiveConfig()
+    out: dict[str, Any] = {}
+    for t in turnovers:
+        row = out[str(t)] = {}
+        for scenario in bench_live.SCENARIOS:
+            for policy in (RoutingPolicy.KV_AWARE, RoutingPolicy.ROUND_ROBIN):
+                runs = [simulate_live_scenario(policy, live, scenario, seed, protect_turnovers=t)
+                        for seed in range(seeds)]
+                row[f"{scenario}/{policy.value}"] = {
+                    "hit_rate": round(statistics.mean(r.hit_rate for r in runs), 4),
+                    "cold_requests": round(statistics.mean(r.cold_requests for r in runs), 2)}
     return out
 
 

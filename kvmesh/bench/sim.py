@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
-from kvstore.pool import BlockId, BlockPool, BlockRemoved, BlockStored
+from kvstore.pool import PROTECT_TURNOVERS, BlockId, BlockPool, BlockRemoved, BlockStored
 from router.index.asks import ASK_HALF_LIFE, cluster_fill
 from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightConfig, InFlightPrefills
@@ -53,6 +53,7 @@ class SimConfig:
     prefill_tokens_per_s: float = 4096.0   # a cold 38-block prompt: ~0.15 of the mean decode time
     seed: int = 0
     ask_half_life: float = ASK_HALF_LIFE   # the router index's (router/index/asks.py)
+    protect_turnovers: float | None = PROTECT_TURNOVERS   # the workers' pools' (kvstore/pool.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,11 @@ class WorkerPool:
     """One simulated worker's KV pool: a `BlockPool` whose events reach `index` (if given)
     as the worker's KV event stream does."""
 
-    def __init__(self, worker_id: WorkerId, num_blocks: int, index: BlockIndex | None) -> None:
+    def __init__(self, worker_id: WorkerId, num_blocks: int, index: BlockIndex | None,
+                 protect_turnovers: float | None = PROTECT_TURNOVERS) -> None:
         self.worker_id = worker_id
-        self.pool = BlockPool(num_blocks, enable_kv_cache_events=index is not None)
+        self.pool = BlockPool(num_blocks, enable_kv_cache_events=index is not None,
+                              protect_turnovers=protect_turnovers)
         self.index = index
 
     def pin(self, hashes: tuple[BlockHash, ...]) -> list[BlockId]:
@@ -133,7 +136,8 @@ class _Sim:
         self.policy = make_policy(policy_name, cfg.load_factor)
         self.index = BlockIndex(ask_half_life=cfg.ask_half_life)
         self.index.set_capacity(cfg.cache_blocks * cfg.num_workers)
-        self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index) for w in self.workers}
+        self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index, cfg.protect_turnovers)
+                      for w in self.workers}
         self.blocks: dict[str, list[BlockId]] = {}    # request id → the blocks it holds
         self.now = 0.0
         # Time is in mean decode times here: the sustained load is averaged over 4 of them.
@@ -209,7 +213,7 @@ class _Sim:
 
 
 def oracle_hit_rate(cfg: SimConfig, trace: list[RouteRequest]) -> float:
-    pool = WorkerPool(WorkerId("oracle"), cfg.cache_blocks * cfg.num_workers, None)
+    pool = WorkerPool(WorkerId("oracle"), cfg.cache_blocks * cfg.num_workers, None, cfg.protect_turnovers)
     hit = total = 0
     for route in trace:
         held = pool.pin(route.block_hashes)

@@ -304,8 +304,9 @@ def _serve(pool: BlockPool, tokens: list[int]) -> list[BlockId]:
 @pytest.mark.parametrize("protected_frac, survives", [(0.8, True), (0.0, False)])
 def test_a_reused_prefix_outlives_one_off_tails(protected_frac: float, survives: bool) -> None:
     """Segmented LRU: a prefix two requests shared stays cached while later one-off requests
-    cycle through the rest of the pool; plain LRU (protected_frac=0) evicts it first."""
-    pool = BlockPool(12, protected_frac=protected_frac)
+    cycle through the rest of the pool; plain LRU (protected_frac=0) evicts it first. (With
+    protection that never fades: 12 one-off blocks outlast the default fade, tested below.)"""
+    pool = BlockPool(12, protected_frac=protected_frac, protect_turnovers=None)
     shared = list(range(1, 13))                          # 3 full blocks
     for question in ([100, 101, 102, 103], [200, 201, 202, 203]):
         pool.free_sequence(_serve(pool, shared + question))
@@ -333,3 +334,43 @@ def test_protected_queue_is_capped_and_reset_clears_it() -> None:
     pool.check_integrity()
     with pytest.raises(ValueError, match="protected_frac"):
         BlockPool(4, protected_frac=1.5)
+
+
+@pytest.mark.parametrize("turnovers, reuse_every, survives", [
+    (None, 0, True),     # protection that never fades keeps yesterday's prefix for good
+    (1.0, 0, False),     # not reused for a pool's worth of allocations: stale, evicted by age
+    (1.0, 3, True),      # reused within each turnover: keeps its protection
+])
+def test_protection_fades_when_a_prefix_goes_unused(turnovers: float | None, reuse_every: int,
+                                                   survives: bool) -> None:
+    """A shift: a prefix two requests shared, then only new one-off prompts. A stale protected
+    block competes with the probation blocks by age, so it goes before newer one-offs."""
+    pool = BlockPool(12, protect_turnovers=turnovers)
+    shared = list(range(1, 13))                          # 3 full blocks
+    hashes = block_hashes(shared, BS, SALT)
+    for question in ([100, 101, 102, 103], [200, 201, 202, 203]):
+        pool.free_sequence(_serve(pool, shared + question))
+    assert pool.num_protected_blocks == 3
+    for i in range(10):                                  # 20 blocks allocated: past one turnover
+        if reuse_every and i % reuse_every == 0:
+            pool.free_sequence(_serve(pool, shared + [300 + i] * 4))
+        pool.free_sequence(_serve(pool, [1000 + 10 * i + k for k in range(8)]))
+        pool.check_integrity()
+    assert len(pool.find_longest_prefix(hashes)) == (3 if survives else 0)
+    if not survives:                                     # evicted by age: the latest one-offs stay
+        last = block_hashes([1000 + 90 + k for k in range(8)], BS, SALT)
+        assert len(pool.find_longest_prefix(last)) == 2
+
+
+def test_a_stale_block_still_waits_for_the_empty_ones() -> None:
+    pool = BlockPool(12, protect_turnovers=0.25)          # stale after 3 allocations
+    shared = list(range(1, 13))
+    pool.free_sequence(_serve(pool, shared))
+    pool.free_sequence(_serve(pool, shared))             # 3 protected blocks, 9 never used
+    pool.free(pool.allocate(4))                          # the clock moves past 3; nothing cached
+    assert pool.num_protected_blocks == 3
+    order = pool.free_block_ids()
+    protected = pool.find_longest_prefix(block_hashes(shared, BS, SALT))
+    assert order[-3:] == list(reversed(protected))     # empty blocks first, then the stale ones
+    with pytest.raises(ValueError, match="protect_turnovers"):
+        BlockPool(4, protect_turnovers=0)

@@ -1,8 +1,9 @@
 """BlockPool against a small list/dict model of the same pool (hypothesis state machine).
 
 The model keeps the free queue as two Python lists (probation, then protected: blocks a later
-request reused; head = next to allocate), ref counts, block hashes and the reused set as
-dicts/sets. After every step: `check_integrity()` holds, the pool's state,
+request reused), ref counts, block hashes, the reused set and each block's free time (in blocks
+allocated: a protected block freed STALE_AFTER allocations ago competes with probation by age)
+as dicts/sets. After every step: `check_integrity()` holds, the pool's state,
 events and counters equal the model's, and no referenced block lost its cached hash.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, Blo
 
 NUM_BLOCKS = 8
 MAX_PROTECTED = 4    # BlockPool(NUM_BLOCKS, protected_frac=0.5)
+STALE_AFTER = NUM_BLOCKS // 2   # protect_turnovers=0.5: fades often within a run
 BS = 2
 SALT = b"statemachine"
 # a 2-letter alphabet and 2-token blocks: only 4 distinct first blocks, so prefixes collide
@@ -37,10 +39,24 @@ class Model:
     events: list[KVEvent] = field(default_factory=list)
     evicted: list[tuple[BlockId, BlockHash]] = field(default_factory=list)
     stats: PoolStats = PoolStats(0, 0, 0, 0, 0)
+    clock: int = 0
+    freed_at: dict[BlockId, int] = field(default_factory=dict)
 
     @property
     def free(self) -> list[BlockId]:
-        return self.probation + self.protected
+        """Eviction order: probation first, but a stale protected head freed before the probation
+        head (that caches something) goes before it."""
+        probation, protected, out = list(self.probation), list(self.protected), []
+        while probation or protected:
+            p = probation[0] if probation else None
+            q = protected[0] if protected else None
+            when = self.freed_at.get
+            if q is not None and (p is None or (when(q, 0) <= self.clock - STALE_AFTER and p in self.hash_of
+                                                and when(q, 0) < when(p, 0))):
+                out.append(protected.pop(0))
+            else:
+                out.append(probation.pop(0))
+        return out
 
     def allocate(self, n: int) -> list[BlockId] | None:
         if n > len(self.free):
@@ -57,12 +73,14 @@ class Model:
                 self.events.append(BlockRemoved(h, b))
                 self.stats = self.stats._replace(evictions=self.stats.evictions + 1)
             self.ref[b] = 1
+        self.clock += n
         return taken
 
     def free_sequence(self, blocks: list[BlockId]) -> None:
         for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                self.freed_at[b] = self.clock
                 if b in self.reused:
                     self.protected.append(b)
                     if len(self.protected) > MAX_PROTECTED:
@@ -121,7 +139,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.model = Model()
         self.evicted: list[tuple[BlockId, BlockHash]] = []
         self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda bs, hs: self.evicted.extend(zip(bs, hs)),
-                              protected_frac=MAX_PROTECTED / NUM_BLOCKS)
+                              protected_frac=MAX_PROTECTED / NUM_BLOCKS, protect_turnovers=STALE_AFTER / NUM_BLOCKS)
         self.seqs: list[Seq] = []
         self.pinned: dict[BlockId, BlockHash] = {}
 
