@@ -310,8 +310,7 @@ class BlockPool:
     @property
     def num_protected_blocks(self) -> int:
         """Free blocks caching a reused prefix: `allocate` evicts them only after every other
-        free block (the rest of `num_free_blocks` is room for new blocks that evicts no
-        reused prefix)."""
+        free block until they go stale (module docstring), then by age among the cached ones."""
         return len(self._protected)
 
     @property

@@ -21,7 +21,8 @@ keeps the fill's cached fraction, cold requests and placement under `fill`.
 With `--routers N` (N > 1) each policy runs three times on the same workload
 (kvmesh/bench/routing_replicas.py): one router, N router replicas (requests dealt round robin
 over them, as a Service spreads connections), and N replicas sharing pending blocks
-(`--share-pending`); the router counters are summed over the replicas.
+(`--share-pending`); the router counters are summed over the replicas. `--log-dir DIR` keeps each
+cluster's logs (router, workers, Redis) in a folder under DIR.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class LiveConfig:
     policies: tuple[RoutingPolicy, ...] = POLICY_ORDER
     scenarios: tuple[str, ...] = SCENARIOS
     routers: int = 1
+    log_dir: Path | None = None    # keep each cluster's logs under here (a folder per run)
 
     def __post_init__(self) -> None:
         for name in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens", "output_tokens",
@@ -110,6 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=",".join(x.value for x in POLICY_ORDER),
                    help="comma-separated routing policies to run")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenarios to run")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="keep each cluster's router, worker and Redis logs in a folder under here")
     p.set_defaults(run=run)
 
 
@@ -126,7 +130,8 @@ def config_from_args(args: argparse.Namespace) -> LiveConfig:
     if not policies:
         raise CLIError("--policies: no policy given")
     scenarios = tuple(x.strip() for x in args.scenarios.split(",") if x.strip())
-    return replace(base, model=args.model, seed=args.seed, policies=policies, scenarios=scenarios, **given)
+    return replace(base, model=args.model, seed=args.seed, policies=policies, scenarios=scenarios,
+                   log_dir=args.log_dir, **given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_live(cfg: LiveConfig) -> dict[str, Any]:
     """Both scenarios, every policy on a fresh cluster; the JSON described in the module docstring."""
-    print(f"kvmesh bench routing-live: {json.dumps(asdict(cfg) | {'policies': [p.value for p in cfg.policies]})}",
-          file=sys.stderr)
+    shown = asdict(cfg) | {"policies": [p.value for p in cfg.policies], "log_dir": cfg.log_dir and str(cfg.log_dir)}
+    print(f"kvmesh bench routing-live: {json.dumps(shown)}", file=sys.stderr)
     out: dict[str, Any] = {}
     pressure = ("--num-blocks", str(cfg.num_blocks))
     for scenario, phases, engine_argv in (
@@ -174,6 +179,8 @@ def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, .
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
                         startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value, *router_argv),
                         cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
+    if cfg.log_dir is not None:
+        serve = replace(serve, log_dir=cfg.log_dir / f"{serve.cluster_name}-{len(phases)}-phase")
     with LocalCluster(serve) as cluster:
         urls = [cluster.http_base_url] + [cluster.start_router_replica(f"router-{i}").http_base_url
                                           for i in range(1, routers)]

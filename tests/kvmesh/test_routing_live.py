@@ -31,6 +31,7 @@ def test_flags_and_their_errors() -> None:
         _args("--policies", "fastest")
     with pytest.raises(CLIError, match="--scenarios"):
         _args("--scenarios", "heavy")
+    assert _args().log_dir is None and _args("--log-dir", "/tmp/x").log_dir == Path("/tmp/x")
 
 
 def test_same_workload_for_every_policy() -> None:
@@ -92,10 +93,13 @@ def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", "bench", "routing-live", "--quick", "--scenarios", "no_pressure",
          "--policies", "round_robin,kv_aware", "--prefixes", "2", "--prefix-tokens", "64", "--question-tokens", "8",
-         "--output-tokens", "4", "--requests", "8", "--concurrency", "4", "--json", str(path)],
+         "--output-tokens", "4", "--requests", "8", "--concurrency", "4", "--json", str(path),
+         "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(path.read_text())
+    kept = sorted(p.name for p in (tmp_path / "logs").iterdir())   # --log-dir: a folder per cluster, kept
+    assert len(kept) == 2 and all((tmp_path / "logs" / k / "router.log").exists() for k in kept)
     assert set(doc) - {"meta"} == {"no_pressure"} and set(doc["no_pressure"]) == {"round_robin", "kv_aware"}
     for entry in doc["no_pressure"].values():
         assert KEYS <= set(entry)

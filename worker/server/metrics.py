@@ -254,8 +254,8 @@ class _StatsCollector(Collector):
                     stats.num_host_blocks / stats.host_num_blocks if stats.host_num_blocks else 0.0)
         yield gauge("kv_reused_blocks", "Device blocks caching a prefix a later request reused (in use or free)",
                     stats.num_reused_blocks)
-        yield gauge("kv_protected_blocks", "Free device blocks caching a reused prefix (evicted after every "
-                    "other free block)", stats.num_protected_blocks)
+        yield gauge("kv_protected_blocks", "Free device blocks caching a reused prefix (evicted after the other "
+                    "free blocks until unused for a pool turnover)", stats.num_protected_blocks)
         yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later)",
                       stats.num_preemptions)
         yield counter("prefix_waits", "Admissions put off one step because another running request was "
