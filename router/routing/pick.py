@@ -7,7 +7,6 @@ worker holds more of the prompt. torch-free.
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
@@ -19,6 +18,7 @@ from contracts.wire import to_peer_hint
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.index.asks import cluster_fill
 from router.routing.fastpick import Columns, KvAwareFast
+from router.routing.holders import best_peer_hint, holder_columns, live_only, peer_hint
 from router.routing.inflight import InFlightPrefills
 from router.routing.policy import Policy
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad
@@ -46,13 +46,15 @@ class RoutingView:
     of the workers with a peer plane) and `decode_pool` are the live columns' (read-only)."""
 
     def __init__(self, live: LiveColumns, cols: Columns, cached: dict[WorkerId, int], stored: dict[WorkerId, int],
-                 block_size: int, cluster_committed: float) -> None:
+                 block_size: int, cluster_committed: float,
+                 peer_stored: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.live = live
         self.ids = live.ids
         self.slots = live.slots
         self.cols = cols
         self.cached = cached
         self.stored = stored
+        self.peer_stored = peer_stored      # `stored` of the peers as (rows, counts) (None: few holders)
         self.peer = live.peer
         self.peers = live.peers
         self.decode_pool = live.decode_pool
@@ -70,6 +72,10 @@ class RoutingView:
                             {ids[i]: int(cols.fetchable[i]) for i in np.flatnonzero(self.peer).tolist()},
                             self.cluster_committed,
                             {ids[i]: int(cols.disk[i]) for i in np.flatnonzero(cols.disk).tolist()})
+
+    def peer_hint(self, chosen: WorkerId, max_blocks: int) -> PeerHint | None:
+        """`best_peer_hint(chosen, self.stored, self.peers, max_blocks)` (router/routing/holders.py)."""
+        return peer_hint(self.live, self.stored, self.peer_stored, chosen, max_blocks)
 
     def pool(self, workers: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> Columns | None:
         """The columns of `workers` less `exclude`, in their order (None: a worker not in the view).
@@ -100,29 +106,10 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     ids, slots, n = live.ids, live.slots, len(live)
     index = registry.index
     prefills.expire(index)
-    leading, leading_stored = index.match_leading_pair(route.block_hashes)
-    cached = {w: c for w, c in leading.items() if w in slots}
-    stored = {w: c for w, c in leading_stored.items() if w in slots}
-    peer = live.peer
-    cached_col = np.zeros(n, dtype=np.int64)
-    for w, c in cached.items():
-        cached_col[slots[w]] = c
-    # of the cached, those on disk only, where disk reads are priced (sparse: the holders only;
-    # a worker with none costs nothing for them, whatever its price)
-    disk = np.zeros(n, dtype=np.int64)
-    disk_cost = np.zeros(n, dtype=float)
-    entries = live.entries
-    priced = {w: c for w, c in cached.items() if entries[slots[w]].disk_read_cost > 0}
-    for w, k in (index.disk_only(route.block_hashes, priced) if priced else {}).items():
-        disk[slots[w]], disk_cost[slots[w]] = k, entries[slots[w]].disk_read_cost
-    # fetchable, peers only: the most leading blocks another peer has stored, less its own cached
-    # (`max(0, max(stored of the other peers, default 0) − cached)`, from the two best)
-    fetch = np.zeros(n, dtype=np.int64)
-    top = heapq.nlargest(2, ((c, w) for w, c in stored.items() if peer[slots[w]]))
-    if top:
-        fetch = np.where(peer, np.maximum(0, top[0][0] - cached_col), 0)
-        first = slots[top[0][1]]
-        fetch[first] = max(0, (top[1][0] if len(top) > 1 else 0) - int(cached_col[first]))
+    # the index's counts (fresh dicts, ours) of the live workers, and the request's columns
+    # over their holders (router/routing/holders.py)
+    cached, stored = (live_only(d, slots) for d in index.match_leading_pair(route.block_hashes))
+    held = holder_columns(live, index, route.block_hashes, cached, stored)
     queued = np.zeros(n, dtype=np.int64)
     for w, t in prefills.queued_base().items():
         if w in slots:
@@ -134,8 +121,8 @@ def routing_view(registry: WorkerRegistry, prefills: InFlightPrefills, route: Ro
     capacity = int(np.maximum(0, num_blocks).sum())
     index.set_capacity(capacity)     # the traffic clock of the index's fading evidence
     cols = Columns(ids, live.in_flight.copy(), num_blocks, index.shared_blocks_of(ids), prefills.mean_column(ids),
-                   queued, cached_col, fetch, disk, disk_cost)
-    return RoutingView(live, cols, cached, stored, block_size or 16, cluster_fill(index, capacity))
+                   queued, held.cached, held.fetch, held.disk, held.disk_cost)
+    return RoutingView(live, cols, cached, stored, block_size or 16, cluster_fill(index, capacity), held.peer_stored)
 
 
 def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, workers: Sequence[WorkerInfo],
@@ -161,7 +148,7 @@ def pick_worker(policy: Policy, registry: WorkerRegistry, view: RoutingView, wor
     # The worker recomputes at least the last prompt token, as the engine's lookup does.
     max_blocks = (len(route.token_ids) - 1) // bs if bs else 0
     blocks = min(view.cached.get(chosen_id, 0), max_blocks)
-    hint = best_peer_hint(chosen_id, view.stored, view.peers, max_blocks) if view.stored else None
+    hint = view.peer_hint(chosen_id, max_blocks) if view.stored else None
     fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
     return Pick(chosen_entry, blocks * bs, hint, fetched * bs)
 
@@ -210,25 +197,6 @@ def pick_reference(policy: Policy, registry: WorkerRegistry, view: ReferenceView
     hint = best_peer_hint(chosen.worker_id, view.stored, view.peers, max_blocks)
     fetched = max(0, hint.num_blocks - blocks) if hint is not None else 0
     return Pick(registry.entry(chosen.address), blocks * bs, hint, fetched * bs)
-
-
-def best_peer_hint(chosen: WorkerId, cached_blocks: Mapping[WorkerId, int],
-                   peers: Mapping[WorkerId, str], max_blocks: int) -> PeerHint | None:
-    """The worker other than `chosen` holding the most leading prompt blocks (at most
-    `max_blocks` count), if it holds more than `chosen` and both have a peer plane (`peers`:
-    worker id → address; any two such workers form a pair on demand); ties go to the lowest id."""
-    if chosen not in peers:
-        return None
-    own = min(cached_blocks.get(chosen, 0), max_blocks)
-    best: tuple[int, WorkerId, str] | None = None      # one pass over the holders, no sort
-    for worker_id, count in cached_blocks.items():
-        address = peers.get(worker_id)
-        if worker_id == chosen or address is None:
-            continue
-        n = min(count, max_blocks)
-        if n > own and (best is None or n > best[0] or (n == best[0] and worker_id < best[1])):
-            best = (n, worker_id, address)
-    return None if best is None else PeerHint(best[1], best[2], best[0])
 
 
 def discount_view(view: RoutingView, cached: Mapping[WorkerId, int]) -> RoutingView:

@@ -1,7 +1,7 @@
 """A worker's registry entry (`WorkerEntry`), and the ready workers as columns kept between
 routing decisions (router/routing/pick.py `routing_view` reads them): the entries, ids and
 slots, the decode pool, the peers, and one numpy array per figure the kv_aware column pick
-reads from the entries (in-flight count, pool size, peer plane). Rebuilt — O(workers), once —
+reads from the entries (in-flight count, pool size, peer plane, disk read price). Rebuilt — O(workers), once —
 only when the ready set changes (a worker joins, leaves, becomes ready or not, changes role or
 peer plane); a figure that changes on one entry (`in_flight` as the router counts a request,
 `num_blocks` from a probe) is written into its column there and then (`WorkerRegistry` hears
@@ -26,7 +26,7 @@ from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
 from router.routing.types import WorkerId, WorkerInfo, WorkerLoad, decode_pool
 
 # the entry fields kept in columns: a change of one of these updates its column in place
-IN_PLACE = frozenset({"in_flight", "num_blocks"})
+IN_PLACE = frozenset({"in_flight", "num_blocks", "disk_read_cost"})
 # the entry fields that decide the ready set, the pool or the peers: a change rebuilds
 REBUILD = frozenset({"info", "peer_plane"})
 
@@ -90,6 +90,7 @@ class LiveColumns:
         self.in_flight = np.fromiter((e.in_flight for e in live), dtype=np.int64, count=n)
         self.num_blocks = np.fromiter((e.num_blocks for e in live), dtype=np.int64, count=n)
         self.peer = np.fromiter((e.peer_plane for e in live), dtype=bool, count=n)
+        self.disk_cost = np.fromiter((e.disk_read_cost for e in live), dtype=float, count=n)
         self.peers: dict[WorkerId, str] = {self.ids[i]: live[i].address for i in np.flatnonzero(self.peer).tolist()}
         # `decode_pool` (the pool a request's decode worker comes from) and its rows in these columns
         roles = frozenset(i.role for i in self.infos)
@@ -114,5 +115,7 @@ class LiveColumns:
             return
         if name == "in_flight":
             self.in_flight[i] = entry.in_flight
-        else:
+        elif name == "num_blocks":
             self.num_blocks[i] = entry.num_blocks
+        else:
+            self.disk_cost[i] = entry.disk_read_cost

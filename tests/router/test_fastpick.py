@@ -13,8 +13,9 @@ import pytest
 
 from kvstore.events import EventType, Tier, WireEvent
 from kvstore.keys import BlockHash
+from router.routing import holders
 from router.routing.fastpick import Columns, KvAwareFast
-from router.routing.pick import reference_view
+from router.routing.pick import best_peer_hint, reference_view
 from router.routing.policy import Policy, make_policy
 from router.routing.scorers import BoundedLoadFilter, PrefillCostScorer, RingScorer
 from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, WorkerLoad
@@ -103,8 +104,12 @@ def test_other_policies_have_no_column_pick() -> None:
     assert KvAwareFast.of(make_policy("kv_aware")) is not None
 
 
-def test_router_pick_matches_the_reference_over_a_real_index() -> None:
+@pytest.mark.parametrize("many_holders", [0, holders.MANY_HOLDERS])    # the holders' figures in numpy / loops
+def test_router_pick_matches_the_reference_over_a_real_index(many_holders: int, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
     from kvmesh.bench.scale_pick import SyntheticConfig, synthetic_router
+
+    monkeypatch.setattr(holders, "MANY_HOLDERS", many_holders)
 
     async def go() -> None:
         now = [0.0]
@@ -117,13 +122,18 @@ def test_router_pick_matches_the_reference_over_a_real_index() -> None:
         for k, route in enumerate(trace[:60:4]):
             wid = entries[(7 * k) % len(entries)].info.worker_id  # type: ignore[union-attr]
             index.apply(wid, WireEvent(EventType.STORED, route.block_hashes, None, Tier.DISK))
-        disk_seen = 0
+        disk_seen = hints = 0
         for i, route in enumerate(trace):
             now[0] += rng.choice([0.0, 0.01, 0.5, 7.0])
             tried = {e.info.worker_id for e in rng.sample(entries, 3)} if i % 4 == 0 else set()  # type: ignore[union-attr]
             view = router._routing_view(route)
             assert view.state == reference_view(router.registry, router.prefills, route, 16).state
             disk_seen += bool(view.state.disk_blocks)
+            max_blocks = rng.choice([0, 3, (len(route.token_ids) - 1) // 16])
+            for chosen in [*view.stored, *rng.sample(view.ids, 3)]:     # the hint in columns is best_peer_hint's
+                want_hint = best_peer_hint(chosen, view.stored, view.peers, max_blocks)
+                assert view.peer_hint(chosen, max_blocks) == want_hint, (i, chosen)
+                hints += want_hint is not None
             got = router.pick(route, tried)
             router.column_pick = False
             want = router.pick(route, tried)
@@ -139,6 +149,7 @@ def test_router_pick_matches_the_reference_over_a_real_index() -> None:
                 router.prefills.done(index, f"t-{i}", streamed=True)
         index.check_integrity()
         assert disk_seen > 0            # disk-held prefixes were priced in some picks
+        assert hints > 0
 
     asyncio.run(go())
 
@@ -166,6 +177,7 @@ def test_router_pick_follows_the_registry_between_picks() -> None:
             kind = i % 6
             if kind == 1:                                   # a probe's figures
                 e.num_blocks, e.peer_plane = rng.choice([0, 100, 200, 400]), rng.random() < 0.5
+                e.disk_read_cost = rng.choice([0.0, 0.0, 0.4, 1.2])
             elif kind == 2 and e.info is not None and len(down) < 5:       # a failed call
                 down.append((e, e.info))
                 registry.mark_down(e, "test")
@@ -201,5 +213,6 @@ def test_router_pick_follows_the_registry_between_picks() -> None:
         assert live.ids == [x.info.worker_id for x in registry.live()]  # type: ignore[union-attr]
         assert live.in_flight.tolist() == [x.in_flight for x in registry.live()]
         assert live.num_blocks.tolist() == [x.num_blocks for x in registry.live()]
+        assert live.disk_cost.tolist() == [x.disk_read_cost for x in registry.live()]
 
     asyncio.run(go())
