@@ -55,6 +55,7 @@ class GoingPrefixes:
         self._attempts: dict[str, tuple[WorkerId, Sequence[BlockHash]]] = {}
         self._in_use: dict[tuple[WorkerId, BlockHash], int] = {}
         self._ended: OrderedDict[tuple[WorkerId, BlockHash], float] = OrderedDict()   # oldest first
+        self._ended_on: dict[BlockHash, dict[WorkerId, float]] = {}    # `_ended` by block, then worker
         self.discounted = 0          # picks that did not count a going prefix
 
     def started(self, request_id: str, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> None:
@@ -82,31 +83,49 @@ class GoingPrefixes:
             if streamed:
                 self._ended[key] = now
                 self._ended.move_to_end(key)
+                self._ended_on.setdefault(h, {})[worker_id] = now
         self._prune(now)
 
     def less(self, cached: Mapping[WorkerId, int], block_hashes: Sequence[BlockHash]) -> Mapping[WorkerId, int]:
         """`cached` (leading prompt blocks per worker, zeros left out) without the workers
-        evicting the prompt's prefix; `cached` itself when there is none. O(holders)."""
+        evicting the prompt's prefix; `cached` itself when there is none. Looked up by the
+        distinct counts (a popular prompt's hundreds of holders mostly share one): for each, the
+        next block's recent ends — O(holders) in C, then O(those ends) in Python."""
         if not self._ended:
             return cached
         out: dict[WorkerId, int] | None = None
         now: float | None = None
-        for w, k in cached.items():
-            if not 0 < k < len(block_hashes):
+        ended_on, n = self._ended_on, len(block_hashes)
+        for k in set(cached.values()):
+            if not 0 < k < n:
                 continue
-            at = self._ended.get((w, block_hashes[k]))
-            if at is None or (w, block_hashes[k - 1]) in self._in_use:
+            ends = ended_on.get(block_hashes[k])
+            if not ends:
                 continue
-            now = self._clock() if now is None else now
-            if now - at > self.cfg.window_s:
-                continue
-            if out is None:
-                out = dict(cached)
-            del out[w]
-            self.discounted += 1
+            for w, at in ends.items():
+                if cached.get(w) != k or (w, block_hashes[k - 1]) in self._in_use:
+                    continue
+                now = self._clock() if now is None else now
+                if now - at > self.cfg.window_s:
+                    continue
+                if out is None:
+                    out = dict(cached)
+                del out[w]
+                self.discounted += 1
         return cached if out is None else out
 
     def _prune(self, now: float) -> None:
         ended, horizon = self._ended, now - self.cfg.window_s
         while ended and (len(ended) > self.cfg.max_entries or next(iter(ended.values())) < horizon):
-            ended.popitem(last=False)
+            (w, h), _ = ended.popitem(last=False)
+            on = self._ended_on[h]
+            del on[w]
+            if not on:
+                del self._ended_on[h]
+
+    def check(self) -> None:
+        """AssertionError unless the by-block map is `_ended` regrouped (a failure is a bug)."""
+        regrouped: dict[BlockHash, dict[WorkerId, float]] = {}
+        for (w, h), at in self._ended.items():
+            regrouped.setdefault(h, {})[w] = at
+        assert regrouped == self._ended_on, "the ends by block disagree with the ends"

@@ -70,8 +70,12 @@ def test_stamps_are_bounded_by_the_window_and_max_entries() -> None:
     assert list(g._ended) == [(W1, PREFIX[0])]
 
 
+async def _no_ready(ready: bool) -> None:
+    return None
+
+
 def _router() -> Router:
-    registry = WorkerRegistry(RouterConfig(redis_url="redis://unused:1", http_port=None), lambda *a: None)
+    registry = WorkerRegistry(RouterConfig(redis_url="redis://unused:1", http_port=None), _no_ready)
     registry.model_info = pb.ModelInfo(model="m", block_size=BS, hash_salt_hex="5a", vocab_size=50000,
                                        max_model_len=8192)
     ids = {"127.0.0.1:20001": W0, "127.0.0.1:20002": W1}
@@ -116,3 +120,46 @@ def test_the_pick_does_not_count_on_a_prefix_its_worker_is_evicting() -> None:
         assert pick.worker.info is not None and pick.worker.info.worker_id == W0 and pick.predicted_tokens == 2 * BS
 
     asyncio.run(go())
+
+
+def _less_by_holder(g: GoingPrefixes, cached: dict[WorkerId, int], block_hashes: tuple[BlockHash, ...],
+                    now: float) -> dict[WorkerId, int]:
+    """`GoingPrefixes.less` by its definition, holder by holder."""
+    out = dict(cached)
+    for w, k in cached.items():
+        if 0 < k < len(block_hashes):
+            at = g._ended.get((w, block_hashes[k]))
+            if (at is not None and (w, block_hashes[k - 1]) not in g._in_use
+                    and now - at <= g.cfg.window_s):
+                del out[w]
+    return out
+
+
+def test_less_by_distinct_counts_is_less_holder_by_holder() -> None:
+    """The lookup by distinct counts (`_ended_on`) gives what checking each holder gives, through
+    starts, ends (streamed or not), the window and the entry bound pruning stamps."""
+    import random
+
+    rng = random.Random(3)
+    now = [0.0]
+    g = GoingPrefixes(GoingConfig(window_s=2.0, max_entries=40), clock=lambda: now[0])
+    workers = [WorkerId(f"w{i}") for i in range(12)]
+    chains = [PREFIX[:3] + tuple(BlockHash(0x3000 + 10 * c + i) for i in range(5)) for c in range(4)]
+    running: list[str] = []
+    discounts = 0
+    for step in range(600):
+        now[0] += rng.choice([0.0, 0.1, 0.7])
+        if running and rng.random() < 0.45:
+            g.ended(running.pop(rng.randrange(len(running))), streamed=rng.random() < 0.8)
+        else:
+            rid = f"r{step}"
+            g.started(rid, rng.choice(workers), rng.choice(chains)[:rng.randrange(1, 9)])
+            running.append(rid)
+        g.check()
+        hashes = rng.choice(chains)
+        cached = {w: rng.randrange(1, len(hashes) + 1) for w in rng.sample(workers, rng.randrange(0, 12))}
+        want = _less_by_holder(g, cached, hashes, now[0])
+        got = g.less(cached, hashes)
+        assert dict(got) == want and list(got) == list(want), step
+        discounts += len(want) < len(cached)
+    assert discounts > 20
