@@ -31,9 +31,10 @@ class PendingBlocks:
 
     def __init__(self) -> None:
         self.by_block: dict[BlockHash, dict[WorkerId, set[str]]] = {}
-        # per block, the requests of every worker computing it (`by_block[h]`'s sets, joined:
-        # a request is recorded on one worker), so `computing_any` is O(the prompt's blocks and
-        # the requests computing them), not O(blocks × the workers computing each)
+        # per block that 2+ workers compute, the requests of all of them (`by_block[h]`'s sets,
+        # joined: a request is recorded on one worker), so `computing_any` is O(the prompt's
+        # blocks and the requests computing them), not O(blocks × the workers computing each);
+        # a block one worker computes (most) reads its one set, and costs no memory here
         self._rids: dict[BlockHash, set[str]] = {}
         self._requests: dict[str, Pending] = {}
         self._on: dict[WorkerId, int] = {}            # records per worker (none: no pending there)
@@ -52,8 +53,9 @@ class PendingBlocks:
         self._requests[request_id] = Pending(worker_id, todo, expires_at, hashes)
         self._on[worker_id] = self._on.get(worker_id, 0) + 1
         for h in todo:
-            self.by_block.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
-            self._rids.setdefault(h, set()).add(request_id)
+            computing = self.by_block.setdefault(h, {})
+            computing.setdefault(worker_id, set()).add(request_id)
+            self._join(h, computing, (request_id,))
         for h in hashes:
             self._asking.setdefault(h, {}).setdefault(worker_id, set()).add(request_id)
         heapq.heappush(self._expiry, (expires_at, request_id))
@@ -91,6 +93,7 @@ class PendingBlocks:
             self._unlist(h, (request_id,))
             if not rids:
                 del computing[p.worker_id]
+                self._shrunk(h, computing)
                 if not computing:
                     del self.by_block[h]
                 self.lost(p.worker_id, h)
@@ -119,7 +122,7 @@ class PendingBlocks:
         if old:
             self._unlist(h, old)
         computing[worker_id] = set(rids)
-        self._rids.setdefault(h, set()).update(rids)
+        self._join(h, computing, rids)
         for rid in rids:
             p = self._requests[rid]
             if h not in p.hashes:
@@ -128,19 +131,36 @@ class PendingBlocks:
     def confirm(self, worker_id: WorkerId, h: BlockHash) -> None:
         """`worker_id` stored `h`: no longer a prediction there."""
         computing = self.by_block.get(h)
-        rids = computing.pop(worker_id, None) if computing is not None else None
+        if computing is None:
+            return
+        rids = computing.pop(worker_id, None)
         if rids is not None:
             self._unlist(h, rids)
+            self._shrunk(h, computing)
             if not computing:
                 del self.by_block[h]
+
+    def _join(self, h: BlockHash, computing: dict[WorkerId, set[str]], rids: Iterable[str]) -> None:
+        """`rids` compute `h` now (on one of `computing`'s workers, `by_block[h]`): into
+        `_rids[h]`, kept while 2+ workers compute `h`."""
+        if len(computing) < 2:
+            return
+        listed = self._rids.get(h)
+        if listed is None:
+            self._rids[h] = set().union(*computing.values())
+        else:
+            listed.update(rids)
 
     def _unlist(self, h: BlockHash, rids: Iterable[str]) -> None:
         """`rids` compute `h` no more (on their worker): out of `_rids[h]`."""
         listed = self._rids.get(h)
         if listed is not None:
             listed.difference_update(rids)
-            if not listed:
-                del self._rids[h]
+
+    def _shrunk(self, h: BlockHash, computing: dict[WorkerId, set[str]]) -> None:
+        """A worker stopped computing `h`: with one left (or none), `_rids[h]` goes."""
+        if len(computing) < 2:
+            self._rids.pop(h, None)
 
     def expired(self, now: float) -> list[str]:
         """The requests whose record expires at or before `now` (the caller drops them)."""
@@ -170,11 +190,16 @@ class PendingBlocks:
     def computing_any(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, set[str]]:
         """`computing` of every worker where it is not empty."""
         found: set[str] = set()
-        listed = self._rids
+        by_block, listed = self.by_block, self._rids
         for h in block_hashes:
-            rids = listed.get(h)
-            if rids:
-                found |= rids
+            computing = by_block.get(h)
+            if not computing:
+                continue
+            if len(computing) > 1:
+                found |= listed[h]
+            else:
+                for rids in computing.values():
+                    found |= rids
         out: dict[WorkerId, set[str]] = {}
         requests = self._requests
         for rid in found:       # every request in by_block[h][w] is recorded on w (check_pending)
@@ -195,7 +220,7 @@ class PendingBlocks:
 
     def check(self, holders: Callable[[BlockHash], Collection[WorkerId]]) -> None:
         check_pending(self.by_block, self._requests, self._on, holders, self._asking)
-        joined = {h: set().union(*computing.values()) for h, computing in self.by_block.items()}
+        joined = {h: set().union(*computing.values()) for h, computing in self.by_block.items() if len(computing) > 1}
         assert joined == self._rids, "the requests computing each block disagree with the pending map"
 
     def _unask(self, request_id: str, p: Pending) -> None:

@@ -315,3 +315,50 @@ def test_an_index_no_event_stream_feeds_predicts_nothing_and_only_the_queue_is_t
         prefills.done(index, "a", streamed=True)
         prefills.done(index, "b", streamed=False)
         assert index.stats().num_pending == 0
+
+
+@pytest.mark.parametrize("make", ["BlockIndex", "CompactBlockIndex"])
+def test_computing_any_names_every_request_computing_the_blocks(make: str) -> None:
+    """`computing_any` (the requests computing any of some blocks, per worker: the queued tokens
+    a pick takes off) against the pending map itself, through records on many workers at once
+    (a popular prefix pending on several), confirmations, evictions under running requests,
+    drops, settles and expiry; `check_integrity` checks the per-block request sets kept for it."""
+    import random
+
+    from kvstore.keys import BlockHash
+    from router.index.compact import CompactBlockIndex
+
+    rng = random.Random(11)
+    index = BlockIndex() if make == "BlockIndex" else CompactBlockIndex()
+    workers = [WorkerId(f"w{i}") for i in range(9)]
+    pool = [BlockHash(0x5000 + i) for i in range(14)]
+    live: list[str] = []
+    multi = 0
+    for step in range(1500):
+        kind = rng.random()
+        w = rng.choice(workers)
+        if kind < 0.4:
+            rid = f"r{step}"
+            start = rng.randrange(0, 6)
+            index.add_pending(rid, w, pool[start:start + rng.randrange(1, 9)], expires_at=float(step + 40))
+            live.append(rid)
+        elif kind < 0.55 and live:
+            index.drop_pending(live.pop(rng.randrange(len(live))))
+        elif kind < 0.65 and live:
+            index.settle_pending(rng.choice(live), expires_at=float(step + 5))
+        elif kind < 0.8:
+            index.apply(w, _stored(*rng.sample(pool, 2)))             # confirms what it computed
+        elif kind < 0.95:
+            index.discard(w, rng.sample(pool, 3), Tier.DEVICE)       # lost under running requests
+        else:
+            index.expire_pending(float(step))
+        index.check_integrity()
+        by_block = index._pending.by_block
+        multi += any(len(c) > 2 for c in by_block.values())
+        query = rng.sample(pool, rng.randrange(1, 8))
+        want: dict[WorkerId, set[str]] = {}
+        for h in query:
+            for on, rids in by_block.get(h, {}).items():
+                want.setdefault(on, set()).update(rids)
+        assert index.computing_any(query) == want, step
+    assert multi > 100
