@@ -159,13 +159,11 @@ def live_sim_config(live: bench_live.LiveConfig, scenario: str, seed: int) -> Si
 
 
 def simulate_live_scenario(policy: RoutingPolicy, live: bench_live.LiveConfig, scenario: str, seed: int,
-                           ask_half_life: float | None = None, **pool: float | None) -> SimResult:
+                           **fields: float | None) -> SimResult:
     """One routing-live scenario simulated; `shift`: the second phase's figures, after a fill
-    by a trace of other prefixes on the same pools and router index. `pool`: SimConfig fields
-    of the workers' pools (`protect_turnovers`)."""
-    cfg = replace(live_sim_config(live, scenario, seed), **pool)  # type: ignore[arg-type]
-    if ask_half_life is not None:
-        cfg = replace(cfg, ask_half_life=ask_half_life)
+    by a trace of other prefixes on the same pools and router index. `fields`: SimConfig fields
+    to change (`ask_half_life`, `protect_turnovers`)."""
+    cfg = replace(live_sim_config(live, scenario, seed), **fields)  # type: ignore[arg-type]
     if scenario != "shift":
         return simulate(policy, cfg, make_trace(cfg))
     fill, shifted = make_trace(cfg), make_trace(replace(cfg, seed=seed + 100_003))
@@ -186,40 +184,39 @@ def sweep_ask_half_life(quick: bool = True, seeds: int = 10,
         .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_ask_half_life as s;
                              print(json.dumps(s(), indent=1))"
     (one line; quick sizes; `s(quick=False)` for the default ones)."""
-    live = bench_live.QUICK if quick else bench_live.LiveConfig()
-    out: dict[str, Any] = {}
-    for h in half_lives:
-        row = out[str(h)] = {}
-        for scenario in bench_live.SCENARIOS:
-            runs = [simulate_live_scenario(RoutingPolicy.KV_AWARE, live, scenario, seed, h) for seed in range(seeds)]
-            row[scenario] = {"hit_rate": statistics.mean(r.hit_rate for r in runs),
-                             "cold_requests": statistics.mean(r.cold_requests for r in runs),
-                             "imbalance": statistics.mean(r.imbalance for r in runs)}
-    return out
+    return _sweep("ask_half_life", half_lives, (RoutingPolicy.KV_AWARE,), quick, seeds)
 
 
 def sweep_protect_turnovers(quick: bool = True, seeds: int = 20,
                             turnovers: tuple[float | None, ...] = (None, 4.0, 2.0, 1.0, 0.5, 0.25)) -> dict[str, Any]:
     """kv_aware and round robin over the simulated routing-live scenarios as the workers' pools'
     `protect_turnovers` (kvstore/pool.py: how long a reused block stays protected unused) varies:
-    hit rate and cold requests averaged over `seeds` traces. The default `PROTECT_TURNOVERS` is
-    the best kv_aware shift hit rate that costs the pressure scenario nothing at either size and
-    keeps `kvmesh bench router --quick --no-live` within its targets (docs/routing.md has the
-    figures). Run it with
+    hit rate, cold requests and imbalance averaged over `seeds` traces. The default
+    `PROTECT_TURNOVERS` is the best kv_aware shift hit rate that costs the pressure scenario
+    nothing at either size and keeps `kvmesh bench router --quick --no-live` within its targets
+    (docs/routing.md has the figures). Run it with
         .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_protect_turnovers as s;
                              print(json.dumps(s(), indent=1))"
     (one line; quick sizes; `s(quick=False)` for the default ones)."""
+    return _sweep("protect_turnovers", turnovers, (RoutingPolicy.KV_AWARE, RoutingPolicy.ROUND_ROBIN), quick, seeds)
+
+
+def _sweep(field: str, values: tuple[float | None, ...], policies: tuple[RoutingPolicy, ...], quick: bool,
+           seeds: int) -> dict[str, Any]:
+    """{value: {scenario (or "scenario/policy" for several policies): figures averaged over
+    `seeds` traces}} with SimConfig's `field` at each of `values`."""
     live = bench_live.QUICK if quick else bench_live.LiveConfig()
     out: dict[str, Any] = {}
-    for t in turnovers:
-        row = out[str(t)] = {}
+    for value in values:
+        row = out[str(value)] = {}
         for scenario in bench_live.SCENARIOS:
-            for policy in (RoutingPolicy.KV_AWARE, RoutingPolicy.ROUND_ROBIN):
-                runs = [simulate_live_scenario(policy, live, scenario, seed, protect_turnovers=t)
+            for policy in policies:
+                runs = [simulate_live_scenario(policy, live, scenario, seed, **{field: value})
                         for seed in range(seeds)]
-                row[f"{scenario}/{policy.value}"] = {
-                    "hit_rate": round(statistics.mean(r.hit_rate for r in runs), 4),
-                    "cold_requests": round(statistics.mean(r.cold_requests for r in runs), 2)}
+                row[scenario if len(policies) == 1 else f"{scenario}/{policy.value}"] = {
+                    "hit_rate": statistics.mean(r.hit_rate for r in runs),
+                    "cold_requests": statistics.mean(r.cold_requests for r in runs),
+                    "imbalance": statistics.mean(r.imbalance for r in runs)}
     return out
 
 
