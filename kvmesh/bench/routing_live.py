@@ -22,12 +22,13 @@ With `--routers N` (N > 1) each policy runs three times on the same workload
 (kvmesh/bench/routing_replicas.py): one router, N router replicas (requests dealt round robin
 over them, as a Service spreads connections), and N replicas sharing pending blocks
 (`--share-pending`); the router counters are summed over the replicas. `--log-dir DIR` keeps each
-cluster's logs (router, workers, Redis) in a folder under DIR.
+cluster's logs (router, workers, Redis) in a folder under DIR; `--repeats N`: kvmesh/bench/routing_repeats.py.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -44,6 +45,7 @@ import grpc
 
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
+from kvmesh.bench.routing_repeats import rounds
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from kvmesh.serve.supervise import Cluster
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
@@ -75,10 +77,11 @@ class LiveConfig:
     scenarios: tuple[str, ...] = SCENARIOS
     routers: int = 1
     log_dir: Path | None = None    # keep each cluster's logs under here (a folder per run)
+    repeats: int = 1               # rounds of the policies, every other one reversed (routing_repeats.py)
 
     def __post_init__(self) -> None:
         for name in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens", "output_tokens",
-                     "requests", "concurrency", "num_blocks", "workers", "routers"):
+                     "requests", "concurrency", "num_blocks", "workers", "routers", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CLIError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
@@ -103,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       ("output-tokens", "tokens generated per request (ignore_eos)"),
                       ("requests", "requests per policy and scenario"), ("concurrency", "requests in flight at most"),
                       ("num-blocks", "KV pool blocks per worker under pressure"), ("workers", "workers per cluster"),
-                      ("routers", "router replicas; > 1: also one router and shared pending blocks, same workload")):
+                      ("routers", "router replicas; > 1: also one router and shared pending blocks, same workload"),
+                      ("repeats", "rounds of the policies, every other one in reverse order; entries combined")):
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"{doc} (default {getattr(d, name.replace('-', '_'))}; --quick: "
                             f"{getattr(QUICK, name.replace('-', '_'))})")
@@ -121,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> LiveConfig:
     base = QUICK if args.quick else LiveConfig()
     given = {f: getattr(args, f) for f in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens",
                                            "output_tokens", "requests", "concurrency", "num_blocks", "workers",
-                                           "routers")
+                                           "routers", "repeats")
              if getattr(args, f) is not None}
     try:
         policies = tuple(RoutingPolicy.parse(p.strip()) for p in args.policies.split(",") if p.strip())
@@ -151,9 +155,14 @@ def run_live(cfg: LiveConfig) -> dict[str, Any]:
                        make_workload(cfg, cfg.pressure_prefixes, phase=2)), pressure)):
         if scenario not in cfg.scenarios:
             continue
-        out[scenario] = {policy.value: run_policy(cfg, policy, phases, engine_argv) if cfg.routers == 1
-                         else run_replicas(cfg, policy, phases, engine_argv) for policy in cfg.policies}
+        runner = run_policy if cfg.routers == 1 else run_replicas
+        done = rounds(cfg.policies, cfg.repeats, functools.partial(_one, runner, cfg, phases, engine_argv))
+        out[scenario] = {policy.value: entry for policy, entry in done.items()}
     return out
+
+
+def _one(runner: Any, cfg: LiveConfig, phases: tuple[Workload, ...], argv: tuple[str, ...], policy: Any) -> Any:
+    return runner(cfg, policy, phases, argv)
 
 
 @dataclass(frozen=True, slots=True)

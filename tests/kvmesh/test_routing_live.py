@@ -130,3 +130,32 @@ def test_routers_flag_and_the_replica_comparison() -> None:
     assert out["gap"]["replicas"]["cached_token_frac"] == pytest.approx(-0.1)
     assert out["gap"]["replicas_shared"]["cached_token_frac"] == pytest.approx(-0.05)
     assert out["gap"]["replicas_shared"]["cold_requests"] == 2 and out["routers"] == 2
+
+
+def test_repeats_alternate_the_order_and_combine_the_rounds() -> None:
+    from kvmesh.bench.routing_repeats import MEDIAN_KEYS, rounds
+    assert _args().repeats == 1 and _args("--repeats", "3").repeats == 3
+    with pytest.raises(CLIError, match="--repeats"):
+        _args("--repeats", "0")
+    order: list[str] = []
+
+    def run(policy: str) -> dict[str, object]:
+        order.append(policy)
+        n = len(order)
+        return {**{k: float(n) for k in MEDIAN_KEYS}, "min_cold_requests": 2, "requests": 4,
+                "requests_per_worker": {"w0": n, "w1": 4 - n if n < 4 else 0},
+                "requests_per_worker_per_prefix": {"0": {"w0": 1}, str(n): {"w1": 1}},
+                "mismatch_rate": 0.5, "router": {"hit_mismatches": n % 2, "requests": 4},
+                "diagnostics": {"in_flight_imbalance": float(n), "load_avg": [n, n]}}
+    one = rounds(("rr", "kv"), 1, run)
+    assert order == ["rr", "kv"] and one["kv"]["cold_requests"] == 2.0 and "repeats" not in one["kv"]
+    order.clear()
+    done = rounds(("rr", "kv"), 3, run)
+    assert order == ["rr", "kv", "kv", "rr", "rr", "kv"]        # every other round reversed
+    kv = done["kv"]                                              # kv ran 2nd, 3rd and 6th
+    assert kv["cold_requests"] == 3.0 and kv["req_s"] == 3.0     # medians
+    assert kv["requests"] == 12 and kv["requests_per_worker"] == {"w0": 11, "w1": 3}
+    assert kv["requests_per_worker_per_prefix"]["0"] == {"w0": 3}
+    assert kv["router"]["hit_mismatches"] == 1 and kv["mismatch_rate"] == 1 / 12   # summed, not the median
+    assert [r["load_avg"] for r in kv["repeats"]] == [[2, 2], [3, 3], [6, 6]]
+    assert kv["diagnostics"]["in_flight_imbalance"] == 3.0 and list(done) == ["rr", "kv"]
