@@ -119,7 +119,7 @@ class BlockPool:
         self._protected = _FreeQueue(())                # free blocks a later request reused
         self._max_protected = int(protected_frac * num_blocks)
         self._stale_after = None if protect_turnovers is None else int(protect_turnovers * num_blocks)
-        self._allocated = 0          # blocks handed out since the pool was built: the fade's clock
+        self._allocated = 0  # blocks handed out since the pool was built: the fade's clock
         self._num_reused = 0
         self._quota = CachedQuota(num_blocks, max_cached_frac)
         self._index: HashIndex = HashIndex() if enable_prefix_caching else NullHashIndex()
@@ -309,8 +309,7 @@ class BlockPool:
 
     @property
     def num_protected_blocks(self) -> int:
-        """Free blocks caching a reused prefix: `allocate` evicts them only after every other
-        free block until they go stale (module docstring), then by age among the cached ones."""
+        """Free blocks caching a reused prefix: evicted last until stale (module docstring)."""
         return len(self._protected)
 
     @property
@@ -357,8 +356,7 @@ class BlockPool:
         return [b.block_id for b in self._victims(len(self._blocks))]
 
     def stats(self) -> PoolStats:
-        return PoolStats(self._queries, self._hits, self._query_blocks, self._hit_blocks,
-                         self._evictions)
+        return PoolStats(self._queries, self._hits, self._query_blocks, self._hit_blocks, self._evictions)
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every block hash the pool can serve now (a worker's inventory for the block index)."""

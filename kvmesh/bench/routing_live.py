@@ -156,13 +156,9 @@ def run_live(cfg: LiveConfig) -> dict[str, Any]:
         if scenario not in cfg.scenarios:
             continue
         runner = run_policy if cfg.routers == 1 else run_replicas
-        done = rounds(cfg.policies, cfg.repeats, functools.partial(_one, runner, cfg, phases, engine_argv))
+        done = rounds(cfg.policies, cfg.repeats, functools.partial(runner, cfg, phases=phases, engine_argv=engine_argv))
         out[scenario] = {policy.value: entry for policy, entry in done.items()}
     return out
-
-
-def _one(runner: Any, cfg: LiveConfig, phases: tuple[Workload, ...], argv: tuple[str, ...], policy: Any) -> Any:
-    return runner(cfg, policy, phases, argv)
 
 
 @dataclass(frozen=True, slots=True)
