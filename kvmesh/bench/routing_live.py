@@ -134,6 +134,11 @@ def config_from_args(args: argparse.Namespace) -> LiveConfig:
     if not policies:
         raise CLIError("--policies: no policy given")
     scenarios = tuple(x.strip() for x in args.scenarios.split(",") if x.strip())
+    if args.log_dir is not None:
+        try:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CLIError(f"--log-dir: cannot create {str(args.log_dir)!r}: {e.strerror or e}") from None
     return replace(base, model=args.model, seed=args.seed, policies=policies, scenarios=scenarios,
                    log_dir=args.log_dir, **given)
 
@@ -179,8 +184,7 @@ def make_workload(cfg: LiveConfig, num_prefixes: int, phase: int = 0) -> Workloa
 
 def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, ...],
                engine_argv: tuple[str, ...], routers: int = 1, router_argv: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`phases` one after another on one fresh cluster with `routers` routers (each with
-    `router_argv` too); the figures of the last."""
+    """`phases` in turn on one fresh cluster of `routers` routers (each given `router_argv`); the last's figures."""
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
                         startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value, *router_argv),
                         cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
@@ -214,9 +218,8 @@ class _Served:
 
 async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster,
                  urls: list[str]) -> dict[str, Any]:
-    """Each phase's requests in turn, dealt round robin over the routers at `urls`; the last
-    phase's figures, with the routers' counters (summed) since it began, and an earlier
-    phase's (a fill) cached fraction and placement."""
+    """Each phase's requests in turn, dealt round robin over the routers at `urls`; the last phase's
+    figures with the routers' counters (summed) since it began, and a fill's cached fraction and placement."""
     from openai import AsyncOpenAI  # imported here: only this bench needs it
 
     await _warm_workers(cluster.worker_addresses)
@@ -249,7 +252,7 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
 
 
 def _load_avg() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # the 1-minute load
 
 
 def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
