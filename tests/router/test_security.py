@@ -97,6 +97,33 @@ def test_http_keys_with_openai_sdk(keyed: Keyed) -> None:
 
 
 @pytest.mark.server
+def test_back_to_back_requests_fit_a_one_request_tenant_limit(keyed: Keyed) -> None:
+    """--max-concurrent-per-tenant 1 (the fixture): a client that starts its next request the moment
+    the last one ends — a stream read to its end, a stream left at its finished chunk, a refused
+    gRPC call — is never refused for the slot the ended request held."""
+    client = sdk(keyed.http_port, KEY)
+    md = (("authorization", f"Bearer {KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as ch:
+        stub = pb_grpc.RouterStub(ch)
+        for _ in range(4):
+            chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, stream=True))
+            assert chunks[-1].choices[0].finish_reason == "length"
+            stream = client.chat.completions.create(model="smollm2", max_tokens=2, stream=True,
+                                                    messages=[{"role": "user", "content": PROMPT}])
+            for chunk in stream:                  # stop reading at the finish chunk, before [DONE]
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    break
+            stream.close()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(text="", sampling=greedy(2)), timeout=30, metadata=md))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            out = list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=greedy(2)), timeout=60, metadata=md))
+            assert out[-1].finished
+            r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2)
+            assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+@pytest.mark.server
 def test_http_missing_or_malformed_header_is_401_and_health_open(keyed: Keyed) -> None:
     base = f"http://127.0.0.1:{keyed.http_port}"
     for headers in ({}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}, {"Authorization": "Bearer "}):
