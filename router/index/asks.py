@@ -21,7 +21,7 @@ shift and cost pressure next to nothing; shorter ones cost the pressure scenario
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -34,6 +34,7 @@ ASK_HALF_LIFE = 4.0        # pool-fulls of routed prompt blocks; chosen by the s
 # Base-relative weights stay within 2^_REBASE_HALF_LIVES so the running sums keep every block's
 # part (float64 carries 53 bits: a wider range would lose a small weight beside a large one).
 _REBASE_HALF_LIVES = 20.0
+_VECTOR_KEYS = 16          # `TallyTable.move` over this many keys or more: numpy steps, not a loop
 
 
 class Ask(NamedTuple):
@@ -123,6 +124,7 @@ class TallyTable:
         self.nonzero = np.zeros(DEPTHS, dtype=np.int64)  # per depth: the rows not 0.0 there (the rest add 0)
         self.depths = 0             # 1 + the deepest depth counted (columns past it are zero)
         self.version = 0            # moves whenever a key gets or loses its row
+        self._moved: tuple[int, frozenset[WorkerId], np.ndarray] | None = None   # `move`'s last keys
 
     def __contains__(self, key: object) -> bool:
         return key in self._rows
@@ -161,6 +163,45 @@ class TallyTable:
             self.nonzero[ask.depth] += int(after != 0.0) - int(before != 0.0)
             if ask.depth >= self.depths:
                 self.depths = ask.depth + 1
+
+    def move(self, keys: Collection[WorkerId], old: Ask | None, old_weight: float, new: Ask,
+             new_weight: float) -> None:
+        """For each of `keys` (distinct): `count(key, old, old_weight, -1)` unless `old` is None,
+        then `count(key, new, new_weight, +1)` — a block whose asks changed, on every worker
+        holding it. Past `_VECTOR_KEYS` keys (a shared prefix's holders: hundreds at 1,000
+        workers) as two vectorized steps over their rows: the same float operation per row,
+        in the same order, so the rows end bit-equal to the calls'."""
+        if len(keys) < _VECTOR_KEYS:
+            for key in keys:
+                if old is not None:
+                    self.count(key, old, old_weight, -1)
+                self.count(key, new, new_weight, +1)
+            return
+        same = frozenset(keys)      # a prefix's blocks mostly share their holders: their rows once
+        if self._moved is not None and self._moved[0] == self.version and self._moved[1] == same:
+            rows = self._moved[2]
+        else:
+            get = self._rows.get
+            found = [get(k, -1) for k in keys]
+            if -1 in found:
+                found = [r if r >= 0 else self._row(k) for k, r in zip(keys, found)]
+            rows = np.array(found, dtype=np.intp)
+            self._moved = (self.version, same, rows)
+        if old is not None:
+            self._add(rows, old, -old_weight)
+        self._add(rows, new, new_weight)
+
+    def _add(self, rows: np.ndarray, ask: Ask, value: float) -> None:
+        if ask.num_asks >= 2:
+            self.shared[rows] += value
+            return
+        at = self.once[ask.depth]
+        before = at[rows]
+        after = before + value
+        at[rows] = after
+        self.nonzero[ask.depth] += int(np.count_nonzero(after)) - int(np.count_nonzero(before))
+        if ask.depth >= self.depths:
+            self.depths = ask.depth + 1
 
     def pop(self, key: WorkerId) -> None:
         r = self._rows.pop(key, None)

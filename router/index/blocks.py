@@ -235,8 +235,6 @@ class BlockIndex:
             if seen is not None and resubmitted:
                 continue
             holders = self._holders(h)
-            for w in holders:
-                self._count_held(w, h, -1)
             if holders:
                 self._count_any(h, -1)
             if seen is None:
@@ -248,9 +246,10 @@ class BlockIndex:
                     self._again[seen.depth] += 1
                 self._asked[h] = _KINDS[seen.depth << 1 | 1]
             self._asked_at[h] = now
-            for w in holders:
-                self._count_held(w, h, +1)
-            if holders:
+            if holders:     # every holder's tally: the old asks out, the new in
+                ask = self._ask(h)
+                self._held_asks.move(holders, seen, 0.0 if seen is None else self._decay.weight(seen), ask,
+                                     self._decay.weight(ask))  # type: ignore[arg-type]
                 self._count_any(h, +1)
 
     def distinct_shared_blocks(self) -> float:

@@ -41,3 +41,32 @@ def test_the_table_expects_what_each_tally_expects_bit_for_bit() -> None:
         mine = table.tally(key)
         assert mine.shared == tally.shared
         assert mine.once == {d: n for d, n in tally.once.items() if n != 0.0}
+
+
+def test_move_leaves_each_row_as_the_count_calls_do_bit_for_bit() -> None:
+    """`TallyTable.move` (a block whose asks changed, on all its holders) against the same
+    `count` calls, key by key: small holder sets (the loop) and large ones (the vectorized
+    steps, with rows reused across calls and rows created for keys that had none)."""
+    rng = random.Random(11)
+    moved, counted = TallyTable(capacity=2), TallyTable(capacity=2)
+    keys = [WorkerId(f"w{i}") for i in range(300)]
+    for step in range(400):
+        holders = rng.sample(keys, rng.choice([1, 3, 15, 16, 40, 299])) if step % 3 else keys[:64]
+        old = None if rng.random() < 0.3 else Ask(rng.choice([1, 2]), rng.choice([0, 3, 31]), 0.0)
+        new = Ask(rng.choice([1, 2]), rng.choice([0, 3, 31, 200]), 0.0)
+        w_old, w_new = rng.random() * 7, 2.0 ** rng.randrange(-10, 10)
+        moved.move(dict.fromkeys(holders), old, w_old, new, w_new)
+        for k in holders:
+            if old is not None:
+                counted.count(k, old, w_old, -1)
+            counted.count(k, new, w_new, +1)
+        if step % 97 == 96:                         # a worker leaves: its row is reused
+            gone = rng.choice(keys)
+            moved.pop(gone)
+            counted.pop(gone)
+    assert moved.nonzero.tolist() == np.count_nonzero(moved.once, axis=1).tolist()
+    assert moved.depths == counted.depths
+    for k in keys:
+        mine, want = moved.tally(k), counted.tally(k)
+        assert mine.shared == want.shared, k
+        assert mine.once == want.once, k
