@@ -247,9 +247,9 @@ class BlockIndex:
                 self._asked[h] = _KINDS[seen.depth << 1 | 1]
             self._asked_at[h] = now
             if holders:     # every holder's tally: the old asks out, the new in
-                ask = self._ask(h)
+                ask = Ask(1, min(depth, _DEPTHS - 1), now) if seen is None else Ask(2, seen.depth, now)
                 self._held_asks.move(holders, seen, 0.0 if seen is None else self._decay.weight(seen), ask,
-                                     self._decay.weight(ask))  # type: ignore[arg-type]
+                                     self._decay.weight(ask))
                 self._count_any(h, +1)
 
     def distinct_shared_blocks(self) -> float:
