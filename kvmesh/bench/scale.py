@@ -44,9 +44,12 @@ Measured per N and structure: decision p50/p99 (`Router.pick`, perf_counter), ev
 from the index, each once), hash events ingested per second of router CPU (process CPU time
 less the decisions' thread CPU, steady phase; `details` also gives the fill: inventories at
 full speed), Redis CPU (INFO cpu, fraction of one core) and memory (INFO memory used_memory).
-`details` also gives the garbage collector's passes in the steady phase (all, full ones, the
-longest), the picks with a pass inside them and the decision p99 less the collector's time in
-each pick, and one full collection timed once the index is full and the fleet paused
+`details` also gives each routed request's bookkeeping after its pick (`dispatch_p50_ms` /
+`dispatch_p99_ms`: `InFlightPrefills.dispatched`, its pending blocks and asks; router CPU per
+request that the decision time leaves out, and the steady phase's consumer has to share the
+core with), the garbage collector's passes in the steady phase (all, full ones, the longest),
+the picks with a pass inside them and the decision p99 less the collector's time in each pick,
+and one full collection timed once the index is full and the fleet paused
 (`gc_collect_full_index_ms`, best of 3; `gc_tracked_objects`: the containers it traverses).
 The oracle: once the fleet pauses and the index has caught up, its entries equal the blocks
 the fleet's workers hold (published stored minus removed).
@@ -220,6 +223,8 @@ def _detail(n: int, kind: str, r: PassResult, extra: dict[str, Any]) -> dict[str
             "decision_cpu_s": round(r.decision_cpu_s, 3), "decision_parts_ms": r.decision_parts_ms,
             "decision_cpu_p50_ms": round(_pct(r.decision_cpu_ms, 0.5), 3),
             "decision_cpu_p99_ms": round(_pct(r.decision_cpu_ms, 0.99), 3),
+            "dispatch_p50_ms": round(_pct(r.dispatch_ms, 0.5), 3),
+            "dispatch_p99_ms": round(_pct(r.dispatch_ms, 0.99), 3),
             "gc_passes": len(r.gc_pauses_ms), "gc_pause_max_ms": round(max(r.gc_pauses_ms, default=0.0), 1),
             "gc_pause_total_ms": round(sum(r.gc_pauses_ms), 1), "gc_full_passes": len(r.gc_full_ms),
             "gc_full_pause_max_ms": round(max(r.gc_full_ms, default=0.0), 1),

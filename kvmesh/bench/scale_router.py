@@ -102,6 +102,7 @@ class PassResult(NamedTuple):
     warm_pick_ms: float             # the first pick, before the steady phase (builds the ring)
     full_gc_ms: float               # one gc.collect() with the index full, fleet paused (best of 3)
     gc_tracked: int                 # the objects the collector tracks then (frozen ones not counted)
+    dispatch_ms: list[float]        # each routed request's bookkeeping after its pick (`dispatched`)
 
 
 class CountingSink:
@@ -149,6 +150,7 @@ class RouterPass:
         self._flights: dict[str, WorkerEntry] = {}
         self.shed = 0                   # decisions due while the loop was the consumer's
         self.pick_cpu_ms: list[float] = []
+        self.dispatch_ms: list[float] = []
         self.warm_pick_ms = 0.0
         self.gc_ms: list[float] = []
         self.gc_full_ms: list[float] = []
@@ -237,7 +239,7 @@ class RouterPass:
                             fill_s, fill_hashes, fill_cpu, redis_cpu, mem, stats.num_entries, stats.num_blocks,
                             deep_size(self.index), self.consumer.stats().gaps, parts, held, self.shed,
                             self.pick_cpu_ms, self.gc_ms, self.gc_full_ms, decision_gc, self.warm_pick_ms,
-                            full_gc_ms, gc_tracked)
+                            full_gc_ms, gc_tracked, self.dispatch_ms)
         await self.consumer.aclose()
         await self.registry.stop()
         return result
@@ -287,8 +289,10 @@ class RouterPass:
             in_gc.append(self.gc_total_ms - g0)
             self.pick_cpu_ms.append((time.thread_time() - c0) * 1000)
             free_at = time.monotonic() + took * (1 - DECISION_DUTY) / DECISION_DUTY
+            t1 = time.perf_counter()
             router.prefills.dispatched(index, rid, pick.worker.info.worker_id,  # type: ignore[union-attr]
                                        route, pick.predicted_tokens)
+            self.dispatch_ms.append((time.perf_counter() - t1) * 1000)
             pick.worker.in_flight += 1
             self._flights[rid] = pick.worker
             cpu += time.thread_time() - c0

@@ -113,6 +113,7 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
         assert d["index_entries"] == d["oracle_held"] == fleet["held"] == d["workers"] * 100
         assert d["decisions"] > 0 and d["consumer_gaps"] == 0
         assert 0 < d["decision_cpu_p50_ms"] <= d["decision_cpu_p99_ms"]
+        assert 0 < d["dispatch_p50_ms"] <= d["dispatch_p99_ms"] < 10_000
         assert 0 <= d["gc_full_passes"] <= d["gc_passes"] and 0 <= d["decisions_with_gc"] <= d["decisions"]
         assert 0 < d["decision_p99_less_gc_ms"] and 0 < d["gc_collect_full_index_ms"] < 10_000
     by = {(d["workers"], d["index"]): d for d in result["details"]}
