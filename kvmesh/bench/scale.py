@@ -79,6 +79,7 @@ from kvmesh.serve.processes import start_redis, terminate
 MEASURED_TOKENS_PER_S = 1056 / 6.28
 RESULT_OF_PREFIX = Path("docs/results/prefix-quick.json")
 TARGETS = {"decision_p99_ms": 2.0, "event_lag_p99_ms": 250.0, "index_bytes_per_entry": 200.0}
+TARGET_WORKERS = 1000       # the targets are set for 1,000 workers with 10^6 blocks indexed
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +242,21 @@ def _detail(n: int, kind: str, r: PassResult, extra: dict[str, Any]) -> dict[str
 
 
 def bottleneck(runs: list[dict[str, Any]], details: list[dict[str, Any]]) -> str:
-    """The first target missed, by N ascending (else the largest figure's headroom)."""
+    """The first target missed, by N ascending, among the sizes the targets are set for
+    (`TARGET_WORKERS` and up); then what the smaller sizes miss, named as such: at 16 workers
+    a per-entry size or a p99 against the 1,000-worker limits says little about growth."""
+    at_scale = [r for r in runs if r["workers"] >= TARGET_WORKERS]
+    below = [r for r in runs if r["workers"] < TARGET_WORKERS]
+    first = _first_miss(at_scale, details)
+    if first is None and at_scale:
+        first = f"none of the targets missed at {TARGET_WORKERS:,}+ workers"
+    elif first is None:
+        first = f"no size at the targets' scale ({TARGET_WORKERS:,}+ workers) was run"
+    small = _first_miss(below, details)
+    return first if small is None else f"{first}; below that scale: {small}"
+
+
+def _first_miss(runs: list[dict[str, Any]], details: list[dict[str, Any]]) -> str | None:
     for row in sorted(runs, key=lambda r: r["workers"]):
         n = row["workers"]
         d = next(x for x in details if x["workers"] == n and x["index"] == row.get("_index"))
@@ -264,7 +279,7 @@ def bottleneck(runs: list[dict[str, Any]], details: list[dict[str, Any]]) -> str
                     why = (f"; steady ingest {row['events_per_s_per_core']} hash events per router CPU s, "
                            f"Redis CPU {row['redis_cpu_frac']} of a core")
                 return f"{key} {value} > {limit} at {n} workers ({d['index']} index){why}"
-    return "none of the targets missed at the sizes run"
+    return None
 
 
 def run(cfg: ScaleConfig) -> dict[str, Any]:
@@ -291,7 +306,7 @@ def run(cfg: ScaleConfig) -> dict[str, Any]:
             "baseline": {k: v for k, v in by_kind.items() if k != main_kind},
             "baseline_bottleneck": {k: bottleneck([dict(r, _index=k) for r in v], details)
                                     for k, v in by_kind.items() if k != main_kind},
-            "targets": {"workers": 1000, "blocks": 10**6, **TARGETS},
+            "targets": {"workers": TARGET_WORKERS, "blocks": 10**6, **TARGETS},
             "details": details,
             "config": {"workers": list(cfg.workers), "indexes": list(cfg.indexes), "pool_blocks": cfg.pool_blocks,
                        "tokens_per_s": round(cfg.tokens_per_s, 1), "tokens_per_s_source": cfg.tokens_source,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from contracts.cli import CLIError
-from kvmesh.bench.scale import ScaleConfig, config_from_args, register
+from kvmesh.bench.scale import ScaleConfig, bottleneck, config_from_args, register
 from kvmesh.bench.scale_memory import deep_size
 from kvmesh.bench.scale_pin import pin_process, plan
 from kvmesh.cli import main
@@ -73,6 +73,21 @@ def test_pin_process_moves_every_thread_of_a_child() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_bottleneck_is_named_at_the_targets_scale_first_and_smaller_misses_as_such() -> None:
+    def row(n: int, **over: float) -> dict[str, object]:
+        base = {"decision_p99_ms": 1.5, "event_lag_p99_ms": 100.0, "index_bytes_per_entry": 150.0,
+                "decision_p50_ms": 1.0, "events_per_s_per_core": 9e4, "redis_cpu_frac": 0.2}
+        return {"workers": n, "_index": "compact", **base, **over}
+    details = [{"workers": n, "index": "compact", "decision_parts_ms": {"pick": 1.0}} for n in (16, 1000, 2000)]
+    assert bottleneck([row(16), row(1000)], details) == "none of the targets missed at 1,000+ workers"
+    text = bottleneck([row(16, index_bytes_per_entry=331.5), row(1000)], details)
+    assert text.startswith("none of the targets missed at 1,000+ workers; below that scale: "
+                           "index_bytes_per_entry 331.5 > 200.0 at 16 workers")
+    text = bottleneck([row(16, decision_p99_ms=3.0), row(1000), row(2000, event_lag_p99_ms=900.0)], details)
+    assert text.startswith("event_lag_p99_ms 900.0 > 250.0 at 2000 workers") and "below that scale: decision" in text
+    assert bottleneck([row(16)], details).startswith("no size at the targets' scale")
 
 
 def test_the_size_walk_counts_shared_objects_once() -> None:
