@@ -150,7 +150,8 @@ def _tenants(r: dict[str, Any]) -> tuple[str, list[Figure]]:
 def _scale(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     legacy = {run.get("workers"): run for run in (r.get("baseline") or {}).get("legacy", [])}
     out = []
-    for run in r.get("runs", []):
+    # the largest size first: the targets are set for 1,000 workers (the README shows the first row)
+    for run in sorted(r.get("runs", []), key=lambda x: -(_num(x.get("workers")) or 0)):
         n, old = run.get("workers"), legacy.get(run.get("workers"), {})
         out.append(Figure(f"{n} workers ({_g(run.get('blocks'))} blocks): decision p50 / p99",
                           f"{_g(run.get('decision_p50_ms'))} / {_g(run.get('decision_p99_ms'))} ms",
@@ -159,6 +160,11 @@ def _scale(r: dict[str, Any]) -> tuple[str, list[Figure]]:
                           f"{_g(run.get('event_lag_p99_ms'))} ms; {_g(run.get('index_bytes_per_entry'))} B",
                           f"{_g(old.get('index_bytes_per_entry'))} B (legacy index)",
                           _x(_ratio(run.get("index_bytes_per_entry"), old.get("index_bytes_per_entry")))))
+        d: dict[str, Any] = next((x for x in r.get("details", [])
+                                  if x.get("workers") == n and x.get("index") == r.get("index")), {})
+        if "dispatch_p99_ms" in d:
+            out.append(Figure(f"{n} workers: a routed request's bookkeeping after its pick, p50 / p99",
+                              f"{_g(d.get('dispatch_p50_ms'))} / {_g(d.get('dispatch_p99_ms'))} ms", "", ""))
         out.append(Figure(f"{n} workers: events/s per router core; Redis CPU, memory",
                           f"{_g(run.get('events_per_s_per_core'))}; {_g(run.get('redis_cpu_frac'))}, "
                           f"{_g((_num(run.get('redis_mem_bytes')) or 0) / 2**20)} MiB", "", ""))
