@@ -11,7 +11,9 @@ batched reads (its default), the same dict pick —, `compact-tracked` — the c
 (router/routing/fastpick.py) over the compact index as it was while the garbage collector
 traversed it (kvmesh/bench/scale_baseline.py) —, `compact-per-pick` — the router as it is but for
 the live workers' columns, built afresh at every pick as the view was before they were kept
-between picks (router/workers/live.py) — and `compact` — the router as it is: the compact
+between picks (router/workers/live.py) —, `compact-asks-loop` — the router as it is but for a
+routed prompt's asks counted on each holder of each block in Python, not in numpy (the bookkeeping
+after a pick, `dispatch_*` in `details`) — and `compact` — the router as it is: the compact
 index out of the collector's sight, its start-up heap frozen (router/heap.py), those reads and the
 column pick over the kept columns. `runs` holds the last variant
 named, `baseline` the others, measured in the same run. Picks may take at most half the router loop's time (the rest
@@ -85,7 +87,8 @@ TARGET_WORKERS = 1000       # the targets are set for 1,000 workers with 10^6 bl
 @dataclass(frozen=True, slots=True)
 class ScaleConfig:
     workers: tuple[int, ...] = (16, 128, 1000)
-    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact-tracked", "compact-per-pick", "compact")
+    indexes: tuple[str, ...] = ("legacy", "compact-dicts", "compact-tracked", "compact-per-pick", "compact-asks-loop",
+                                "compact")
     pool_blocks: int = 1000
     tokens_per_s: float = MEASURED_TOKENS_PER_S
     tokens_source: str = "constant"
@@ -354,10 +357,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="shorter steady phase, fewer decisions (1,000 workers included)")
     p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--workers", type=_counts, default=(16, 128, 1000), help="worker counts (default 16,128,1000)")
-    p.add_argument("--index", default="legacy,compact-dicts,compact-tracked,compact-per-pick,compact",
+    p.add_argument("--index", default="legacy,compact-dicts,compact-tracked,compact-per-pick,compact-asks-loop,compact",
                    help="router variants (index structure, reads, pick: kvmesh/bench/scale_router.py INDEXES), "
                         "comma-separated, the last one reported in runs "
-                        "(default legacy,compact-dicts,compact-tracked,compact-per-pick,compact)")
+                        "(default legacy,compact-dicts,compact-tracked,compact-per-pick,compact-asks-loop,compact)")
     p.add_argument("--pool-blocks", type=int, default=1000, help="blocks per worker pool (default 1000: 10^6 at 1,000)")
     p.add_argument("--tokens-per-s", type=float, default=None,
                    help="tokens a worker computes per second (default: the measured prefill rate)")

@@ -5,6 +5,11 @@ between decisions (router/workers/live.py): `rebuild_per_pick` makes the registr
 afresh at every pick — the walk over every entry (the live list, ids, slots, a numpy column per
 figure, the decode pool, the peers) that `routing_view` did per request.
 
+`compact-asks-loop`: the router as it is but for a routed prompt's asks counted holder by
+holder — two `TallyTable.count` calls per (block, holder), as before `TallyTable.move` — which
+at 1,000 workers, a popular prefix held by hundreds, made each request's bookkeeping after its
+pick (`InFlightPrefills.dispatched` → `BlockIndex.add_pending`) cost several times the pick.
+
 `compact-tracked`: router/index/compact.py's storage as it was
 before the index moved out of the garbage collector's sight.
 
@@ -20,6 +25,7 @@ from typing import Any
 
 from kvstore.events import Tier, WorkerId
 from kvstore.keys import BlockHash
+from router.index.asks import Ask, TallyTable
 from router.index.compact import _BIT, _MASK, _SHIFT, CompactBlockIndex
 from router.workers.live import LiveColumns
 from router.workers.registry import WorkerRegistry
@@ -28,6 +34,26 @@ from router.workers.registry import WorkerRegistry
 def rebuild_per_pick(registry: WorkerRegistry) -> None:
     """`registry.live_columns()` builds the columns at every call (module docstring)."""
     registry.live_columns = lambda: LiveColumns(registry.live())  # type: ignore[method-assign]
+
+
+class _LoopTallyTable(TallyTable):
+    """`TallyTable` whose `move` is the per-holder calls it replaced (module docstring)."""
+
+    def move(self, keys: Collection[WorkerId], old: Ask | None, old_weight: float, new: Ask,
+             new_weight: float) -> None:
+        if old is not None:
+            for key in keys:
+                self.count(key, old, old_weight, -1)
+        for key in keys:
+            self.count(key, new, new_weight, +1)
+
+
+class AsksLoopIndex(CompactBlockIndex):
+    """`CompactBlockIndex` counting a routed prompt's asks holder by holder (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held_asks = _LoopTallyTable()
 
 
 class TrackedCompactIndex(CompactBlockIndex):

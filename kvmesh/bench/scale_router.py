@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvmesh.bench.scale_baseline import TrackedCompactIndex, rebuild_per_pick
+from kvmesh.bench.scale_baseline import AsksLoopIndex, TrackedCompactIndex, rebuild_per_pick
 from kvmesh.bench.scale_memory import deep_size, full_collection_ms
 from kvstore.events import IndexSink, WireEvent, WorkerId
 from kvstore.metadata.registry import RedisConfig, connect_async
@@ -48,17 +48,19 @@ from router.workers.registry import WorkerEntry, WorkerRegistry
 # collector's sight (kvmesh/bench/scale_baseline.py); `compact-per-pick` the router as it is but
 # for the live workers' columns, built afresh at every pick as the view was before they were
 # kept between picks (router/workers/live.py; kvmesh/bench/scale_baseline.py `rebuild_per_pick`);
-# `compact` the router as it is.
+# `compact-asks-loop` the router as it is but for a routed prompt's asks counted holder by holder
+# (scale_baseline.py `AsksLoopIndex`); `compact` the router as it is.
 INDEXES: dict[str, Callable[[], BlockIndex]] = {"legacy": BlockIndex, "compact-dicts": CompactBlockIndex,
                                                 "compact-tracked": TrackedCompactIndex,
                                                 "compact-per-pick": CompactBlockIndex,
+                                                "compact-asks-loop": AsksLoopIndex,
                                                 "compact": CompactBlockIndex}
 READ_INTERVAL_S: dict[str, float | None] = {"legacy": 0.0, "compact-dicts": None, "compact-tracked": None,
-                                            "compact-per-pick": None, "compact": None}
+                                            "compact-per-pick": None, "compact-asks-loop": None, "compact": None}
 COLUMN_PICK: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": True,
-                                "compact-per-pick": True, "compact": True}
+                                "compact-per-pick": True, "compact-asks-loop": True, "compact": True}
 FREEZE: dict[str, bool] = {"legacy": False, "compact-dicts": False, "compact-tracked": False,
-                           "compact-per-pick": True, "compact": True}
+                           "compact-per-pick": True, "compact-asks-loop": True, "compact": True}
 DECISION_DUTY = 0.5     # the most of the loop's time picks may take
 
 

@@ -32,7 +32,8 @@ def test_flags_and_their_errors() -> None:
     cfg = config_from_args(_parse("--quick", "--workers", "4,8", "--steady-s", "1.5"))
     assert (cfg.workers, cfg.steady_s, cfg.decision_rate, cfg.indexes) == ((4, 8), 1.5, 20.0,
                                                                         ("legacy", "compact-dicts", "compact-tracked",
-                                                                         "compact-per-pick", "compact"))
+                                                                         "compact-per-pick", "compact-asks-loop",
+                                                                         "compact"))
     assert config_from_args(_parse()).workers == ScaleConfig().workers == (16, 128, 1000)
     with pytest.raises(CLIError, match="indexes"):
         config_from_args(_parse("--index", "legacy,btree"))
@@ -103,15 +104,16 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
     if not Path(REDIS_SERVER).exists():
         pytest.skip("redis-server is not installed")
     out = tmp_path / "scale.json"
-    assert main(["bench", "scale", "--quick", "--workers", "4,8", "--pool-blocks", "100", "--steady-s", "1.5",
+    assert main(["bench", "scale", "--quick", "--workers", "8", "--pool-blocks", "100", "--steady-s", "1.5",
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "machine" in result["meta"]
     assert result["config"]["pinning"]["pinned"] == (len(os.sched_getaffinity(0)) >= 2)
     assert isinstance(result["bottleneck"], str) and result["bottleneck"]
-    assert set(result["baseline"]) == {"legacy", "compact-dicts", "compact-tracked", "compact-per-pick"}
+    assert set(result["baseline"]) == {"legacy", "compact-dicts", "compact-tracked", "compact-per-pick",
+                                       "compact-asks-loop"}
     for runs in (result["runs"], *result["baseline"].values()):
-        assert [r["workers"] for r in runs] == [4, 8]
+        assert [r["workers"] for r in runs] == [8]
         for r in runs:
             assert set(r) == RUN_KEYS
             assert 0 < r["blocks"] <= r["workers"] * 100
@@ -132,5 +134,4 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
         assert 0 <= d["gc_full_passes"] <= d["gc_passes"] and 0 <= d["decisions_with_gc"] <= d["decisions"]
         assert 0 < d["decision_p99_less_gc_ms"] and 0 < d["gc_collect_full_index_ms"] < 10_000
     by = {(d["workers"], d["index"]): d for d in result["details"]}
-    for n in (4, 8):
-        assert by[n, "compact"]["index_bytes"] < by[n, "legacy"]["index_bytes"]
+    assert by[8, "compact"]["index_bytes"] < by[8, "legacy"]["index_bytes"]
