@@ -204,14 +204,18 @@ class PrefillCostScorer:
     another worker holds or computes (w would hold a second copy), at u'(w), the larger of w's
     u and the cascade with p the cluster's `RoutingState.cluster_committed` (the fraction of all
     the workers' pools the prompts' blocks fill with one copy each, at their fading weight,
-    router/index/asks.py `cluster_fill`) past `copy_room_frac` (0: a copy has no free room): a
-    replica takes space some prefix's only copy will need once the cluster fills, even while w
-    itself still has room, where a new prefix must go somewhere anyway and costs only w's own u
-    (in a nearly empty cluster a copy costs little more than its fetch). Counted as the expected
-    shared blocks past a 20% room, as w's own u is, the fraction ran behind the pools early in a
-    workload (a prefix asked once so far counts there at its depth's reuse rate): in
-    `kvmesh bench routing-live --quick`'s pressure run a fetched replica was priced at u' = 0.07
-    with the pools ~60% full, and its 16 blocks took the pools' last slack; queued(w) the prompt
+    router/index/asks.py `cluster_fill`) past `copy_room_frac` (0.2, w's own room): a replica
+    takes space some prefix's only copy will need once the cluster fills, even while w itself
+    still has room, where a new prefix must go somewhere anyway and costs only w's own u; in a
+    cluster its prompts fill at most a fifth of, a copy costs its fetch alone. Priced from 0
+    there, a copy cost 5-13% of the prefix's prefill (×β) in `kvmesh bench routing-live`'s
+    default no-pressure run (pools 1,456 blocks, R 0.05-0.12), as much as 6-9 running
+    requests: a hot prefix stayed on its one holder at 4-6 in flight while the other worker ran
+    1-3, and its warm requests shared their prefill steps (docs/routing.md). Under pressure R
+    passes the room with the first prefills (0.47 once 8 of 12 prefixes are stored), and R,
+    counted as the expected shared blocks instead, once ran behind the pools (a prefix asked
+    once so far counts there at its depth's reuse rate: a replica priced at u' = 0.07 with the
+    pools ~60% full took their last slack); queued(w) the prompt
     tokens requests sent to w that have not started streaming will compute there (less their
     cached blocks and those a peer hint fetches), less those computing this prompt's own prefix
     (they are the prefill it saves), weighted γ = `queue_weight` because a request sent where
@@ -239,7 +243,7 @@ class PrefillCostScorer:
     queue_weight: float = 2.0
     room_frac: float = 0.2
     sustained_tolerance: float = 0.1
-    copy_room_frac: float = 0.0
+    copy_room_frac: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("running_cost_tokens", "sustained_cost_tokens", "queue_weight"):

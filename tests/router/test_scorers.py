@@ -229,7 +229,7 @@ def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     displace only past w's room; a new prefix (held nowhere) is priced by w alone."""
     route = _route(3, blocks=5)                     # 83 tokens, 5 full blocks
     L = len(route.token_ids)
-    scorer = PrefillCostScorer(fetch_cost_ratio=0.1, room_frac=0.0)
+    scorer = PrefillCostScorer(fetch_cost_ratio=0.1, room_frac=0.0, copy_room_frac=0.0)
     w, v = WorkerId("w0"), WorkerId("w1")
     roomy = {w: WorkerLoad(0, 10, 40, 0)}
     held_by_v = RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.5)      # u' = 0.5 / 0.5 = 1
@@ -238,26 +238,27 @@ def test_a_copy_of_a_prefix_held_elsewhere_displaces_at_the_cluster_fill():
     fetch = RoutingState(roomy, {w: 0, v: 5}, fetchable_blocks={w: 5}, cluster_committed=0.5)
     assert scorer.cost(w, route, fetch) == pytest.approx(2.0 * (L - 80 + 0.1 * 80 + 80))
     assert scorer.cost(w, route, RoutingState(roomy, {w: 0}, cluster_committed=0.5)) == 2.0 * L
-    # the default: a copy has no free room (copy_room_frac 0), so an empty cluster charges
-    # nothing for it and a fifth-full one p / (1 − p) = 0.25, while w's own room stays 0.2
+    # the default: a copy has w's own 20% room (copy_room_frac 0.2), so a cluster its prompts
+    # fill at most a fifth of charges nothing for it, a 60% full one p / (1 − p) = 1
     default = PrefillCostScorer(fetch_cost_ratio=0.1)
-    assert (default.room_frac, default.copy_room_frac) == (0.2, 0.0)
+    assert (default.room_frac, default.copy_room_frac) == (0.2, 0.2)
     assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.0)) == 2.0 * L
-    assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.2)) == pytest.approx(
-        2.0 * (L + 0.25 * 80))
+    assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.2)) == 2.0 * L
     assert default.cost(w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.6)) == pytest.approx(
-        2.0 * (L + 1.5 * 80))                       # u' = 0.6 / 0.4
-    assert PrefillCostScorer(copy_room_frac=0.2).cost(
-        w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.2)) == 2.0 * L
+        2.0 * (L + 1.0 * 80))                       # p = 0.4 / 0.8, u' = 1
+    assert PrefillCostScorer(copy_room_frac=0.0).cost(
+        w, route, RoutingState(roomy, {w: 0, v: 5}, cluster_committed=0.2)) == pytest.approx(2.0 * (L + 0.25 * 80))
 
 
 def test_a_fetched_replica_for_a_moment_of_load_waits_once_the_cluster_fills():
     """The pick of `kvmesh bench routing-live --quick`'s pressure run (14:07 UTC) that replicated a
     prefix: its holder w1 ran 5 requests, w0 none, the prefix stored on w1 (w0 could fetch it),
-    the pools 112 blocks, the cluster's shared prefixes a quarter of them by the index's estimate
-    (8 of the 12 prefixes seen, 6 asked once). Priced past a 0.2 room the copy cost u' = 0.07 and
-    w0 fetched it; its 16 blocks were the pools' last slack. At copy_room_frac 0 it waits on the
-    holder; in a nearly empty cluster the fetch is still taken."""
+    the pools 112 blocks and ~60% full, the cluster's shared prefixes a quarter of them by the
+    index's estimate then (8 of the 12 prefixes seen, 6 asked once). Priced at that R past a 0.2
+    room the copy cost u' = 0.07 and w0 fetched it; its 16 blocks were the pools' last slack.
+    `cluster_fill` counts those prompts' blocks in full: 0.47 in a traced run of the scenario
+    (23:16 UTC) once 8 prefixes were stored, and at that R the pick waits on the holder, from the
+    0.2 room or from 0; in a nearly empty cluster the fetch is still taken."""
     ids = tuple(range(1000, 1288))                  # 256 prefix tokens + 32 of a question
     route = RouteRequest(ids, tuple(block_hashes(ids, 16, SALT)))
     workers = _workers(2)
@@ -265,12 +266,15 @@ def test_a_fetched_replica_for_a_moment_of_load_waits_once_the_cluster_fills():
                           "w1": WorkerLoad(5, 0, 112, shared_blocks=37.6)},
                          cached_blocks={"w1": 16}, queued_tokens={"w1": 32}, block_size=16,
                          mean_in_flight={"w0": 0.49, "w1": 0.77}, fetchable_blocks={"w0": 16},
-                         cluster_committed=0.25)
+                         cluster_committed=0.47)
     policy = make_policy("kv_aware")
     assert policy.pick(workers, route, state).worker_id == "w1"
-    old = Policy(policy.name, (Weighted(PrefillCostScorer(copy_room_frac=0.2), 1.0),), policy.filters,
-                 policy.tiebreak)
-    assert old.pick(workers, route, state).worker_id == "w0"
+    from_zero = Policy(policy.name, (Weighted(PrefillCostScorer(copy_room_frac=0.0), 1.0),), policy.filters,
+                       policy.tiebreak)
+    assert from_zero.pick(workers, route, state).worker_id == "w1"
+    old_r = RoutingState(state.loads, state.cached_blocks, state.queued_tokens, 16, state.mean_in_flight,
+                         state.fetchable_blocks, cluster_committed=0.25)
+    assert policy.pick(workers, route, old_r).worker_id == "w0"     # the old estimate's R: fetched
     empty = RoutingState(state.loads, state.cached_blocks, state.queued_tokens, 16, state.mean_in_flight,
                          state.fetchable_blocks, cluster_committed=0.05)
     assert policy.pick(workers, route, empty).worker_id == "w0"
