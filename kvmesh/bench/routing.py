@@ -201,6 +201,29 @@ def sweep_protect_turnovers(quick: bool = True, seeds: int = 20,
     return _sweep("protect_turnovers", turnovers, (RoutingPolicy.KV_AWARE, RoutingPolicy.ROUND_ROBIN), quick, seeds)
 
 
+def sweep_copy_room(seeds: int = 8, rooms: tuple[float, ...] = (0.0, 0.2)) -> dict[str, Any]:
+    """kv_aware in `kvmesh bench router --no-live`'s simulation (4, 8 and 16 workers, the quick
+    trace length) as `PrefillCostScorer.copy_room_frac` varies, over `seeds` traces (the bench
+    runs seed 0 alone): hit rate of the oracle's and imbalance, mean and max, and seed 0's. Run
+    it with
+        .venv/bin/python -c "import json; from kvmesh.bench.routing import sweep_copy_room as s;
+                             print(json.dumps(s(), indent=1))"
+    (one line)."""
+    out: dict[str, Any] = {}
+    for room in rooms:
+        row = out[str(room)] = {}
+        for n in (4, 8, 16):
+            runs = []
+            for seed in range(seeds):
+                cfg = SimConfig(num_workers=n, num_requests=1500, seed=seed, copy_room_frac=room)
+                trace = make_trace(cfg)
+                runs.append((simulate(RoutingPolicy.KV_AWARE, cfg, trace), oracle_hit_rate(cfg, trace)))
+            vs, imb = [r.hit_rate / o for r, o in runs], [r.imbalance for r, _ in runs]
+            row[str(n)] = {"hit_rate_vs_oracle": statistics.mean(vs), "imbalance": statistics.mean(imb),
+                           "imbalance_max": max(imb), "seed0": {"hit_rate_vs_oracle": vs[0], "imbalance": imb[0]}}
+    return out
+
+
 def _sweep(field: str, values: tuple[float | None, ...], policies: tuple[RoutingPolicy, ...], quick: bool,
            seeds: int) -> dict[str, Any]:
     """{value: {scenario (or "scenario/policy" for several policies): figures averaged over

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvstore.events import Tier
 from kvstore.keys import BlockHash, block_hashes
@@ -31,8 +31,8 @@ from kvstore.pool import PROTECT_TURNOVERS, BlockId, BlockPool, BlockRemoved, Bl
 from router.index.asks import ASK_HALF_LIFE, cluster_fill
 from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightConfig, InFlightPrefills
-from router.routing.policy import make_policy
-from router.routing.scorers import DEFAULT_LOAD_FACTOR
+from router.routing.policy import Weighted, make_policy
+from router.routing.scorers import DEFAULT_LOAD_FACTOR, PrefillCostScorer
 from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
 _SALT = b"kvmesh-sim"
@@ -54,6 +54,7 @@ class SimConfig:
     seed: int = 0
     ask_half_life: float = ASK_HALF_LIFE   # the router index's (router/index/asks.py)
     protect_turnovers: float | None = PROTECT_TURNOVERS   # the workers' pools' (kvstore/pool.py)
+    copy_room_frac: float | None = None    # kv_aware's PrefillCostScorer.copy_room_frac (None: its default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,10 @@ class _Sim:
         self.rng = random.Random(cfg.seed + 1)
         self.workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
         self.policy = make_policy(policy_name, cfg.load_factor)
+        if cfg.copy_room_frac is not None:
+            self.policy = replace(self.policy, scorers=tuple(
+                Weighted(replace(w.scorer, copy_room_frac=cfg.copy_room_frac), w.weight)
+                if isinstance(w.scorer, PrefillCostScorer) else w for w in self.policy.scorers))
         self.index = BlockIndex(ask_half_life=cfg.ask_half_life)
         self.index.set_capacity(cfg.cache_blocks * cfg.num_workers)
         self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index, cfg.protect_turnovers)

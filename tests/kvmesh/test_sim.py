@@ -70,3 +70,18 @@ def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure(
     # Partitioning the prefixes beats thrashing both pools (the issue's live target: +10 points).
     assert press["kv_aware"]["hit_rate"] >= press["round_robin"]["hit_rate"] + 0.10
     assert press["kv_aware"]["ttft_p50"] < press["round_robin"]["ttft_p50"]
+
+
+def test_copy_room_frac_reaches_the_simulated_kv_aware_scorer_only():
+    """`SimConfig.copy_room_frac` (kvmesh.bench.routing.sweep_copy_room) sets kv_aware's
+    `PrefillCostScorer.copy_room_frac`; None leaves the default, other policies are untouched."""
+    from kvmesh.bench.sim import _Sim
+    from router.routing.scorers import PrefillCostScorer
+
+    def rooms(policy: RoutingPolicy, room: float | None) -> list[float]:
+        sim = _Sim(SimConfig(num_workers=2, copy_room_frac=room), policy)
+        return [w.scorer.copy_room_frac for w in sim.policy.scorers if isinstance(w.scorer, PrefillCostScorer)]
+
+    assert rooms(RoutingPolicy.KV_AWARE, 0.0) == [0.0]
+    assert rooms(RoutingPolicy.KV_AWARE, None) == [PrefillCostScorer().copy_room_frac]
+    assert rooms(RoutingPolicy.ROUND_ROBIN, 0.0) == []
