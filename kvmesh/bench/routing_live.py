@@ -30,10 +30,8 @@ import argparse
 import asyncio
 import functools
 import json
-import math
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -45,6 +43,7 @@ import grpc
 
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
+from kvmesh.bench.routing_live_figures import BLOCK_SIZE as _BLOCK_SIZE, _Served, summarize
 from kvmesh.bench.routing_repeats import rounds
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from kvmesh.serve.supervise import Cluster
@@ -53,7 +52,6 @@ from router.routing.types import RoutingPolicy
 
 POLICY_ORDER = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED, RoutingPolicy.PREFIX_HASH,
                 RoutingPolicy.KV_AWARE)
-_BLOCK_SIZE = 16
 SCENARIOS = ("no_pressure", "pressure", "shift")
 _TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model (49,152 ids)
 _UNAVAILABLE_RETRIES = 60
@@ -203,19 +201,6 @@ def run_replicas(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload,
     return compare_replicas(cfg.routers, lambda n, argv: run_policy(cfg, policy, phases, engine_argv, n, argv))
 
 
-@dataclass(slots=True)
-class _Served:
-    prefix: int
-    worker_id: str
-    start: float
-    end: float
-    ttft_s: float
-    itls: list[float]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
 async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster,
                  urls: list[str]) -> dict[str, Any]:
     """Each phase's requests in turn, dealt round robin over the routers at `urls`; the last phase's
@@ -292,70 +277,6 @@ async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]
     return _Served(prefix, worker_id, t0, time.perf_counter(), stamps[0] - t0,
                    [b - a for a, b in zip(stamps, stamps[1:])],
                    usage.prompt_tokens, cached or 0, usage.completion_tokens)
-
-
-def summarize(cfg: LiveConfig, num_prefixes: int, served: list[_Served], wall_s: float,
-              router: dict[str, Any]) -> dict[str, Any]:
-    """One policy's figures (the keys `routing-live` promises) from what the client saw."""
-    full_prefix = cfg.prefix_tokens // _BLOCK_SIZE * _BLOCK_SIZE
-    ttfts = sorted(s.ttft_s for s in served)
-    itls = sorted(x for s in served for x in s.itls)
-    per: dict[str, dict[str, int]] = {}
-    totals: dict[str, int] = {}
-    for s in served:
-        row = per.setdefault(str(s.prefix), {})
-        row[s.worker_id] = row.get(s.worker_id, 0) + 1
-        totals[s.worker_id] = totals.get(s.worker_id, 0) + 1
-    prompt = sum(s.prompt_tokens for s in served)
-    requests = max(1, int(router.get("requests", 0)))
-    return {
-        "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": _quantile(ttfts, 0.99),
-        "itl_p50_s": statistics.median(itls) if itls else 0.0,
-        "req_s": len(served) / wall_s, "output_tok_s": sum(s.completion_tokens for s in served) / wall_s,
-        "cached_token_frac": sum(s.cached_tokens for s in served) / prompt if prompt else 0.0,
-        "cold_requests": sum(s.cached_tokens < full_prefix for s in served),
-        "min_cold_requests": num_prefixes,
-        "requests_per_worker_per_prefix": {k: dict(sorted(v.items()))
-                                           for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
-        "requests_per_worker": dict(sorted(totals.items())),
-        "mismatch_rate": int(router.get("hit_mismatches", 0)) / requests,
-        "wall_s": wall_s, "requests": len(served),
-        "diagnostics": diagnostics(served, full_prefix), "router": router,
-    }
-
-
-def diagnostics(served: list[_Served], full_prefix: int) -> dict[str, Any]:
-    """What TTFT is made of: cold vs warm requests, how many other prefills each warm request
-    shared its worker's steps with (mean), and how evenly the requests in flight were spread
-    over the workers over time (time-averaged in flight per worker, its max / mean)."""
-    cold = [s.ttft_s for s in served if s.cached_tokens < full_prefix]
-    warm = [s.ttft_s for s in served if s.cached_tokens >= full_prefix]
-    t0, t1 = min(s.start for s in served), max(s.end for s in served)
-    area: dict[str, float] = {}
-    for s in served:
-        area[s.worker_id] = area.get(s.worker_id, 0.0) + (s.end - s.start)
-    mean_in_flight = {w: a / (t1 - t0) for w, a in sorted(area.items())} if t1 > t0 else {}
-    avg = sum(mean_in_flight.values()) / len(mean_in_flight) if mean_in_flight else 0.0
-    warm_served = [s for s in served if s.cached_tokens >= full_prefix]
-    return {"ttft_p50_cold_s": statistics.median(cold) if cold else None,
-            "ttft_p50_warm_s": statistics.median(warm) if warm else None,
-            "warm_prefill_overlap": (statistics.mean(_prefill_overlap(s, served) for s in warm_served)
-                                     if warm_served else None),
-            "mean_in_flight_per_worker": mean_in_flight,
-            "in_flight_imbalance": max(mean_in_flight.values()) / avg if avg else None}
-
-
-def _prefill_overlap(one: _Served, served: list[_Served]) -> int:
-    """Other requests on `one`'s worker waiting for their first token while it waited for its
-    own: the prefills it shared steps with (what a burst of arrivals on one worker costs)."""
-    t0, t1 = one.start, one.start + one.ttft_s
-    return sum(1 for s in served if s is not one and s.worker_id == one.worker_id
-               and s.start < t1 and s.start + s.ttft_s > t0)
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank quantile of an ascending list."""
-    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
 
 
 async def _warm_workers(addresses: tuple[str, ...]) -> None:
