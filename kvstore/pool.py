@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
@@ -43,34 +42,12 @@ from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue
 from kvstore.hash_index import HashIndex, NullHashIndex
 from kvstore.keys import BlockHash
 from kvstore.pool_check import check_pool_args, check_pool_integrity
+from kvstore.pool_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.quota import CachedQuota, Owner, OwnerUsage
 
 PROTECT_TURNOVERS = 1.0   # the fade (module docstring); measured: kvmesh.bench.routing.sweep_protect_turnovers
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """`block_id` now caches the block keyed `block_hash`, whose parent is `parent_hash`."""
-
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    block_id: BlockId
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """`block_id` no longer caches `block_hash` (evicted by an allocation)."""
-
-    block_hash: BlockHash
-    block_id: BlockId
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """Every cached hash was dropped (`reset_prefix_cache`)."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 EvictCallback = Callable[[list[BlockId], list[BlockHash]], None]
 
 
