@@ -237,17 +237,14 @@ class BlockIndex:
             holders = self._holders(h)
             if holders:
                 self._count_any(h, -1)
+            ask = Ask(1, min(depth, _DEPTHS - 1), now) if seen is None else Ask(2, seen.depth, now)
             if seen is None:
-                d = min(depth, _DEPTHS - 1)
-                self._asked[h] = _KINDS[d << 1]
-                self._first[d] += 1
-            else:
-                if seen.num_asks < 2:
-                    self._again[seen.depth] += 1
-                self._asked[h] = _KINDS[seen.depth << 1 | 1]
+                self._first[ask.depth] += 1
+            elif seen.num_asks < 2:
+                self._again[seen.depth] += 1
+            self._asked[h] = _KINDS[ask.depth << 1 | (ask.num_asks - 1)]
             self._asked_at[h] = now
             if holders:     # every holder's tally: the old asks out, the new in
-                ask = Ask(1, min(depth, _DEPTHS - 1), now) if seen is None else Ask(2, seen.depth, now)
                 self._held_asks.move(holders, seen, 0.0 if seen is None else self._decay.weight(seen), ask,
                                      self._decay.weight(ask))
                 self._count_any(h, +1)
