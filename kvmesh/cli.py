@@ -23,6 +23,7 @@ from kvmesh.bench import (
     tenants as bench_tenants,
     transfer as bench_transfer,
 )
+from kvmesh.bench.report import check_json_path
 from kvmesh.serve import cli as serve_cli
 from router import flags as router_flags, server
 from worker import cli as wcli
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench" and getattr(args, "json", None) is not None:
+            check_json_path(args.json)
         return int(args.run(args) or 0)
     except CLIError as e:
         print(f"kvmesh {args.command}: {e}", file=sys.stderr)

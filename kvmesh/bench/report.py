@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from contracts.cli import CLIError
+
 __all__ = ["emit", "run_meta", "machine_summary"]
 
 _INTERNAL_FLAGS = ("--in-netns",)  # set by a bench re-running itself, not by the user
@@ -34,6 +36,19 @@ def emit(result: dict[str, Any], path: Path | None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
     return 0
+
+
+def check_json_path(path: Path) -> None:
+    """CLIError naming `--json` unless a result can be written at `path`: checked before a
+    bench runs, not found out after minutes of it. Creates the missing folders, as `emit` does."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"--json: cannot create {str(path.parent)!r}: {e.strerror or e}") from None
+    if path.is_dir():
+        raise CLIError(f"--json: {str(path)!r} is a directory")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise CLIError(f"--json: {str(path)!r} is not writable")
 
 
 def run_meta(argv: Sequence[str] | None = None, now: datetime.datetime | None = None) -> dict[str, Any]:

@@ -340,7 +340,9 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
                            steady_s=args.steady_s if args.steady_s is not None else steady_s,
                            decision_rate=args.decision_rate if args.decision_rate is not None else rate)
     except ValueError as e:
-        raise CLIError(f"bench scale: {e}") from None
+        field = str(e).split("=", 1)[0]
+        flag = {"indexes": "--index"}.get(field, "--" + field.replace("_", "-"))
+        raise CLIError(f"bench scale: {flag}: {e}") from None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -35,10 +35,23 @@ def test_flags_and_their_errors() -> None:
                                                                          "compact-per-pick", "compact-asks-loop",
                                                                          "compact"))
     assert config_from_args(_parse()).workers == ScaleConfig().workers == (16, 128, 1000)
-    with pytest.raises(CLIError, match="indexes"):
+    with pytest.raises(CLIError, match="--index: indexes"):
         config_from_args(_parse("--index", "legacy,btree"))
-    with pytest.raises(CLIError, match="pool_blocks"):
+    with pytest.raises(CLIError, match="--pool-blocks: pool_blocks"):
         config_from_args(_parse("--pool-blocks", "10"))
+    with pytest.raises(CLIError, match="--decision-rate: "):
+        config_from_args(_parse("--decision-rate", "-1"))
+
+
+def test_an_unwritable_json_path_is_refused_before_the_bench_runs(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """No redis-server, no fleet: `kvmesh bench` checks `--json` first (kvmesh/bench/report.py)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "scale", "--quick", "--json", str(blocker / "out.json")]) == 2
+    assert "--json: cannot create" in capsys.readouterr().err
+    assert main(["bench", "scale", "--quick", "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parse("--workers", "4,many")
 
