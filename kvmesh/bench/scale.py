@@ -64,6 +64,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -154,14 +155,20 @@ class _FleetProcess:
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"the worker fleet exited (code {self.proc.wait()}) before '{command}'") from None
 
     def pause(self) -> int:
         self.send("pause")
         return self.expect("paused")["held"]
 
     def close(self) -> dict[str, int]:
+        """Its summary (`{}` if it has exited already: the error that ended the run is raised)."""
+        if self.proc.poll() is not None:
+            return {}
         try:
             self.send("quit")
             summary = self.expect("bye")
@@ -348,7 +355,11 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     t0 = time.monotonic()
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except RuntimeError as e:       # a child of the bench died (the fleet, Redis): said in one line
+        print(f"kvmesh bench scale: {e}", file=sys.stderr)
+        return 1
     result["config"]["wall_s"] = round(time.monotonic() - t0, 1)
     return emit(result, args.json)
 

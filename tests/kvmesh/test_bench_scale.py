@@ -148,3 +148,16 @@ def test_a_tiny_run_reports_every_figure_and_its_index_matches_the_fleet(tmp_pat
         assert 0 < d["decision_p99_less_gc_ms"] and 0 < d["gc_collect_full_index_ms"] < 10_000
     by = {(d["workers"], d["index"]): d for d in result["details"]}
     assert by[8, "compact"]["index_bytes"] < by[8, "legacy"]["index_bytes"]
+
+
+def test_a_fleet_that_died_is_named_not_a_broken_pipe() -> None:
+    """The fleet child killed mid-run: `send` says it exited (with its code) and `close` does not
+    hide that error behind a BrokenPipeError (`kvmesh bench scale` then prints it, exit 1)."""
+    from kvmesh.bench.scale import _FleetProcess
+    fleet = _FleetProcess.__new__(_FleetProcess)
+    fleet.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+    fleet.proc.wait()
+    with pytest.raises(RuntimeError, match=r"exited \(code 3\) before 'pause'"):
+        fleet.send("pause")
+    assert fleet.close() == {}
