@@ -208,11 +208,10 @@ class PrefillCostScorer:
     takes space some prefix's only copy will need once the cluster fills, even while w itself
     still has room, where a new prefix must go somewhere anyway and costs only w's own u; in a
     cluster its prompts fill at most a fifth of, a copy costs its fetch alone. Priced from 0
-    there, a copy cost 5-13% of the prefix's prefill (×β) in `kvmesh bench routing-live`'s
-    default no-pressure run (pools 1,456 blocks, R 0.05-0.12), as much as 6-9 running
-    requests: a hot prefix stayed on its one holder at 4-6 in flight while the other worker ran
-    1-3, and its warm requests shared their prefill steps (docs/routing.md). Under pressure R
-    passes the room with the first prefills (0.47 once 8 of 12 prefixes are stored), and R,
+    there, a copy cost as much as several running requests in `kvmesh bench routing-live`'s
+    default no-pressure run (large pools, R small): a hot prefix stayed on its one busy holder
+    while the other worker ran fewer, and its warm requests shared their prefill steps
+    (docs/routing.md). Under pressure R passes the room with the first prefills, and R,
     counted as the expected shared blocks instead, once ran behind the pools (a prefix asked
     once so far counts there at its depth's reuse rate: a replica priced at u' = 0.07 with the
     pools ~60% full took their last slack); queued(w) the prompt
