@@ -21,9 +21,11 @@ The design of vLLM v1 (0.10) `BlockPool`, without tensors (this module imports n
   The protected queue holds at most `protected_frac` of the pool; past that its least
   recently freed block moves back to the probation queue's tail. `protected_frac=0` is
   vLLM's plain LRU.
-- Protection fades: a protected block not reused while the pool allocated `protect_turnovers`
-  x its size is *stale*: `allocate` weighs it against cached probation blocks by age alone, so
-  yesterday's shared prefixes give way to today's (a workload that shifts). None: never fades.
+- Protection fades: a protected block not reused while the pool allocated a window of blocks
+  (`protect_turnovers` x its size to start with) is *stale*: `allocate` weighs it against cached
+  probation blocks by age alone, so yesterday's shared prefixes give way to today's (a workload
+  that shifts). The window is learned from the blocks the pool evicted and then had to cache
+  again (`kvstore/fade.py`, ARC's ghost lists; `fade_steps` None: fixed). None: never fades.
 - Per-owner caps (`kvstore.quota`): `cache_full_blocks` records the owner (tenant) of each
   newly cached block; while an owner holds more cached blocks than its cap (`set_owner_cap`,
   else `max_cached_frac` of the pool), `allocate` takes empty free blocks, then that owner's
@@ -38,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
+from kvstore.fade import FADE_STEPS, Fade
 from kvstore.free_queue import Block as _Block, BlockId, FreeQueue as _FreeQueue, eviction_order
 from kvstore.hash_index import HashIndex, NullHashIndex
 from kvstore.keys import BlockHash
@@ -45,7 +48,7 @@ from kvstore.pool_check import check_pool_args, check_pool_integrity
 from kvstore.pool_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.quota import CachedQuota, Owner, OwnerUsage
 
-PROTECT_TURNOVERS = 1.0   # the fade (module docstring); measured: kvmesh.bench.routing.sweep_protect_turnovers
+PROTECT_TURNOVERS = 1.0   # the fade (module docstring); measured: kvmesh.bench.routing_sweeps.sweep_protect_turnovers
 
 
 EvictCallback = Callable[[list[BlockId], list[BlockHash]], None]
@@ -89,13 +92,14 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
                  on_evict: EvictCallback | None = None,
                  enable_kv_cache_events: bool = True, protected_frac: float = 0.8,
-                 max_cached_frac: float = 1.0, protect_turnovers: float | None = PROTECT_TURNOVERS) -> None:
+                 max_cached_frac: float = 1.0, protect_turnovers: float | None = PROTECT_TURNOVERS,
+                 fade_steps: float | None = FADE_STEPS) -> None:
         check_pool_args(num_blocks, protected_frac, protect_turnovers)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free = _FreeQueue(self._blocks)           # probation: allocate takes these first
         self._protected = _FreeQueue(())                # free blocks a later request reused
         self._max_protected = int(protected_frac * num_blocks)
-        self._stale_after = None if protect_turnovers is None else int(protect_turnovers * num_blocks)
+        self._fade = None if protect_turnovers is None else Fade(num_blocks, protect_turnovers, fade_steps)
         self._allocated = 0  # blocks handed out since the pool was built: the fade's clock
         self._num_reused = 0
         self._quota = CachedQuota(num_blocks, max_cached_frac)
@@ -124,9 +128,11 @@ class BlockPool:
         for block in taken:
             (self._protected if block.protected else self._free).remove(block)
             self._quota.unfreed(block.block_id)
-            block.protected = False
             if block.block_hash is not None:
+                if self._fade is not None:
+                    self._fade.evicted(block.block_hash, block.protected)
                 self._drop_hash(block)
+            block.protected = False
             block.ref_cnt = 1
         self._allocated += n
         return [block.block_id for block in taken]
@@ -137,10 +143,10 @@ class BlockPool:
         first = self._quota.victims(n)
         if first is None:
             head = self._free.walk(forward=True, limit=n)
-            if self._stale_after is None or not len(self._protected):
+            if self._fade is None or not len(self._protected):
                 return head + self._protected.walk(forward=True, limit=n - len(head))
             return eviction_order(head, self._protected.walk(forward=True, limit=n), n,
-                                  self._allocated - self._stale_after)
+                                  self._allocated - int(self._fade.window))
         chosen = [self._blocks[b] for b in first]
         skip = set(first)
         for queue in (self._free, self._protected):
@@ -230,6 +236,9 @@ class BlockPool:
             if block.block_hash is None and self._index.add(block_hash, block.block_id):
                 block.block_hash = block_hash
                 self._quota.cached(block.block_id, owner)
+                if self._fade is not None and self._fade.recached(block_hash) and not block.reused:
+                    block.reused = True
+                    self._num_reused += 1
                 self._record(BlockStored(block_hash, parent, block.block_id))
             parent = block_hash
 
@@ -271,6 +280,8 @@ class BlockPool:
             block.reused = False
         self._num_reused = 0
         self._index.map.clear()
+        if self._fade is not None:
+            self._fade.clear()
         self._quota.reset([b.block_id for b in self._free.walk(forward=True, limit=len(self._blocks))])
         self._record(AllBlocksCleared())
         return True
@@ -288,6 +299,11 @@ class BlockPool:
     def num_protected_blocks(self) -> int:
         """Free blocks caching a reused prefix: evicted last until stale (module docstring)."""
         return len(self._protected)
+
+    @property
+    def protect_window(self) -> float | None:
+        """Allocations a protected block stays protected unused (kvstore/fade.py); None: forever."""
+        return None if self._fade is None else self._fade.window
 
     @property
     def num_reused_blocks(self) -> int:

@@ -26,13 +26,14 @@ import statistics
 from dataclasses import dataclass, replace
 
 from kvstore.events import Tier
+from kvstore.fade import FADE_STEPS
 from kvstore.keys import BlockHash, block_hashes
 from kvstore.pool import PROTECT_TURNOVERS, BlockId, BlockPool, BlockRemoved, BlockStored
 from router.index.asks import ASK_HALF_LIFE, cluster_fill
 from router.index.blocks import BlockIndex
 from router.routing.inflight import InFlightConfig, InFlightPrefills
 from router.routing.policy import Weighted, make_policy
-from router.routing.scorers import DEFAULT_LOAD_FACTOR, PrefillCostScorer
+from router.routing.scorers import DEFAULT_LOAD_FACTOR, BoundedLoadFilter, PrefillCostScorer
 from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, WorkerLoad
 
 _SALT = b"kvmesh-sim"
@@ -54,7 +55,10 @@ class SimConfig:
     seed: int = 0
     ask_half_life: float = ASK_HALF_LIFE   # the router index's (router/index/asks.py)
     protect_turnovers: float | None = PROTECT_TURNOVERS   # the workers' pools' (kvstore/pool.py)
+    fade_steps: float | None = FADE_STEPS                 # the workers' pools' (kvstore/fade.py)
     copy_room_frac: float | None = None    # kv_aware's PrefillCostScorer.copy_room_frac (None: its default)
+    tolerance_exponent: float | None = None   # kv_aware's PrefillCostScorer.tolerance_exponent (None: its default)
+    holder_factor: float | None = None     # kv_aware's BoundedLoadFilter.holder_factor (None: its default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +74,10 @@ class WorkerPool:
     as the worker's KV event stream does."""
 
     def __init__(self, worker_id: WorkerId, num_blocks: int, index: BlockIndex | None,
-                 protect_turnovers: float | None = PROTECT_TURNOVERS) -> None:
+                 protect_turnovers: float | None = PROTECT_TURNOVERS, fade_steps: float | None = FADE_STEPS) -> None:
         self.worker_id = worker_id
         self.pool = BlockPool(num_blocks, enable_kv_cache_events=index is not None,
-                              protect_turnovers=protect_turnovers)
+                              protect_turnovers=protect_turnovers, fade_steps=fade_steps)
         self.index = index
 
     def pin(self, hashes: tuple[BlockHash, ...]) -> list[BlockId]:
@@ -135,13 +139,20 @@ class _Sim:
         self.rng = random.Random(cfg.seed + 1)
         self.workers = [WorkerInfo(WorkerId(f"w{i}"), f"sim:{i}") for i in range(cfg.num_workers)]
         self.policy = make_policy(policy_name, cfg.load_factor)
-        if cfg.copy_room_frac is not None:
+        scorer = {k: v for k, v in (("copy_room_frac", cfg.copy_room_frac),
+                                    ("tolerance_exponent", cfg.tolerance_exponent)) if v is not None}
+        if scorer:
             self.policy = replace(self.policy, scorers=tuple(
-                Weighted(replace(w.scorer, copy_room_frac=cfg.copy_room_frac), w.weight)
+                Weighted(replace(w.scorer, **scorer), w.weight)  # type: ignore[arg-type]
                 if isinstance(w.scorer, PrefillCostScorer) else w for w in self.policy.scorers))
+        if cfg.holder_factor is not None and self.policy.name is RoutingPolicy.KV_AWARE:
+            self.policy = replace(self.policy, filters=tuple(
+                replace(f, holder_factor=cfg.holder_factor) if isinstance(f, BoundedLoadFilter) else f
+                for f in self.policy.filters))
         self.index = BlockIndex(ask_half_life=cfg.ask_half_life)
         self.index.set_capacity(cfg.cache_blocks * cfg.num_workers)
-        self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index, cfg.protect_turnovers)
+        self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index, cfg.protect_turnovers,
+                                                 cfg.fade_steps)
                       for w in self.workers}
         self.blocks: dict[str, list[BlockId]] = {}    # request id → the blocks it holds
         self.now = 0.0
@@ -218,7 +229,8 @@ class _Sim:
 
 
 def oracle_hit_rate(cfg: SimConfig, trace: list[RouteRequest]) -> float:
-    pool = WorkerPool(WorkerId("oracle"), cfg.cache_blocks * cfg.num_workers, None, cfg.protect_turnovers)
+    pool = WorkerPool(WorkerId("oracle"), cfg.cache_blocks * cfg.num_workers, None, cfg.protect_turnovers,
+                      cfg.fade_steps)
     hit = total = 0
     for route in trace:
         held = pool.pin(route.block_hashes)

@@ -14,7 +14,7 @@ rebuilt, O(entries)) only once the weights would grow past 2^`_REBASE_HALF_LIVES
 
 `ASK_HALF_LIFE`, the default, is measured: kv_aware over the simulated routing-live scenarios
 (no pressure, pressure, shift; quick and default sizes) at half-lives 0.5 … ∞, with
-`kvmesh.bench.routing.sweep_ask_half_life` (its docstring has the command; docs/routing.md the
+`kvmesh.bench.routing_sweeps.sweep_ask_half_life` (its docstring has the command; docs/routing.md the
 figures): 4 pool-fulls had the fewest cold requests and the lowest imbalance in the default
 shift and cost pressure next to nothing; shorter ones cost the pressure scenario hits.
 """

@@ -124,7 +124,7 @@ class KvAwareFast:
         cached = np.minimum(total, bs * own)
         rest = total - cached
         fetched = np.minimum(rest, bs * np.maximum(0, cols.fetchable))
-        excess = np.maximum(0.0, cols.mean - share * (1.0 + sc.sustained_tolerance))
+        excess = np.maximum(0.0, cols.mean - share * (1.0 + sc.tolerance(n)))
         queued = np.maximum(0, cols.queued)
         copies = np.minimum(rest, bs * np.maximum(0, most_cached - own))
         has_pool = cols.num_blocks > 0

@@ -11,8 +11,8 @@ and names the combinations `--routing-policy` offers (`RoutingPolicy`, router/ro
 - `kv_aware`      (default) holder-first: the least prefill cost (`PrefillCostScorer`: prompt
                   tokens not cached or being computed there + the worker's queued prefill +
                   κ per running request + κ̄ per request of sustained load) behind the
-                  bounded-load filter, which lets the prefix's holders go to twice the cap
-                  (a burst waits on the holder; sustained overload, priced by κ̄, is what
+                  bounded-load filter, which lets the prefix's holders go to 1.5x the cap
+                  (`HOLDER_FACTOR`; a burst waits on the holder; sustained overload, priced by κ̄, is what
                   replicates a prefix); ring position breaks ties, so a cold index keeps
                   prefix affinity and equal scores never send a burst to one worker.
 
@@ -36,6 +36,10 @@ from router.routing.types import Filter, RouteRequest, RoutingPolicy, RoutingSta
 
 # Scores are rounded before comparing so float noise cannot beat the tie-break.
 ROUND_DIGITS = 9
+# kv_aware's holder allowance (BoundedLoadFilter.holder_factor). 2 (until 2026-12-07) let the
+# holders of a hot prefix in a fleet of 8-16 carry the fleet's imbalance past 1.15; measured
+# with `kvmesh.bench.routing_sweeps.sweep_balance` (docs/routing.md, "Balance at 8 and 16 workers").
+HOLDER_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ def _prefix_hash(load_factor: float) -> Policy:
 
 def _kv_aware(load_factor: float) -> Policy:
     return Policy(RoutingPolicy.KV_AWARE, (Weighted(PrefillCostScorer(), 1.0),),
-                  (BoundedLoadFilter(load_factor, holder_factor=2.0),), tiebreak=RingScorer())
+                  (BoundedLoadFilter(load_factor, holder_factor=HOLDER_FACTOR),), tiebreak=RingScorer())
 
 
 POLICIES: dict[RoutingPolicy, Callable[[float], Policy]] = {

@@ -243,6 +243,7 @@ class PrefillCostScorer:
     room_frac: float = 0.2
     sustained_tolerance: float = 0.1
     copy_room_frac: float = 0.2
+    tolerance_exponent: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("running_cost_tokens", "sustained_cost_tokens", "queue_weight"):
@@ -254,20 +255,30 @@ class PrefillCostScorer:
             raise ValueError(f"fetch_cost_ratio={self.fetch_cost_ratio!r} must be in [0, 1]")
         if not self.sustained_tolerance >= 0.0:
             raise ValueError(f"sustained_tolerance={self.sustained_tolerance!r} must be >= 0")
+        if not self.tolerance_exponent >= 0.0:
+            raise ValueError(f"tolerance_exponent={self.tolerance_exponent!r} must be >= 0")
         for name in ("room_frac", "copy_room_frac"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
 
+    def tolerance(self, pool_size: int) -> float:
+        """The sustained load a worker carries above its fair share, as a fraction of it, before
+        κ̄ prices it: `sustained_tolerance` in a pool of 2, × (2 / n)^`tolerance_exponent` in a
+        pool of n > 2. The fleet's imbalance is its most loaded worker's, the largest of n, so the
+        slack each worker keeps shrinks as n grows; 2 workers (where the live benches measured
+        the tolerance) keep it whole. Measured: `kvmesh.bench.routing_sweeps.sweep_balance`."""
+        return self.sustained_tolerance * min(1.0, (2.0 / max(1, pool_size)) ** self.tolerance_exponent)
+
     def cost(self, worker_id: WorkerId, request: RouteRequest, state: RoutingState, fair_share: float = 0.0,
-             most_cached: int | None = None) -> float:
-        """The cost on `worker_id`; its sustained load counts above `fair_share` only.
-        `most_cached`: the largest of `state.cached_blocks` (None: taken here; `score` takes it
-        once for the pool, so a pick stays linear in the workers)."""
+             most_cached: int | None = None, pool_size: int = 2) -> float:
+        """The cost on `worker_id`; its sustained load counts above `fair_share` × (1 +
+        `tolerance(pool_size)`) only. `most_cached`: the largest of `state.cached_blocks` (None:
+        taken here; `score` takes it once for the pool, so a pick stays linear in the workers)."""
         bs, total = state.block_size, len(request.token_ids)
         own = max(0, state.cached_blocks.get(worker_id, 0))
         cached = min(total, bs * own)
         fetched = min(total - cached, bs * max(0, state.fetchable_blocks.get(worker_id, 0)))
-        excess = max(0.0, state.mean_in_flight.get(worker_id, 0.0) - fair_share * (1.0 + self.sustained_tolerance))
+        excess = max(0.0, state.mean_in_flight.get(worker_id, 0.0) - fair_share * (1.0 + self.tolerance(pool_size)))
         queued = max(0, state.queued_tokens.get(worker_id, 0))
         load = state.load(worker_id)
         # blocks another worker holds or computes: placed here they are a second copy
@@ -286,7 +297,7 @@ class PrefillCostScorer:
     def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
         share = fair_share(pool, state)
         most = max(state.cached_blocks.values(), default=0)
-        costs = {w.worker_id: self.cost(w.worker_id, request, state, share, most) for w in pool}
+        costs = {w.worker_id: self.cost(w.worker_id, request, state, share, most, len(pool)) for w in pool}
         top = max(costs.values(), default=0.0)
         return {wid: 1.0 - c / top if top > 0 else 1.0 for wid, c in costs.items()}
 

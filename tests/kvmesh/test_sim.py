@@ -73,7 +73,7 @@ def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure(
 
 
 def test_copy_room_frac_reaches_the_simulated_kv_aware_scorer_only():
-    """`SimConfig.copy_room_frac` (kvmesh.bench.routing.sweep_copy_room) sets kv_aware's
+    """`SimConfig.copy_room_frac` (kvmesh.bench.routing_sweeps.sweep_copy_room) sets kv_aware's
     `PrefillCostScorer.copy_room_frac`; None leaves the default, other policies are untouched."""
     from kvmesh.bench.sim import _Sim
     from router.routing.scorers import PrefillCostScorer

@@ -2,8 +2,9 @@
 
 The model keeps the free queue as two Python lists (probation, then protected: blocks a later
 request reused), ref counts, block hashes, the reused set and each block's free time (in blocks
-allocated: a protected block freed STALE_AFTER allocations ago competes with probation by age)
-as dicts/sets. After every step: `check_integrity()` holds, the pool's state,
+allocated: a protected block freed `window` allocations ago competes with probation by age;
+the window moves by STEP on each hash cached again after its eviction, kvstore/fade.py) as
+dicts/sets. After every step: `check_integrity()` holds, the pool's state,
 events and counters equal the model's, and no referenced block lost its cached hash.
 """
 from __future__ import annotations
@@ -21,6 +22,9 @@ from kvstore.pool import AllBlocksCleared, BlockId, BlockPool, BlockRemoved, Blo
 NUM_BLOCKS = 8
 MAX_PROTECTED = 4    # BlockPool(NUM_BLOCKS, protected_frac=0.5)
 STALE_AFTER = NUM_BLOCKS // 2   # protect_turnovers=0.5: fades often within a run
+FADE_STEPS = 8.0     # BlockPool(fade_steps=8): each mistake moves the window by 1 allocation
+STEP = NUM_BLOCKS / FADE_STEPS
+WINDOW = (min(STALE_AFTER, NUM_BLOCKS / 8), max(STALE_AFTER, 4 * NUM_BLOCKS))   # kvstore/fade.py's bounds
 BS = 2
 SALT = b"statemachine"
 # a 2-letter alphabet and 2-token blocks: only 4 distinct first blocks, so prefixes collide
@@ -41,6 +45,8 @@ class Model:
     stats: PoolStats = PoolStats(0, 0, 0, 0, 0)
     clock: int = 0
     freed_at: dict[BlockId, int] = field(default_factory=dict)
+    window: float = float(STALE_AFTER)
+    ghosts: dict[bool, list[BlockHash]] = field(default_factory=lambda: {False: [], True: []})
 
     @property
     def free(self) -> list[BlockId]:
@@ -51,7 +57,7 @@ class Model:
             p = probation[0] if probation else None
             q = protected[0] if protected else None
             when = self.freed_at.get
-            if q is not None and (p is None or (when(q, 0) <= self.clock - STALE_AFTER and p in self.hash_of
+            if q is not None and (p is None or (when(q, 0) <= self.clock - int(self.window) and p in self.hash_of
                                                 and when(q, 0) < when(p, 0))):
                 out.append(protected.pop(0))
             else:
@@ -62,6 +68,7 @@ class Model:
         if n > len(self.free):
             return None
         taken = self.free[:n]
+        was_protected = {b for b in taken if b in self.protected}
         self.probation = [b for b in self.probation if b not in taken]
         self.protected = [b for b in self.protected if b not in taken]
         for b in taken:
@@ -69,6 +76,11 @@ class Model:
                 self.reused.discard(b)
                 h = self.hash_of.pop(b)
                 del self.block_of[h]
+                ghosts = self.ghosts[b in was_protected]
+                if h in ghosts:
+                    ghosts.remove(h)
+                ghosts.append(h)
+                del ghosts[:-NUM_BLOCKS]
                 self.evicted.append((b, h))
                 self.events.append(BlockRemoved(h, b))
                 self.stats = self.stats._replace(evictions=self.stats.evictions + 1)
@@ -112,6 +124,12 @@ class Model:
             if b not in self.hash_of and h not in self.block_of:
                 self.hash_of[b] = h
                 self.block_of[h] = b
+                for protected, sign in ((False, -1), (True, 1)):
+                    if h in self.ghosts[protected]:
+                        self.ghosts[protected].remove(h)
+                        self.window = min(WINDOW[1], max(WINDOW[0], self.window + sign * STEP))
+                        self.reused.add(b)
+                        break
                 self.events.append(BlockStored(h, parent, b))
             parent = h
 
@@ -121,6 +139,7 @@ class Model:
         self.probation += self.protected
         self.protected = []
         self.reused.clear()
+        self.ghosts = {False: [], True: []}
         self.hash_of.clear()
         self.block_of.clear()
         self.events.append(AllBlocksCleared())
@@ -139,13 +158,27 @@ class PoolMachine(RuleBasedStateMachine):
         self.model = Model()
         self.evicted: list[tuple[BlockId, BlockHash]] = []
         self.pool = BlockPool(NUM_BLOCKS, on_evict=lambda bs, hs: self.evicted.extend(zip(bs, hs)),
-                              protected_frac=MAX_PROTECTED / NUM_BLOCKS, protect_turnovers=STALE_AFTER / NUM_BLOCKS)
+                              protected_frac=MAX_PROTECTED / NUM_BLOCKS, protect_turnovers=STALE_AFTER / NUM_BLOCKS,
+                              fade_steps=FADE_STEPS)
         self.seqs: list[Seq] = []
+        self.asked: list[list[int]] = []     # every prompt so far: asking again re-caches evicted hashes
         self.pinned: dict[BlockId, BlockHash] = {}
+
+    @precondition(lambda self: self.asked)
+    @rule(data=st.data())
+    def ask_again(self, data: st.DataObject) -> None:
+        """An earlier prompt again, then cached in full: its evicted blocks come back (the fade's
+        ghosts, kvstore/fade.py, move the window)."""
+        self.new_request(data.draw(st.sampled_from(self.asked)))
+        if self.seqs and self.seqs[-1].hashes:
+            seq = self.seqs[-1]
+            self.pool.cache_full_blocks(seq.blocks, seq.hashes)
+            self.model.cache(seq.blocks, seq.hashes)
 
     @rule(tokens=TOKENS)
     def new_request(self, tokens: list[int]) -> None:
         """find → touch the hit prefix → allocate the rest (undo the touch if out of blocks)."""
+        self.asked.append(tokens)
         hashes = block_hashes(tokens, BS, SALT)
         prefix = self.pool.find_longest_prefix(hashes)
         assert prefix == self.model.find(hashes)
@@ -208,6 +241,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_free_blocks == len(m.free)
         assert self.pool.num_protected_blocks == len(m.protected)
         assert self.pool.num_reused_blocks == len(m.reused)
+        assert self.pool.protect_window == m.window
         assert self.pool.stats() == m.stats
         assert self.pool.take_events() == m.events
         m.events.clear()

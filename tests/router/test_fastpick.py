@@ -57,6 +57,7 @@ def _policies(rng: random.Random) -> list[Policy]:
     lf = rng.choice([1.0, 1.25, 2.0])
     tuned = PrefillCostScorer(running_cost_tokens=rng.choice([0.0, 16.0, 100.0]), fetch_cost_ratio=rng.random(),
                               room_frac=rng.choice([0.0, 0.2, 0.9]), sustained_tolerance=rng.random(),
+                              tolerance_exponent=rng.choice([0.0, 0.25, 1.0]),
                               copy_room_frac=rng.choice([0.0, 0.2, 0.5]))
     return [make_policy("kv_aware", lf),
             replace(make_policy("kv_aware", lf), scorers=(replace(make_policy("kv_aware").scorers[0],
@@ -92,7 +93,7 @@ def test_the_column_pick_is_the_reference_pick(seed: int) -> None:
                     assert c == policy.scorers[0].scorer.cost(  # type: ignore[attr-defined]
                         w.worker_id, request, state,
                         (sum(max(0.0, state.mean_in_flight.get(x.worker_id, 0.0)) for x in pool) + 1.0) / len(pool),
-                        most)
+                        most, len(pool))
                 ties += len(set(costs.tolist())) < len(pool)
                 many += len(pool) > 48 and len(set(costs.tolist())) == 1
     assert ties > 100 and many > 0     # equal scores (the ring decides) were exercised, a big tie too

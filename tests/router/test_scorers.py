@@ -351,3 +351,30 @@ def test_sustained_load_counts_above_the_fair_share_only():
     assert scorer.cost(WorkerId("w0"), route, drift, 4.5) == scorer.cost(WorkerId("w1"), route, drift, 4.5)
     strict = PrefillCostScorer(sustained_cost_tokens=1024.0, sustained_tolerance=0.0)
     assert strict.cost(WorkerId("w0"), route, loaded, 4.5) == pytest.approx(base + 1536.0)
+
+
+def test_the_sustained_tolerance_shrinks_with_the_pool():
+    """ε × (2 / n)^¼ in a pool of n > 2 (the whole ε at 2 or fewer): a worker 10% busier than
+    the others is within the tolerance of a pair, past that of 16 workers, where the fleet's
+    imbalance is the largest of 16."""
+    scorer = PrefillCostScorer(sustained_cost_tokens=1024.0)
+    assert scorer.tolerance(1) == scorer.tolerance(2) == 0.1
+    assert scorer.tolerance(16) == pytest.approx(0.1 * (2 / 16) ** 0.25)     # 0.059
+    assert PrefillCostScorer(tolerance_exponent=0.0).tolerance(16) == 0.1
+    pair, fleet = _workers(2), _workers(16)
+    route = _route(1, blocks=4)
+    mean = {"w0": 1.1 * 4.0} | {f"w{i}": 4.0 for i in range(1, 16)}
+    state = RoutingState(mean_in_flight=mean)
+    share = fair_share(fleet, state)
+    assert scorer.cost(WorkerId("w0"), route, state, share, pool_size=2) == \
+        scorer.cost(WorkerId("w1"), route, state, share, pool_size=2)
+    over = scorer.cost(WorkerId("w0"), route, state, share, pool_size=16) - \
+        scorer.cost(WorkerId("w1"), route, state, share, pool_size=16)
+    assert over == pytest.approx(1024.0 * (1.1 * 4.0 - share * (1 + scorer.tolerance(16))))
+    assert over > 0
+    scores = scorer.score(fleet, route, state)
+    assert scores["w0"] < scores["w1"]
+    assert scorer.score(pair, route, RoutingState(mean_in_flight={"w0": 1.1 * 4.0, "w1": 4.0})) == \
+        {"w0": 0.0, "w1": 0.0}
+    with pytest.raises(ValueError, match="tolerance_exponent"):
+        PrefillCostScorer(tolerance_exponent=-1.0)
