@@ -115,3 +115,14 @@ def sweep_fade(quick: bool = False, seeds: int = 10,
                              print(json.dumps(s(), indent=1))"
     (one line; the default sizes; `s(quick=True, seeds=20)` for the quick ones)."""
     return _sweep("fade_steps", steps, (RoutingPolicy.KV_AWARE, RoutingPolicy.ROUND_ROBIN), quick, seeds)
+
+
+def sweep_live_holder_factor(quick: bool = False, seeds: int = 10,
+                             factors: tuple[float, ...] = (2.0, 1.5)) -> dict[str, Any]:
+    """kv_aware over the simulated routing-live scenarios (2 workers) as its holder allowance
+    (`BoundedLoadFilter.holder_factor`) varies: what `sweep_balance`'s choice costs the live
+    benches' size. Run it with
+        .venv/bin/python -c "import json; from kvmesh.bench.routing_sweeps import sweep_live_holder_factor as s;
+                             print(json.dumps(s(), indent=1))"
+    (one line; the default sizes; `s(quick=True, seeds=20)` for the quick ones)."""
+    return _sweep("holder_factor", factors, (RoutingPolicy.KV_AWARE,), quick, seeds)
