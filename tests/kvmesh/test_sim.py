@@ -85,3 +85,42 @@ def test_copy_room_frac_reaches_the_simulated_kv_aware_scorer_only():
     assert rooms(RoutingPolicy.KV_AWARE, 0.0) == [0.0]
     assert rooms(RoutingPolicy.KV_AWARE, None) == [PrefillCostScorer().copy_room_frac]
     assert rooms(RoutingPolicy.ROUND_ROBIN, 0.0) == []
+
+
+def test_the_balance_and_fade_fields_reach_the_simulated_policy_and_pools():
+    """`SimConfig.holder_factor` / `tolerance_exponent` (sweep_balance) set kv_aware's filter and
+    scorer, `fade_steps` (sweep_fade) the workers' pools; None leaves each default."""
+    from kvmesh.bench.sim import _Sim
+    from kvstore.fade import FADE_STEPS
+    from kvstore.keys import BlockHash
+    from router.routing.policy import HOLDER_FACTOR
+    from router.routing.scorers import BoundedLoadFilter, PrefillCostScorer
+
+    def parts(policy: RoutingPolicy, **fields: float | None) -> tuple[list[float], list[float], _Sim]:
+        sim = _Sim(SimConfig(num_workers=2, **fields), policy)  # type: ignore[arg-type]
+        return ([f.holder_factor for f in sim.policy.filters if isinstance(f, BoundedLoadFilter)],
+                [w.scorer.tolerance_exponent for w in sim.policy.scorers if isinstance(w.scorer, PrefillCostScorer)],
+                sim)
+
+    holders, exponents, _ = parts(RoutingPolicy.KV_AWARE, holder_factor=3.0, tolerance_exponent=0.0)
+    assert holders == [3.0] and exponents == [0.0]
+    holders, exponents, _ = parts(RoutingPolicy.KV_AWARE)
+    assert holders == [HOLDER_FACTOR] and exponents == [PrefillCostScorer().tolerance_exponent]
+    assert parts(RoutingPolicy.PREFIX_HASH, holder_factor=3.0)[0] == [1.0]   # kv_aware's allowance only
+    fixed = parts(RoutingPolicy.KV_AWARE, fade_steps=None)[2]
+    learned = parts(RoutingPolicy.KV_AWARE)[2]
+    assert FADE_STEPS is not None
+    for pools in (fixed.pools, learned.pools):
+        assert all(p.pool.protect_window == 320.0 for p in pools.values())   # one turnover to start
+
+    def after_a_mistake(sim: _Sim) -> float | None:
+        pool = next(iter(sim.pools.values())).pool          # cache 320 blocks, evict them, cache one again
+        blocks = pool.allocate(320)
+        pool.cache_full_blocks(blocks, [BlockHash(i) for i in range(320)])
+        pool.free(blocks)
+        pool.free(pool.allocate(320))
+        pool.cache_full_blocks(pool.allocate(1), [BlockHash(0)])
+        return pool.protect_window
+
+    assert after_a_mistake(fixed) == 320.0
+    assert after_a_mistake(learned) == 320.0 - 320.0 / FADE_STEPS
