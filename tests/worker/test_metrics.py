@@ -113,6 +113,8 @@ def test_gauges_follow_the_engine_snapshot(worker):
         time.sleep(0.1)
         s = scrape(server.metrics_port)
     assert idle.num_protected_blocks <= idle.num_free_blocks
+    # the protection window starts at one pool turnover (kvstore/fade.py) and stays there without mistakes
+    assert value(s, "kvmesh:kv_protect_window_blocks") == idle.num_blocks
 
 
 def test_metrics_port_flag_default():

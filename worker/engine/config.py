@@ -113,3 +113,4 @@ class EngineStats(NamedTuple):
     num_reused_blocks: int = 0        # cached blocks a later request reused (in use or free)
     num_prefix_waits: int = 0         # admissions put off for a block another request was computing
     disk: DiskTierStats | None = None  # the disk tier's figures (None: no disk tier)
+    protect_window_blocks: float = 0.0  # allocations a protected block stays so unused (kvstore/fade.py; 0: never)

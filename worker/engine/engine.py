@@ -375,7 +375,8 @@ class Engine:
                            self.store.pool.stats().evictions,
                            self.evictor.num_evicted_tokens if self.evictor is not None else 0,
                            u.num_cached_blocks, u.num_protected_blocks, u.num_reused_blocks,
-                           self.scheduler.num_prefix_waits, self.store.disk_stats())
+                           self.scheduler.num_prefix_waits, self.store.disk_stats(),
+                           self.store.pool.protect_window or 0.0)
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""

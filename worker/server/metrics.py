@@ -255,7 +255,10 @@ class _StatsCollector(Collector):
         yield gauge("kv_reused_blocks", "Device blocks caching a prefix a later request reused (in use or free)",
                     stats.num_reused_blocks)
         yield gauge("kv_protected_blocks", "Free device blocks caching a reused prefix (evicted after the other "
-                    "free blocks until unused for a pool turnover)", stats.num_protected_blocks)
+                    "free blocks until unused for the protection window)", stats.num_protected_blocks)
+        yield gauge("kv_protect_window_blocks", "Blocks the pool allocates before a protected block unused "
+                    "since is stale: learned from evicted blocks cached again (0: protection never fades)",
+                    stats.protect_window_blocks)
         yield counter("num_preemptions", "Requests preempted (blocks freed, recomputed later)",
                       stats.num_preemptions)
         yield counter("prefix_waits", "Admissions put off one step because another running request was "
