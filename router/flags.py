@@ -23,6 +23,7 @@ from contracts.cluster_token import add_cluster_auth_arguments, token_from
 from contracts.logs import add_log_format_argument
 from contracts.tls import tls_from_args
 from router.config import RouterConfig, TokenizerSource
+from router.observe.picklog import check_pick_log_path
 from router.routing.types import RoutingPolicy
 from router.security.auth import add_auth_arguments, keys_from_args
 from router.security.tenancy import add_limit_arguments
@@ -69,6 +70,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated serving: the longest the prefill hop may go without progress (the "
                         "prefill worker's first chunk, each next chunk, each next block the decode worker "
                         "fetches); past it, or when the prefill worker dies, the decode worker computes the rest")
+    p.add_argument("--pick-log", default=_DEFAULTS["pick_log"], metavar="PATH",
+                   help="append a JSON line per routing decision (what the policy saw of every worker) and per "
+                        "finished request (cached tokens served) to PATH: a routing trace (docs/operations.md)")
     add_auth_arguments(p)
     add_limit_arguments(p)
 
@@ -102,6 +106,8 @@ def routing_config(args: argparse.Namespace, base: RouterConfig | None = None) -
     flag whose name is a RouterConfig field sets it, and the keys (--api-key, --api-keys-file,
     else $KVMESH_API_KEYS_FILE) set `api_keys`. Raises ValueError naming a bad value."""
     values = {a.dest: getattr(args, a.dest) for a in _routing_actions() if a.dest in _CONFIG_FIELDS}
+    if values.get("pick_log") is not None:
+        check_pick_log_path(values["pick_log"])
     return dataclasses.replace(base if base is not None else RouterConfig(), api_keys=keys_from_args(args),
                                **values)
 

@@ -32,6 +32,7 @@ from router.fronts.openai.openapi import add_openapi_route
 from router.fronts.openai.vllm_fields import generation_default_temperature
 from router.heap import freeze_startup_heap
 from router.observe.metrics import RouterMetrics
+from router.observe.picklog import PickLog
 from router.routing.core import Router
 from router.routing.errors import RouterStartError
 from router.routing.replicas import SharedPending
@@ -54,6 +55,9 @@ class RouterServer:
         self.core = Router(cfg, self.registry, tokenizer)
         self.metrics = RouterMetrics(self.core)      # served on the HTTP port's /metrics
         self.core.observer = self.metrics
+        self.pick_log = PickLog(self.metrics, self.core, cfg.pick_log) if cfg.pick_log else None
+        if self.pick_log is not None:
+            self.core.observer = self.pick_log
         self._grpc = GrpcFront(self.core)
         self._http: HttpFrontend | None = None
         self._stopped = False
@@ -129,6 +133,8 @@ class RouterServer:
         if self.shared is not None:
             await self.shared.stop()
         await self.registry.stop()
+        if self.pick_log is not None:
+            self.pick_log.close()
 
     def set_workers(self, addresses: Iterable[str]) -> None:
         """Replace the worker set (on the router's loop); see `WorkerRegistry.set_workers`."""

@@ -22,7 +22,8 @@ With `--routers N` (N > 1) each policy runs three times on the same workload
 (kvmesh/bench/routing_replicas.py): one router, N router replicas (requests dealt round robin
 over them, as a Service spreads connections), and N replicas sharing pending blocks
 (`--share-pending`); the router counters are summed over the replicas. `--log-dir DIR` keeps each
-cluster's logs (router, workers, Redis) in a folder under DIR; `--repeats N`: kvmesh/bench/routing_repeats.py.
+cluster's logs (router, workers, Redis) and the router's pick log (`picks.jsonl`, router/observe/picklog.py)
+in a folder under DIR; `--repeats N`: kvmesh/bench/routing_repeats.py.
 """
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated routing policies to run")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenarios to run")
     p.add_argument("--log-dir", type=Path, default=None,
-                   help="keep each cluster's router, worker and Redis logs in a folder under here")
+                   help="keep each cluster's router, worker and Redis logs and the router's pick log "
+                        "(picks.jsonl) in a folder under here")
     p.set_defaults(run=run)
 
 
@@ -186,8 +188,10 @@ def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, .
     serve = ServeConfig(workers=cfg.workers, model=cfg.model, grpc_port=0, http_port=0, engine_argv=engine_argv,
                         startup_timeout_s=900.0, router_argv=("--routing-policy", policy.value, *router_argv),
                         cluster_name=f"live-{policy.value.replace('_', '-')}-{random.randrange(10**9)}")
-    if cfg.log_dir is not None:
-        serve = replace(serve, log_dir=cfg.log_dir / f"{serve.cluster_name}-{len(phases)}-phase")
+    if cfg.log_dir is not None:     # the cluster's logs, and the router's pick log beside them
+        logs = cfg.log_dir / f"{serve.cluster_name}-{len(phases)}-phase"
+        logs.mkdir(parents=True, exist_ok=True)
+        serve = replace(serve, log_dir=logs, router_argv=(*serve.router_argv, "--pick-log", str(logs / "picks.jsonl")))
     with LocalCluster(serve) as cluster:
         urls = [cluster.http_base_url] + [cluster.start_router_replica(f"router-{i}").http_base_url
                                           for i in range(1, routers)]
