@@ -51,7 +51,8 @@ ALL_VALUES: Doc = {
                "maxConcurrentPerTenant": 7, "metricsTenantNames": True, "maxTokensLimit": 512, "logFormat": "json",
                "migrationLimit": 5, "drainTimeoutS": 17.5,
                "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local",
-               "disaggMinPromptTokens": 300, "disaggTransferTimeoutS": 7.5, "sharePending": True},
+               "disaggMinPromptTokens": 300, "disaggTransferTimeoutS": 7.5, "sharePending": True,
+               "pickLog": "/var/cache/kvmesh/picks.jsonl"},
 }
 # Values whose flag is spelled differently from the camelCase rule.
 FLAG_OF = {("worker", "port"): "port", ("worker", "drainTimeoutS"): "drain_timeout_s",
