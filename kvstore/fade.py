@@ -12,7 +12,9 @@ evicted and computed again.
 learns its recency/frequency split from ghost lists:
 
 - it remembers the hashes of the last `num_blocks` cached blocks evicted from probation, and
-  of the last `num_blocks` evicted from the protected queue (stale): hashes only, no content;
+  of the last `num_blocks` evicted from the protected queue (stale): hashes only, no content
+  (at most 2 x `num_blocks` dict entries of a 128-bit hash, ~150 bytes each: 30 MB for a
+  100,000-block pool);
 - a remembered hash cached again (`recached`: computed, fetched or read back again, so it was
   needed) is a mistake of its side. A probation ghost says protection kept the wrong blocks:
   the window shrinks by `num_blocks / steps` allocations; a protected ghost says it let a
