@@ -213,7 +213,8 @@ class BlockPool:
                 self._num_reused += 1
 
     def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
-                          parent_hash: BlockHash | None = None, owner: Owner | None = None) -> None:
+                          parent_hash: BlockHash | None = None, owner: Owner | None = None,
+                          shared: int = 0) -> None:
         """Register `block_hashes[i]` → `block_ids[i]` for FULL blocks the caller holds; newly
         cached blocks belong to `owner` (a tenant; None or "": no owner, never capped).
 
@@ -221,7 +222,9 @@ class BlockPool:
         not cached). A block already caching that hash is left alone; a hash already cached
         by ANOTHER block keeps its block, and this one stays uncached. Each newly cached
         block records `BlockStored` whose parent is the previous hash in the list
-        (`parent_hash` for the first). A no-op with prefix caching off.
+        (`parent_hash` for the first). A no-op with prefix caching off. `shared`: the first
+        `shared` listed blocks are a prefix the caller expects other requests to share (a
+        router's hint): newly cached, they count as reused at once (protected when freed).
         """
         if len(block_hashes) > len(block_ids):
             raise ValueError(f"{len(block_hashes)} hashes for {len(block_ids)} blocks")
@@ -232,11 +235,12 @@ class BlockPool:
             if block.block_hash is not None and block.block_hash != block_hash:
                 raise ValueError(f"block {block.block_id} already caches another hash")
         parent = parent_hash
-        for block, block_hash in zip(blocks, block_hashes):
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             if block.block_hash is None and self._index.add(block_hash, block.block_id):
                 block.block_hash = block_hash
                 self._quota.cached(block.block_id, owner)
-                if self._fade is not None and self._fade.recached(block_hash) and not block.reused:
+                ghost = self._fade is not None and self._fade.recached(block_hash)
+                if (ghost or i < shared) and not block.reused:
                     block.reused = True
                     self._num_reused += 1
                 self._record(BlockStored(block_hash, parent, block.block_id))

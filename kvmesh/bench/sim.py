@@ -59,6 +59,10 @@ class SimConfig:
     copy_room_frac: float | None = None    # kv_aware's PrefillCostScorer.copy_room_frac (None: its default)
     tolerance_exponent: float | None = None   # kv_aware's PrefillCostScorer.tolerance_exponent (None: its default)
     holder_factor: float | None = None     # kv_aware's BoundedLoadFilter.holder_factor (None: its default)
+    # Not in the service yet: the router tells the worker which leading blocks are a shared prefix,
+    # and the pool protects them from their first use (here the system prompt's blocks exactly: the
+    # upper bound of a hint from the index's per-depth reuse rates). kvmesh.bench.routing_sweeps.sweep_prefix_hint
+    prefix_hint: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +78,10 @@ class WorkerPool:
     as the worker's KV event stream does."""
 
     def __init__(self, worker_id: WorkerId, num_blocks: int, index: BlockIndex | None,
-                 protect_turnovers: float | None = PROTECT_TURNOVERS, fade_steps: float | None = FADE_STEPS) -> None:
+                 protect_turnovers: float | None = PROTECT_TURNOVERS, fade_steps: float | None = FADE_STEPS,
+                 hinted_blocks: int = 0) -> None:
         self.worker_id = worker_id
+        self.hinted_blocks = hinted_blocks     # leading blocks a (modelled) router hint calls shared
         self.pool = BlockPool(num_blocks, enable_kv_cache_events=index is not None,
                               protect_turnovers=protect_turnovers, fade_steps=fade_steps)
         self.index = index
@@ -95,7 +101,8 @@ class WorkerPool:
         self.pool.touch(found[len(held):])
         rest = hashes[len(found):]
         fresh = self.pool.allocate(min(len(rest), self.pool.num_free_blocks))
-        self.pool.cache_full_blocks(fresh, rest[:len(fresh)], hashes[len(found) - 1] if found else None)
+        self.pool.cache_full_blocks(fresh, rest[:len(fresh)], hashes[len(found) - 1] if found else None,
+                                    shared=max(0, self.hinted_blocks - len(found)))
         self._publish()
         return found + fresh
 
@@ -152,7 +159,7 @@ class _Sim:
         self.index = BlockIndex(ask_half_life=cfg.ask_half_life)
         self.index.set_capacity(cfg.cache_blocks * cfg.num_workers)
         self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index, cfg.protect_turnovers,
-                                                 cfg.fade_steps)
+                                                 cfg.fade_steps, cfg.system_blocks if cfg.prefix_hint else 0)
                       for w in self.workers}
         self.blocks: dict[str, list[BlockId]] = {}    # request id → the blocks it holds
         self.now = 0.0

@@ -75,3 +75,26 @@ def test_a_pool_that_learns_its_window_keeps_the_new_prefixes_a_fixed_window_com
     assert learned[0] == fixed[0] == 24                  # the first round computes everything
     assert sum(learned) < sum(fixed), (learned, fixed)   # after that, fewer recomputed
     assert learned[-1] == fixed[-1] == 0                 # both settle
+
+
+def _prefix_then_tail(shared: int) -> list[int]:
+    """A 4-block pool: a 2-block prefix cached (`shared` of it hinted) and freed, then a one-off
+    block cached and freed after it, then 2 blocks allocated: how much of the prefix is left."""
+    pool = BlockPool(4, enable_kv_cache_events=False)
+    prefix = pool.allocate(2)
+    pool.cache_full_blocks(prefix, [h(1), h(2)], shared=shared)
+    pool.free_sequence(prefix)
+    tail = pool.allocate(1)
+    pool.cache_full_blocks(tail, [h(9)])
+    pool.free_sequence(tail)
+    pool.allocate(2)
+    pool.check_integrity()
+    return pool.find_longest_prefix([h(1), h(2)])
+
+
+def test_blocks_a_caller_calls_shared_are_protected_from_their_first_use() -> None:
+    """`cache_full_blocks(shared=k)`: the first k newly cached blocks count as reused at once (a
+    router's hint; kvmesh.bench.routing_sweeps.sweep_prefix_hint models it), so freed they are
+    protected and outlive a one-off block freed after them, which plain LRU would keep instead."""
+    assert len(_prefix_then_tail(shared=2)) == 2
+    assert len(_prefix_then_tail(shared=0)) == 1     # the empty block and the prefix's tail block went
