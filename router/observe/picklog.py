@@ -10,6 +10,7 @@ Lines (`event` first; `t`: Unix time, seconds):
   `fetchable`, `in_flight`, `queued_tokens`, `mean_in_flight`, `shared_blocks`, `free_blocks`.
 - `finish`: `request_id`, `worker`, `prompt_tokens`, `cached_tokens`, `peer_cached_tokens`.
 
+A write that fails (a full disk) stops the log with one warning; routing goes on.
 The state is read again right after the pick (`Router.routing_state`, no await between: the
 same figures the pick saw), once per request: O(workers), paid only with the flag. Writes are
 line-buffered on the router's loop; the file is for an operator's diagnosis, not for a fleet
@@ -17,7 +18,9 @@ at full rate. `PickLog` forwards every event to the observer it wraps (the metri
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -25,6 +28,8 @@ from typing import IO, Any, Protocol
 from proto.kvmesh.v1 import kvmesh_pb2 as pb
 from router.routing.observer import RouteObserver
 from router.routing.types import RouteRequest
+
+log = logging.getLogger("kvmesh.router")
 
 
 class _Core(Protocol):
@@ -56,12 +61,20 @@ class PickLog(RouteObserver):
         self._file: IO[str] | None = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (closed by close)
 
     def _write(self, line: dict[str, Any]) -> None:
-        if self._file is not None:
+        """One line; a write that fails (disk full, file gone) stops the log with one warning and
+        never fails the request being routed."""
+        if self._file is None:
+            return
+        try:
             self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        except OSError as e:
+            log.warning("--pick-log: writing failed (%s); the pick log stops here", e.strerror or e)
+            self._file = None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):   # the last buffered line may not fit either
+                self._file.close()
             self._file = None
 
     def picked(self, request_id: str, route: RouteRequest, worker_id: str) -> None:

@@ -77,3 +77,19 @@ def test_the_flag_sets_the_config_passes_through_kvmesh_serve_and_a_bad_path_nam
     for bad, why in ((str(tmp_path), "is a directory"), (str(tmp_path / "no" / "picks.jsonl"), "does not exist")):
         with pytest.raises(ValueError, match=f"--pick-log: .*{why}"):
             routing_config(_parse("--pick-log", bad))
+
+
+def test_a_full_disk_stops_the_log_and_never_fails_the_routing(caplog: pytest.LogCaptureFixture) -> None:
+    """/dev/full opens for appending but every write fails (ENOSPC): the pick still reaches the
+    wrapped observer, one warning says the log stopped, later picks write nothing and raise nothing."""
+    state = RoutingState({WorkerId("w0"): WorkerLoad(0, 10, 64)})
+    inner = _Heard()
+    log = PickLog(inner, _Core(state), "/dev/full")
+    route = RouteRequest((1, 2, 3), ())
+    with caplog.at_level("WARNING", logger="kvmesh.router"):
+        log.picked("r1", route, "w0")
+        log.picked("r2", route, "w0")
+        log.close()
+    assert inner.events == ["picked r1 w0", "picked r2 w0"]
+    assert [r.getMessage() for r in caplog.records if "--pick-log" in r.getMessage()] == \
+        ["--pick-log: writing failed (No space left on device); the pick log stops here"]
