@@ -80,7 +80,8 @@ class GenerateInput:
     `resume_tokens` > 0 (only with token_ids): the last that many ids are output already
     generated (a migrated request). `tenant`: who sent it (set by the router).
     `prefill_only`: compute the prompt, keep its full blocks cached, finish without sampling
-    (the prefill hop of disaggregated serving)."""
+    (the prefill hop of disaggregated serving). `shared_prefix_blocks`: the prompt's leading
+    full blocks the router expects other requests to share (protected from their first use)."""
 
     request_id: str
     text: str | None
@@ -94,6 +95,7 @@ class GenerateInput:
     resume_tokens: int = 0
     tenant: TenantShare = NO_TENANT
     prefill_only: bool = False
+    shared_prefix_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,11 +93,13 @@ def to_generate_input(msg: pb.GenerateRequest, default_max_tokens: int = 256) ->
     resume = msg.resume_tokens
     if resume and (token_ids is None or not 0 < resume < len(token_ids)):
         raise BadRequest(f"resume_tokens: {resume} must be in [0, len(token_ids)) and needs token_ids")
+    if msg.shared_prefix_blocks < 0:
+        raise BadRequest(f"shared_prefix_blocks: {msg.shared_prefix_blocks} must be >= 0")
     return GenerateInput(msg.request_id, text, token_ids, chat,
                          to_sampling_params(msg.sampling, default_max_tokens), msg.priority,
                          tuple(_peer_hint(i, h) for i, h in enumerate(msg.peer_hints)),
                          msg.cache_salt, msg.sampling.HasField("max_tokens"), resume, _tenant(msg.tenant),
-                         msg.prefill_only)
+                         msg.prefill_only, msg.shared_prefix_blocks)
 
 
 def _tenant(t: pb.TenantShare) -> TenantShare:

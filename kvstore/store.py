@@ -198,11 +198,12 @@ class KVStore:
 
     def cache(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash],
               parent_hash: BlockHash | None = None, salt_root: BlockHash | None = None,
-              owner: Owner | None = None) -> None:
+              owner: Owner | None = None, shared: int = 0) -> None:
         """Publish full blocks the caller holds under their hashes (`cache_full_blocks`);
         `salt_root`: their chain's `cache_salt_root` (kept for the disk tier's key); newly
-        cached blocks belong to `owner` (a tenant; its cap: `set_owner_cap`, kvstore.quota)."""
-        self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash, owner)
+        cached blocks belong to `owner` (a tenant; its cap: `set_owner_cap`, kvstore.quota);
+        the first `shared` listed are a prefix others will share (protected from their first use)."""
+        self.pool.cache_full_blocks(block_ids, block_hashes, parent_hash, owner, shared)
         if salt_root is not None and self._staging is not None:
             self._staging.roots.update(dict.fromkeys(block_hashes, salt_root))
         if self._staging is not None and self._write_through:

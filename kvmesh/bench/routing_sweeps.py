@@ -130,11 +130,9 @@ def sweep_live_holder_factor(quick: bool = False, seeds: int = 10,
 
 def sweep_prefix_hint(quick: bool = False, seeds: int = 10) -> dict[str, Any]:
     """kv_aware and round robin over the simulated routing-live scenarios without and with
-    `SimConfig.prefix_hint` (not in the service yet: the router tells the worker which leading
-    blocks other requests will share, and the pool protects them from their first use instead
-    of their second; the simulator marks the system prompt's blocks exactly, the upper bound of a
-    hint computed from the index's per-depth reuse rates). What building it would buy the
-    shifts (docs/routing.md). Run it with
+    `SimConfig.prefix_hint` (the router tells the worker how many leading blocks other requests
+    will share, `BlockIndex.shared_prefix`, and the pool protects them from their first use
+    instead of their second): what the hint buys the shifts (docs/routing.md). Run it with
         .venv/bin/python -c "import json; from kvmesh.bench.routing_sweeps import sweep_prefix_hint as s;
                              print(json.dumps(s(), indent=1))"
     (one line; the default sizes; `s(quick=True, seeds=20)` for the quick ones)."""

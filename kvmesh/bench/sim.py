@@ -59,10 +59,10 @@ class SimConfig:
     copy_room_frac: float | None = None    # kv_aware's PrefillCostScorer.copy_room_frac (None: its default)
     tolerance_exponent: float | None = None   # kv_aware's PrefillCostScorer.tolerance_exponent (None: its default)
     holder_factor: float | None = None     # kv_aware's BoundedLoadFilter.holder_factor (None: its default)
-    # Not in the service yet: the router tells the worker which leading blocks are a shared prefix,
-    # and the pool protects them from their first use (here the system prompt's blocks exactly: the
-    # upper bound of a hint from the index's per-depth reuse rates). kvmesh.bench.routing_sweeps.sweep_prefix_hint
-    prefix_hint: bool = False
+    # The router tells the worker which leading blocks other requests will share (the index's
+    # `BlockIndex.shared_prefix`, proto GenerateRequest.shared_prefix_blocks) and the pool protects
+    # them from their first use; False: no hint (kvmesh.bench.routing_sweeps.sweep_prefix_hint)
+    prefix_hint: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +78,8 @@ class WorkerPool:
     as the worker's KV event stream does."""
 
     def __init__(self, worker_id: WorkerId, num_blocks: int, index: BlockIndex | None,
-                 protect_turnovers: float | None = PROTECT_TURNOVERS, fade_steps: float | None = FADE_STEPS,
-                 hinted_blocks: int = 0) -> None:
+                 protect_turnovers: float | None = PROTECT_TURNOVERS, fade_steps: float | None = FADE_STEPS) -> None:
         self.worker_id = worker_id
-        self.hinted_blocks = hinted_blocks     # leading blocks a (modelled) router hint calls shared
         self.pool = BlockPool(num_blocks, enable_kv_cache_events=index is not None,
                               protect_turnovers=protect_turnovers, fade_steps=fade_steps)
         self.index = index
@@ -92,17 +90,18 @@ class WorkerPool:
         self.pool.touch(found)
         return found
 
-    def store(self, held: list[BlockId], hashes: tuple[BlockHash, ...]) -> list[BlockId]:
+    def store(self, held: list[BlockId], hashes: tuple[BlockHash, ...], shared: int = 0) -> list[BlockId]:
         """The prefill is done: the request holds blocks for all of `hashes` it could get
         (what others stored meanwhile, then fresh blocks while any is free) and they are
-        cached; returns its blocks in sequence order."""
+        cached, the first `shared` protected from their first use (the router's hint);
+        returns its blocks in sequence order."""
         found = self.pool.find_longest_prefix(hashes)
         assert found[:len(held)] == held, "a pinned block lost its hash"
         self.pool.touch(found[len(held):])
         rest = hashes[len(found):]
         fresh = self.pool.allocate(min(len(rest), self.pool.num_free_blocks))
         self.pool.cache_full_blocks(fresh, rest[:len(fresh)], hashes[len(found) - 1] if found else None,
-                                    shared=max(0, self.hinted_blocks - len(found)))
+                                    shared=max(0, shared - len(found)))
         self._publish()
         return found + fresh
 
@@ -159,9 +158,10 @@ class _Sim:
         self.index = BlockIndex(ask_half_life=cfg.ask_half_life)
         self.index.set_capacity(cfg.cache_blocks * cfg.num_workers)
         self.pools = {w.worker_id: WorkerPool(w.worker_id, cfg.cache_blocks, self.index, cfg.protect_turnovers,
-                                                 cfg.fade_steps, cfg.system_blocks if cfg.prefix_hint else 0)
+                                                 cfg.fade_steps)
                       for w in self.workers}
         self.blocks: dict[str, list[BlockId]] = {}    # request id → the blocks it holds
+        self.hints: dict[str, int] = {}               # request id → the router's shared-prefix hint
         self.now = 0.0
         # Time is in mean decode times here: the sustained load is averaged over 4 of them.
         self.prefills = InFlightPrefills(InFlightConfig(load_window_s=4.0), clock=lambda: self.now)
@@ -196,7 +196,7 @@ class _Sim:
                 self.pools[wid].release(self.blocks.pop(rid))
             else:   # prefill done: the worker stores the blocks, its events reach the index
                 self.prefills.prefilled(self.index, rid)
-                self.blocks[rid] = self.pools[wid].store(self.blocks[rid], hashes)
+                self.blocks[rid] = self.pools[wid].store(self.blocks[rid], hashes, self.hints.pop(rid))
         if t != float("inf"):
             self._advance(t)
 
@@ -226,6 +226,7 @@ class _Sim:
         self.hit += cached
         self.cold += cached < self.cfg.system_blocks
         self.total += len(route.block_hashes)
+        self.hints[rid] = self.index.shared_prefix(route.block_hashes) if cfg.prefix_hint else 0
         self.prefills.dispatched(self.index, rid, wid, route, cached * cfg.block_size)
         start = max(self.now, self.free_at[wid])
         self.free_at[wid] = done = start + (len(route.token_ids) - cached * cfg.block_size) / cfg.prefill_tokens_per_s

@@ -196,7 +196,8 @@ class Router:
                 worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)
                 self.observer.picked(rid, route, worker_id)
-                if not progress.resubmits:
+                if not progress.resubmits:   # before its asks are counted (a resubmission keeps it)
+                    request.shared_prefix_blocks = self.registry.index.shared_prefix(route.block_hashes)
                     pick = await self._hand_off(rid, request, route, pick, deadline)
                 try:
                     attempt_stream = self._attempt(rid, request, route, pick, deadline, progress)

@@ -74,6 +74,7 @@ class FakeWorker:
     delay_s: float = 0.0                    # each Generate takes this long before its finished response
     calls: dict[str, int] = field(default_factory=dict)
     prompts: list[list[int]] = field(default_factory=list)
+    requests: list[pb.GenerateRequest] = field(default_factory=list)   # every Generate request, as received
     blocks: list[BlockHash] = field(default_factory=list)     # its device blocks (inventory)
     server: grpc.aio.Server | None = None
     port: int = 0
@@ -118,6 +119,7 @@ class FakeWorker:
         async def generate(req: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:
             self._count("Generate")
             self.prompts.append(list(req.token_ids.ids))
+            self.requests.append(req)
             if self.cut_streams > 0:
                 self.cut_streams -= 1
                 yield pb.GenerateResponse(request_id=req.request_id, token_ids=[9], text="paris",

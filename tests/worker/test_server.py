@@ -335,6 +335,8 @@ BAD_INPUT = {
     "hint negative blocks": (_ser(token_ids=pb.TokenIds(ids=[5]),
                                   peer_hints=[pb.PeerHint(address="h:1", num_blocks=-2)]),
                              "peer_hints[0].num_blocks: -2 must be >= 0"),
+    "negative shared prefix": (_ser(token_ids=pb.TokenIds(ids=[5]), shared_prefix_blocks=-4),
+                               "shared_prefix_blocks: -4 must be >= 0"),
 }
 
 

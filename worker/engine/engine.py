@@ -126,6 +126,8 @@ class Engine:
         output everywhere (see `worker.engine.resume`). `peer_hints` are the server's business
         (worker.peer.plane), not the engine's."""
         priority, resume_tokens, params = spec.priority, spec.resume_tokens, spec.params
+        if spec.shared_prefix_blocks < 0:
+            raise InvalidRequest(f"shared_prefix_blocks={spec.shared_prefix_blocks} must be >= 0")
         if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
             raise InvalidRequest(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
         ids = self.prompt_ids(spec)
@@ -161,7 +163,8 @@ class Engine:
         if len(self.scheduler.waiting) >= self.cfg.max_queue_len:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (max_queue_len)")
         req = Request(request_id, ids, params, max_total, make_generator(params.seed, self.device), priority,
-                      cache_salt_root(spec.cache_salt), tenant=spec.tenant, prefill_only=spec.prefill_only)
+                      cache_salt_root(spec.cache_salt), tenant=spec.tenant, prefill_only=spec.prefill_only,
+                      shared_prefix_blocks=min(spec.shared_prefix_blocks, len(ids) // self.cfg.block_size))
         if resumed:
             resume(req, resumed, self.tokenizer, self.model_config.vocab_size, self.device)
         self.requests[request_id] = req

@@ -120,6 +120,7 @@ class Request:
     sent_prompt_logprobs: bool = False
     tenant: TenantShare = NO_TENANT             # who sent it: fair share and cache cap (worker.engine.fairness)
     prefill_only: bool = False                  # finishes once its prompt is computed, sampling nothing
+    shared_prefix_blocks: int = 0               # leading blocks the router expects shared (protected at once)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -275,7 +275,8 @@ class Scheduler:
             if after > before and not req.num_evicted_tokens:  # an evicted cache is no prefix
                 self.store.cache(req.block_ids[before:after], req.block_hashes[before:after],
                                  parent_hash=req.block_hashes[before - 1] if before else None,
-                                 salt_root=req.hash_root, owner=req.tenant.name or None)
+                                 salt_root=req.hash_root, owner=req.tenant.name or None,
+                                 shared=req.shared_prefix_blocks - before)
             if self.cfg.sliding_window is not None:
                 self._release_outside_window(req, self.cfg.sliding_window)
 
