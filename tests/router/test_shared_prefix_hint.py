@@ -11,8 +11,7 @@ import asyncio
 import grpc
 
 from kvstore.keys import BlockHash, block_hashes
-from proto.kvmesh.v1 import kvmesh_pb2 as pb
-from proto.kvmesh.v1 import kvmesh_pb2_grpc as pb_grpc
+from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.index.blocks import BlockIndex
 from router.routing.types import WorkerId
@@ -25,7 +24,8 @@ W0 = WorkerId("w0")
 
 def _prompt(prefix: int, suffix: int, prefix_blocks: int = 3, suffix_blocks: int = 2) -> list[BlockHash]:
     """A prompt's block hashes: `prefix_blocks` of system prompt `prefix`, then its own tail."""
-    ids = [1000 * prefix + i for i in range(prefix_blocks * BS)] + [50_000 + 100 * suffix + i for i in range(suffix_blocks * BS)]
+    ids = [1000 * prefix + i for i in range(prefix_blocks * BS)]
+    ids += [50_000 + 100 * suffix + i for i in range(suffix_blocks * BS)]
     return block_hashes(ids, BS, b"salt")
 
 
