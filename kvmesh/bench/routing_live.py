@@ -222,9 +222,9 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
             async with sem:
                 return await _complete(clients[n % len(clients)], cfg, prefix, list(w.prefixes[prefix] + question))
 
-        start, load0 = time.perf_counter(), _load_avg()
+        start, load0, cpu0 = time.perf_counter(), _load_avg(), _cpu_seconds(cluster.pids)
         served = await asyncio.gather(*(one(n, p, q) for n, (p, q) in enumerate(workload.requests)))
-        wall = time.perf_counter() - start
+        wall, cpu1 = time.perf_counter() - start, _cpu_seconds(cluster.pids)
         if i < len(phases) - 1:
             done = summarize(cfg, len(workload.prefixes), served, wall, {})
             fill = {k: done[k] for k in ("cached_token_frac", "cold_requests", "requests_per_worker", "req_s")}
@@ -237,11 +237,27 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
     # the machine's 1-minute load average as the measured phase began and ended: other work on the
     # shared cores slows every step (itl_p50_s) and shows here, not in the placement
     out["diagnostics"]["load_avg"] = [load0, _load_avg()]
+    # CPU seconds each local process (the router, each worker, Redis) spent in the measured phase:
+    # on shared cores, what the router's own work per pick takes from the workers' steps
+    out["diagnostics"]["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in sorted(cpu1.keys() & cpu0)}
     return out | ({"fill": fill} if fill is not None else {})
 
 
 def _load_avg() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # the 1-minute load
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each of `pids` so far (its threads included), from
+    /proc/PID/stat; a process that is gone or unreadable (not Linux) is left out."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+    return out
 
 
 def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Combined: the latencies, rates and fractions are the median over the rounds; col
 (a float for an even N); the request counts (per worker, per prefix and worker, in all) and the
 router's mismatches are summed, so `mismatch_rate` is all mismatches over all requests and the
 busiest / idlest ratio is over every request sent. `repeats` lists each round's own figures
-(with its `load_avg`), `diagnostics` holds the medians of the rounds' numeric diagnostics.
+(with its `load_avg` and `cpu_s`), `diagnostics` holds the medians of the rounds' numeric
+diagnostics and of each process's CPU seconds.
 """
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def combine(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["diagnostics"] = {k: statistics.median(e["diagnostics"][k] for e in entries
                                                if isinstance(e["diagnostics"].get(k), (int, float)))
                           for k in numeric}
+    cpu = [e["diagnostics"]["cpu_s"] for e in entries if "cpu_s" in e["diagnostics"]]
+    if cpu:     # each process's CPU seconds, the median over the rounds
+        out["diagnostics"]["cpu_s"] = {name: statistics.median(c[name] for c in cpu if name in c)
+                                       for name in sorted({n for c in cpu for n in c})}
     out["repeats"] = [{k: e[k] for k in (*MEDIAN_KEYS, "mismatch_rate", "requests_per_worker")}
-                      | {"load_avg": e["diagnostics"].get("load_avg")} for e in entries]
+                      | {k: e["diagnostics"].get(k) for k in ("load_avg", "cpu_s")} for e in entries]
     return out
 
 

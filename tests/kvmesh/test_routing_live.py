@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from contracts.cli import CLIError
-from kvmesh.bench.routing_live import LiveConfig, Workload, _Served, _since, config_from_args, make_workload, summarize
+from kvmesh.bench.routing_live import (
+    LiveConfig,
+    Workload,
+    _cpu_seconds,
+    _Served,
+    _since,
+    config_from_args,
+    make_workload,
+    summarize,
+)
 from kvmesh.cli import build_parser
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",
@@ -108,6 +117,8 @@ def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
         assert sum(sum(v.values()) for v in entry["requests_per_worker_per_prefix"].values()) == 8
         assert entry["cold_requests"] >= entry["min_cold_requests"] == 2
         assert len(entry["diagnostics"]["load_avg"]) == 2       # the machine's load as the phase began and ended
+        cpu = entry["diagnostics"]["cpu_s"]                      # each local process's CPU in the phase
+        assert {"router", "redis", "worker-0", "worker-1"} <= set(cpu) and cpu["router"] > 0 and cpu["worker-0"] > 0
     # the pending prefix draws the followers: kv_aware computes no prefix more often than round robin
     kv, rr = doc["no_pressure"]["kv_aware"], doc["no_pressure"]["round_robin"]
     assert kv["cold_requests"] <= rr["cold_requests"] and 0.0 <= kv["mismatch_rate"] <= 1.0
@@ -148,7 +159,8 @@ def test_repeats_alternate_the_order_and_combine_the_rounds() -> None:
                 "requests_per_worker": {"w0": n, "w1": 4 - n if n < 4 else 0},
                 "requests_per_worker_per_prefix": {"0": {"w0": 1}, str(n): {"w1": 1}},
                 "mismatch_rate": 0.5, "router": {"hit_mismatches": n % 2, "requests": 4},
-                "diagnostics": {"in_flight_imbalance": float(n), "load_avg": [n, n]}}
+                "diagnostics": {"in_flight_imbalance": float(n), "load_avg": [n, n],
+                                "cpu_s": {"router": float(n), "worker-0": 10.0 * n}}}
     one = rounds(("rr", "kv"), 1, run)
     assert order == ["rr", "kv"] and one["kv"]["cold_requests"] == 2.0 and "repeats" not in one["kv"]
     order.clear()
@@ -160,4 +172,15 @@ def test_repeats_alternate_the_order_and_combine_the_rounds() -> None:
     assert kv["requests_per_worker_per_prefix"]["0"] == {"w0": 3}
     assert kv["router"]["hit_mismatches"] == 1 and kv["mismatch_rate"] == 1 / 12   # summed, not the median
     assert [r["load_avg"] for r in kv["repeats"]] == [[2, 2], [3, 3], [6, 6]]
+    assert [r["cpu_s"]["router"] for r in kv["repeats"]] == [2.0, 3.0, 6.0]
+    assert kv["diagnostics"]["cpu_s"] == {"router": 3.0, "worker-0": 30.0}    # each process's median
     assert kv["diagnostics"]["in_flight_imbalance"] == 3.0 and list(done) == ["rr", "kv"]
+
+
+def test_cpu_seconds_reads_a_live_process_and_leaves_out_a_gone_one() -> None:
+    import os
+    before = _cpu_seconds({"me": os.getpid()})["me"]
+    sum(i * i for i in range(2_000_000))                       # some CPU of this process
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    after = _cpu_seconds({"me": os.getpid(), "gone": int(gone.stdout)})
+    assert set(after) == {"me"} and after["me"] > before
