@@ -96,7 +96,8 @@ class PickLog(RouteObserver):
         self.inner.finished(request_id, worker_id, final, ttft_s, total_s)
         self._write({"event": "finish", "t": round(time.time(), 4), "request_id": request_id, "worker": worker_id,
                      "prompt_tokens": final.prompt_tokens, "cached_tokens": final.cached_tokens,
-                     "peer_cached_tokens": final.peer_cached_tokens})
+                     "peer_cached_tokens": final.peer_cached_tokens, "ttft_s": round(ttft_s, 4),
+                     "total_s": round(total_s, 4)})
 
     # every other event goes to the wrapped observer as it is
     def decided(self, seconds: float) -> None:

@@ -58,7 +58,8 @@ def test_a_pick_and_a_finish_are_one_line_each_and_the_wrapped_observer_hears_ev
                                      "mean_in_flight": 2.5, "shared_blocks": 12.5, "free_blocks": 10}
     assert pick["workers"]["w1"]["fetchable"] == 2 and pick["workers"]["w1"]["queued_tokens"] == 48
     assert finish == {"event": "finish", "t": finish["t"], "request_id": "r1", "worker": "w0",
-                      "prompt_tokens": 40, "cached_tokens": 32, "peer_cached_tokens": 16}
+                      "prompt_tokens": 40, "cached_tokens": 32, "peer_cached_tokens": 16, "ttft_s": 0.1,
+                      "total_s": 0.5}
     assert core.asked == [route, route]
     assert inner.events == ["picked r1 w0", "finished r1", "hit w0 0.25", "picked r2 w1"]
 
