@@ -21,7 +21,7 @@ shift and cost pressure next to nothing; shorter ones cost the pressure scenario
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -258,6 +258,22 @@ class TallyTable:
 
 class HeldBlocks(Protocol):
     def distinct_held_blocks(self) -> float: ...
+
+
+def shared_prefix(asked: Container[BlockHash], first: Sequence[int], again: Sequence[int],
+                  block_hashes: Sequence[BlockHash]) -> int:
+    """How many leading `block_hashes` a request asking for them now will likely share with
+    others: each is a block an earlier request asked for (`asked`), or sits at a depth whose
+    blocks were asked for again more often than not (`again[d] > first[d] / 2`, the counts
+    behind `Tally.expected`'s rate). The router sends it to the worker, whose pool protects
+    those blocks from their first use (proto GenerateRequest.shared_prefix_blocks)."""
+    n = 0
+    for depth, h in enumerate(block_hashes):
+        d = min(depth, DEPTHS - 1)
+        if h not in asked and 2 * again[d] <= first[d]:
+            break
+        n += 1
+    return n
 
 
 def cluster_fill(index: HeldBlocks, capacity: int) -> float:

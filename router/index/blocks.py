@@ -37,7 +37,7 @@ import numpy as np
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
-from router.index.asks import ASK_HALF_LIFE, DEPTHS as _DEPTHS, Ask, Decay, Tally, TallyTable, recount
+from router.index.asks import ASK_HALF_LIFE, DEPTHS as _DEPTHS, Ask, Decay, Tally, TallyTable, recount, shared_prefix
 from router.index.check import ALL_TIERS, check_holders
 from router.index.lookup import disk_only_counts, leading_counts, leading_pair
 from router.index.pending import PendingBlocks
@@ -250,18 +250,8 @@ class BlockIndex:
                 self._count_any(h, +1)
 
     def shared_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading `block_hashes` a request asking for them now will likely share with
-        others (ask it before `add_pending` counts the request): each is a block an earlier
-        request asked for too, or sits at a depth whose blocks were asked for again more often
-        than not (`again` over half of `first`). The worker protects these from their first
-        use (proto GenerateRequest.shared_prefix_blocks, kvstore/pool.py `cache_full_blocks`)."""
-        n = 0
-        for depth, h in enumerate(block_hashes):
-            d = min(depth, _DEPTHS - 1)
-            if h not in self._asked and 2 * self._again[d] <= self._first[d]:
-                break
-            n += 1
-        return n
+        """`asks.shared_prefix` of the asks counted so far (call it before `add_pending`)."""
+        return shared_prefix(self._asked, self._first, self._again, block_hashes)
 
     def distinct_shared_blocks(self) -> float:
         """`shared_blocks` over the distinct blocks held anywhere: the pool space the cluster's
