@@ -78,6 +78,14 @@ def test_the_router_sends_its_hint_and_ignores_the_clients() -> None:
                                              sampling=pb.SamplingParams(max_tokens=1))
                     async for _ in stub.Generate(req, timeout=10):
                         pass
+                bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10, 11]), shared_prefix_blocks=-1)
+                try:                                    # malformed, not ignored: refused, nothing sent
+                    async for _ in stub.Generate(bad, timeout=10):
+                        pass
+                    raise AssertionError("a negative shared_prefix_blocks was accepted")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "shared_prefix_blocks" in (e.details() or "")
         finally:
             await server.stop(0)
             await fake.stop()
