@@ -23,7 +23,11 @@ With `--routers N` (N > 1) each policy runs three times on the same workload
 over them, as a Service spreads connections), and N replicas sharing pending blocks
 (`--share-pending`); the router counters are summed over the replicas. `--log-dir DIR` keeps each
 cluster's logs (router, workers, Redis) and the router's pick log (`picks.jsonl`, router/observe/picklog.py)
-in a folder under DIR; `--repeats N`: kvmesh/bench/routing_repeats.py.
+in a folder under DIR, and with one router adds the log's classes of the measured requests to the
+diagnostics (`pick_log`: cold, peer-fetched, warm with a prefill queued on the worker at the pick,
+warm without; kvmesh/bench/routing_live_figures.py `pick_log_figures`); `--repeats N`:
+kvmesh/bench/routing_repeats.py. `diagnostics.peer_fetches` / `peer_fetch_s_mean`: the workers'
+peer fetches in the measured phase and their mean seconds (GetLoad's peer counters).
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ import grpc
 
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
-from kvmesh.bench.routing_live_figures import BLOCK_SIZE as _BLOCK_SIZE, _Served, summarize
+from kvmesh.bench.routing_live_figures import BLOCK_SIZE as _BLOCK_SIZE, _Served, pick_log_figures, summarize
 from kvmesh.bench.routing_repeats import rounds
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from kvmesh.serve.supervise import Cluster
@@ -195,7 +199,13 @@ def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, .
     with LocalCluster(serve) as cluster:
         urls = [cluster.http_base_url] + [cluster.start_router_replica(f"router-{i}").http_base_url
                                           for i in range(1, routers)]
-        return asyncio.run(_drive(cfg, phases, cluster, urls))
+        out = asyncio.run(_drive(cfg, phases, cluster, urls))
+    since = out["diagnostics"].pop("measured_since_unix")
+    if cfg.log_dir is not None and routers == 1:    # the router stopped: its pick log is whole
+        with open(logs / "picks.jsonl", encoding="utf-8") as f:
+            out["diagnostics"]["pick_log"] = pick_log_figures(f, cfg.prefix_tokens // _BLOCK_SIZE * _BLOCK_SIZE,
+                                                              since)
+    return out
 
 
 def run_replicas(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, ...],
@@ -222,6 +232,7 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
             async with sem:
                 return await _complete(clients[n % len(clients)], cfg, prefix, list(w.prefixes[prefix] + question))
 
+        since, peer0 = time.time(), await _peer_counters(cluster.worker_addresses)
         start, load0, cpu0 = time.perf_counter(), _load_avg(), _cpu_seconds(cluster.pids)
         served = await asyncio.gather(*(one(n, p, q) for n, (p, q) in enumerate(workload.requests)))
         wall, cpu1 = time.perf_counter() - start, _cpu_seconds(cluster.pids)
@@ -240,6 +251,13 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
     # CPU seconds each local process (the router, each worker, Redis) spent in the measured phase:
     # on shared cores, what the router's own work per pick takes from the workers' steps
     out["diagnostics"]["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in sorted(cpu1.keys() & cpu0)}
+    # the workers' peer fetches in the measured phase and their mean wall time (control RPC and
+    # transfer, as the peer plane counts it): what a replica by fetch cost here
+    peer1 = await _peer_counters(cluster.worker_addresses)
+    fetches = peer1[0] - peer0[0]
+    out["diagnostics"]["peer_fetches"] = fetches
+    out["diagnostics"]["peer_fetch_s_mean"] = (peer1[1] - peer0[1]) / fetches if fetches else None
+    out["diagnostics"]["measured_since_unix"] = since     # run_policy's, for the pick log (taken off there)
     return out | ({"fill": fill} if fill is not None else {})
 
 
@@ -307,6 +325,18 @@ async def _warm_workers(addresses: tuple[str, ...]) -> None:
                                      sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             async for _ in pb_grpc.WorkerStub(ch).Generate(req, timeout=300):
                 pass
+
+
+async def _peer_counters(addresses: tuple[str, ...]) -> tuple[int, float]:
+    """The peer fetches the workers at `addresses` made so far and their seconds, summed
+    (GetLoad's `peer`; a worker without a peer plane counts none)."""
+    fetches, seconds = 0, 0.0
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as ch:
+            load = await pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=60)
+        if load.HasField("peer"):
+            fetches, seconds = fetches + load.peer.fetch_decisions, seconds + load.peer.fetch_seconds
+    return fetches, seconds
 
 
 _SUMMED = ("requests", "predicted_hit_tokens", "served_hit_tokens", "hit_mismatches", "peer_hints",

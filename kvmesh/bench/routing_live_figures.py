@@ -2,11 +2,14 @@
 client saw: per request, its worker, TTFT, inter-token gaps and cached tokens (`_Served`); per
 policy, the keys the bench's JSON promises (`summarize`) and what its TTFT is made of
 (`diagnostics`: cold vs warm, the prefills a warm request shared its worker's steps with, the
-requests in flight per worker over time)."""
+requests in flight per worker over time); and, from the router's pick log, what each request's
+worker held and had queued when it was picked (`pick_log_figures`)."""
 from __future__ import annotations
 
+import json
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,6 +94,48 @@ def _prefill_overlap(one: _Served, served: list[_Served]) -> int:
     t0, t1 = one.start, one.start + one.ttft_s
     return sum(1 for s in served if s is not one and s.worker_id == one.worker_id
                and s.start < t1 and s.start + s.ttft_s > t0)
+
+
+PICK_CLASSES = ("cold", "peer_fetched", "warm_queued", "warm_idle")
+
+
+def pick_log_figures(lines: Iterable[str], full_prefix: int, since: float = 0.0) -> dict[str, dict[str, Any]]:
+    """The requests picked at or after `since` (Unix time) in a router's pick log
+    (router/observe/picklog.py), by what they met (the worker of each one's last pick, the one
+    it finished on): `cold` (computed its prefix: cached tokens short of `full_prefix`),
+    `peer_fetched` (fetched it from a peer), `warm_queued` (its worker held it and had a prefill
+    queued: requests sent there that had not started streaming), `warm_idle` (held, none
+    queued); per class the requests and the router's TTFT p50 (None without any)."""
+    picks: dict[str, dict[str, Any]] = {}
+    ttfts: dict[str, list[float]] = {c: [] for c in PICK_CLASSES}
+    for line in lines:
+        e = json.loads(line)
+        if e.get("event") == "pick":
+            picks[e["request_id"]] = e
+        elif e.get("event") == "finish" and "ttft_s" in e:
+            pick = picks.get(e["request_id"])
+            if pick is None or pick["t"] < since:
+                continue
+            if e["peer_cached_tokens"] > 0:
+                kind = "peer_fetched"
+            elif e["cached_tokens"] < full_prefix:
+                kind = "cold"
+            else:
+                at = pick["workers"].get(pick["worker"], {})
+                kind = "warm_queued" if at.get("queued_tokens", 0) > 0 else "warm_idle"
+            ttfts[kind].append(e["ttft_s"])
+    return {c: {"requests": len(v), "ttft_p50_s": statistics.median(v) if v else None} for c, v in ttfts.items()}
+
+
+def combine_pick_logs(rounds: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """`pick_log_figures` of several rounds as one: the requests summed, the TTFT p50 the
+    median of the rounds' (those with any)."""
+    out = {}
+    for c in PICK_CLASSES:
+        p50s = [r[c]["ttft_p50_s"] for r in rounds if r[c]["ttft_p50_s"] is not None]
+        out[c] = {"requests": sum(r[c]["requests"] for r in rounds),
+                  "ttft_p50_s": statistics.median(p50s) if p50s else None}
+    return out
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

@@ -7,13 +7,16 @@ Combined: the latencies, rates and fractions are the median over the rounds; col
 router's mismatches are summed, so `mismatch_rate` is all mismatches over all requests and the
 busiest / idlest ratio is over every request sent. `repeats` lists each round's own figures
 (with its `load_avg` and `cpu_s`), `diagnostics` holds the medians of the rounds' numeric
-diagnostics and of each process's CPU seconds.
+diagnostics and of each process's CPU seconds, and the pick log's classes combined
+(`combine_pick_logs`).
 """
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+from kvmesh.bench.routing_live_figures import combine_pick_logs
 
 P = TypeVar("P")
 
@@ -51,6 +54,9 @@ def combine(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["diagnostics"] = {k: statistics.median(e["diagnostics"][k] for e in entries
                                                if isinstance(e["diagnostics"].get(k), (int, float)))
                           for k in numeric}
+    picks = [e["diagnostics"]["pick_log"] for e in entries if "pick_log" in e["diagnostics"]]
+    if picks:   # the pick log's classes: requests summed, TTFT p50 the median of the rounds'
+        out["diagnostics"]["pick_log"] = combine_pick_logs(picks)
     cpu = [e["diagnostics"]["cpu_s"] for e in entries if "cpu_s" in e["diagnostics"]]
     if cpu:     # each process's CPU seconds, the median over the rounds
         out["diagnostics"]["cpu_s"] = {name: statistics.median(c[name] for c in cpu if name in c)

@@ -20,6 +20,7 @@ from kvmesh.bench.routing_live import (
     make_workload,
     summarize,
 )
+from kvmesh.bench.routing_live_figures import PICK_CLASSES, pick_log_figures
 from kvmesh.cli import build_parser
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",
@@ -119,6 +120,10 @@ def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
         assert len(entry["diagnostics"]["load_avg"]) == 2       # the machine's load as the phase began and ended
         cpu = entry["diagnostics"]["cpu_s"]                      # each local process's CPU in the phase
         assert {"router", "redis", "worker-0", "worker-1"} <= set(cpu) and cpu["router"] > 0 and cpu["worker-0"] > 0
+        # the router's pick log, classified: every measured request once
+        picks = entry["diagnostics"]["pick_log"]
+        assert sum(c["requests"] for c in picks.values()) == 8 and picks["cold"]["requests"] >= 2
+        assert entry["diagnostics"]["peer_fetches"] >= 0     # the workers' GetLoad peer counters, read
     # the pending prefix draws the followers: kv_aware computes no prefix more often than round robin
     kv, rr = doc["no_pressure"]["kv_aware"], doc["no_pressure"]["round_robin"]
     assert kv["cold_requests"] <= rr["cold_requests"] and 0.0 <= kv["mismatch_rate"] <= 1.0
@@ -160,7 +165,9 @@ def test_repeats_alternate_the_order_and_combine_the_rounds() -> None:
                 "requests_per_worker_per_prefix": {"0": {"w0": 1}, str(n): {"w1": 1}},
                 "mismatch_rate": 0.5, "router": {"hit_mismatches": n % 2, "requests": 4},
                 "diagnostics": {"in_flight_imbalance": float(n), "load_avg": [n, n],
-                                "cpu_s": {"router": float(n), "worker-0": 10.0 * n}}}
+                                "cpu_s": {"router": float(n), "worker-0": 10.0 * n},
+                                "pick_log": {c: {"requests": n, "ttft_p50_s": float(n) if c != "cold" else None}
+                                             for c in PICK_CLASSES}}}
     one = rounds(("rr", "kv"), 1, run)
     assert order == ["rr", "kv"] and one["kv"]["cold_requests"] == 2.0 and "repeats" not in one["kv"]
     order.clear()
@@ -175,6 +182,35 @@ def test_repeats_alternate_the_order_and_combine_the_rounds() -> None:
     assert [r["cpu_s"]["router"] for r in kv["repeats"]] == [2.0, 3.0, 6.0]
     assert kv["diagnostics"]["cpu_s"] == {"router": 3.0, "worker-0": 30.0}    # each process's median
     assert kv["diagnostics"]["in_flight_imbalance"] == 3.0 and list(done) == ["rr", "kv"]
+    assert kv["diagnostics"]["pick_log"]["warm_idle"] == {"requests": 11, "ttft_p50_s": 3.0}   # summed; median
+    assert kv["diagnostics"]["pick_log"]["cold"] == {"requests": 11, "ttft_p50_s": None}
+
+
+def _pick(rid: str, t: float, worker: str, queued: dict[str, int]) -> str:
+    return json.dumps({"event": "pick", "t": t, "request_id": rid, "worker": worker,
+                       "workers": {w: {"cached": 0, "queued_tokens": q} for w, q in queued.items()}})
+
+
+def _finish(rid: str, cached: int, peer: int, ttft: float) -> str:
+    return json.dumps({"event": "finish", "t": 0.0, "request_id": rid, "worker": "w0", "prompt_tokens": 80,
+                       "cached_tokens": cached, "peer_cached_tokens": peer, "ttft_s": ttft})
+
+
+def test_pick_log_figures_class_each_request_by_what_its_worker_held_and_had_queued() -> None:
+    lines = [_pick("old", 5.0, "w0", {"w0": 0}), _finish("old", 0, 0, 9.0),       # before the phase: left out
+             _pick("a", 10.0, "w0", {"w0": 0, "w1": 32}), _finish("a", 0, 0, 0.5),          # cold
+             _pick("b", 11.0, "w1", {"w0": 0, "w1": 0}), _finish("b", 64, 64, 0.3),         # fetched from a peer
+             _pick("c", 12.0, "w0", {"w0": 32, "w1": 0}),
+             _pick("d", 12.5, "w1", {"w0": 32, "w1": 0}), _finish("d", 64, 0, 0.1),         # warm, none queued
+             _finish("c", 64, 0, 0.2),                                                      # warm, one queued
+             _pick("e", 13.0, "w0", {"w0": 0}), _pick("e", 14.0, "w1", {"w0": 0, "w1": 96}),   # resubmitted:
+             _finish("e", 64, 0, 0.4),                                                      # its last pick counts
+             _pick("f", 15.0, "w0", {"w0": 0})]                                             # never finished
+    figures = pick_log_figures(lines, full_prefix=64, since=10.0)
+    assert figures == {"cold": {"requests": 1, "ttft_p50_s": 0.5}, "peer_fetched": {"requests": 1, "ttft_p50_s": 0.3},
+                       "warm_queued": {"requests": 2, "ttft_p50_s": pytest.approx(0.3)},
+                       "warm_idle": {"requests": 1, "ttft_p50_s": 0.1}}
+    assert pick_log_figures([], 64)["cold"] == {"requests": 0, "ttft_p50_s": None}
 
 
 def test_cpu_seconds_reads_a_live_process_and_leaves_out_a_gone_one() -> None:
