@@ -22,6 +22,22 @@ from contracts.cli import CLIError
 __all__ = ["emit", "run_meta", "machine_summary"]
 
 _INTERNAL_FLAGS = ("--in-netns",)  # set by a bench re-running itself, not by the user
+# flags whose value is a scratch place on the machine that ran the bench (not part of the
+# result, and no place a reader has): `command` and `argv` show it as this placeholder
+_PLACEHOLDERS = {"--log-dir": "DIR"}
+
+
+def _placeheld(args: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for a in args:
+        flag, eq, _ = a.partition("=")
+        if out and out[-1] in _PLACEHOLDERS:
+            out.append(_PLACEHOLDERS[out[-1]])
+        elif eq and flag in _PLACEHOLDERS:
+            out.append(f"{flag}={_PLACEHOLDERS[flag]}")
+        else:
+            out.append(a)
+    return out
 
 
 def emit(result: dict[str, Any], path: Path | None) -> int:
@@ -55,7 +71,8 @@ def run_meta(argv: Sequence[str] | None = None, now: datetime.datetime | None = 
     """`{"bench", "command", "argv", "date", "machine"}` of this process's run.
 
     `command` is the `kvmesh ...` command line when the process is the kvmesh CLI (the console
-    script or `python -m kvmesh.cli`), else None (a bench called from a test); `bench` is the
+    script or `python -m kvmesh.cli`), a `--log-dir` value shown as DIR (the machine's scratch
+    place; in `argv` too), else None (a bench called from a test); `bench` is the
     subcommand after `bench` in it.
     """
     argv = list(sys.argv if argv is None else argv)
@@ -66,8 +83,8 @@ def run_meta(argv: Sequence[str] | None = None, now: datetime.datetime | None = 
     when = (now or datetime.datetime.now(datetime.timezone.utc)).astimezone(datetime.timezone.utc)
     return {
         "bench": bench,
-        "command": shlex.join(["kvmesh", *args]) if is_cli else None,
-        "argv": argv,
+        "command": shlex.join(["kvmesh", *_placeheld(args)]) if is_cli else None,
+        "argv": argv[:1] + _placeheld(argv[1:]),
         "date": when.isoformat(timespec="seconds"),
         "machine": machine_summary(),
     }

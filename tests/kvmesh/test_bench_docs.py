@@ -109,3 +109,6 @@ def test_emit_records_the_command_date_and_machine(tmp_path: Path, monkeypatch: 
     inner = run_meta(["/repo/kvmesh/cli.py", "bench", "chaos", "--in-netns", "--quick"], when)
     assert inner["command"] == "kvmesh bench chaos --quick" and inner["date"] == "2026-01-02T03:04:05+00:00"
     assert run_meta(["pytest", "-q"])["command"] is None
+    logged = run_meta(["kvmesh", "bench", "routing-live", "--log-dir", "/tmp/x", "--quick", "--log-dir=/tmp/y"])
+    assert logged["command"] == "kvmesh bench routing-live --log-dir DIR --quick --log-dir=DIR"   # a scratch place
+    assert logged["argv"][:3] == ["kvmesh", "bench", "routing-live"] and "/tmp/x" not in str(logged["argv"])
