@@ -69,7 +69,6 @@ class RouterConfig:
     disagg_min_prompt_tokens: int = 128
     disagg_transfer_timeout_s: float = 10.0
     share_pending: bool = False             # replicas: share pending blocks through Redis (router/routing/replicas.py)
-    replicate_ahead: bool = True            # kv_aware: replicas pulled off the requests' path (routing/replicate.py)
     pick_log: str | None = None             # --pick-log: a JSON line per pick and finish (router/observe/picklog.py)
     drain_timeout_s: float = 30.0           # on SIGTERM: how long open streams may take to finish
     metrics_require_key: bool = False       # /metrics needs an API key too (default: open, like /health)

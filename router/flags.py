@@ -61,10 +61,6 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-pending", action="store_true", default=_DEFAULTS["share_pending"],
                    help="for router replicas behind one Service: share each request's pending blocks with the "
                         "other routers through Redis, so that all predict as one (docs/operations.md)")
-    p.add_argument("--replicate-ahead", action=argparse.BooleanOptionalAction, default=_DEFAULTS["replicate_ahead"],
-                   help="kv_aware: a request that would fetch its prefix from a peer goes to that peer (the holder, "
-                        "when under the load cap) and its worker pulls the prefix in the background, off the "
-                        "request's path (docs/routing.md)")
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=_DEFAULTS["disagg_min_prompt_tokens"],
                    help="disaggregated serving (prefill and decode workers live): a prompt with fewer uncached "
                         "tokens on its decode worker skips the prefill hop and is computed there, "

@@ -130,8 +130,6 @@ class RouterServer:
             await self._http.stop(0)
         if self._fetch is not None:
             await self._fetch.stop()
-        if self.core.replicas is not None:
-            await self.core.replicas.close()
         if self.shared is not None:
             await self.shared.stop()
         await self.registry.stop()

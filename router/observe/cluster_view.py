@@ -20,7 +20,6 @@ from the core's observer calls and registers the route. It changes nothing. torc
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -168,8 +167,6 @@ class ClusterView:
                 "hit_mismatches": s.mismatches, "peer_hints": s.peer_hints,
                 "disagg": {"handoffs": self._router.disagg.handoffs, "skipped": self._router.disagg.skips,
                            "failures": self._router.disagg.failures},
-                "replicas": (dataclasses.asdict(self._router.replicas.counters)
-                             if self._router.replicas is not None else None),
                 "tenants": [{"tenant": t, "admitted": limiter.admitted.get(t, 0),
                              "rejected": limiter.rejected.get(t, 0)}
                             for t in tenants],

@@ -196,16 +196,6 @@ class _CoreCollector(Collector):
                 ("router_hit_mismatches", "Requests where predicted and served hit tokens differ", s.mismatches),
                 ("router_peer_hints", "Requests forwarded with a peer hint", s.peer_hints)):
             yield CounterMetricFamily(f"kvmesh:{name}", doc, value=value)
-        replicas = self._router.replicas
-        if replicas is not None:     # --replicate-ahead (router/routing/replicate.py)
-            c = replicas.counters
-            for name, doc, value in (
-                    ("router_replica_redirects", "Requests sent to their prefix's holder instead of fetching it",
-                     c.redirected),
-                    ("router_replica_pulls", "Background pulls of a prefix's replica started", c.pulls),
-                    ("router_replica_pulled_blocks", "Blocks the background pulls stored", c.pulled_blocks),
-                    ("router_replica_pull_failures", "Background pulls that stored nothing", c.failed_pulls)):
-                yield CounterMetricFamily(f"kvmesh:{name}", doc, value=value)
         live = {w.info.worker_id for w in self._router.registry.live() if w.info is not None}
         self._seen |= live
         up = GaugeMetricFamily("kvmesh:router_worker_up", "1 while the worker is ready", labels=["worker_id"])

@@ -53,10 +53,9 @@ from router.routing.pick import (
     routing_view,
     with_hint,
 )
-from router.routing.policy import HOLDER_FACTOR, Policy, make_policy
+from router.routing.policy import Policy, make_policy
 from router.routing.predictions import HitPredictions
-from router.routing.replicate import ReplicaPulls
-from router.routing.types import RouteRequest, RoutingPolicy, RoutingState, WorkerId, WorkerInfo, decode_pool
+from router.routing.types import RouteRequest, RoutingState, WorkerId, WorkerInfo, decode_pool
 from router.security.auth import ANONYMOUS, ApiKey, TenantId
 from router.security.bounds import PromptBounds
 from router.security.tenancy import TenantActivity, TenantSalts, bound_max_tokens
@@ -104,8 +103,6 @@ class Router:
         self.prefills = InFlightPrefills()   # pending blocks and prefill queues
         self.predictions = HitPredictions()  # predicted vs served hits per worker; corrects the index
         self.disagg = Disaggregation(registry, cfg.disagg_min_prompt_tokens, cfg.disagg_transfer_timeout_s)
-        self.replicas = (ReplicaPulls(cfg.load_factor, HOLDER_FACTOR)       # replicas off the request path
-                         if cfg.replicate_ahead and self.policy.name is RoutingPolicy.KV_AWARE else None)
 
     @property
     def model_info(self) -> pb.ModelInfo | None:
@@ -195,8 +192,6 @@ class Router:
         try:
             while True:
                 pick = await self._pick_next(route, tried, progress, deadline)
-                if self.replicas is not None and pick.hint is not None and not progress.resubmits and self.model_info:
-                    pick = self.replicas.redirect(pick, self.registry.live_columns(), route, self.model_info.block_size)
                 assert pick.worker.info is not None
                 worker_id = pick.worker.info.worker_id   # info may be cleared by a probe while streaming
                 tried.add(worker_id)

@@ -52,7 +52,6 @@ ALL_VALUES: Doc = {
                "migrationLimit": 5, "drainTimeoutS": 17.5,
                "preStopSleepS": 2, "terminationGracePeriodSeconds": 33, "tokenizerSource": "local",
                "disaggMinPromptTokens": 300, "disaggTransferTimeoutS": 7.5, "sharePending": True,
-               "replicateAhead": False,
                "pickLog": "/var/cache/kvmesh/picks.jsonl"},
 }
 # Values whose flag is spelled differently from the camelCase rule.

@@ -361,30 +361,6 @@ def test_rogue_send_blocks_breaks_one_pair_and_the_next_fetch_forms_a_new_one(ti
 
 
 @pytest.mark.server
-def test_a_replica_pull_stores_the_holders_prefix_for_the_next_request(tiny_model_dir: Any,
-                                                                      two_workers: Any) -> None:
-    """The router's replica (router/routing/replicate.py): PullBlocks(replica=True) on B for a
-    prefix A holds stores it in B's host tier, counted as a replica (not a hand-over); B's next
-    request of that prompt, with no hint, finds it cached and decodes what a cache-less engine does."""
-    loop, servers, engines, ports, ca, cb = two_workers
-    oracle = Engine(_cfg(tiny_model_dir, enable_prefix_caching=False))
-    a, b = pb_grpc.WorkerStub(ca), pb_grpc.WorkerStub(cb)
-    run_a, run_b = _runner(a, pb.PeerHint()), _runner(b, pb.PeerHint())
-    prompt = [(29 * i) % 200 + 3 for i in range(41)]
-    want = oracle.generate(prompt, GREEDY)[0].token_ids
-    assert run_a(prompt)[0] == want
-    held = block_hashes(prompt, 4, engines[0].salt)[:10]
-    counters = servers[1].scaling.counters
-    taken_over = counters.blocks_taken_over
-    answer = b.PullBlocks(pb.PullBlocksRequest(block_hashes=[h.to_bytes(16, "big") for h in held], sender_id="w-a",
-                                               sender_address=f"127.0.0.1:{ports[0]}", replica=True), timeout=60)
-    assert (answer.num_blocks, answer.reason) == (10, "")
-    assert counters.blocks_replicated == 10 and counters.blocks_taken_over == taken_over
-    got, final = run_b(prompt)
-    assert got == want and (final.cached_tokens, final.peer_cached_tokens) == (40, 0)
-
-
-@pytest.mark.server
 def test_send_blocks_without_a_transfer_group_is_failed_precondition(tiny_model_dir: Any) -> None:
     loop = LoopThread()
     engine = Engine(_cfg(tiny_model_dir))

@@ -51,12 +51,11 @@ _MARGIN_S = 1.0                   # a pull stops this long before its caller's d
 class ScalingCounters:
     """Blocks moved since start: peers pulled from this worker on drain (`blocks_handed_over`),
     this worker pulled at start (`blocks_warmed`), this worker pulled for a draining peer
-    (`blocks_taken_over`), this worker pulled as a replica the router asked for (`blocks_replicated`)."""
+    (`blocks_taken_over`)."""
 
     blocks_handed_over: int = 0
     blocks_warmed: int = 0
     blocks_taken_over: int = 0
-    blocks_replicated: int = 0
 
 
 class Scaling:
@@ -91,16 +90,11 @@ class Scaling:
         deadline = None if time_remaining is None else time.monotonic() + time_remaining - _MARGIN_S
         got = await pull_chunks(lambda part: plane.pull(ae, hint, part, ask), take, plane.spec.bytes_per_block,
                                 deadline)
+        self.counters.blocks_taken_over += got.num_blocks
         reason = "" if got.num_blocks == len(hashes) else \
             f"room for {len(take)} of {len(hashes)}; {got.num_short} chunk(s) came short"
-        if req.replica:     # the router's replica of a prefix the sender holds (router/routing/replicate.py)
-            self.counters.blocks_replicated += got.num_blocks
-            log.info("worker %s pulled a replica of %d block(s) from %s in %.2f s", self.cfg.worker_id,
-                     got.num_blocks, req.sender_id, got.seconds)
-        else:
-            self.counters.blocks_taken_over += got.num_blocks
-            log.info("worker %s took over %d block(s) from draining %s in %.2f s", self.cfg.worker_id,
-                     got.num_blocks, req.sender_id, got.seconds)
+        log.info("worker %s took over %d block(s) from draining %s in %.2f s", self.cfg.worker_id,
+                 got.num_blocks, req.sender_id, got.seconds)
         return pb.PullBlocksResponse(num_blocks=got.num_blocks, reason=reason)
 
     # -- peers ----------------------------------------------------------------------------

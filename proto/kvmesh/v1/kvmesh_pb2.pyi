@@ -438,16 +438,14 @@ class HotBlocksResponse(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "sender_id", "sender_address", "replica")
+    __slots__ = ("block_hashes", "sender_id", "sender_address")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    REPLICA_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     sender_id: str
     sender_address: str
-    replica: bool
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., sender_id: _Optional[str] = ..., sender_address: _Optional[str] = ..., replica: _Optional[bool] = ...) -> None: ...
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., sender_id: _Optional[str] = ..., sender_address: _Optional[str] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
     __slots__ = ("num_blocks", "reason")
