@@ -18,6 +18,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -259,10 +260,6 @@ def _to_input(req: pb.GenerateRequest) -> Any:
     return to_generate_input(req)
 
 
-async def _worker_counters(addresses: list[str]) -> list[tuple[int, int]]:
-    out = []
-    for address in addresses:
-        async with grpc.aio.insecure_channel(address) as ch:
-            load = await pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=10)
-            out.append((load.prompt_tokens, load.cached_prompt_tokens))
-    return out
+async def _worker_counters(addresses: Sequence[str]) -> list[tuple[int, int]]:
+    return [(load.prompt_tokens, load.cached_prompt_tokens)
+            for load in await bench_live.worker_loads(addresses, timeout=10)]

@@ -39,6 +39,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -199,8 +200,7 @@ def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, .
     with LocalCluster(serve) as cluster:
         urls = [cluster.http_base_url] + [cluster.start_router_replica(f"router-{i}").http_base_url
                                           for i in range(1, routers)]
-        out = asyncio.run(_drive(cfg, phases, cluster, urls))
-    since = out["diagnostics"].pop("measured_since_unix")
+        out, since = asyncio.run(_drive(cfg, phases, cluster, urls))
     if cfg.log_dir is not None and routers == 1:    # the router stopped: its pick log is whole
         with open(logs / "picks.jsonl", encoding="utf-8") as f:
             out["diagnostics"]["pick_log"] = pick_log_figures(f, cfg.prefix_tokens // _BLOCK_SIZE * _BLOCK_SIZE,
@@ -216,7 +216,7 @@ def run_replicas(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload,
 
 
 async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster,
-                 urls: list[str]) -> dict[str, Any]:
+                 urls: list[str]) -> tuple[dict[str, Any], float]:
     """Each phase's requests in turn, dealt round robin over the routers at `urls`; the last phase's
     figures with the routers' counters (summed) since it began, and a fill's cached fraction and placement."""
     from openai import AsyncOpenAI  # imported here: only this bench needs it
@@ -257,8 +257,7 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
     fetches = peer1[0] - peer0[0]
     out["diagnostics"]["peer_fetches"] = fetches
     out["diagnostics"]["peer_fetch_s_mean"] = (peer1[1] - peer0[1]) / fetches if fetches else None
-    out["diagnostics"]["measured_since_unix"] = since     # run_policy's, for the pick log (taken off there)
-    return out | ({"fill": fill} if fill is not None else {})
+    return out | ({"fill": fill} if fill is not None else {}), since
 
 
 def _load_avg() -> float | None:
@@ -327,16 +326,20 @@ async def _warm_workers(addresses: tuple[str, ...]) -> None:
                 pass
 
 
-async def _peer_counters(addresses: tuple[str, ...]) -> tuple[int, float]:
-    """The peer fetches the workers at `addresses` made so far and their seconds, summed
-    (GetLoad's `peer`; a worker without a peer plane counts none)."""
-    fetches, seconds = 0, 0.0
+async def worker_loads(addresses: Sequence[str], timeout: float = 60.0) -> list[pb.Load]:
+    """Each worker's GetLoad, asked straight at its gRPC address (a local cluster's workers)."""
+    loads = []
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as ch:
-            load = await pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=60)
-        if load.HasField("peer"):
-            fetches, seconds = fetches + load.peer.fetch_decisions, seconds + load.peer.fetch_seconds
-    return fetches, seconds
+            loads.append(await pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=timeout))
+    return loads
+
+
+async def _peer_counters(addresses: Sequence[str]) -> tuple[int, float]:
+    """The peer fetches the workers at `addresses` made so far and their seconds, summed
+    (GetLoad's `peer`; a worker without a peer plane counts none)."""
+    peers = [load.peer for load in await worker_loads(addresses) if load.HasField("peer")]
+    return sum(p.fetch_decisions for p in peers), sum(p.fetch_seconds for p in peers)
 
 
 _SUMMED = ("requests", "predicted_hit_tokens", "served_hit_tokens", "hit_mismatches", "peer_hints",

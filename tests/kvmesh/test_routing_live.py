@@ -220,3 +220,26 @@ def test_cpu_seconds_reads_a_live_process_and_leaves_out_a_gone_one() -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     after = _cpu_seconds({"me": os.getpid(), "gone": int(gone.stdout)})
     assert set(after) == {"me"} and after["me"] > before
+
+
+def test_worker_loads_asks_each_worker_and_the_benches_read_their_counters() -> None:
+    import asyncio
+
+    from kvmesh.bench.routing import _worker_counters
+    from kvmesh.bench.routing_live import _peer_counters, worker_loads
+    from tests.support.fake_worker import FakeWorker
+
+    async def go() -> tuple[list[str], list[tuple[int, int]], tuple[int, float]]:
+        fakes = [FakeWorker("w0"), FakeWorker("w1")]
+        for f in fakes:
+            await f.start()
+        try:
+            addresses = [f.address for f in fakes]
+            return ([load.worker_id for load in await worker_loads(addresses)], await _worker_counters(addresses),
+                    await _peer_counters(addresses))
+        finally:
+            for f in fakes:
+                await f.stop()
+    ids, counters, peers = asyncio.run(go())
+    assert ids == ["w0", "w1"] and counters == [(0, 0), (0, 0)]
+    assert peers == (0, 0.0)          # no peer plane reported: no fetches counted
