@@ -105,11 +105,15 @@ def pick_log_figures(lines: Iterable[str], full_prefix: int, since: float = 0.0)
     it finished on): `cold` (computed its prefix: cached tokens short of `full_prefix`),
     `peer_fetched` (fetched it from a peer), `warm_queued` (its worker held it and had a prefill
     queued: requests sent there that had not started streaming), `warm_idle` (held, none
-    queued); per class the requests and the router's TTFT p50 (None without any)."""
+    queued); per class the requests and the router's TTFT p50 (None without any). A line that
+    is not JSON (a router killed mid-write leaves its last one cut) is skipped."""
     picks: dict[str, dict[str, Any]] = {}
     ttfts: dict[str, list[float]] = {c: [] for c in PICK_CLASSES}
     for line in lines:
-        e = json.loads(line)
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
         if e.get("event") == "pick":
             picks[e["request_id"]] = e
         elif e.get("event") == "finish" and "ttft_s" in e:

@@ -205,7 +205,8 @@ def test_pick_log_figures_class_each_request_by_what_its_worker_held_and_had_que
              _finish("c", 64, 0, 0.2),                                                      # warm, one queued
              _pick("e", 13.0, "w0", {"w0": 0}), _pick("e", 14.0, "w1", {"w0": 0, "w1": 96}),   # resubmitted:
              _finish("e", 64, 0, 0.4),                                                      # its last pick counts
-             _pick("f", 15.0, "w0", {"w0": 0})]                                             # never finished
+             _pick("f", 15.0, "w0", {"w0": 0}),                                             # never finished
+             _finish("g", 64, 0, 0.1)[:30]]                       # a router killed mid-write: a cut line
     figures = pick_log_figures(lines, full_prefix=64, since=10.0)
     assert figures == {"cold": {"requests": 1, "ttft_p50_s": 0.5}, "peer_fetched": {"requests": 1, "ttft_p50_s": 0.3},
                        "warm_queued": {"requests": 2, "ttft_p50_s": pytest.approx(0.3)},
