@@ -8,7 +8,7 @@ missing data scores 0 and never raises.
 - `RotationScorer`     a rotating order over worker ids (round robin; spreads ties).
 - `PrefillCostScorer`  holder-first placement: 1 − cost / max cost, cost the prompt tokens a
                        request must prefill (or fetch from a peer, at a fraction) on the worker
-                       plus the prefill queued there plus κ per running request (0 by default) plus κ̄ per
+                       plus the prefill queued there plus κ per running request plus κ̄ per
                        request of sustained load plus the shared prefixes it would displace
                        (see the class).
 - `BoundedLoadFilter`  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
@@ -221,14 +221,7 @@ class PrefillCostScorer:
     prefills are queued shares their step: it waits for them and they for it (in a closed loop
     the least loaded worker is the one whose requests just finished together, and all their
     successors would otherwise prefill there in one step); κ = `running_cost_tokens`, what one
-    running request costs a new one (it shares every step), 0 by default: a running request adds
-    a few ms to a warm request's TTFT where a queued prefill adds tens, and any κ > 0 decides
-    every pick whose queues are equal for the worker with the fewest in flight — in a closed
-    loop the one whose requests just finished together, so their successors go back there
-    together and share its steps (the least_loaded pattern; `kvmesh bench routing-live --quick`'s
-    no-pressure TTFT p50 at κ = 16 against 0: docs/routing.md, *The in-flight count out of the
-    cost*); equal costs fall to the ring, and load is balanced by the bounded-load filter and κ̄;
-    β = `prefill_weight`: a prefill
+    running request costs a new one (it shares every step); β = `prefill_weight`: a prefill
     counts once as this request's wait and once more as the worker time it takes from every
     request queued behind it. κ̄ =
     `sustained_cost_tokens` prices the worker's sustained load above its fair share (in-flight
@@ -242,7 +235,7 @@ class PrefillCostScorer:
     a replica costs little more than its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding
     the prefix wins unless its queue and load exceed β × the prefill it saves; equal costs tie."""
 
-    running_cost_tokens: float = 0.0
+    running_cost_tokens: float = 16.0
     prefill_weight: float = 2.0
     sustained_cost_tokens: float = 8192.0
     fetch_cost_ratio: float = 0.03

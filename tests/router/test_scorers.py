@@ -303,27 +303,16 @@ def test_a_new_prefix_goes_where_it_displaces_the_fewest_shared_blocks():
 
 
 def test_successors_of_a_finished_batch_spread_over_the_workers():
-    """Closed loop: w0's requests just finished together (1 left vs 4 on w1). The running
-    requests do not steer the first successor (κ = 0: the pick is the one with the loads
-    swapped); the second sees the first's queued prefill (γ = 2) and goes to the other worker
-    rather than share its prefill step, whichever runs fewer requests."""
+    """Closed loop: w0's requests just finished together (1 left vs 4 on w1). The first
+    successor goes to w0; the second sees w0's queued prefill (γ = 2) and goes to w1 rather
+    than sharing w0's prefill step, although w0 still runs fewer requests."""
     workers, route = _workers(2), _route(6, blocks=16)
     policy = make_policy("kv_aware")
     both = {"w0": 16, "w1": 16}
-    first = policy.pick(workers, route, RoutingState({"w0": WorkerLoad(1), "w1": WorkerLoad(4)}, both))
-    assert first is not None
-    assert policy.pick(workers, route, RoutingState({"w0": WorkerLoad(4), "w1": WorkerLoad(1)}, both)) == first
-    other = "w1" if first.worker_id == "w0" else "w0"
-    loads = {"w0": WorkerLoad(2), "w1": WorkerLoad(4)}
-    assert policy.pick(workers, route, RoutingState(loads, both, queued_tokens={first.worker_id: 35})).worker_id \
-        == other
-    # at κ = 16 (the default until 2026-12-07) the fewer running requests took the first successor
-    counted = Policy(policy.name, (Weighted(PrefillCostScorer(running_cost_tokens=16.0), 1.0),), policy.filters,
-                     policy.tiebreak)
-    assert counted.pick(workers, route, RoutingState({"w0": WorkerLoad(1), "w1": WorkerLoad(4)}, both)).worker_id \
-        == "w0"
-    assert counted.pick(workers, route, RoutingState({"w0": WorkerLoad(4), "w1": WorkerLoad(1)}, both)).worker_id \
-        == "w1"
+    first = RoutingState({"w0": WorkerLoad(1), "w1": WorkerLoad(4)}, both)
+    assert policy.pick(workers, route, first).worker_id == "w0"
+    second = RoutingState({"w0": WorkerLoad(2), "w1": WorkerLoad(4)}, both, queued_tokens={"w0": 35})
+    assert policy.pick(workers, route, second).worker_id == "w1"
 
 
 def test_bounded_load_filter_lets_the_longest_holders_reach_holder_factor_times_the_cap():
