@@ -11,13 +11,10 @@ tests/router/test_fastpick.py (random states, the reference's pick every time):
   Python floats, so each cost is the very float the scorer computes;
 - the scores are rounded to `ROUND_DIGITS` in Python (numpy's rounding differs) on the few
   workers within a rounding step of the best eligible score;
-- equal rounded scores go to the tied holders of the prompt's longest prefix in turn
-  (`HolderTurnScorer`: the first at or after this pick's turn in the id order of all the
-  holders; the same counter, advanced once per pick), else to the worker first on the hash
-  ring clockwise from the request's key (`RingScorer`'s order): a worker's first point from the
-  key does not depend on the other workers of the ring, so only the tied workers' points are
-  looked at (a bisection each), or, when many tie (a cold index, an idle pool), the ring of the
-  pool walked in numpy.
+- equal rounded scores go to the worker first on the hash ring clockwise from the request's
+  key (`RingScorer`'s order): a worker's first point from the key does not depend on the other
+  workers of the ring, so only the tied workers' points are looked at (a bisection each), or,
+  when many tie (a cold index, an idle pool), the ring of the pool walked in numpy.
 
 `KvAwareFast.of(policy)` is None for any other policy (the caller uses `Policy.pick`). torch-free.
 """
@@ -33,7 +30,6 @@ from router.routing.policy import ROUND_DIGITS, Policy
 from router.routing.scorers import (
     MAX_DISPLACE as _MAX_DISPLACE,
     BoundedLoadFilter,
-    HolderTurnScorer,
     PrefillCostScorer,
     RingScorer,
     cascade_past,
@@ -93,17 +89,13 @@ class Columns(NamedTuple):
 
 class KvAwareFast:
     """The pick of one kv_aware `Policy` over `Columns` (module docstring). Keeps the pool's
-    ring (rebuilt when the pool changes), as the policy's `RingScorer` does. `turns`: the
-    policy's `HolderTurnScorer` (its counter is the one advanced here), None for a ring-only
-    tie-break."""
+    ring (rebuilt when the pool changes), as the policy's `RingScorer` does."""
 
-    def __init__(self, cost: PrefillCostScorer, weight: float, bounded: BoundedLoadFilter, ring: RingScorer,
-                 turns: HolderTurnScorer | None = None) -> None:
+    def __init__(self, cost: PrefillCostScorer, weight: float, bounded: BoundedLoadFilter, ring: RingScorer) -> None:
         self.cost_scorer = cost
         self.weight = weight
         self.bounded = bounded
         self.ring = ring
-        self.turns = turns
         self._ring_ids: tuple[WorkerId, ...] | None = None
         self._ring_of: Sequence[WorkerId] | None = None     # the `ids` the ring was last asked for
         self._ring_points = np.zeros(0, dtype=np.uint64)
@@ -112,16 +104,11 @@ class KvAwareFast:
     @classmethod
     def of(cls, policy: Policy) -> KvAwareFast | None:
         """The fast pick of `policy` when it has kv_aware's shape (one prefill-cost scorer, the
-        bounded-load filter, the holders' turns or the ring as tie-break), else None."""
-        if not (len(policy.scorers) == 1 and type(policy.scorers[0].scorer) is PrefillCostScorer
-                and len(policy.filters) == 1 and type(policy.filters[0]) is BoundedLoadFilter):
-            return None
-        cost, weight, bounded, tiebreak = policy.scorers[0].scorer, policy.scorers[0].weight, policy.filters[0], \
-            policy.tiebreak
-        if type(tiebreak) is HolderTurnScorer:
-            return cls(cost, weight, bounded, tiebreak.ring, tiebreak)
-        if type(tiebreak) is RingScorer:
-            return cls(cost, weight, bounded, tiebreak)
+        bounded-load filter, the ring tie-break), else None."""
+        if (len(policy.scorers) == 1 and type(policy.scorers[0].scorer) is PrefillCostScorer
+                and len(policy.filters) == 1 and type(policy.filters[0]) is BoundedLoadFilter
+                and type(policy.tiebreak) is RingScorer):
+            return cls(policy.scorers[0].scorer, policy.scorers[0].weight, policy.filters[0], policy.tiebreak)
         return None
 
     def costs(self, cols: Columns, request: RouteRequest, block_size: int, most_cached: int,
@@ -159,7 +146,6 @@ class KvAwareFast:
         n = len(cols.ids)
         if n == 0:
             return None
-        turn = self.turns.advance() if self.turns is not None else 0
         # the bounded-load filter
         b = self.bounded
         cap = load_cap(int(cols.in_flight.sum()), n, b.load_factor)
@@ -183,20 +169,7 @@ class KvAwareFast:
         tied = near[hit[which.reshape(-1)]].tolist()
         if len(tied) == 1:
             return tied[0]
-        if self.turns is not None and best > 0:
-            held = [i for i in tied if cols.cached[i] == best]
-            if held:
-                return self._first_in_turn(cols, best, held, turn)
         return self._first_on_ring(cols.ids, tied, route_key(request, self.ring.num_prefix_blocks))
-
-    @staticmethod
-    def _first_in_turn(cols: Columns, best: int, held: list[int], turn: int) -> int:
-        """Of the tied holders at `held`, the first at or after `turn` in the id order of all the
-        pool's holders (those holding `best` blocks: `HolderTurnScorer`'s rotation)."""
-        ids = cols.ids
-        order = sorted(ids[i] for i in np.flatnonzero(cols.cached == best).tolist())
-        h = len(order)
-        return min(held, key=lambda i: (bisect.bisect_left(order, ids[i]) - turn) % h)
 
     def _first_on_ring(self, ids: Sequence[WorkerId], tied: list[int], key: int) -> int:
         """Of the workers at `tied`, the one the ring's walk from `key` meets first."""

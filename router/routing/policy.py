@@ -10,13 +10,11 @@ and names the combinations `--routing-policy` offers (`RoutingPolicy`, router/ro
                   walks the ring. Needs no index.
 - `kv_aware`      (default) holder-first: the least prefill cost (`PrefillCostScorer`: prompt
                   tokens not cached or being computed there + the worker's queued prefill +
-                  κ̄ per request of sustained load; κ per running request is 0) behind the
+                  κ per running request + κ̄ per request of sustained load) behind the
                   bounded-load filter, which lets the prefix's holders go to 1.5x the cap
                   (`HOLDER_FACTOR`; a burst waits on the holder; sustained overload, priced by κ̄, is what
-                  replicates a prefix); equal costs go to the prefix's holders in turn
-                  (`HolderTurnScorer`), or, where nobody holds it, by ring position, so a
-                  cold index keeps prefix affinity and equal scores never send a burst to one
-                  worker.
+                  replicates a prefix); ring position breaks ties, so a cold index keeps
+                  prefix affinity and equal scores never send a burst to one worker.
 
 Policies see plain data (router/routing/types.py), never gRPC; missing data scores 0.
 """
@@ -28,7 +26,6 @@ from dataclasses import dataclass
 from router.routing.scorers import (
     DEFAULT_LOAD_FACTOR,
     BoundedLoadFilter,
-    HolderTurnScorer,
     InverseLoadScorer,
     PrefillCostScorer,
     RingScorer,
@@ -99,7 +96,7 @@ def _prefix_hash(load_factor: float) -> Policy:
 
 def _kv_aware(load_factor: float) -> Policy:
     return Policy(RoutingPolicy.KV_AWARE, (Weighted(PrefillCostScorer(), 1.0),),
-                  (BoundedLoadFilter(load_factor, holder_factor=HOLDER_FACTOR),), tiebreak=HolderTurnScorer())
+                  (BoundedLoadFilter(load_factor, holder_factor=HOLDER_FACTOR),), tiebreak=RingScorer())
 
 
 POLICIES: dict[RoutingPolicy, Callable[[float], Policy]] = {

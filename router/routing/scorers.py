@@ -6,11 +6,9 @@ missing data scores 0 and never raises.
 - `RingScorer`         position on a consistent-hash ring keyed by the first K prompt blocks:
                        the first worker clockwise from the key scores 1, the last ~0.
 - `RotationScorer`     a rotating order over worker ids (round robin; spreads ties).
-- `HolderTurnScorer`   kv_aware's tie-break: the prefix's holders take turns, ahead of the
-                       others, which rank by the ring.
 - `PrefillCostScorer`  holder-first placement: 1 − cost / max cost, cost the prompt tokens a
                        request must prefill (or fetch from a peer, at a fraction) on the worker
-                       plus the prefill queued there plus κ per running request (0 by default) plus κ̄ per
+                       plus the prefill queued there plus κ per running request plus κ̄ per
                        request of sustained load plus the shared prefixes it would displace
                        (see the class).
 - `BoundedLoadFilter`  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
@@ -164,38 +162,6 @@ class RotationScorer:
         return {wid: 1.0 - ((i - turn) % n) / n for i, wid in enumerate(ids)}
 
 
-@dataclass(slots=True)
-class HolderTurnScorer:
-    """kv_aware's tie-break: the workers holding the prompt's longest cached prefix (the most
-    leading blocks of any, held or pending, at least one) take their turns — a rotation over
-    their worker ids, one step per call, as `RotationScorer`'s — and score above every other
-    worker, which ranks by `ring` (`RingScorer`). Equal costs among holders are equal queues and
-    loads: the ring would send them all to the one holder first from the prefix's key, and the
-    fewest in flight to the holder whose requests just finished together (their successors then
-    share its steps); taking turns spreads them. A prefix nobody holds keeps its ring affinity
-    (a cold index, several routers). Holders score in (0.5, 1], the others in (0, 0.5]. Mutates
-    `turn`: call it once per pick (`KvAwareFast` advances the same counter)."""
-
-    ring: RingScorer = field(default_factory=RingScorer)
-    turn: int = 0
-
-    def advance(self) -> int:
-        """This pick's turn; the next pick gets the next."""
-        turn, self.turn = self.turn, self.turn + 1
-        return turn
-
-    def score(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> dict[WorkerId, float]:
-        turn = self.advance()
-        out = {wid: 0.5 * s for wid, s in self.ring.score(pool, request, state).items()}
-        best = max((state.cached_blocks.get(w.worker_id, 0) for w in pool), default=0)
-        if best > 0:
-            held = sorted(w.worker_id for w in pool if state.cached_blocks.get(w.worker_id, 0) == best)
-            h = len(held)
-            for i, wid in enumerate(held):
-                out[wid] = 1.0 - 0.5 * ((i - turn) % h) / h
-        return out
-
-
 MAX_DISPLACE = 0.9   # p's cap in PrefillCostScorer: the cascade p / (1 − p) stays finite (9)
 
 
@@ -255,15 +221,7 @@ class PrefillCostScorer:
     prefills are queued shares their step: it waits for them and they for it (in a closed loop
     the least loaded worker is the one whose requests just finished together, and all their
     successors would otherwise prefill there in one step); κ = `running_cost_tokens`, what one
-    running request costs a new one (it shares every step), 0 by default: a running request adds
-    a few ms to a warm request's TTFT where a queued prefill adds tens, and any κ > 0 decides
-    every pick whose queues are equal for the worker with the fewest in flight — in a closed
-    loop the one whose requests just finished together, so their successors go back there
-    together and share its steps (the least_loaded pattern); equal costs go to the prefix's
-    holders in turn (`HolderTurnScorer`, kv_aware's tie-break), and load is balanced by the
-    bounded-load filter and κ̄ (`kvmesh bench routing-live` at κ = 16 against 0 with the turns:
-    docs/routing.md, *Holders in turn*);
-    β = `prefill_weight`: a prefill
+    running request costs a new one (it shares every step); β = `prefill_weight`: a prefill
     counts once as this request's wait and once more as the worker time it takes from every
     request queued behind it. κ̄ =
     `sustained_cost_tokens` prices the worker's sustained load above its fair share (in-flight
@@ -277,7 +235,7 @@ class PrefillCostScorer:
     a replica costs little more than its fetch. Score 1 − cost(w) / max cost over the pool: the worker holding
     the prefix wins unless its queue and load exceed β × the prefill it saves; equal costs tie."""
 
-    running_cost_tokens: float = 0.0
+    running_cost_tokens: float = 16.0
     prefill_weight: float = 2.0
     sustained_cost_tokens: float = 8192.0
     fetch_cost_ratio: float = 0.03

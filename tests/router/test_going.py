@@ -99,14 +99,13 @@ def test_the_pick_does_not_count_on_a_prefix_its_worker_is_evicting() -> None:
         index.add(W0, first.block_hashes, Tier.DEVICE)
         router.prefills.done(index, "a", streamed=True)
         index.discard(W0, first.block_hashes[2:], Tier.DEVICE)
-        # w0 is a little busier: a 2-token prompt of its own queued there (no block of it shared)
-        router.prefills.dispatched(index, "busy", W0, RouteRequest((7, 8), ()), 0)
+        router.registry.entry("127.0.0.1:20001").in_flight = 1     # w0 is a little busier
         for column_pick in (True, False):
             router.column_pick = column_pick
             assert router.routing_state(again).cached_blocks.get(W0, 0) == 0
             pick = router.pick(again, set())
-            # before: w0 won on its 2 listed blocks (they save more than its queued prompt costs)
-            # and was promised 32 tokens it was losing
+            # before: w0 won on its 2 listed blocks (they save more than its one running request
+            # costs) and was promised 32 tokens it was losing
             assert pick.worker.info is not None and pick.worker.info.worker_id == W1, column_pick
             assert pick.predicted_tokens == 0
             # sent there anyway, the request is promised what the index lists

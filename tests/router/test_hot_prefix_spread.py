@@ -1,9 +1,8 @@
-"""A hot prefix in a roomy cluster spreads by peer fetch as soon as its holder has a prefill
-queued (issue #39, no-pressure TTFT): the pick traced in `kvmesh bench routing-live`'s default
+"""A hot prefix in a roomy cluster spreads by peer fetch as soon as its holder is the busier
+worker (issue #39, no-pressure TTFT): the pick traced in `kvmesh bench routing-live`'s default
 no-pressure scenario (23:13 UTC, pools of 1,456 blocks), where pricing the copy from a fill of 0
-kept the prefix on its holder, and its warm requests shared their prefill steps. The running
-requests alone (5 against 2 there) move nothing since κ = 0 (docs/routing.md, *Holders in
-turn*). The column pick and `Policy.pick` agree on it."""
+kept the prefix on its holder at 5 requests in flight against 2, and its warm requests shared
+their prefill steps. The column pick and `Policy.pick` agree on it."""
 from __future__ import annotations
 
 from kvstore.keys import block_hashes
@@ -18,15 +17,12 @@ IDS = tuple(range(1000, 1544))                     # a 512-token prefix + a 32-t
 ROUTE = RouteRequest(IDS, tuple(block_hashes(IDS, 16, b"hot-prefix")))
 
 
-def _traced(in_flight: tuple[int, int], cluster_committed: float = 0.109,
-            queued: tuple[int, int] = (0, 0)) -> RoutingState:
-    """The traced pick: worker-0 holds the prefix (32 blocks), worker-1 can fetch it; `queued`:
-    the prompt tokens queued on each (a 32-token question: one warm request not yet streaming)."""
+def _traced(in_flight: tuple[int, int], cluster_committed: float = 0.109) -> RoutingState:
+    """The traced pick: worker-0 holds the prefix (32 blocks), worker-1 can fetch it."""
     return RoutingState({W0: WorkerLoad(in_flight[0], 1000, 1456, shared_blocks=127.8),
                          W1: WorkerLoad(in_flight[1], 1000, 1456, shared_blocks=95.7)},
-                        cached_blocks={W0: 32}, queued_tokens={W0: queued[0], W1: queued[1]}, block_size=16,
-                        mean_in_flight={W0: 2.9, W1: 2.4}, fetchable_blocks={W1: 32},
-                        cluster_committed=cluster_committed)
+                        cached_blocks={W0: 32}, block_size=16, mean_in_flight={W0: 2.9, W1: 2.4},
+                        fetchable_blocks={W1: 32}, cluster_committed=cluster_committed)
 
 
 def _both(policy: Policy, state: RoutingState) -> WorkerId:
@@ -39,19 +35,13 @@ def _both(policy: Policy, state: RoutingState) -> WorkerId:
     return want.worker_id
 
 
-def test_the_holder_with_a_prefill_queued_loses_a_hot_prefix_to_a_cheap_fetch():
+def test_the_busier_holder_of_a_hot_prefix_loses_it_to_a_cheap_fetch():
     policy = make_policy("kv_aware")
-    queued = _traced((5, 2), queued=(32, 0))
-    assert _both(policy, queued) == W1                          # fetched: 2 x (32 + 0.03 x 512) < 2 x 32 + 2 x 32
-    assert _both(policy, _traced((5, 2))) == W0                 # running requests alone: κ = 0
+    assert _both(policy, _traced((5, 2))) == W1                 # fetched: the holder runs 3 more
     from_zero = Policy(policy.name, (Weighted(PrefillCostScorer(copy_room_frac=0.0), 1.0),), policy.filters,
                        policy.tiebreak)
-    assert _both(from_zero, queued) == W0                       # the old price: 2 × 0.12 × 512 tokens
-    # equal queues keep the affinity (the fetch is not free), and a cluster past the room prices
+    assert _both(from_zero, _traced((5, 2))) == W0              # the old price: 2 × 0.12 × 512 tokens
+    # equal load keeps the affinity (the fetch is not free), and a cluster past the room prices
     # the copy again: a replica must then buy its place with load
-    assert _both(policy, _traced((5, 2), queued=(32, 32))) == W0
-    assert _both(policy, _traced((5, 2), cluster_committed=0.5, queued=(32, 0))) == W0
-    # the in-flight price of before (κ = 16) moved it on the running requests alone
-    counted = Policy(policy.name, (Weighted(PrefillCostScorer(running_cost_tokens=16.0), 1.0),), policy.filters,
-                     policy.tiebreak)
-    assert _both(counted, _traced((5, 2))) == W1
+    assert _both(policy, _traced((3, 3))) == W0
+    assert _both(policy, _traced((5, 2), cluster_committed=0.5)) == W0

@@ -12,7 +12,6 @@ from router.routing.policy import POLICIES, Policy, Weighted, make_policy
 from router.routing.scorers import (
     BoundedLoadFilter,
     HashRing,
-    HolderTurnScorer,
     InverseLoadScorer,
     PrefillCostScorer,
     RingScorer,
@@ -304,54 +303,16 @@ def test_a_new_prefix_goes_where_it_displaces_the_fewest_shared_blocks():
 
 
 def test_successors_of_a_finished_batch_spread_over_the_workers():
-    """Closed loop: w0's requests just finished together (1 left vs 4 on w1), and both hold the
-    prefix. The running requests do not steer the successors (κ = 0): the holders take turns,
-    the same turn picking the same worker with the loads swapped; a successor that sees the
-    first's queued prefill (γ = 2) goes to the other worker rather than share its prefill step,
-    whichever runs fewer requests."""
+    """Closed loop: w0's requests just finished together (1 left vs 4 on w1). The first
+    successor goes to w0; the second sees w0's queued prefill (γ = 2) and goes to w1 rather
+    than sharing w0's prefill step, although w0 still runs fewer requests."""
     workers, route = _workers(2), _route(6, blocks=16)
-    both = {"w0": 16, "w1": 16}
-    finished = RoutingState({"w0": WorkerLoad(1), "w1": WorkerLoad(4)}, both)
-    swapped = RoutingState({"w0": WorkerLoad(4), "w1": WorkerLoad(1)}, both)
     policy = make_policy("kv_aware")
-    turns = [policy.pick(workers, route, finished).worker_id for _ in range(6)]  # type: ignore[union-attr]
-    assert turns == ["w0", "w1"] * 3
-    again = make_policy("kv_aware")
-    assert [again.pick(workers, route, swapped).worker_id for _ in range(6)] == turns  # type: ignore[union-attr]
-    first = turns[0]
-    other = "w1" if first == "w0" else "w0"
-    for loads in ({"w0": WorkerLoad(2), "w1": WorkerLoad(4)}, {"w0": WorkerLoad(4), "w1": WorkerLoad(2)}):
-        for _ in range(2):      # whoever's turn it is
-            assert policy.pick(workers, route, RoutingState(loads, both, queued_tokens={first: 35})).worker_id \
-                == other
-    # a prefix nobody holds keeps its ring worker, turn after turn
-    cold = [policy.pick(workers, route, RoutingState(finished.loads)).worker_id for _ in range(4)]  # type: ignore[union-attr]
-    assert len(set(cold)) == 1
-    # at κ = 16 (the default until 2026-12-07) the fewer running requests took every successor
-    counted = Policy(policy.name, (Weighted(PrefillCostScorer(running_cost_tokens=16.0), 1.0),), policy.filters,
-                     policy.tiebreak)
-    assert {counted.pick(workers, route, finished).worker_id for _ in range(4)} == {"w0"}  # type: ignore[union-attr]
-    assert {counted.pick(workers, route, swapped).worker_id for _ in range(4)} == {"w1"}  # type: ignore[union-attr]
-
-
-def test_holders_take_turns_ahead_of_the_others():
-    """`HolderTurnScorer`: among 4 workers, the two holding the longest prefix alternate, one
-    holding a shorter prefix and one holding nothing rank by the ring below them."""
-    workers = _workers(4)
-    route = _route(6, blocks=16)
-    state = RoutingState({w.worker_id: WorkerLoad(0) for w in workers}, {"w1": 8, "w3": 8, "w2": 3})
-    scorer = HolderTurnScorer()
-    seen = []
-    for _ in range(4):
-        scores = scorer.score(workers, route, state)
-        assert min(scores["w1"], scores["w3"]) > 0.5 >= max(scores["w0"], scores["w2"]) > 0.0
-        assert scores["w0"] != scores["w2"]
-        seen.append(max(scores, key=scores.__getitem__))
-    assert seen == ["w1", "w3", "w1", "w3"] and scorer.turn == 4
-    ring = RingScorer().score(workers, route, RoutingState())
-    assert (ring["w0"] > ring["w2"]) == (scores["w0"] > scores["w2"])
-    assert scorer.score(workers, _route(7, blocks=16), RoutingState()) == {w: 0.5 * s for w, s in RingScorer().score(
-        workers, _route(7, blocks=16), RoutingState()).items()}
+    both = {"w0": 16, "w1": 16}
+    first = RoutingState({"w0": WorkerLoad(1), "w1": WorkerLoad(4)}, both)
+    assert policy.pick(workers, route, first).worker_id == "w0"
+    second = RoutingState({"w0": WorkerLoad(2), "w1": WorkerLoad(4)}, both, queued_tokens={"w0": 35})
+    assert policy.pick(workers, route, second).worker_id == "w1"
 
 
 def test_bounded_load_filter_lets_the_longest_holders_reach_holder_factor_times_the_cap():
