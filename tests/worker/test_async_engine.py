@@ -104,3 +104,32 @@ def test_commands_are_dispatched_by_type(tiny_engine):
         assert tiny_engine.store.pool.num_used_blocks == 0
     finally:
         ae.shutdown()
+
+
+def test_count_held_answers_beside_a_step(tiny_engine, tmp_path):
+    """A peer fetch's count of the blocks held here does not wait for the engine thread: while
+    the thread is blocked (the stall hook, like a long prefill step) `count_held` answers at
+    once and agrees with the `CountHeld` command, which waits for the thread."""
+    prompt = list(range(60, 77))                          # 4 full blocks + 1 token
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    hashes = tuple(block_hashes(prompt, 4, tiny_engine.salt))
+    stall = tmp_path / "stall"
+    ae = AsyncEngine(tiny_engine, stall_file=stall)
+
+    async def main() -> None:
+        assert [o async for o in ae.generate(prompt_input(prompt, params, "held-0"))][-1].finished
+        stall.touch()
+        await asyncio.sleep(0.3)                         # the thread reaches the stall
+        command = asyncio.ensure_future(ae.run(CountHeld(hashes)))
+        assert ae.count_held(hashes + (BlockHash(3),)) == 4
+        assert ae.count_held((BlockHash(3),) + hashes) == 0   # a leading run: its first block is missing
+        await asyncio.sleep(0.2)
+        assert not command.done()                          # the command waits for the thread
+        stall.unlink()
+        assert await asyncio.wait_for(command, 10) == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        stall.unlink(missing_ok=True)
+        ae.shutdown()

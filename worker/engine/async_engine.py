@@ -5,7 +5,8 @@ commands of `worker.engine.commands`, queued to the engine thread and applied be
 order sent (`AsyncEngine.run`, dispatched by `_apply`), so requests from any number of
 coroutines never race it and no step runs while a command reads the KV store. One read is
 the exception: a peer's copy of cached blocks (`read_blocks`) runs beside a step on a CPU pool
-and is checked afterwards (`KVStore.read_now`), falling back to the `ReadBlocks` command.
+and is checked afterwards (`KVStore.read_now`), falling back to the `ReadBlocks` command; and
+a peer fetch's count of the blocks held here (`count_held`) is a query answered at once.
 
 A load snapshot (`snapshot`, the worker's GetLoad) does not wait out a long step: it is a
 `Snapshot` command like any other when the engine answers within `wait_s`, else the figures
@@ -162,6 +163,14 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, fut, result)
         self._post(command, reply)
         return await fut
+
+    def count_held(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading `hashes` the KV store holds (device, host or disk), answered now,
+        beside a running step: `KVStore.lookup` is a query that references and reorders nothing.
+        A peer fetch plans with it; the `CountHeld` command would wait for the end of the step
+        (on a busy CPU worker, tens to hundreds of ms of every fetch). The count may be one step
+        stale: admission looks the blocks up again, so a block evicted since is recomputed."""
+        return self.engine.store.lookup(tuple(hashes)).num_blocks
 
     async def read_blocks(self, hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks:
         """A copy of the leading run of `hashes` held here (a peer's `SendBlocks`): read at

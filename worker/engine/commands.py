@@ -10,7 +10,7 @@ the server builds them without loading the engine.
 | `AbortRequest`      | `bool` found  | the Abort RPC                             |
 | `Tokenize`          | token ids     | the server, before a peer fetch           |
 | `ApplyChatTemplate` | token ids     | the server, before a peer fetch           |
-| `CountHeld`         | `int` blocks  | the peer plane's fetch plan               |
+| `CountHeld`         | `int` blocks  | tests (a fetch uses `count_held`, at once)|
 | `ReadBlocks`        | `HeldBlocks`  | the peer plane's `SendBlocks` side        |
 | `HottestBlocks`     | block hashes  | HotBlocks (drain hand-over, warm start)   |
 | `StageBlocks`       | `int` written | (also inside `AddRequest`)                |

@@ -37,7 +37,7 @@ import torch
 
 from contracts.requests import PeerHint
 from kvstore.keys import BlockHash, block_hashes, cache_salt_root
-from worker.engine.async_engine import AsyncEngine, CountHeld, StageBlocks
+from worker.engine.async_engine import AsyncEngine, StageBlocks
 from worker.peer.config import AskPeer, Fetched
 from worker.peer.errors import FetchCause, FetchFailure
 from worker.peer.plan import Decision, FetchPlan, plan_fetch
@@ -62,7 +62,7 @@ async def fetch_streamed(plane: PeerPlane, ae: AsyncEngine, token_ids: Sequence[
     # admission recomputes at least the last prompt token: only blocks before it count
     hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, plane.salt,
                           cache_salt_root(cache_salt))
-    num_local = await ae.run(CountHeld(tuple(hashes)))
+    num_local = ae.count_held(hashes)
     plan = plan_fetch(hashes, num_local, max(plane.host_num_blocks - num_local, 0), (hint,), plane.view(), True)
     plane.record_plan(plan)
     if plan.decision is not Decision.FETCH:

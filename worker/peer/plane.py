@@ -11,7 +11,8 @@ figure later (`observe_prefill`).
 
 Pull, for a request hinted "worker W holds the first N blocks" (`fetch`) — plan → SendBlocks →
 `store.stage` → admission:
-  1. `CountHeld` (an engine command): the leading prompt blocks the KV store holds;
+  1. `AsyncEngine.count_held`: the leading prompt blocks the KV store holds, answered beside
+     a running step (the `CountHeld` command would wait for its end);
   2. the cost model (`kvstore.transfer.cost.CostModel`) weighs fetching the missing ones
      against prefilling their tokens (with W's measured link, or `ASSUMED_LINK` before the
      first pair with W formed); recompute unless fetching is cheaper;
@@ -53,7 +54,7 @@ from kvstore.transfer.blocks import MAX_TRANSFER_ID, BlockSpec, BlockTransfer, S
 from kvstore.transfer.cost import LinkEstimate, measure_checksum
 from kvstore.transfer.group import PairGroup, PeerId, RendezvousStore, TransferError
 from kvstore.transfer.pairs import Pairs, Slot
-from worker.engine.async_engine import AsyncEngine, CountHeld, StageBlocks
+from worker.engine.async_engine import AsyncEngine, StageBlocks
 from worker.kernels import native
 from worker.peer.config import AskPeer, Fetched, PeerConfig, PeerCounters, PeerFigures
 from worker.peer.errors import FetchCause, FetchFailure, InvalidPeerRequest, PeerUnavailable
@@ -199,7 +200,7 @@ class PeerPlane:
         hashes = block_hashes(list(token_ids[:(len(token_ids) - 1) // bs * bs]), bs, self.salt,
                               cache_salt_root(cache_salt))
         assert self.host_num_blocks > 0, "PeerPlane.start attaches a host tier"
-        num_local = await ae.run(CountHeld(tuple(hashes)))
+        num_local = ae.count_held(hashes)
         # stage no more than the host tier holds beside this prompt's own blocks (which may
         # be there too): storing more would push the prompt's head out of its LRU
         plan = plan_fetch(hashes, num_local, max(self.host_num_blocks - num_local, 0), hints, self.view(), force)
