@@ -167,9 +167,10 @@ class AsyncEngine:
     def count_held(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading `hashes` the KV store holds (device, host or disk), answered now,
         beside a running step: `KVStore.lookup` is a query that references and reorders nothing.
-        A peer fetch plans with it; the `CountHeld` command would wait for the end of the step
-        (on a busy CPU worker, tens to hundreds of ms of every fetch). The count may be one step
-        stale: admission looks the blocks up again, so a block evicted since is recomputed."""
+        A peer fetch plans with it; the `CountHeld` command (the same count, between steps) would
+        wait for the end of the running step, a whole prefill on a busy CPU worker. The count may
+        be one step stale: admission looks the blocks up again, so a block evicted since is
+        recomputed."""
         return self.engine.store.lookup(tuple(hashes)).num_blocks
 
     async def read_blocks(self, hashes: Sequence[BlockHash], device: torch.device) -> HeldBlocks:
@@ -227,7 +228,7 @@ class AsyncEngine:
             case ApplyChatTemplate(messages):
                 return engine.apply_chat_template([{"role": r, "content": c} for r, c in messages])
             case CountHeld(hashes):
-                return engine.store.lookup(hashes).num_blocks
+                return self.count_held(hashes)
             case ReadBlocks(hashes, device):
                 return engine.store.read(hashes, device)
             case HottestBlocks(max_blocks):
