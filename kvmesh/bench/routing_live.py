@@ -1,22 +1,26 @@
 """`kvmesh bench routing-live`: the routing policies through the real service, as a user sees them.
 
-For each scenario (`no_pressure`: the default KV pool, `--prefixes` shared prefixes;
-`pressure`: `--num-blocks` per worker and `--pressure-prefixes` prefixes; `shift`: the pressure
-pools, filled by `--requests` requests over one set of `--pressure-prefixes` prefixes, then
-measured over `--requests` more on a new set: yesterday's prompts in the pools, today's
-traffic) and each policy, a fresh `LocalCluster` (Redis, `--workers` workers, a router child) is started and driven
-through its OpenAI HTTP API with the `openai` SDK: `--requests` completions, at most
-`--concurrency` at a time, each a token-id prompt of one shared prefix (`--prefix-tokens`)
-and a unique question (`--question-tokens`), greedy with `ignore_eos` and `max_tokens =
---output-tokens`, so every policy does the same work. Every policy sees the same request
-sequence (same seed). Measured per policy: TTFT and inter-token latency percentiles (client
-side, streamed), requests/s and output tokens/s over the run's wall time, the fraction of
-prompt tokens served from cache (`usage.prompt_tokens_details.cached_tokens`), cold requests
-(a request whose cached tokens do not cover its prefix's full blocks: it computed the prefix
-itself), the requests each worker served per prefix and in all (`requests_per_worker`), and
-the router's hit-mismatch rate (`/v1/cluster`: requests whose predicted cache hit differed from
-the served one). A `shift` entry measures its second phase only (the router's counters too) and
-keeps the fill's cached fraction, cold requests and placement under `fill`.
+For each scenario (`no_pressure`: the default KV pool, `--prefixes` shared prefixes; `pressure`:
+`--num-blocks` per worker and `--pressure-prefixes` prefixes; `shift`: the pressure pools, filled by
+`--requests` requests over one set of `--pressure-prefixes` prefixes, then measured over
+`--requests` more on a new set: yesterday's prompts in the pools, today's traffic) and each policy,
+a fresh `LocalCluster` (Redis, `--workers` workers, a router child) is started and driven through
+its OpenAI HTTP API with the `openai` SDK: `--requests` completions, at most `--concurrency` at a
+time (a closed loop: each request is sent as one finishes; with `--request-rate R` an open loop
+instead: request i is sent at its seeded Poisson arrival time, `R` a second on average — the same
+times for every policy — still at most `--concurrency` in flight, as vLLM's `benchmark_serving
+--request-rate` with `--max-concurrency`), each a token-id prompt of one shared prefix
+(`--prefix-tokens`) and a unique question (`--question-tokens`), greedy with `ignore_eos` and
+`max_tokens = --output-tokens`, so every policy does the same work. Every policy sees the same
+request sequence (same seed). Measured per policy: TTFT and inter-token latency percentiles (client
+side, streamed), requests/s and output tokens/s over the run's wall time (an open loop's follow its
+rate), the fraction of prompt tokens served from cache
+(`usage.prompt_tokens_details.cached_tokens`), cold requests (a request whose cached tokens do not
+cover its prefix's full blocks: it computed the prefix itself), the requests each worker served per
+prefix and in all (`requests_per_worker`), and the router's hit-mismatch rate (`/v1/cluster`:
+requests whose predicted cache hit differed from the served one). A `shift` entry measures its
+second phase only (the router's counters too) and keeps the fill's cached fraction, cold requests
+and placement under `fill`.
 
 With `--routers N` (N > 1) each policy runs three times on the same workload
 (kvmesh/bench/routing_replicas.py): one router, N router replicas (requests dealt round robin
@@ -35,14 +39,15 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import grpc
@@ -62,6 +67,7 @@ SCENARIOS = ("no_pressure", "pressure", "shift")
 _TOKEN_RANGE = (1000, 40000)   # plain vocabulary ids of the default model (49,152 ids)
 _UNAVAILABLE_RETRIES = 60
 _RETRIES = [0]     # 503 retries in the current policy's run (one run at a time)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,7 @@ class LiveConfig:
     routers: int = 1
     log_dir: Path | None = None    # keep each cluster's logs under here (a folder per run)
     repeats: int = 1               # rounds of the policies, every other one reversed (routing_repeats.py)
+    request_rate: float = 0.0      # requests/s of an open loop (Poisson arrivals, seeded); 0: a closed loop
 
     def __post_init__(self) -> None:
         for name in ("prefixes", "pressure_prefixes", "prefix_tokens", "question_tokens", "output_tokens",
@@ -89,6 +96,10 @@ class LiveConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CLIError(f"--{name.replace('_', '-')}: {value!r} must be a positive integer")
+        if not (isinstance(self.request_rate, (int, float)) and math.isfinite(self.request_rate)
+                and self.request_rate >= 0):
+            raise CLIError(f"--request-rate: {self.request_rate!r} must be a finite number of requests/s >= 0 "
+                           "(0: a closed loop)")
         if not self.scenarios or any(x not in SCENARIOS for x in self.scenarios):
             raise CLIError(f"--scenarios: {','.join(self.scenarios)!r}; accepted: {', '.join(SCENARIOS)}")
         if self.prefix_tokens < _BLOCK_SIZE:
@@ -115,6 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"{doc} (default {getattr(d, name.replace('-', '_'))}; --quick: "
                             f"{getattr(QUICK, name.replace('-', '_'))})")
+    p.add_argument("--request-rate", type=float, default=0.0,
+                   help="an open loop: requests/s, sent at seeded Poisson arrival times (the same for every "
+                        "policy), at most --concurrency in flight; 0 (default): a closed loop")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=",".join(x.value for x in POLICY_ORDER),
@@ -145,7 +159,7 @@ def config_from_args(args: argparse.Namespace) -> LiveConfig:
         except OSError as e:
             raise CLIError(f"--log-dir: cannot create {str(args.log_dir)!r}: {e.strerror or e}") from None
     return replace(base, model=args.model, seed=args.seed, policies=policies, scenarios=scenarios,
-                   log_dir=args.log_dir, **given)
+                   log_dir=args.log_dir, request_rate=args.request_rate, **given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,16 +189,48 @@ def run_live(cfg: LiveConfig) -> dict[str, Any]:
 class Workload:
     prefixes: tuple[tuple[int, ...], ...]
     requests: tuple[tuple[int, tuple[int, ...]], ...]    # (prefix index, question tokens)
+    arrivals: tuple[float, ...] = ()    # each request's send time, seconds after the phase starts; (): closed loop
 
 
 def make_workload(cfg: LiveConfig, num_prefixes: int, phase: int = 0) -> Workload:
-    """`cfg.requests` requests over `num_prefixes` prefixes; each `phase` draws its own prefixes."""
-    rng = random.Random(cfg.seed * 1000 + num_prefixes + 100_003 * phase)
+    """`cfg.requests` requests over `num_prefixes` prefixes; each `phase` draws its own prefixes.
+    With `cfg.request_rate`, their arrival times: a Poisson process of that rate, drawn from a
+    generator of its own (the prompts are the same with and without a rate)."""
+    seed = cfg.seed * 1000 + num_prefixes + 100_003 * phase
+    rng = random.Random(seed)
     prefixes = tuple(tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.prefix_tokens)) for _ in range(num_prefixes))
     requests = tuple((rng.randrange(num_prefixes),
                       tuple(rng.randrange(*_TOKEN_RANGE) for _ in range(cfg.question_tokens)))
                      for _ in range(cfg.requests))
-    return Workload(prefixes, requests)
+    return Workload(prefixes, requests, arrival_times(cfg.request_rate, cfg.requests, seed))
+
+
+def arrival_times(rate: float, n: int, seed: int) -> tuple[float, ...]:
+    """`n` send times of a Poisson process of `rate` a second (exponential gaps, the first
+    after one gap as well); () for rate 0 (a closed loop)."""
+    if rate <= 0:
+        return ()
+    rng, t, out = random.Random(seed ^ 0x5EED), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return tuple(out)
+
+
+async def send_all(sends: Sequence[Callable[[], Awaitable[_T]]], arrivals: Sequence[float],
+                   sem: asyncio.Semaphore) -> list[_T]:
+    """Each of `sends` under `sem`, all at once (a closed loop: each waits for a free slot), or
+    with `arrivals` send i no earlier than `arrivals[i]` seconds from now (an open loop; a send
+    that finds every slot taken then waits for one too)."""
+    start = time.perf_counter()
+
+    async def one(i: int) -> _T:
+        if arrivals:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        async with sem:
+            return await sends[i]()
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(sends)))))
 
 
 def run_policy(cfg: LiveConfig, policy: RoutingPolicy, phases: tuple[Workload, ...],
@@ -228,13 +274,13 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
     fill: dict[str, Any] | None = None
     before: dict[str, Any] = {}
     for i, workload in enumerate(phases):
-        async def one(n: int, prefix: int, question: tuple[int, ...], w: Workload = workload) -> _Served:
-            async with sem:
-                return await _complete(clients[n % len(clients)], cfg, prefix, list(w.prefixes[prefix] + question))
+        sends = [functools.partial(_complete, clients[n % len(clients)], cfg, prefix,
+                                   list(workload.prefixes[prefix] + question))
+                 for n, (prefix, question) in enumerate(workload.requests)]
 
         since, peer0 = time.time(), await _peer_counters(cluster.worker_addresses)
         start, load0, cpu0 = time.perf_counter(), _load_avg(), _cpu_seconds(cluster.pids)
-        served = await asyncio.gather(*(one(n, p, q) for n, (p, q) in enumerate(workload.requests)))
+        served = await send_all(sends, workload.arrivals, sem)
         wall, cpu1 = time.perf_counter() - start, _cpu_seconds(cluster.pids)
         if i < len(phases) - 1:
             done = summarize(cfg, len(workload.prefixes), served, wall, {})

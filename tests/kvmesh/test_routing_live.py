@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,8 +17,10 @@ from kvmesh.bench.routing_live import (
     _cpu_seconds,
     _Served,
     _since,
+    arrival_times,
     config_from_args,
     make_workload,
+    send_all,
     summarize,
 )
 from kvmesh.bench.routing_live_figures import PICK_CLASSES, pick_log_figures
@@ -51,6 +54,53 @@ def test_same_workload_for_every_policy() -> None:
     w: Workload = make_workload(cfg, 3)
     assert w == make_workload(cfg, 3) and len(w.requests) == 10 and len(w.prefixes) == 3
     assert all(len(p) == 32 for p in w.prefixes) and all(len(q) == 4 for _, q in w.requests)
+
+
+def test_request_rate_draws_the_same_poisson_arrivals_for_every_policy() -> None:
+    closed = _args("--quick")
+    assert closed.request_rate == 0.0 and make_workload(closed, 4).arrivals == ()     # a closed loop by default
+    cfg = _args("--quick", "--request-rate", "5")
+    w = make_workload(cfg, 4)
+    assert w.arrivals == make_workload(cfg, 4).arrivals and len(w.arrivals) == cfg.requests
+    assert all(b > a for a, b in zip(w.arrivals, w.arrivals[1:])) and w.arrivals[0] > 0
+    # the prompts are those of the closed loop: only the send times differ
+    assert (w.prefixes, w.requests) == (make_workload(closed, 4).prefixes, make_workload(closed, 4).requests)
+    gaps = [b - a for a, b in zip((0.0, *arrival_times(5.0, 4000, 1)), arrival_times(5.0, 4000, 1))]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.2, rel=0.05)                 # exponential, mean 1 / rate
+    assert sum(g > 0.2 for g in gaps) / len(gaps) == pytest.approx(0.368, abs=0.03)   # P(gap > mean) = 1/e
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(CLIError, match="--request-rate"):
+            _args("--request-rate", bad)
+
+
+def test_send_all_keeps_the_arrival_times_and_the_concurrency_bound() -> None:
+    import asyncio
+    import time
+
+    async def go(arrivals: tuple[float, ...], limit: int, hold: float) -> tuple[list[float], int]:
+        start, busy, most = time.perf_counter(), [0], [0]
+
+        def send(i: int) -> Any:
+            async def run() -> float:
+                busy[0] += 1
+                most[0] = max(most[0], busy[0])
+                sent = time.perf_counter() - start
+                await asyncio.sleep(hold)
+                busy[0] -= 1
+                return sent
+            return run
+        out = await send_all([send(i) for i in range(4)], arrivals, asyncio.Semaphore(limit))
+        return out, most[0]
+
+    # an open loop: each request goes out at its time, not when another finishes
+    sent, most = asyncio.run(go((0.05, 0.25, 0.45, 0.65), 4, 0.3))
+    assert all(a <= s < a + 0.1 for a, s in zip((0.05, 0.25, 0.45, 0.65), sent)) and most == 2
+    # the bound still holds: a request that finds every slot taken waits for one
+    sent, most = asyncio.run(go((0.0, 0.0, 0.0, 0.0), 2, 0.2))
+    assert most == 2 and sorted(sent)[2] >= 0.2
+    # a closed loop: all at once, at most `limit` in flight
+    sent, most = asyncio.run(go((), 3, 0.1))
+    assert most == 3 and sorted(sent)[:3] == pytest.approx([0, 0, 0], abs=0.05) and sorted(sent)[3] >= 0.1
 
 
 def test_summarize_counts_cold_requests_and_placement() -> None:
