@@ -35,7 +35,7 @@ class EngineConfig:
     fair_share: bool = True               # tenants share prefill by weight (worker.engine.fairness)
     fair_step_tokens: int = 16            # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5   # a tenant's cap on cached blocks in each tier (kvstore.quota)
-    step_prefill_tokens: int = 32         # prefill tokens per step beside the decodes (0: max_num_batched_tokens)
+    step_prefill_tokens: int = 0          # prefill tokens per step beside the decodes (0: max_num_batched_tokens)
     check_integrity: bool = False         # run the KV store's integrity check after every step
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
     kv_disk_path: str | None = None       # directory of the disk tier below the host tier (None: none)
