@@ -238,7 +238,7 @@ class PrefillCostScorer:
     running_cost_tokens: float = 16.0
     prefill_weight: float = 2.0
     sustained_cost_tokens: float = 8192.0
-    fetch_cost_ratio: float = 0.15
+    fetch_cost_ratio: float = 0.03
     queue_weight: float = 2.0
     room_frac: float = 0.2
     sustained_tolerance: float = 0.1
