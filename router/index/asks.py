@@ -30,7 +30,7 @@ from kvstore.events import WorkerId
 from kvstore.keys import BlockHash
 
 DEPTHS = 256   # depth buckets of the reuse rate; deeper blocks share the last
-ASK_HALF_LIFE = 8.0        # pool-fulls of routed prompt blocks; chosen by the sweep (module docstring)
+ASK_HALF_LIFE = 4.0        # pool-fulls of routed prompt blocks; chosen by the sweep (module docstring)
 # Base-relative weights stay within 2^_REBASE_HALF_LIVES so the running sums keep every block's
 # part (float64 carries 53 bits: a wider range would lose a small weight beside a large one).
 _REBASE_HALF_LIVES = 20.0
