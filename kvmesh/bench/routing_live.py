@@ -221,7 +221,8 @@ async def send_all(sends: Sequence[Callable[[], Awaitable[_T]]], arrivals: Seque
                    sem: asyncio.Semaphore) -> list[_T]:
     """Each of `sends` under `sem`, all at once (a closed loop: each waits for a free slot), or
     with `arrivals` send i no earlier than `arrivals[i]` seconds from now (an open loop; a send
-    that finds every slot taken then waits for one too)."""
+    that finds every slot taken then waits for one too, and its TTFT counts from when it goes
+    out, as vLLM's `--max-concurrency` counts it)."""
     start = time.perf_counter()
 
     async def one(i: int) -> _T:
