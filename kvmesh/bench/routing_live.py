@@ -31,7 +31,8 @@ in a folder under DIR, and with one router adds the log's classes of the measure
 diagnostics (`pick_log`: cold, peer-fetched, warm with a prefill queued on the worker at the pick,
 warm without; kvmesh/bench/routing_live_figures.py `pick_log_figures`); `--repeats N`:
 kvmesh/bench/routing_repeats.py. `diagnostics.peer_fetches` / `peer_fetch_s_mean`: the workers'
-peer fetches in the measured phase and their mean seconds (GetLoad's peer counters).
+peer fetches in the measured phase and their mean seconds (GetLoad's peer counters);
+`diagnostics.preemptions`: the running requests they preempted in it (GetLoad's `num_preemptions`).
 """
 from __future__ import annotations
 
@@ -304,6 +305,8 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
     fetches = peer1[0] - peer0[0]
     out["diagnostics"]["peer_fetches"] = fetches
     out["diagnostics"]["peer_fetch_s_mean"] = (peer1[1] - peer0[1]) / fetches if fetches else None
+    # running requests the workers preempted in the measured phase (a pool too full for them)
+    out["diagnostics"]["preemptions"] = peer1[2] - peer0[2]
     return out | ({"fill": fill} if fill is not None else {}), since
 
 
@@ -382,11 +385,14 @@ async def worker_loads(addresses: Sequence[str], timeout: float = 60.0) -> list[
     return loads
 
 
-async def _peer_counters(addresses: Sequence[str]) -> tuple[int, float]:
+async def _peer_counters(addresses: Sequence[str]) -> tuple[int, float, int]:
     """The peer fetches the workers at `addresses` made so far and their seconds, summed
-    (GetLoad's `peer`; a worker without a peer plane counts none)."""
-    peers = [load.peer for load in await worker_loads(addresses) if load.HasField("peer")]
-    return sum(p.fetch_decisions for p in peers), sum(p.fetch_seconds for p in peers)
+    (GetLoad's `peer`; a worker without a peer plane counts none), and their preemptions
+    (GetLoad's `num_preemptions`: running requests whose blocks were freed, recomputed later)."""
+    loads = await worker_loads(addresses)
+    peers = [load.peer for load in loads if load.HasField("peer")]
+    return (sum(p.fetch_decisions for p in peers), sum(p.fetch_seconds for p in peers),
+            sum(load.num_preemptions for load in loads))
 
 
 _SUMMED = ("requests", "predicted_hit_tokens", "served_hit_tokens", "hit_mismatches", "peer_hints",

@@ -174,6 +174,7 @@ def test_tiny_live_run_through_real_clusters(tmp_path: Path) -> None:
         picks = entry["diagnostics"]["pick_log"]
         assert sum(c["requests"] for c in picks.values()) == 8 and picks["cold"]["requests"] >= 2
         assert entry["diagnostics"]["peer_fetches"] >= 0     # the workers' GetLoad peer counters, read
+        assert entry["diagnostics"]["preemptions"] >= 0      # and their preemptions
     # the pending prefix draws the followers: kv_aware computes no prefix more often than round robin
     kv, rr = doc["no_pressure"]["kv_aware"], doc["no_pressure"]["round_robin"]
     assert kv["cold_requests"] <= rr["cold_requests"] and 0.0 <= kv["mismatch_rate"] <= 1.0
@@ -280,8 +281,8 @@ def test_worker_loads_asks_each_worker_and_the_benches_read_their_counters() -> 
     from kvmesh.bench.routing_live import _peer_counters, worker_loads
     from tests.support.fake_worker import FakeWorker
 
-    async def go() -> tuple[list[str], list[tuple[int, int]], tuple[int, float]]:
-        fakes = [FakeWorker("w0"), FakeWorker("w1")]
+    async def go() -> tuple[list[str], list[tuple[int, int]], tuple[int, float, int]]:
+        fakes = [FakeWorker("w0", num_preemptions=2), FakeWorker("w1", num_preemptions=5)]
         for f in fakes:
             await f.start()
         try:
@@ -293,4 +294,4 @@ def test_worker_loads_asks_each_worker_and_the_benches_read_their_counters() -> 
                 await f.stop()
     ids, counters, peers = asyncio.run(go())
     assert ids == ["w0", "w1"] and counters == [(0, 0), (0, 0)]
-    assert peers == (0, 0.0)          # no peer plane reported: no fetches counted
+    assert peers == (0, 0.0, 7)       # no peer plane reported: no fetches counted; preemptions summed

@@ -76,6 +76,7 @@ class FakeWorker:
     prompts: list[list[int]] = field(default_factory=list)
     requests: list[pb.GenerateRequest] = field(default_factory=list)   # every Generate request, as received
     blocks: list[BlockHash] = field(default_factory=list)     # its device blocks (inventory)
+    num_preemptions: int = 0                # what GetLoad reports
     server: grpc.aio.Server | None = None
     port: int = 0
     publisher: EventPublisher | None = None
@@ -102,7 +103,8 @@ class FakeWorker:
     async def start(self, serving: bool = True) -> int:
         async def get_load(req: pb.LoadRequest, context: Any) -> pb.Load:
             self._count("GetLoad")
-            return pb.Load(worker_id=self.worker_id, num_blocks=64, num_free_blocks=64)
+            return pb.Load(worker_id=self.worker_id, num_blocks=64, num_free_blocks=64,
+                           num_preemptions=self.num_preemptions)
 
         async def get_model_info(req: pb.ModelInfoRequest, context: Any) -> pb.ModelInfo:
             self._count("GetModelInfo")
