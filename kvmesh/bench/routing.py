@@ -28,6 +28,7 @@ import grpc
 from contracts.wire import to_generate_input
 from kvmesh.bench import routing_live as bench_live
 from kvmesh.bench.report import emit
+from kvmesh.bench.routing_live_probes import worker_loads
 from kvmesh.bench.sim import SimConfig, SimResult, _Sim, make_trace, oracle_hit_rate, simulate
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
@@ -262,4 +263,4 @@ def _to_input(req: pb.GenerateRequest) -> Any:
 
 async def _worker_counters(addresses: Sequence[str]) -> list[tuple[int, int]]:
     return [(load.prompt_tokens, load.cached_prompt_tokens)
-            for load in await bench_live.worker_loads(addresses, timeout=10)]
+            for load in await worker_loads(addresses, timeout=10)]

@@ -31,7 +31,8 @@ in a folder under DIR, and with one router adds the log's classes of the measure
 diagnostics (`pick_log`: cold, peer-fetched, warm with a prefill queued on the worker at the pick,
 warm without; kvmesh/bench/routing_live_figures.py `pick_log_figures`); `--repeats N`:
 kvmesh/bench/routing_repeats.py. `diagnostics.peer_fetches` / `peer_fetch_s_mean`: the workers'
-peer fetches in the measured phase and their mean seconds (GetLoad's peer counters);
+peer fetches in the measured phase and their mean seconds (GetLoad's peer counters, read by
+kvmesh/bench/routing_live_probes.py with the machine's load, CPU seconds and the routers' counters);
 `diagnostics.preemptions`: the running requests they preempted in it (GetLoad's `num_preemptions`).
 """
 from __future__ import annotations
@@ -41,7 +42,6 @@ import asyncio
 import functools
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -50,12 +50,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
 import grpc
 
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
 from kvmesh.bench.routing_live_figures import BLOCK_SIZE as _BLOCK_SIZE, _Served, pick_log_figures, summarize
+from kvmesh.bench.routing_live_probes import cpu_seconds, load_avg, routers_view, since, worker_counters
 from kvmesh.bench.routing_repeats import rounds
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from kvmesh.serve.supervise import Cluster
@@ -280,57 +280,34 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
                                    list(workload.prefixes[prefix] + question))
                  for n, (prefix, question) in enumerate(workload.requests)]
 
-        since, peer0 = time.time(), await _peer_counters(cluster.worker_addresses)
-        start, load0, cpu0 = time.perf_counter(), _load_avg(), _cpu_seconds(cluster.pids)
+        since_t, counted0 = time.time(), await worker_counters(cluster.worker_addresses)
+        start, load0, cpu0 = time.perf_counter(), load_avg(), cpu_seconds(cluster.pids)
         served = await send_all(sends, workload.arrivals, sem)
-        wall, cpu1 = time.perf_counter() - start, _cpu_seconds(cluster.pids)
+        wall, cpu1 = time.perf_counter() - start, cpu_seconds(cluster.pids)
         if i < len(phases) - 1:
             done = summarize(cfg, len(workload.prefixes), served, wall, {})
             fill = {k: done[k] for k in ("cached_token_frac", "cold_requests", "requests_per_worker", "req_s")}
             await asyncio.sleep(1.0)     # the fill's last KV events reach the router's index
-            before = await _routers_view(urls)
+            before = await routers_view(urls)
     for client in clients:
         await client.close()
-    router = _since(await _routers_view(urls), before)
+    router = since(await routers_view(urls), before)
     out = summarize(cfg, len(phases[-1].prefixes), served, wall, router) | {"unavailable_retries": _RETRIES[0]}
     # the machine's 1-minute load average as the measured phase began and ended: other work on the
     # shared cores slows every step (itl_p50_s) and shows here, not in the placement
-    out["diagnostics"]["load_avg"] = [load0, _load_avg()]
+    out["diagnostics"]["load_avg"] = [load0, load_avg()]
     # CPU seconds each local process (the router, each worker, Redis) spent in the measured phase:
     # on shared cores, what the router's own work per pick takes from the workers' steps
     out["diagnostics"]["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in sorted(cpu1.keys() & cpu0)}
     # the workers' peer fetches in the measured phase and their mean wall time (control RPC and
     # transfer, as the peer plane counts it): what a replica by fetch cost here
-    peer1 = await _peer_counters(cluster.worker_addresses)
-    fetches = peer1[0] - peer0[0]
-    out["diagnostics"]["peer_fetches"] = fetches
-    out["diagnostics"]["peer_fetch_s_mean"] = (peer1[1] - peer0[1]) / fetches if fetches else None
+    counted = await worker_counters(cluster.worker_addresses) - counted0
+    out["diagnostics"]["peer_fetches"] = counted.peer_fetches
+    out["diagnostics"]["peer_fetch_s_mean"] = (counted.peer_fetch_s / counted.peer_fetches
+                                               if counted.peer_fetches else None)
     # running requests the workers preempted in the measured phase (a pool too full for them)
-    out["diagnostics"]["preemptions"] = peer1[2] - peer0[2]
-    return out | ({"fill": fill} if fill is not None else {}), since
-
-
-def _load_avg() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None  # the 1-minute load
-
-
-def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds of each of `pids` so far (its threads included), from
-    /proc/PID/stat; a process that is gone or unreadable (not Linux) is left out."""
-    out: dict[str, float] = {}
-    for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
-    return out
-
-
-def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """The router's counters (`_router_view`) since `before` (the whole run if empty)."""
-    return now | {k: now[k] - before[k] for k in _SUMMED
-                  if isinstance(now.get(k), int) and isinstance(before.get(k), int)}
+    out["diagnostics"]["preemptions"] = counted.preemptions
+    return out | ({"fill": fill} if fill is not None else {}), since_t
 
 
 async def _complete(client: Any, cfg: LiveConfig, prefix: int, prompt: list[int]) -> _Served:
@@ -374,55 +351,3 @@ async def _warm_workers(addresses: tuple[str, ...]) -> None:
                                      sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             async for _ in pb_grpc.WorkerStub(ch).Generate(req, timeout=300):
                 pass
-
-
-async def worker_loads(addresses: Sequence[str], timeout: float = 60.0) -> list[pb.Load]:
-    """Each worker's GetLoad, asked straight at its gRPC address (a local cluster's workers)."""
-    loads = []
-    for address in addresses:
-        async with grpc.aio.insecure_channel(address) as ch:
-            loads.append(await pb_grpc.WorkerStub(ch).GetLoad(pb.LoadRequest(), timeout=timeout))
-    return loads
-
-
-async def _peer_counters(addresses: Sequence[str]) -> tuple[int, float, int]:
-    """The peer fetches the workers at `addresses` made so far and their seconds, summed
-    (GetLoad's `peer`; a worker without a peer plane counts none), and their preemptions
-    (GetLoad's `num_preemptions`: running requests whose blocks were freed, recomputed later)."""
-    loads = await worker_loads(addresses)
-    peers = [load.peer for load in loads if load.HasField("peer")]
-    return (sum(p.fetch_decisions for p in peers), sum(p.fetch_seconds for p in peers),
-            sum(load.num_preemptions for load in loads))
-
-
-_SUMMED = ("requests", "predicted_hit_tokens", "served_hit_tokens", "hit_mismatches", "peer_hints",
-           "prediction_error_sum", "prediction_error_count")
-
-
-async def _routers_view(urls: list[str]) -> dict[str, Any]:
-    """`_router_view` of the first router, its counters summed over every router at `urls`."""
-    views = [await _router_view(url) for url in urls]
-    return views[0] | {k: sum(int(v.get(k, 0)) if k != "prediction_error_sum" else float(v.get(k, 0.0))
-                              for v in views) for k in _SUMMED}
-
-
-async def _router_view(http_base_url: str) -> dict[str, Any]:
-    """The router's own counters from `/v1/cluster`: requests, predicted/served hits, mismatches."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        async with session.get(f"{http_base_url}/cluster") as resp:
-            doc = await resp.json()
-        async with session.get(http_base_url.removesuffix("/v1") + "/metrics") as resp:
-            metrics = await resp.text()
-    view = doc["router"]
-    view["requests"] = sum(r["count"] for r in view.pop("requests", []))
-    sums = {name: float(value) for name, value in (line.split()[:2] for line in metrics.splitlines()
-                                                   if line.startswith("kvmesh:router_routing_decision_seconds_"))
-            if name.endswith(("_sum", "_count"))}
-    count = sums.get("kvmesh:router_routing_decision_seconds_count", 0.0)
-    view["decision_mean_s"] = sums.get("kvmesh:router_routing_decision_seconds_sum", 0.0) / count if count else None
-    # |predicted − served| / prompt tokens per finished request, summed over the workers' series
-    errors = [(line.split("{")[0], float(line.split()[-1])) for line in metrics.splitlines()
-              if line.startswith("kvmesh:router_hit_prediction_error_")]
-    view["prediction_error_sum"] = sum(v for name, v in errors if name.endswith("_sum"))
-    view["prediction_error_count"] = int(sum(v for name, v in errors if name.endswith("_count")))
-    return view

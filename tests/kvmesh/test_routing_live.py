@@ -14,9 +14,7 @@ from contracts.cli import CLIError
 from kvmesh.bench.routing_live import (
     LiveConfig,
     Workload,
-    _cpu_seconds,
     _Served,
-    _since,
     arrival_times,
     config_from_args,
     make_workload,
@@ -24,6 +22,7 @@ from kvmesh.bench.routing_live import (
     summarize,
 )
 from kvmesh.bench.routing_live_figures import PICK_CLASSES, pick_log_figures
+from kvmesh.bench.routing_live_probes import cpu_seconds, since
 from kvmesh.cli import build_parser
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",
@@ -133,9 +132,9 @@ def test_shift_phases_draw_new_prefixes_and_count_the_router_since_the_fill() ->
               "peer_hints": 1, "decision_mean_s": 0.5}
     now = {"requests": 30, "hit_mismatches": 3, "predicted_hit_tokens": 400, "served_hit_tokens": 390,
            "peer_hints": 1, "decision_mean_s": 0.25}
-    assert _since(now, before) == {"requests": 20, "hit_mismatches": 1, "predicted_hit_tokens": 300,
+    assert since(now, before) == {"requests": 20, "hit_mismatches": 1, "predicted_hit_tokens": 300,
                                    "served_hit_tokens": 300, "peer_hints": 0, "decision_mean_s": 0.25}
-    assert _since(now, {}) == now
+    assert since(now, {}) == now
 
 
 def test_the_simulated_shift_measures_the_second_phase_and_kv_aware_keeps_its_lead() -> None:
@@ -267,10 +266,10 @@ def test_pick_log_figures_class_each_request_by_what_its_worker_held_and_had_que
 
 def test_cpu_seconds_reads_a_live_process_and_leaves_out_a_gone_one() -> None:
     import os
-    before = _cpu_seconds({"me": os.getpid()})["me"]
+    before = cpu_seconds({"me": os.getpid()})["me"]
     sum(i * i for i in range(2_000_000))                       # some CPU of this process
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    after = _cpu_seconds({"me": os.getpid(), "gone": int(gone.stdout)})
+    after = cpu_seconds({"me": os.getpid(), "gone": int(gone.stdout)})
     assert set(after) == {"me"} and after["me"] > before
 
 
@@ -278,20 +277,21 @@ def test_worker_loads_asks_each_worker_and_the_benches_read_their_counters() -> 
     import asyncio
 
     from kvmesh.bench.routing import _worker_counters
-    from kvmesh.bench.routing_live import _peer_counters, worker_loads
+    from kvmesh.bench.routing_live_probes import WorkerCounters, worker_counters, worker_loads
     from tests.support.fake_worker import FakeWorker
 
-    async def go() -> tuple[list[str], list[tuple[int, int]], tuple[int, float, int]]:
+    async def go() -> tuple[list[str], list[tuple[int, int]], WorkerCounters]:
         fakes = [FakeWorker("w0", num_preemptions=2), FakeWorker("w1", num_preemptions=5)]
         for f in fakes:
             await f.start()
         try:
             addresses = [f.address for f in fakes]
             return ([load.worker_id for load in await worker_loads(addresses)], await _worker_counters(addresses),
-                    await _peer_counters(addresses))
+                    await worker_counters(addresses))
         finally:
             for f in fakes:
                 await f.stop()
     ids, counters, peers = asyncio.run(go())
     assert ids == ["w0", "w1"] and counters == [(0, 0), (0, 0)]
     assert peers == (0, 0.0, 7)       # no peer plane reported: no fetches counted; preemptions summed
+    assert WorkerCounters(5, 2.5, 3) - WorkerCounters(1, 0.5, 1) == (4, 2.0, 2)   # a phase's counts: after - before
