@@ -33,7 +33,9 @@ warm without; kvmesh/bench/routing_live_figures.py `pick_log_figures`); `--repea
 kvmesh/bench/routing_repeats.py. `diagnostics.peer_fetches` / `peer_fetch_s_mean`: the workers'
 peer fetches in the measured phase and their mean seconds (GetLoad's peer counters, read by
 kvmesh/bench/routing_live_probes.py with the machine's load, CPU seconds and the routers' counters);
-`diagnostics.preemptions`: the running requests they preempted in it (GetLoad's `num_preemptions`).
+`diagnostics.preemptions`: the running requests they preempted in it (GetLoad's `num_preemptions`);
+a worker that does not answer GetLoad at the phase's start or end (killed, restarting) is left
+out of those sums and counted in `diagnostics.workers_unread`.
 """
 from __future__ import annotations
 
@@ -55,7 +57,14 @@ import grpc
 from contracts.cli import CLIError
 from kvmesh.bench.report import emit
 from kvmesh.bench.routing_live_figures import BLOCK_SIZE as _BLOCK_SIZE, _Served, pick_log_figures, summarize
-from kvmesh.bench.routing_live_probes import cpu_seconds, load_avg, routers_view, since, worker_counters
+from kvmesh.bench.routing_live_probes import (
+    counted_since,
+    cpu_seconds,
+    load_avg,
+    routers_view,
+    since,
+    worker_counters,
+)
 from kvmesh.bench.routing_repeats import rounds
 from kvmesh.serve.local import LocalCluster, ServeConfig
 from kvmesh.serve.supervise import Cluster
@@ -301,7 +310,9 @@ async def _drive(cfg: LiveConfig, phases: tuple[Workload, ...], cluster: Cluster
     out["diagnostics"]["cpu_s"] = {name: round(cpu1[name] - cpu0[name], 3) for name in sorted(cpu1.keys() & cpu0)}
     # the workers' peer fetches in the measured phase and their mean wall time (control RPC and
     # transfer, as the peer plane counts it): what a replica by fetch cost here
-    counted = await worker_counters(cluster.worker_addresses) - counted0
+    counted, unread = counted_since(await worker_counters(cluster.worker_addresses), counted0)
+    if unread:   # a worker killed or restarting in the phase: its counts are not in the sums below
+        out["diagnostics"]["workers_unread"] = unread
     out["diagnostics"]["peer_fetches"] = counted.peer_fetches
     out["diagnostics"]["peer_fetch_s_mean"] = (counted.peer_fetch_s / counted.peer_fetches
                                                if counted.peer_fetches else None)

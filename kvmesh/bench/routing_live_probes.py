@@ -50,7 +50,7 @@ async def worker_loads(addresses: Sequence[str], timeout: float = 60.0) -> list[
 
 
 class WorkerCounters(NamedTuple):
-    """The workers' GetLoad counters the bench reads before and after a phase, summed over them."""
+    """One worker's GetLoad counters that the bench reads before and after a phase."""
     peer_fetches: int           # hinted requests fetched from a peer (`peer.fetch_decisions`)
     peer_fetch_s: float         # those fetches' wall time (`peer.fetch_seconds`)
     preemptions: int            # running requests whose blocks were freed, recomputed later
@@ -60,13 +60,28 @@ class WorkerCounters(NamedTuple):
                               self.preemptions - before.preemptions)
 
 
-async def worker_counters(addresses: Sequence[str]) -> WorkerCounters:
-    """`WorkerCounters` of the workers at `addresses` so far (a worker without a peer plane
-    counts no fetches)."""
-    loads = await worker_loads(addresses)
-    peers = [load.peer for load in loads if load.HasField("peer")]
-    return WorkerCounters(sum(p.fetch_decisions for p in peers), sum(p.fetch_seconds for p in peers),
-                          sum(load.num_preemptions for load in loads))
+async def worker_counters(addresses: Sequence[str], timeout: float = 10.0) -> dict[str, WorkerCounters]:
+    """`WorkerCounters` of each worker at `addresses` so far (one without a peer plane counts no
+    fetches); a worker that does not answer GetLoad (killed, restarting) is left out."""
+    out: dict[str, WorkerCounters] = {}
+    for address in addresses:
+        try:
+            [load] = await worker_loads([address], timeout)
+        except grpc.aio.AioRpcError:
+            continue
+        peer = load.peer if load.HasField("peer") else pb.PeerStats()
+        out[address] = WorkerCounters(peer.fetch_decisions, peer.fetch_seconds, load.num_preemptions)
+    return out
+
+
+def counted_since(now: dict[str, WorkerCounters], before: dict[str, WorkerCounters]) -> tuple[WorkerCounters, int]:
+    """The counts between two `worker_counters` readings, summed over the workers read both
+    times, and how many workers were missing from either (their counts are not in the sum)."""
+    both = now.keys() & before.keys()
+    diffs = [now[a] - before[a] for a in both]
+    total = WorkerCounters(sum(d.peer_fetches for d in diffs), sum(d.peer_fetch_s for d in diffs),
+                           sum(d.preemptions for d in diffs))
+    return total, len((now.keys() | before.keys()) - both)
 
 
 async def routers_view(urls: list[str]) -> dict[str, Any]:

@@ -277,21 +277,35 @@ def test_worker_loads_asks_each_worker_and_the_benches_read_their_counters() -> 
     import asyncio
 
     from kvmesh.bench.routing import _worker_counters
-    from kvmesh.bench.routing_live_probes import WorkerCounters, worker_counters, worker_loads
+    from kvmesh.bench.routing_live_probes import WorkerCounters, counted_since, worker_counters, worker_loads
     from tests.support.fake_worker import FakeWorker
 
-    async def go() -> tuple[list[str], list[tuple[int, int]], WorkerCounters]:
+    Read = dict[str, WorkerCounters]
+
+    async def go() -> tuple[list[str], list[tuple[int, int]], Read, Read, Read]:
         fakes = [FakeWorker("w0", num_preemptions=2), FakeWorker("w1", num_preemptions=5)]
         for f in fakes:
             await f.start()
         try:
             addresses = [f.address for f in fakes]
-            return ([load.worker_id for load in await worker_loads(addresses)], await _worker_counters(addresses),
-                    await worker_counters(addresses))
+            ids = [load.worker_id for load in await worker_loads(addresses)]
+            tokens = await _worker_counters(addresses)
+            before = await worker_counters(addresses)
+            fakes[0].num_preemptions = 6
+            fakes[1].num_preemptions = 9
+            now = await worker_counters(addresses)
+            await fakes[1].stop()                    # killed in the phase: it no longer answers GetLoad
+            fakes[0].num_preemptions = 7
+            return ids, tokens, before, now, await worker_counters(addresses)
         finally:
             for f in fakes:
-                await f.stop()
-    ids, counters, peers = asyncio.run(go())
+                await f.stop()                       # a stopped server's stop returns at once
+    ids, counters, before, now, after_kill = asyncio.run(go())
     assert ids == ["w0", "w1"] and counters == [(0, 0), (0, 0)]
-    assert peers == (0, 0.0, 7)       # no peer plane reported: no fetches counted; preemptions summed
+    assert counted_since(before, {}) == ((0, 0.0, 0), 2)
+    total, unread = counted_since(before, {a: WorkerCounters(0, 0.0, 0) for a in before})
+    assert total == (0, 0.0, 7) and unread == 0  # no peer plane reported: no fetches counted; preemptions summed
+    assert counted_since(now, before) == ((0, 0.0, 8), 0)                        # 4 + 4 in the phase
+    # the killed worker is left out of the reading and of the sum, and counted as unread
+    assert len(after_kill) == 1 and counted_since(after_kill, before) == ((0, 0.0, 5), 1)
     assert WorkerCounters(5, 2.5, 3) - WorkerCounters(1, 0.5, 1) == (4, 2.0, 2)   # a phase's counts: after - before
