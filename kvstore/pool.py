@@ -155,6 +155,17 @@ class BlockPool:
                     chosen.append(block)
         return chosen
 
+    def protected_victims(self, n: int, keep: Sequence[BlockId] = ()) -> int:
+        """How many of the `n` blocks `allocate(n)` would take next, passing over `keep` (free
+        cached blocks the caller is about to reuse), cache a reused prefix that is not stale
+        yet: the shared blocks the allocation would evict. A query: nothing changes."""
+        if n <= 0 or not len(self._protected):
+            return 0
+        skip = set(keep)
+        taken = [b for b in self._victims(min(self.num_free_blocks, n + len(skip))) if b.block_id not in skip][:n]
+        stale_before = self._allocated - int(self._fade.window) if self._fade is not None else None
+        return sum(1 for b in taken if b.protected and (stale_before is None or b.freed_at > stale_before))
+
     def free(self, block_ids: Sequence[BlockId]) -> None:
         """Drop one reference per listed block; blocks reaching 0 join the free queue tail
         IN THE ORDER GIVEN (first listed = evicted first). Give a finished sequence's blocks

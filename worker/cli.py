@@ -45,6 +45,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tenant-max-cached-frac", type=float, default=0.5,
                    help="a tenant's cached blocks in each KV tier (device pool, host, disk), as a fraction of the "
                         "tier, past which that tier evicts its own first (keys file max_cached_blocks= overrides)")
+    g.add_argument("--room-wait-steps", type=int, default=32,
+                   help="steps a waiting request may be put off when its blocks would evict a shared prefix "
+                        "while the running requests will free as many of their own (0 = never wait)")
     g.add_argument("--kv-offload-gib", type=float, default=0.0,
                    help="host-memory KV tier behind the pool (GiB); evicted prefix blocks go there "
                         "instead of being dropped (vLLM: --kv-offloading-size). 0 = off")
@@ -92,7 +95,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             kv_eviction=args.kv_eviction, kv_budget=args.kv_budget,
                             attention_sinks=args.attention_sinks, h2o_decay=args.h2o_decay,
                             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                            threads=args.threads)
+                            threads=args.threads, room_wait_steps=args.room_wait_steps)
     except ValueError as e:
         raise CLIError(flagify(str(e))) from None
 

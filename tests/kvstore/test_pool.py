@@ -374,3 +374,26 @@ def test_a_stale_block_still_waits_for_the_empty_ones() -> None:
     assert order[-3:] == list(reversed(protected))     # empty blocks first, then the stale ones
     with pytest.raises(ValueError, match="protect_turnovers"):
         BlockPool(4, protect_turnovers=0)
+
+
+def test_protected_victims_counts_the_shared_blocks_an_allocation_would_evict() -> None:
+    """`protected_victims(n, keep)`: of the next `n` blocks `allocate` takes (passing over the
+    free cached blocks in `keep`), those caching a reused prefix that is not stale yet; a query."""
+    pool = BlockPool(12, protect_turnovers=None)
+    shared = list(range(1, 13))                          # 3 full blocks, reused: protected
+    pool.free_sequence(_serve(pool, shared))
+    pool.free_sequence(_serve(pool, shared))
+    held = pool.allocate(7)                              # 2 probation blocks left, then the 3 protected
+    free_before = pool.free_block_ids()
+    assert [pool.protected_victims(n) for n in (0, 1, 2, 3, 5)] == [0, 0, 0, 1, 3]
+    first = pool.find_longest_prefix(block_hashes(shared, BS, SALT))[:1]
+    assert pool.protected_victims(3, keep=first) == 1    # the kept one is not a victim: the next one is
+    assert pool.free_block_ids() == free_before and pool.stats().evictions == 0
+    pool.free(held)
+    assert pool.protected_victims(9) == 0                # 9 probation blocks come first now
+    faded = BlockPool(12, protect_turnovers=0.25)        # stale after 3 allocations
+    faded.free_sequence(_serve(faded, shared))
+    faded.free_sequence(_serve(faded, shared))
+    assert faded.protected_victims(12) == 3
+    faded.free(faded.allocate(4))                        # the clock moves past 3: stale, no longer counted
+    assert faded.protected_victims(12) == 0

@@ -36,6 +36,7 @@ class EngineConfig:
     fair_step_tokens: int = 16            # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5   # a tenant's cap on cached blocks in each tier (kvstore.quota)
     step_prefill_tokens: int = 0          # prefill tokens per step beside the decodes (0: max_num_batched_tokens)
+    room_wait_steps: int = 32             # steps an admission may wait to keep a shared prefix (0: never)
     check_integrity: bool = False         # run the KV store's integrity check after every step
     kv_offload_gib: float = 0.0           # host-memory tier behind the KV pool (0: none)
     kv_disk_path: str | None = None       # directory of the disk tier below the host tier (None: none)
@@ -85,6 +86,9 @@ class EngineConfig:
         if isinstance(self.step_prefill_tokens, bool) or not isinstance(self.step_prefill_tokens, int) \
                 or self.step_prefill_tokens < 0:
             raise ValueError(f"step_prefill_tokens={self.step_prefill_tokens!r} must be an integer >= 0 (0 = no cap)")
+        if isinstance(self.room_wait_steps, bool) or not isinstance(self.room_wait_steps, int) \
+                or self.room_wait_steps < 0:
+            raise ValueError(f"room_wait_steps={self.room_wait_steps!r} must be an integer >= 0 (0 = never wait)")
         if self.max_queue_len <= 0:
             raise ValueError(f"max_queue_len={self.max_queue_len} must be positive")
 
@@ -114,3 +118,4 @@ class EngineStats(NamedTuple):
     num_prefix_waits: int = 0         # admissions put off for a block another request was computing
     disk: DiskTierStats | None = None  # the disk tier's figures (None: no disk tier)
     protect_window_blocks: float = 0.0  # allocations a protected block stays so unused (kvstore/fade.py; 0: never)
+    num_room_waits: int = 0           # admission steps put off to keep a shared prefix (room_wait_steps)

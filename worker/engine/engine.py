@@ -75,7 +75,7 @@ class Engine:
             SchedulerConfig(cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             cfg.enable_chunked_prefill, mc.sliding_window, cfg.enable_prefix_caching,
                             cfg.fair_share, cfg.fair_step_tokens, cfg.tenant_max_cached_frac,
-                            cfg.step_prefill_tokens),
+                            cfg.step_prefill_tokens, cfg.room_wait_steps),
             self.store, self.salt)
         ev = cfg.eviction_config()
         if ev.enabled and mc.sliding_window is not None:
@@ -379,7 +379,7 @@ class Engine:
                            self.evictor.num_evicted_tokens if self.evictor is not None else 0,
                            u.num_cached_blocks, u.num_protected_blocks, u.num_reused_blocks,
                            self.scheduler.num_prefix_waits, self.store.disk_stats(),
-                           self.store.pool.protect_window or 0.0)
+                           self.store.pool.protect_window or 0.0, self.scheduler.num_room_waits)
 
     def check_integrity(self) -> None:
         """The store's invariants, and every device block reference held by a running request."""

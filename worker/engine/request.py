@@ -99,6 +99,7 @@ class Request:
     num_evicted_tokens: int = 0      # of the computed ones, dropped by token eviction (worker.engine.eviction)
     num_cached_tokens: int = -1      # set at first admission: prompt tokens found in the cache
     num_preemptions: int = 0
+    num_room_waits: int = 0          # steps its admission was put off to keep a shared prefix (scheduler)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     history: SamplingHistory | None = None

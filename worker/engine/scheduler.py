@@ -39,6 +39,7 @@ from typing import NamedTuple
 from kvstore.errors import OutOfBlocks
 from kvstore.keys import BlockHash
 from kvstore.store import KVStore
+from kvstore.store_types import Match
 from worker.engine.fairness import ROUTER_STEP_FACTOR, Contention, FairShare
 from worker.engine.request import NO_BLOCK, FinishReason, Request, RequestStatus
 
@@ -58,6 +59,7 @@ class SchedulerConfig:
     fair_step_tokens: int = 16          # prefill tokens per step while tenants contend
     tenant_max_cached_frac: float = 0.5  # a tenant's cap on cached blocks without max_cached_blocks
     step_prefill_tokens: int = 0        # prefill tokens per step beside the decodes (0: the whole budget)
+    room_wait_steps: int = 32           # steps an admission may wait to keep a shared prefix (0: never waits)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "fair_step_tokens"):
@@ -69,6 +71,8 @@ class SchedulerConfig:
             raise ValueError(f"tenant_max_cached_frac={self.tenant_max_cached_frac} must be in (0, 1]")
         if self.step_prefill_tokens < 0:
             raise ValueError(f"step_prefill_tokens={self.step_prefill_tokens} must be >= 0 (0: no cap)")
+        if self.room_wait_steps < 0:
+            raise ValueError(f"room_wait_steps={self.room_wait_steps} must be >= 0 (0: admissions never wait)")
 
 
 class ScheduledBatch(NamedTuple):
@@ -122,6 +126,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefix_waits = 0   # admissions put off for a block another request computes
+        self.num_room_waits = 0     # admission steps put off to keep a shared prefix (`_waits_for_room`)
         self.fair = FairShare() if cfg.fair_share else None
 
     # -- queues ---------------------------------------------------------------------------
@@ -388,6 +393,8 @@ class Scheduler:
         n = min(remaining, budget)
         if n < remaining and not self.cfg.enable_chunked_prefill:
             return 0
+        if self._waits_for_room(req, match, -(-(req.max_total_tokens if n == remaining else num_computed + n) // bs)):
+            return 0
         try:
             req.block_ids = self.store.take(hashes, match, -(-(num_computed + n) // bs), req.tenant.name or None)
         except OutOfBlocks:
@@ -396,3 +403,28 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
         return n
+
+    def _waits_for_room(self, req: Request, match: Match, num_blocks: int) -> bool:
+        """Put off `req`'s admission (one step; at most `room_wait_steps` in all) when the
+        `num_blocks` it takes (with a whole prompt scheduled, those its output will fill too)
+        would evict a shared prefix (protected, not stale: kvstore/pool.py) while the running
+        requests hold at least as many blocks of their own, which finishing frees first: a full
+        pool then runs one request fewer for a few steps instead of recomputing an evicted
+        prefix later (and a router that sent a prefix's requests here keeps finding it). Never
+        with nothing running, so a request that only eviction can make room for is not held
+        back. Measured: docs/routing.md, "Room for the running requests"."""
+        if not self.cfg.room_wait_steps or not self.running or req.num_room_waits >= self.cfg.room_wait_steps:
+            return False
+        shared = self.store.shared_victims(match, num_blocks)
+        if not shared or shared > self._own_blocks_running():
+            return False
+        req.num_room_waits += 1
+        self.num_room_waits += 1
+        return True
+
+    def _own_blocks_running(self) -> int:
+        """Blocks the running requests hold that no shared prefix does: past the prompt's cached
+        blocks and the router's shared-prefix hint (freed, they go to the probation queue)."""
+        bs = self.cfg.block_size
+        return sum(max(0, len(r.held_block_ids) - max(r.num_cached_tokens // bs, r.shared_prefix_blocks))
+                   for r in self.running)

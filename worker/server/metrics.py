@@ -264,6 +264,9 @@ class _StatsCollector(Collector):
         yield counter("prefix_waits", "Admissions put off one step because another running request was "
                       "computing the prompt's next block (it is then reused, not computed twice)",
                       stats.num_prefix_waits)
+        yield counter("room_waits", "Admission steps put off because the request's blocks would evict a shared "
+                      "prefix while running requests were about to free as many of their own",
+                      stats.num_room_waits)
         yield counter("kv_blocks_onloaded", "Blocks admissions copied from the host tier",
                       stats.num_onloaded_blocks)
         yield counter("kv_blocks_offloaded", "Blocks copied from the device pool into the host tier",
