@@ -37,13 +37,13 @@ import numpy as np
 
 from kvstore.events import EventType, Tier, WireEvent, WorkerId
 from kvstore.keys import BlockHash
-from router.index.asks import ASK_HALF_LIFE, DEPTHS as _DEPTHS, Ask, Decay, Tally, TallyTable, recount, shared_prefix
+from router.index.asks import ASK_HALF_LIFE, DEPTHS, Ask, Decay, Reuse, Tally, TallyTable, recount, shared_prefix
 from router.index.check import ALL_TIERS, check_holders
 from router.index.lookup import disk_only_counts, leading_counts, leading_pair
 from router.index.pending import PendingBlocks
 
 _BIT = {tier: 1 << i for i, tier in enumerate(Tier)}  # Tier order: fastest first
-_KINDS = tuple(range(2 * _DEPTHS))    # one int object per (depth, num_asks) an ask map holds
+_KINDS = tuple(range(2 * DEPTHS))    # one int object per (depth, num_asks) an ask map holds
 
 
 class IndexStats(NamedTuple):
@@ -82,8 +82,7 @@ class BlockIndex:
         self._held_asks = TallyTable()               # each worker's blocks by their asks (a row each)
         self._rows_of: tuple[tuple[WorkerId, ...], int, np.ndarray] | None = None   # shared_blocks_of's last rows
         self._any_asks = Tally()                     # the same over the distinct blocks held anywhere
-        self._first = [0] * _DEPTHS                  # blocks first asked for, per depth (ever)
-        self._again = [0] * _DEPTHS                  # of those, asked for a second time
+        self._reuse = Reuse()                        # per depth: blocks first asked, asked again, settled
         self._decay = Decay(ask_half_life)
         self._capacity = 0                           # the pools' blocks; 0: the traffic clock stands
 
@@ -210,7 +209,7 @@ class BlockIndex:
         cached = self._rows_of
         if cached is None or cached[0] != key or cached[1] != table.version:
             cached = self._rows_of = (key, table.version, table.rows(key))
-        return table.expected(cached[2], self._first, self._again, self._decay.scale())
+        return table.expected(cached[2], self._reuse.first, self._reuse.again, self._decay.scale())
 
     def set_capacity(self, num_blocks: int) -> None:
         """The pools' size, in blocks, that the traffic clock measures routed prompts against
@@ -229,6 +228,7 @@ class BlockIndex:
             self._decay.now += len(hashes) / self._capacity
             if self._decay.needs_rebase():
                 self._rebase()
+            self._reuse.advance(self._decay.now)
         now = self._decay.now
         for depth, h in enumerate(hashes):
             seen = self._ask(h)
@@ -237,11 +237,11 @@ class BlockIndex:
             holders = self._holders(h)
             if holders:
                 self._count_any(h, -1)
-            ask = Ask(1, min(depth, _DEPTHS - 1), now) if seen is None else Ask(2, seen.depth, now)
+            ask = Ask(1, min(depth, DEPTHS - 1), now) if seen is None else Ask(2, seen.depth, now)
             if seen is None:
-                self._first[ask.depth] += 1
+                self._reuse.asked_first(h, ask.depth, now)
             elif seen.num_asks < 2:
-                self._again[seen.depth] += 1
+                self._reuse.asked_again(h, seen, now)
             self._asked[h] = _KINDS[ask.depth << 1 | (ask.num_asks - 1)]
             self._asked_at[h] = now
             if holders:     # every holder's tally: the old asks out, the new in
@@ -251,12 +251,12 @@ class BlockIndex:
 
     def shared_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
         """`asks.shared_prefix` of the asks counted so far (call it before `add_pending`)."""
-        return shared_prefix(self._asked, self._first, self._again, block_hashes)
+        return shared_prefix(self._asked, self._reuse.settled, self._reuse.again, block_hashes)
 
     def distinct_shared_blocks(self) -> float:
         """`shared_blocks` over the distinct blocks held anywhere: the pool space the cluster's
         shared prefixes take with one copy each."""
-        return self._any_asks.expected(self._first, self._again, self._decay.scale())
+        return self._any_asks.expected(self._reuse.first, self._reuse.again, self._decay.scale())
 
     def distinct_held_blocks(self) -> float:
         """Distinct blocks held anywhere that a prompt asked for, in full at their fading weight."""

@@ -13,6 +13,7 @@ import grpc
 from kvstore.keys import BlockHash, block_hashes
 from proto.kvmesh.v1 import kvmesh_pb2 as pb, kvmesh_pb2_grpc as pb_grpc
 from router.config import RouterConfig
+from router.index.asks import Ask, Reuse
 from router.index.blocks import BlockIndex
 from router.routing.types import WorkerId
 from router.server import RouterServer
@@ -42,15 +43,32 @@ def test_a_fresh_index_hints_nothing() -> None:
 
 def test_a_prefix_asked_before_is_shared_and_a_new_one_once_its_depths_are_reused() -> None:
     index = BlockIndex()
+    index.set_capacity(5)      # the traffic clock: one pool-full per 5-block prompt
     assert _ask(index, "a", _prompt(0, 0)) == 0      # nothing known yet
     assert _ask(index, "b", _prompt(0, 1)) == 3      # the 3 blocks request a asked for too
-    # depths 0-2 were asked again (1 of 1), depths 3-4 were not (0 of 2): a prefix nobody asked
-    # for yet is expected to be shared over the reused depths only
+    # depths 0-2 were asked again (1 of 1), depths 3-4 not yet (0 of 0 settled): a prefix nobody
+    # asked for yet is expected to be shared over the reused depths only
     assert _ask(index, "c", _prompt(1, 2)) == 3
-    # a depth asked again no more than half the time is not: here depths 0-2 now 1 of 2
-    assert _ask(index, "d", _prompt(2, 3)) == 0
-    # ... while the blocks an earlier request asked for still count, depth rates or not
-    assert _ask(index, "e", _prompt(1, 4)) == 3
+    # prefix 1, asked once a pool-full ago, is too young to count against depths 0-2 (over every
+    # first ask they would read 1 of 2 and hint nothing) ...
+    assert _ask(index, "d", _prompt(2, 3)) == 3
+    assert _ask(index, "e", _prompt(3, 4)) == 3
+    # ... until HINT_SETTLE (2) pool-fulls have passed since its ask: then 1 of 2, no more than half
+    assert _ask(index, "f", _prompt(4, 5)) == 0
+    # the blocks an earlier request asked for still count, depth rates or not
+    assert _ask(index, "g", _prompt(1, 6)) == 3
+
+
+def test_first_asks_settle_after_the_window_unless_asked_again() -> None:
+    reuse = Reuse(settle=2.0)
+    reuse.asked_first(BlockHash(1), 0, now=1.0)
+    reuse.asked_first(BlockHash(2), 0, now=1.5)
+    reuse.asked_again(BlockHash(1), Ask(1, 0, 1.0), now=2.0)      # young, asked again: settled now
+    assert (reuse.first[0], reuse.again[0], reuse.settled[0], len(reuse)) == (2, 1, 1, 2)
+    reuse.advance(3.0)                                             # block 1's window ends: not counted twice
+    assert (reuse.settled[0], len(reuse)) == (1, 1)
+    reuse.advance(3.5)                                             # block 2 settles, never asked again
+    assert (reuse.first[0], reuse.again[0], reuse.settled[0], len(reuse)) == (2, 1, 2, 0)
 
 
 def test_a_retry_of_the_same_request_is_not_its_own_evidence() -> None:
