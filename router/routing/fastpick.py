@@ -150,7 +150,7 @@ class KvAwareFast:
         b = self.bounded
         cap = load_cap(int(cols.in_flight.sum()), n, b.load_factor)
         best = int(cols.cached.max())
-        holder_cap = b.holder_factor * cap
+        holder_cap = b.holder_factor * cap if best > 0 else cap
         keep = cols.in_flight < np.where(cols.cached == best, holder_cap, cap)
         if not keep.any():
             keep[:] = True

@@ -11,9 +11,8 @@ and names the combinations `--routing-policy` offers (`RoutingPolicy`, router/ro
 - `kv_aware`      (default) holder-first: the least prefill cost (`PrefillCostScorer`: prompt
                   tokens not cached or being computed there + the worker's queued prefill +
                   κ per running request + κ̄ per request of sustained load) behind the
-                  bounded-load filter, which lets the prefix's holders (every worker, for
-                  a prompt nobody holds: its placement) go to 1.5x the cap (`HOLDER_FACTOR`;
-                  a burst waits on the holder; sustained overload, priced by κ̄, is what
+                  bounded-load filter, which lets the prefix's holders go to 1.5x the cap
+                  (`HOLDER_FACTOR`; a burst waits on the holder; sustained overload, priced by κ̄, is what
                   replicates a prefix); ring position breaks ties, so a cold index keeps
                   prefix affinity and equal scores never send a burst to one worker.
 

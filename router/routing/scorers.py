@@ -308,15 +308,10 @@ class BoundedLoadFilter:
     is under it (cannot happen for c ≥ 1 with exact counts), keeps the whole pool.
 
     `holder_factor` h ≥ 1 lets the workers holding the longest cached prefix of the prompt
-    (held or pending, the most leading blocks of any worker) keep requests up to h × the cap:
-    a burst then waits on the holder instead of replicating its prefix on another worker,
-    which in a full cache evicts someone else's prefix. A worker holding less than another
-    stays under the cap itself (a replica is a choice against load). A prompt nobody holds any
-    of goes to any worker under h × the cap: its placement decides where its prefix's later
-    requests go, so the scorer's room term (the pool it fills least) decides it, not who is
-    momentarily under the cap (held to the cap, `kvmesh bench routing-live --quick`'s pressure
-    run put a seventh prefix on a pool six filled while the worker holding five was at the cap:
-    docs/routing.md, "Room for the running requests")."""
+    (held or pending, the most leading blocks of any worker, at least one) keep requests up
+    to h × the cap: a burst then waits on the holder instead of replicating its prefix on
+    another worker, which in a full cache evicts someone else's prefix. Placing a prefix on a
+    worker (every other case) stays under the cap itself."""
 
     load_factor: float = DEFAULT_LOAD_FACTOR
     holder_factor: float = 1.0
@@ -329,7 +324,7 @@ class BoundedLoadFilter:
     def keep(self, pool: Sequence[WorkerInfo], request: RouteRequest, state: RoutingState) -> list[WorkerInfo]:
         cap = _pool_cap(pool, state, self.load_factor)
         best = max((state.cached_blocks.get(w.worker_id, 0) for w in pool), default=0)
-        holder_cap = self.holder_factor * cap     # a cold prompt: every worker holds the most (none)
+        holder_cap = self.holder_factor * cap if best > 0 else cap
         return [w for w in pool
                 if state.load(w.worker_id).in_flight < (holder_cap if state.cached_blocks.get(w.worker_id, 0) == best
                                                        else cap)] or list(pool)

@@ -324,7 +324,7 @@ def test_bounded_load_filter_lets_the_longest_holders_reach_holder_factor_times_
     kept = lambda cached: [w.worker_id for w in f.keep(workers, _route(0), RoutingState(loads, cached))]  # noqa: E731
     assert kept({"w0": 5, "w1": 2}) == ["w0", "w2", "w3"]      # w1 holds less than the longest: cap
     assert kept({"w0": 5, "w1": 5}) == ["w0", "w1", "w2", "w3"]
-    assert kept({}) == ["w0", "w1", "w2", "w3"]                  # a cold prompt: its placement, h × the cap
+    assert kept({}) == ["w2", "w3"]                              # a cold prompt: nobody is a holder
     assert [w.worker_id for w in BoundedLoadFilter(1.25).keep(workers, _route(0), RoutingState(loads, {"w0": 5}))] \
         == ["w2", "w3"]
     busy = loads | {"w0": WorkerLoad(10)}                         # 10 = 2 × ceil(1.25 × 15 / 4)
