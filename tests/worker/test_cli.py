@@ -19,6 +19,7 @@ BAD: list[tuple[list[str], str]] = [
     (["--kv-eviction", "h2o", "--kv-budget", "64", "--h2o-decay", "0"], "--h2o-decay"),
     (["--kv-eviction", "streaming", "--kv-budget", "64", "--attention-sinks", "-1"], "--attention-sinks"),
     (["--kv-cache-memory-gib", "0"], "--kv-cache-memory-gib"),
+    (["--room-wait-steps", "-1"], "--room-wait-steps"),
     (["--model", "no-such-model"], "--model"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
 ]
