@@ -97,6 +97,7 @@ def test_gauges_follow_the_engine_snapshot(worker):
     assert value(s, "kvmesh:num_requests_running") == 0
     assert value(s, "kvmesh:num_requests_waiting") == 0
     assert value(s, "kvmesh:num_preemptions_total") == load.num_preemptions
+    assert value(s, "kvmesh:room_waits_total") == 0      # a roomy pool: no admission waited to keep a prefix
     usage = value(s, "kvmesh:kv_cache_usage_perc")
     assert 0.0 <= usage <= 1.0
     assert value(s, "kvmesh:host_tier_usage_perc") == 0.0
