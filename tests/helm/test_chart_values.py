@@ -36,7 +36,7 @@ ALL_VALUES: Doc = {
                "enablePrefixCaching": False,
                "maxNumSeqs": 17, "maxNumBatchedTokens": 1048576, "maxModelLen": 4096, "kvOffloadGib": 3,
                "fairShare": "off", "fairStepTokens": 64, "prefillChunkTokens": 128, "decodeStepPrefillTokens": 24,
-               "tenantMaxCachedFrac": 0.25,
+               "tenantMaxCachedFrac": 0.25, "roomWaitSteps": 5,
                "kvDiskGib": 7, "kvDiskWriteThrough": False, "weightDtype": "q8_0",
                "kvDisk": {"mountPath": "/data/kv", "volume": "pvc", "hostPath": "/mnt/kv",
                           "storageClassName": "fast", "size": "20Gi"},
