@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
 from kvstore.fade import FADE_STEPS, Fade
@@ -46,32 +45,13 @@ from kvstore.hash_index import HashIndex, NullHashIndex
 from kvstore.keys import BlockHash
 from kvstore.pool_check import check_pool_args, check_pool_integrity
 from kvstore.pool_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.pool_types import BlockInfo, PoolStats
 from kvstore.quota import CachedQuota, Owner, OwnerUsage
 
 PROTECT_TURNOVERS = 1.0   # the fade (module docstring); measured: kvmesh.bench.routing_sweeps.sweep_protect_turnovers
 
 
 EvictCallback = Callable[[list[BlockId], list[BlockHash]], None]
-
-
-class PoolStats(NamedTuple):
-    """Counters since the pool was built. `queries`: `find_longest_prefix` calls; `hits`:
-    calls that found at least one block; `*_blocks`: hashes asked for / blocks found;
-    `evictions`: cached hashes dropped by `allocate` (not by `reset_prefix_cache`)."""
-
-    queries: int
-    hits: int
-    query_blocks: int
-    hit_blocks: int
-    evictions: int
-
-
-class BlockInfo(NamedTuple):
-    """A snapshot of one block's metadata (for tests and integrity checks of callers)."""
-
-    block_id: BlockId
-    ref_cnt: int
-    block_hash: BlockHash | None
 
 
 class BlockPool:
@@ -156,9 +136,10 @@ class BlockPool:
         return chosen
 
     def protected_victims(self, n: int, keep: Sequence[BlockId] = ()) -> int:
-        """How many of the `n` blocks `allocate(n)` would take next, passing over `keep` (free
-        cached blocks the caller is about to reuse), cache a reused prefix that is not stale
-        yet: the shared blocks the allocation would evict. A query: nothing changes."""
+        """How many of the `n` blocks `allocate(n)` would take next, passing over `keep` (cached
+        blocks the caller is about to reuse; those in use are in no free queue anyway), cache
+        a reused prefix that is not stale yet: the shared blocks the allocation would evict.
+        A query: nothing changes."""
         if n <= 0 or not len(self._protected):
             return 0
         skip = set(keep)

@@ -171,12 +171,6 @@ class KVStore:
         self._drain()
         return out
 
-    def shared_victims(self, match: Match, num_blocks: int) -> int:
-        """How many shared-prefix blocks (protected, not stale) `take(..., match, num_blocks)`
-        would evict from the device pool now (`BlockPool.protected_victims`). A query."""
-        free_matched = [b for b in match.device if self.pool.ref_cnt(b) == 0]
-        return self.pool.protected_victims(num_blocks - len(match.device), keep=free_matched)
-
     def allocate(self, n: int) -> list[BlockId]:
         """`n` fresh blocks owned by the caller (evicting unreferenced cached ones, offloaded
         to the host tier when it has one). Raises `OutOfBlocks`, store unchanged."""

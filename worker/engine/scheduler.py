@@ -29,19 +29,17 @@ All block bookkeeping goes through the worker's `kvstore.store.KVStore`.
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvstore.errors import OutOfBlocks
 from kvstore.keys import BlockHash
 from kvstore.store import KVStore
-from kvstore.store_types import Match
 from worker.engine.fairness import ROUTER_STEP_FACTOR, Contention, FairShare
 from worker.engine.request import NO_BLOCK, FinishReason, Request, RequestStatus
+from worker.engine.room import waits_for_room
+from worker.engine.waiting import WaitingQueue
 
 _WAITS_FOR_PREFIX = -1   # `Scheduler._admit`: put off, another request computes its next block
 _WAITS_FOR_DISK = -2     # `Scheduler._admit`: put off, its prefix is being read back from disk
@@ -85,38 +83,6 @@ class ScheduledBatch(NamedTuple):
         return sum(self.num_new_tokens)
 
 
-class WaitingQueue:
-    """Waiting requests in admission order: (priority, arrival_time, insertion), lowest first.
-    A preempted request keeps its arrival time, so it goes back ahead of later arrivals."""
-
-    def __init__(self) -> None:
-        self._items: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (item[3] for item in self._items)
-
-    def add(self, req: Request) -> None:
-        bisect.insort(self._items, (req.priority, req.arrival_time, next(self._seq), req),
-                      key=lambda item: item[:3])
-
-    def peek(self) -> Request:
-        return self._items[0][3]
-
-    def pop(self) -> Request:
-        return self._items.pop(0)[3]
-
-    def remove(self, req: Request) -> None:
-        for i, item in enumerate(self._items):
-            if item[3] is req:
-                del self._items[i]
-                return
-        raise ValueError(f"request {req.request_id!r} is not waiting")
-
-
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, store: KVStore, salt: bytes) -> None:
         self.cfg = cfg
@@ -126,7 +92,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefix_waits = 0   # admissions put off for a block another request computes
-        self.num_room_waits = 0     # admission steps put off to keep a shared prefix (`_waits_for_room`)
+        self.num_room_waits = 0     # admission steps put off to keep a shared prefix (worker.engine.room)
         self.fair = FairShare() if cfg.fair_share else None
 
     # -- queues ---------------------------------------------------------------------------
@@ -393,7 +359,10 @@ class Scheduler:
         n = min(remaining, budget)
         if n < remaining and not self.cfg.enable_chunked_prefill:
             return 0
-        if self._waits_for_room(req, match, -(-(req.max_total_tokens if n == remaining else num_computed + n) // bs)):
+        need = -(-(req.max_total_tokens if n == remaining else num_computed + n) // bs)
+        if waits_for_room(req, self.running, self.store.pool, match, need, bs, self.cfg.room_wait_steps):
+            req.num_room_waits += 1
+            self.num_room_waits += 1
             return 0
         try:
             req.block_ids = self.store.take(hashes, match, -(-(num_computed + n) // bs), req.tenant.name or None)
@@ -403,28 +372,3 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
         return n
-
-    def _waits_for_room(self, req: Request, match: Match, num_blocks: int) -> bool:
-        """Put off `req`'s admission (one step; at most `room_wait_steps` in all) when the
-        `num_blocks` it takes (with a whole prompt scheduled, those its output will fill too)
-        would evict a shared prefix (protected, not stale: kvstore/pool.py) while the running
-        requests hold at least as many blocks of their own, which finishing frees first: a full
-        pool then runs one request fewer for a few steps instead of recomputing an evicted
-        prefix later (and a router that sent a prefix's requests here keeps finding it). Never
-        with nothing running, so a request that only eviction can make room for is not held
-        back. Measured: docs/routing.md, "Room for the running requests"."""
-        if not self.cfg.room_wait_steps or not self.running or req.num_room_waits >= self.cfg.room_wait_steps:
-            return False
-        shared = self.store.shared_victims(match, num_blocks)
-        if not shared or shared > self._own_blocks_running():
-            return False
-        req.num_room_waits += 1
-        self.num_room_waits += 1
-        return True
-
-    def _own_blocks_running(self) -> int:
-        """Blocks the running requests hold that no shared prefix does: past the prompt's cached
-        blocks and the router's shared-prefix hint (freed, they go to the probation queue)."""
-        bs = self.cfg.block_size
-        return sum(max(0, len(r.held_block_ids) - max(r.num_cached_tokens // bs, r.shared_prefix_blocks))
-                   for r in self.running)
