@@ -81,9 +81,11 @@ def _routing_live(r: dict[str, Any]) -> tuple[str, list[Figure]]:
     def cell(p: dict[str, Any]) -> str:
         per_worker = sorted((p.get("requests_per_worker") or {}).values())
         spread = f", busiest/idlest {_g(_ratio(per_worker[-1], per_worker[0]))}" if per_worker else ""
+        # a run from before the key has none: nothing shown
+        ceiling = f" (ceiling {_g(p['max_cached_token_frac'])})" if "max_cached_token_frac" in p else ""
         return (
             f"TTFT p50 {_g(p.get('ttft_p50_s'), 's')}, {_g(p.get('req_s'))} req/s, "
-            f"cached {_g(p.get('cached_token_frac'))}, "
+            f"cached {_g(p.get('cached_token_frac'))}{ceiling}, "
             f"cold {_g(p.get('cold_requests'))} (min {_g(p.get('min_cold_requests'))}), "
             f"mismatch {_g(p.get('mismatch_rate'))}{spread}"
         )

@@ -15,8 +15,11 @@ times for every policy — still at most `--concurrency` in flight, as vLLM's `b
 request sequence (same seed). Measured per policy: TTFT and inter-token latency percentiles (client
 side, streamed), requests/s and output tokens/s over the run's wall time (an open loop's follow its
 rate), the fraction of prompt tokens served from cache
-(`usage.prompt_tokens_details.cached_tokens`), cold requests (a request whose cached tokens do not
-cover its prefix's full blocks: it computed the prefix itself), the requests each worker served per
+(`usage.prompt_tokens_details.cached_tokens`) and its ceiling (`max_cached_token_frac`: every
+request but the first of its prefix finds the prefix's full blocks, as a perfect router would),
+cold requests (a request whose cached tokens do not cover its prefix's full blocks: it computed the
+prefix itself) and their minimum (`min_cold_requests`: the prefixes the requests asked for, each
+computed once; a phase's draw may leave one of its prefixes out), the requests each worker served per
 prefix and in all (`requests_per_worker`), and the router's hit-mismatch rate (`/v1/cluster`:
 requests whose predicted cache hit differed from the served one). A `shift` entry measures its
 second phase only (the router's counters too) and keeps the fill's cached fraction, cold requests

@@ -51,13 +51,16 @@ def summarize(cfg: _Sized, num_prefixes: int, served: list[_Served], wall_s: flo
         totals[s.worker_id] = totals.get(s.worker_id, 0) + 1
     prompt = sum(s.prompt_tokens for s in served)
     requests = max(1, int(router.get("requests", 0)))
+    asked = {s.prefix for s in served}
     return {
         "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": _quantile(ttfts, 0.99),
         "itl_p50_s": statistics.median(itls) if itls else 0.0,
         "req_s": len(served) / wall_s, "output_tok_s": sum(s.completion_tokens for s in served) / wall_s,
         "cached_token_frac": sum(s.cached_tokens for s in served) / prompt if prompt else 0.0,
+        "max_cached_token_frac": best_cached_tokens(served, full_prefix) / prompt if prompt else 0.0,
         "cold_requests": sum(s.cached_tokens < full_prefix for s in served),
-        "min_cold_requests": num_prefixes,
+        # each prefix the requests asked for computed once: a phase's draw may leave one out
+        "min_cold_requests": min(num_prefixes, len(asked)),
         "requests_per_worker_per_prefix": {k: dict(sorted(v.items()))
                                            for k, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
         "requests_per_worker": dict(sorted(totals.items())),
@@ -65,6 +68,20 @@ def summarize(cfg: _Sized, num_prefixes: int, served: list[_Served], wall_s: flo
         "wall_s": wall_s, "requests": len(served),
         "diagnostics": diagnostics(served, full_prefix), "router": router,
     }
+
+
+def best_cached_tokens(served: Iterable[_Served], full_prefix: int) -> int:
+    """The prompt tokens a perfect router would serve from cache: every request but the first of
+    its prefix finds the prefix's full blocks (the engine recomputes at least a prompt's last
+    token, so at most its whole blocks before that); the first computes it. The ceiling of
+    `cached_token_frac` on a fresh cluster, or on pools full of other prefixes (`shift`)."""
+    seen: set[int] = set()
+    best = 0
+    for s in sorted(served, key=lambda s: s.start):
+        if s.prefix in seen:
+            best += min(full_prefix, (s.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE)
+        seen.add(s.prefix)
+    return best
 
 
 def diagnostics(served: list[_Served], full_prefix: int) -> dict[str, Any]:

@@ -112,3 +112,18 @@ def test_emit_records_the_command_date_and_machine(tmp_path: Path, monkeypatch: 
     logged = run_meta(["kvmesh", "bench", "routing-live", "--log-dir", "/tmp/x", "--quick", "--log-dir=/tmp/y"])
     assert logged["command"] == "kvmesh bench routing-live --log-dir DIR --quick --log-dir=DIR"   # a scratch place
     assert logged["argv"][:3] == ["kvmesh", "bench", "routing-live"] and "/tmp/x" not in str(logged["argv"])
+
+
+def test_a_routing_live_row_shows_the_cached_ceiling_when_the_run_has_one() -> None:
+    from kvmesh.bench.docs_figures import figures_of
+
+    def entry(cached: float, **more: float) -> dict:
+        return {"ttft_p50_s": 0.3, "req_s": 6.0, "cached_token_frac": cached, "cold_requests": 11,
+                "min_cold_requests": 11, "mismatch_rate": 0.0, "requests_per_worker": {"w0": 24, "w1": 24}} | more
+
+    new = {"shift": {"kv_aware": entry(0.685, max_cached_token_frac=0.685), "round_robin": entry(0.639)}}
+    old = {"shift": {"kv_aware": entry(0.685), "round_robin": entry(0.639)}}
+    (row,) = figures_of("routing-live", new)[1]
+    assert "cached 0.685 (ceiling 0.685), cold 11 (min 11)" in row.value
+    (row,) = figures_of("routing-live", old)[1]
+    assert "ceiling" not in row.value and "cached 0.685, cold 11" in row.value

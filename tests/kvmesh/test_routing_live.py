@@ -26,7 +26,8 @@ from kvmesh.bench.routing_live_probes import cpu_seconds, since
 from kvmesh.cli import build_parser
 
 KEYS = {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "req_s", "output_tok_s", "cached_token_frac", "cold_requests",
-        "min_cold_requests", "requests_per_worker_per_prefix", "requests_per_worker", "mismatch_rate"}
+        "min_cold_requests", "max_cached_token_frac", "requests_per_worker_per_prefix", "requests_per_worker",
+        "mismatch_rate"}
 
 
 def _args(*argv: str) -> LiveConfig:
@@ -120,6 +121,25 @@ def test_summarize_counts_cold_requests_and_placement() -> None:
     assert out["diagnostics"]["mean_in_flight_per_worker"] == {"w0": 1.75, "w1": 0.25}
     # warm: the 2nd waited [0.5, 1.0] on w0 while the 1st did [0, 1.0]; the 4th [1.0, 1.2] alone
     assert out["diagnostics"]["warm_prefill_overlap"] == 0.5
+    # the ceiling: each prefix's first request computes it, every later one finds its full blocks
+    assert out["max_cached_token_frac"] == pytest.approx(2 * full / (4 * 48))
+
+
+def test_summarize_minimum_and_ceiling_count_the_prefixes_asked() -> None:
+    """A phase's draw may leave a prefix out (the quick shift's second phase asks for 11 of its
+    12): the minimum of cold requests and the ceiling of the cached fraction count the prefixes
+    the requests asked for, in the order they were sent, and a prompt's last token is never cached."""
+    cfg = LiveConfig(prefixes=3, prefix_tokens=32, question_tokens=8, output_tokens=3)
+    served = [_Served(2, "w0", 0.0, 1.0, 0.5, [0.1], 40, 0, 2),
+              _Served(0, "w1", 0.1, 1.0, 0.5, [0.1], 40, 0, 2),
+              _Served(2, "w1", 0.2, 1.0, 0.5, [0.1], 40, 0, 2),      # cold, where a perfect router hits
+              _Served(0, "w1", 0.3, 1.0, 0.5, [0.1], 40, 32, 2),
+              _Served(0, "w1", 0.4, 1.0, 0.5, [0.1], 32, 16, 2)]     # a prompt of the prefix alone
+    out = summarize(cfg, 3, served, 1.0, {"requests": 5})
+    assert out["min_cold_requests"] == 2 and out["cold_requests"] == 4
+    # the 3rd and 4th could find 32 tokens, the 5th 16 (its 2nd block holds its last token)
+    assert out["max_cached_token_frac"] == pytest.approx((32 + 32 + 16) / (4 * 40 + 32))
+    assert out["cached_token_frac"] == pytest.approx(48 / (4 * 40 + 32))
 
 
 def test_shift_phases_draw_new_prefixes_and_count_the_router_since_the_fill() -> None:
