@@ -1,6 +1,8 @@
 """The routing simulation behind `kvmesh bench router` runs the real policies; the oracle bounds them."""
 from __future__ import annotations
 
+import pytest
+
 from kvmesh.bench.sim import SimConfig, make_trace, oracle_hit_rate, simulate
 from router.routing.types import RoutingPolicy
 
@@ -61,7 +63,7 @@ def test_worker_pool_is_the_live_pool_and_its_events_reach_the_index():
 def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure():
     from kvmesh.bench.routing import simulate_live_scenarios
     out = simulate_live_scenarios(quick=True, seeds=2)
-    for scenario in ("no_pressure", "pressure"):
+    for scenario in ("no_pressure", "pressure", "shift"):
         for policy in RoutingPolicy:
             row = out[scenario][policy.value]
             assert 0.0 <= row["hit_rate"] <= 1.0 and row["cold_requests"] >= row["min_cold_requests"], (
@@ -70,6 +72,23 @@ def test_routing_live_scenarios_simulated_predict_kv_aware_ahead_under_pressure(
     # Partitioning the prefixes beats thrashing both pools (the issue's live target: +10 points).
     assert press["kv_aware"]["hit_rate"] >= press["round_robin"]["hit_rate"] + 0.10
     assert press["kv_aware"]["ttft_p50"] < press["round_robin"]["ttft_p50"]
+
+
+def test_the_simulated_minimum_counts_the_prefixes_each_trace_asks_for():
+    """A seeded trace may leave a prefix out (the quick shift's traces of seeds 6-8 ask for 10, 11
+    and 11 of 12): the minimum of cold requests is what the measured trace asks for, and the
+    scenarios' figures average it over the traces."""
+    from kvmesh.bench import routing_live as bench_live
+    from kvmesh.bench.routing import live_sim_config, prompts_asked, simulate_live_scenarios
+    from kvmesh.bench.sim import make_trace
+    asked = [prompts_asked(bench_live.QUICK, "shift", seed) for seed in range(6, 9)]
+    assert asked == [10, 11, 11]
+    cfg = live_sim_config(bench_live.QUICK, "pressure", 0)
+    head = cfg.system_blocks * cfg.block_size
+    assert prompts_asked(bench_live.QUICK, "pressure", 0) == len({r.token_ids[:head] for r in make_trace(cfg)}) == 12
+    out = simulate_live_scenarios(quick=True, seeds=9)
+    assert out["shift"]["kv_aware"]["min_cold_requests"] == pytest.approx((6 * 12 + 10 + 11 + 11) / 9)
+    assert out["no_pressure"]["round_robin"]["min_cold_requests"] == 4
 
 
 def test_copy_room_frac_reaches_the_simulated_kv_aware_scorer_only():
